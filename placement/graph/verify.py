@@ -1,0 +1,122 @@
+"""``verify``: the invariants of a placed model.
+
+1. every op has a (well-formed) device;
+2. ops are in topological order: each input is a graph input, a parameter, or
+   the output of an earlier op;
+3. every edge whose ends sit on different devices goes through a copy, and no
+   copy is redundant (a copy's source and destination devices differ);
+4. graph outputs sit on the model's output device, when one is set;
+5. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> pl.verify(model)
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> pl.verify(model)
+    Traceback (most recent call last):
+    ...
+    placement.errors.VerificationError: ...
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+from placement.errors import VerificationError
+from placement.graph.device import Device
+from placement.graph.model import DEVICE_KEY, Model, is_copy_node
+
+__all__ = ["verify"]
+
+
+def verify(model: Model, *, check_onnx: bool = True) -> None:
+    """Check the invariants of a placed model; raise on the first broken op.
+
+    Raises:
+        VerificationError: names the first op that breaks an invariant.
+    """
+    graph = model.graph
+    inits = graph.initializers
+    input_device = model.input_device
+    devices: dict[int, Device] = {}
+    defined: set[int] = {id(v) for v in graph.inputs} | {id(v) for v in inits.values()}
+    home: dict[int, Device] = {}  # parameters / graph inputs: device of first consumer
+    for node in graph:
+        spec = node.metadata_props.get(DEVICE_KEY)
+        if spec is None:
+            raise VerificationError(f"op {node.name!r} ({node.op_type}) has no device")
+        try:
+            device = Device.parse(spec)
+        except Exception as err:
+            raise VerificationError(f"op {node.name!r} has a bad device {spec!r}: {err}") from err
+        copy = is_copy_node(node)
+        for value in node.inputs:
+            if value is None:
+                continue
+            if id(value) not in defined:
+                raise VerificationError(
+                    f"op {node.name!r} reads blob {value.name!r} before it is produced "
+                    "(ops are not in topological order, or the blob has no producer)"
+                )
+            source = _source_device(value, devices, home, inits, input_device, device)
+            if copy:
+                if source == device:
+                    raise VerificationError(
+                        f"copy {node.name!r} is redundant: blob {value.name!r} is already on {device}"
+                    )
+            elif source != device:
+                raise VerificationError(
+                    f"op {node.name!r} on {device} reads blob {value.name!r} from {source} "
+                    "without a copy"
+                )
+        if copy and (len(node.inputs) != 1 or len(node.outputs) != 1):
+            raise VerificationError(f"copy {node.name!r} must have one input and one output")
+        for value in node.outputs:
+            defined.add(id(value))
+            devices[id(value)] = device
+    output_device = model.output_device
+    if output_device is not None:
+        for value in graph.outputs:
+            producer = value.producer()
+            if producer is not None and devices.get(id(value)) != output_device:
+                raise VerificationError(
+                    f"op {producer.name!r} produces graph output {value.name!r} on "
+                    f"{devices.get(id(value))}, not on the output device {output_device}"
+                )
+    if check_onnx:
+        _check_onnx(model)
+
+
+def _source_device(
+    value: ir.Value,
+    devices: dict[int, Device],
+    home: dict[int, Device],
+    inits: dict[str, ir.Value],
+    input_device: Device | None,
+    consumer_device: Device,
+) -> Device:
+    found = devices.get(id(value))
+    if found is not None:
+        return found
+    found = home.get(id(value))
+    if found is None:
+        is_input = value.is_graph_input() and value.name not in inits
+        found = input_device if (is_input and input_device is not None) else consumer_device
+        home[id(value)] = found
+    return found
+
+
+def _check_onnx(model: Model) -> None:
+    from placement.graph.serialize import to_proto
+
+    proto = to_proto(model)
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid"
+        raise VerificationError(f"the model is not valid ONNX: {first}") from err
+    except ValueError:  # > 2 GB: protobuf cannot serialise it for the checker
+        return

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: set up, lint, then pytest (fails if no test ran).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check placement models tests benchmarks
+exec .venv/bin/python -m pytest -q -n 2 "$@"

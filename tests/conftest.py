@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny models from ``models/`` exported once per session."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import placement as pl
+
+
+@functools.lru_cache(maxsize=None)
+def _exported(name: str) -> tuple[pl.Model, object, tuple]:
+    import models
+
+    net, args = models.build(name, "tiny")
+    return pl.from_torch(net, args), net, args
+
+
+@pytest.fixture
+def exported():
+    """``exported(name) -> (model, module, args)``: a fresh copy of the model each call."""
+
+    def get(name: str):
+        model, net, args = _exported(name)
+        return model.copy(), net, args
+
+    return get
+
+
+MODEL_NAMES = ["mlp", "resnet", "gpt", "unet"]
