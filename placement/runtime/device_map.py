@@ -1,0 +1,211 @@
+"""Device maps: send the logical devices of a placed model to physical devices.
+
+Passes talk about logical devices (``cuda:0``, ``cuda:1``, ...). At run time a
+*device map* says where each one really runs. Both runtimes (ONNX Runtime and the
+torch lowering) resolve their ``device_map`` argument here, so they agree.
+
+Accepted forms of ``device_map``:
+
+* ``"auto"`` (default): logical ``cuda:k`` runs on physical ``cuda:k`` when that
+  GPU exists; otherwise *every* logical device is emulated on the CPU (each
+  keeps its own execution context in the runtimes, so copies and stage
+  boundaries are exercised as on GPUs). Emulation is announced once per process
+  with ``logging.warning``. Logical ``cpu`` always runs on the CPU.
+* a single device, e.g. ``"cpu"`` or ``"cuda:0"``: every logical device on it.
+* a dict logical -> physical, e.g. ``{0: "cuda:0", 1: "cuda:0"}`` (two logical
+  devices sharing one GPU) or ``{"cuda:1": "cpu"}``. Keys and values are
+  anything :meth:`placement.Device.parse` accepts (ints are GPU ids). Every
+  logical device of the model must be mapped; keys that are not devices of the
+  model are errors.
+
+Example:
+    >>> from placement import Device
+    >>> from placement.runtime.device_map import resolve_device_map
+    >>> dmap = resolve_device_map([Device("cuda", 0), Device("cuda", 1)], "cpu")
+    >>> {str(k): str(v) for k, v in dmap.items()}
+    {'cuda:0': 'cpu', 'cuda:1': 'cpu'}
+    >>> dmap[Device("cuda", 1)].emulated
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from placement.errors import DeviceError
+from placement.graph.device import Device, DeviceLike
+
+__all__ = [
+    "PhysicalDevice",
+    "DeviceMapLike",
+    "resolve_device_map",
+    "cuda_device_count",
+]
+
+log = logging.getLogger(__name__)
+
+#: What a runtime's ``device_map`` argument accepts.
+DeviceMapLike = Union[str, DeviceLike, Mapping[Any, Any], None]
+
+_warned_emulation = False
+
+
+@dataclass(frozen=True)
+class PhysicalDevice:
+    """A real device a logical device runs on.
+
+    Attributes:
+        type: ``"cuda"`` or ``"cpu"``.
+        index: the GPU id (0 for the CPU).
+        emulated: True when a logical CUDA device is emulated on the CPU.
+    """
+
+    type: str
+    index: int = 0
+    emulated: bool = False
+
+    def __str__(self) -> str:
+        return "cpu" if self.type == "cpu" else f"{self.type}:{self.index}"
+
+    @property
+    def is_cuda(self) -> bool:
+        """True for a real GPU."""
+        return self.type == "cuda"
+
+    @property
+    def torch_device(self) -> Any:
+        """The ``torch.device`` (``cuda:k`` or ``cpu``)."""
+        import torch
+
+        return torch.device(str(self))
+
+    @property
+    def ort_provider(self) -> tuple[str, dict[str, Any]]:
+        """``(provider name, provider options)`` for an ONNX Runtime session."""
+        if self.is_cuda:
+            return "CUDAExecutionProvider", {"device_id": self.index}
+        return "CPUExecutionProvider", {}
+
+
+def cuda_device_count(runtime: str = "torch") -> int:
+    """How many GPUs ``runtime`` (``"torch"`` or ``"ort"``) can use.
+
+    ONNX Runtime lists its CUDA provider whenever it was built with it, GPU or
+    not, so for ``"ort"`` the provider must be listed *and* torch must see GPUs.
+    """
+    try:
+        import torch
+
+        count = int(torch.cuda.device_count())
+    except Exception:  # no torch, or a broken CUDA install
+        count = 0
+    if runtime == "ort" and count:
+        try:
+            import onnxruntime as ort
+
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                count = 0
+        except Exception:
+            count = 0
+    return count
+
+
+def resolve_device_map(
+    model_devices: Iterable[DeviceLike],
+    device_map: DeviceMapLike = "auto",
+    *,
+    runtime: str = "torch",
+) -> dict[Device, PhysicalDevice]:
+    """Resolve ``device_map`` for the logical devices ``model_devices``.
+
+    Args:
+        model_devices: the model's logical devices (e.g. ``model.devices``).
+        device_map: ``"auto"``, a single device, or a dict logical -> physical
+            (see the module docstring). ``None`` means ``"auto"``.
+        runtime: ``"torch"`` or ``"ort"``; decides how GPU availability is checked.
+
+    Returns:
+        A dict from every logical device to its :class:`PhysicalDevice`.
+
+    Raises:
+        DeviceError: a dict key is not a device of the model, a logical device is
+            not mapped, a spec is malformed, or a requested GPU does not exist
+            (the message names them).
+
+    Example:
+        >>> from placement import Device
+        >>> dmap = resolve_device_map([Device("cuda", 0), Device("cuda", 1)], {0: "cpu", 1: "cpu"})
+        >>> sorted(str(v) for v in dmap.values())
+        ['cpu', 'cpu']
+    """
+    logical = sorted({Device.parse(d) for d in model_devices})
+    n_gpus = cuda_device_count(runtime)
+    if device_map is None or (isinstance(device_map, str) and device_map.strip().lower() == "auto"):
+        return _auto(logical, n_gpus)
+    if isinstance(device_map, Mapping):
+        pairs = _parse_mapping(device_map)
+        unknown = sorted(set(pairs) - set(logical))
+        if unknown:
+            raise DeviceError(
+                f"device_map names logical devices the model does not use: "
+                f"{', '.join(map(str, unknown))} (model devices: {', '.join(map(str, logical))})"
+            )
+        missing = [d for d in logical if d not in pairs]
+        if missing:
+            raise DeviceError(
+                f"device_map does not map logical devices {', '.join(map(str, missing))}; "
+                "map every device of the model (or use 'auto' / a single device)"
+            )
+        physical = pairs
+    else:
+        try:
+            target = Device.parse(device_map)
+        except DeviceError as err:
+            raise DeviceError(
+                f"bad device_map {device_map!r}: use 'auto', a device such as 'cpu' or "
+                f"'cuda:0', or a dict logical -> physical ({err})"
+            ) from None
+        physical = {d: target for d in logical}
+    unavailable = sorted({p for p in physical.values() if p.is_cuda and p.index >= n_gpus})
+    if unavailable:
+        raise DeviceError(
+            f"physical device(s) {', '.join(map(str, unavailable))} not available to {runtime} "
+            f"({n_gpus} GPU(s) found); map them to 'cpu' or use device_map='auto'"
+        )
+    return {d: _physical(d, p) for d, p in physical.items()}
+
+
+def _auto(logical: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
+    cuda = [d for d in logical if d.is_cuda]
+    if all(d.index < n_gpus for d in cuda):
+        return {d: PhysicalDevice(d.type, d.index if d.is_cuda else 0) for d in logical}
+    global _warned_emulation
+    if not _warned_emulation:
+        _warned_emulation = True
+        log.warning(
+            "placement: EMULATING logical devices %s on the CPU (%d GPU(s) available); "
+            "outputs are exact but timings are not GPU timings. Pass device_map= to choose.",
+            ", ".join(map(str, cuda)),
+            n_gpus,
+        )
+    return {d: PhysicalDevice("cpu", 0, emulated=d.is_cuda) for d in logical}
+
+
+def _parse_mapping(device_map: Mapping[Any, Any]) -> dict[Device, Device]:
+    pairs: dict[Device, Device] = {}
+    for key, value in device_map.items():
+        try:
+            src, dst = Device.parse(key), Device.parse(value)
+        except DeviceError as err:
+            raise DeviceError(f"bad device_map entry {key!r}: {value!r} ({err})") from None
+        pairs[src] = dst
+    return pairs
+
+
+def _physical(logical: Device, target: Device) -> PhysicalDevice:
+    if target.is_cuda:
+        return PhysicalDevice("cuda", target.index)
+    return PhysicalDevice("cpu", 0, emulated=logical.is_cuda)
