@@ -36,9 +36,7 @@ class Device:
 
     def __post_init__(self) -> None:
         if self.type not in DEVICE_TYPES:
-            raise DeviceError(
-                f"unknown device type {self.type!r}; expected one of {', '.join(DEVICE_TYPES)}"
-            )
+            raise DeviceError(f"unknown device type {self.type!r}; expected one of {', '.join(DEVICE_TYPES)}")
         if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
             raise DeviceError(f"device index must be a non-negative int, got {self.index!r}")
 

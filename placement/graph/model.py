@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from placement.errors import DeviceError, UnknownBlobError, UnknownOpError
+from placement.errors import UnknownBlobError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 
 if TYPE_CHECKING:

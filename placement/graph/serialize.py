@@ -83,9 +83,7 @@ def to_proto(model: Model) -> onnx.ModelProto:
     return proto
 
 
-def save(
-    model: Model, path: str | os.PathLike[str], *, external_data: bool | None = None
-) -> None:
+def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> None:
     """Write ``model`` to ``path`` atomically as standard ONNX.
 
     Args:
@@ -105,7 +103,9 @@ def save(
     if target.is_dir():
         raise ModelSaveError(f"cannot save to {str(target)!r}: it is a folder")
     proto = to_proto(model)
-    param_bytes = sum(int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None)
+    param_bytes = sum(
+        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
+    )
     use_external = param_bytes >= TWO_GB - 2**24 if external_data is None else external_data
     data_name = target.name + ".data"
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = ["from_torch"]
 
 log = logging.getLogger(__name__)
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _HINT = (
     "try: pass example inputs of the exact shapes and dtypes you will run, make "
     "data-dependent control flow static, or export the model to ONNX yourself and "
@@ -78,7 +80,8 @@ def from_torch(
                 verbose=False,
             )
         except Exception as err:  # the exporter raises many types
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            text = _ANSI.sub("", str(err)).strip()
+            first = text.splitlines()[0] if text else type(err).__name__
             raise ExportError(
                 f"torch.onnx.export failed on {type(module).__name__}: {first}; {_HINT}"
             ) from err
@@ -111,10 +114,10 @@ def _quiet_exporter() -> Iterator[None]:
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             yield
     finally:

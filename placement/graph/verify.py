@@ -69,8 +69,7 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
                     )
             elif source != device:
                 raise VerificationError(
-                    f"op {node.name!r} on {device} reads blob {value.name!r} from {source} "
-                    "without a copy"
+                    f"op {node.name!r} on {device} reads blob {value.name!r} from {source} without a copy"
                 )
         if copy and (len(node.inputs) != 1 or len(node.outputs) != 1):
             raise VerificationError(f"copy {node.name!r} must have one input and one output")

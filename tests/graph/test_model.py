@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+import placement as pl
+from tests.graph.builders import mlp_graph
+
+
+def test_ops_blobs_parameters():
+    model = mlp_graph(2)
+    assert [op.name for op in model.ops] == ["fc0", "relu0", "fc1", "relu1"]
+    op = model.op("fc1")
+    assert op.op_type == "Gemm" and op.inputs == ("relu0_out", "fc1.weight") and op.outputs == ("fc1_out",)
+    assert op.device == pl.Device("cuda", 0) and not op.is_copy and op.scope is None
+    assert model.inputs == ["x"] and model.outputs == ["relu1_out"]
+    assert set(model.parameters) == {"fc0.weight", "fc1.weight"}
+    assert model.parameters["fc0.weight"].nbytes == 4 * 4 * 4
+    assert "relu0_out" in model.blobs and "x" in model.blobs and "fc0.weight" in model.blobs
+
+
+def test_set_device_and_device_of():
+    model = mlp_graph(2)
+    model.set_device("fc1", "cuda:1")
+    model.set_device("relu1", 1)
+    assert model.devices == [pl.Device("cuda", 0), pl.Device("cuda", 1)]
+    assert model.device_of("fc1") == pl.Device("cuda", 1)
+    assert model.device_of("fc1_out") == pl.Device("cuda", 1)
+    # a parameter lives where its first consumer runs
+    assert model.device_of("fc1.weight") == pl.Device("cuda", 1)
+    assert model.parameters["fc1.weight"].device == pl.Device("cuda", 1)
+    assert model.device_of("x") == pl.Device("cuda", 0)
+
+
+def test_set_device_errors_leave_model_unchanged():
+    model = mlp_graph(2)
+    before = model.device_state()
+    with pytest.raises(pl.UnknownOpError, match="nope"):
+        model.set_device("nope", 1)
+    with pytest.raises(pl.DeviceError, match="tpu"):
+        model.set_device("fc0", "tpu:0")
+    with pytest.raises(pl.UnknownBlobError, match="ghost"):
+        model.device_of("ghost")
+    assert model.device_state() == before
+
+
+def test_networkx_view_and_copy():
+    model = mlp_graph(3)
+    g = model.to_networkx()
+    assert nx.is_directed_acyclic_graph(g)
+    assert list(nx.topological_sort(g))[0] == "fc0"
+    assert g.edges["fc0", "relu0"]["blobs"] == ["fc0_out"]
+    clone = model.copy()
+    clone.set_device("fc0", 3)
+    assert model.device_of("fc0") == pl.Device("cuda", 0)
+    assert [op.name for op in clone.ops] == [op.name for op in model.ops]
+
+
+def test_repr_mentions_devices():
+    assert "cuda:0" in repr(mlp_graph(1))
