@@ -9,7 +9,7 @@ import pytest
 import placement as pl
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exported(name: str) -> tuple[pl.Model, object, tuple]:
     import models
 
