@@ -49,8 +49,9 @@ def from_torch(
 
     The module is exported in eval mode (its training flags are restored
     afterwards, so the module is unchanged). Initializers keep the module's
-    parameter names; each op records the module path that produced it
-    (``op.scope``).
+    parameter names (a parameter shared by two modules, like a tied LM head,
+    is one initializer); constant shape arithmetic is folded but parameters
+    never are. Each op records the module path that produced it (``op.scope``).
 
     Args:
         module: a ``torch.nn.Module``.
@@ -77,6 +78,7 @@ def from_torch(
                 kwargs=dict(kwargs) if kwargs else None,
                 dynamo=True,
                 dynamic_shapes=dynamic_shapes,
+                optimize=False,
                 verbose=False,
             )
         except Exception as err:  # the exporter raises many types
@@ -86,6 +88,7 @@ def from_torch(
                 f"torch.onnx.export failed on {type(module).__name__}: {first}; {_HINT}"
             ) from err
     ir_model = program.model
+    _fold_shape_arithmetic(ir_model)
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
         node.metadata_props[SCOPE_KEY] = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
@@ -94,6 +97,30 @@ def from_torch(
     model = load(ir_model, device=dev)
     log.info("imported %s: %d ops on %s", type(module).__name__, model.graph.num_nodes(), dev)
     return model
+
+
+def _fold_shape_arithmetic(ir_model: Any) -> None:
+    """Fold constant (shape) arithmetic, but never an op that reads a parameter.
+
+    The exporter's default optimizer also folds parameters (BatchNorm into Conv,
+    pre-transposed Linear weights), which renames or duplicates them; we keep
+    every parameter under its module name instead, and let ONNX Runtime fuse at
+    session creation.
+    """
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    from onnxscript.optimizer import fold_constants
+
+    params = set(ir_model.graph.initializers)
+
+    def should_fold(node: Any) -> bool | None:
+        if any(v is not None and v.name in params for v in node.inputs):
+            return False
+        return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fold_constants(ir_model, should_fold=should_fold)
+    RemoveUnusedNodesPass()(ir_model)
 
 
 @contextlib.contextmanager

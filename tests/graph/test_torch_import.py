@@ -45,3 +45,19 @@ def test_export_failure_is_a_placement_error():
 def test_not_a_module():
     with pytest.raises(pl.ExportError, match="nn.Module"):
         pl.from_torch(lambda x: x, (torch.randn(2),))
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt", "unet"])
+def test_parameter_names_are_the_module_names(name, exported):
+    model, net, _ = exported(name)
+    owned = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+    owned |= {n for n, _ in net.named_buffers(remove_duplicate=False)}
+    params = set(model.parameters)
+    # parameters keep their module names; only small folded constants get new (val_*) names
+    assert {p for p in params if not p.startswith("val_")} <= owned | {"arange"}
+    # nothing trainable was folded away: each module parameter tensor is in the graph once
+    tensors = {id(p): n for n, p in net.named_parameters()}
+    graph_tensors = {
+        id(net.get_parameter(n)) for n in params if n in dict(net.named_parameters(remove_duplicate=False))
+    }
+    assert graph_tensors == set(tensors)
