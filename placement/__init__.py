@@ -26,6 +26,13 @@ from placement.errors import (
     VerificationError,
 )
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
+# the Caffe2 pass trio and the pass pipeline (issue 3)
+from placement.passes import (
+    Pipeline,
+    get_activation_blobs,
+    inject_cross_device_copies,
+    shift_activation_devices,
+)
 
 __version__ = "0.1.0"
 
@@ -51,3 +58,5 @@ __all__ = [
     "UnknownOpError",
     "VerificationError",
 ]
+
+__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]

@@ -1,0 +1,50 @@
+"""Analyses and rewrites over :class:`placement.Model`.
+
+The Caffe2 pass trio lives here: :func:`get_activation_blobs` (activation
+discovery), :func:`shift_activation_devices` (label-propagation device shifting)
+and :func:`inject_cross_device_copies` (explicit copies on cross-device edges),
+built on the pass infrastructure of :mod:`placement.passes.base` (``onnx_ir``
+in-place passes and a :class:`Pipeline`), plus the per-device :func:`summary`.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> acts = pl.get_activation_blobs(model)
+    >>> _ = pl.shift_activation_devices(model, acts[len(acts) // 2:], {0: 1})
+    >>> _ = pl.inject_cross_device_copies(model)
+    >>> pl.verify(model)
+"""
+
+from __future__ import annotations
+
+from placement.passes.activations import activation_values, get_activation_blobs
+from placement.passes.base import (
+    PassVerificationError,
+    Pipeline,
+    PipelineResult,
+    PlacementPass,
+    StepResult,
+)
+from placement.passes.copies import CopyResult, InjectCrossDeviceCopiesPass, inject_cross_device_copies
+from placement.passes.report import DeviceRow, Summary, summary
+from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
+
+__all__ = [
+    "get_activation_blobs",
+    "activation_values",
+    "shift_activation_devices",
+    "ShiftActivationDevicesPass",
+    "ShiftResult",
+    "inject_cross_device_copies",
+    "InjectCrossDeviceCopiesPass",
+    "CopyResult",
+    "PlacementPass",
+    "Pipeline",
+    "PipelineResult",
+    "StepResult",
+    "PassVerificationError",
+    "summary",
+    "Summary",
+    "DeviceRow",
+]

@@ -1,0 +1,495 @@
+"""Cross-device copy injection (Caffe2's ``InjectCrossDeviceCopies``), idempotent.
+
+After ops are placed, every edge whose ends sit on different devices must go
+through a copy. The pass brings the graph to exactly that state, whatever copies
+it already has:
+
+* one copy per (blob, destination device), never two; every consumer on that
+  device reads it, consumers on the blob's own device read the blob;
+* a copy is an ``Identity`` op on its destination device, marked ``static`` when
+  its source is a parameter (runtimes copy it once at load time) or ``dynamic``;
+  its output blob is ``<blob>_<type>_<index>`` (``fc3_cuda_1``), made unique
+  (``fc3_cuda_1_1``) if the name is taken;
+* a copy sits just before the first op that reads it, so it joins that op's
+  device segment; a copy only a graph output reads goes at the end;
+* graph inputs are fed on the input device, graph outputs are gathered on the
+  output device. Names are kept: a consumer of input ``x`` on another device reads
+  ``x_cuda_1``; an output ``y`` produced on ``cuda:1`` but wanted on ``cuda:0``
+  becomes ``y_cuda_1`` (the blob as it lives on ``cuda:1``) and a copy produces
+  ``y`` on ``cuda:0``;
+* copies left over from an earlier injection are repaired: redundant ones (same
+  device at both ends, duplicates, unused) are removed and their readers rewired,
+  chains are shortened to read the original blob, misplaced ones are moved.
+
+Running it twice changes nothing the second time. A parameter lives where its
+first reader (graph order) runs, like everywhere in ``placement``; a graph input
+or output passed straight through (not produced by an op) is left as it is.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> acts = pl.get_activation_blobs(model)
+    >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
+    >>> result = pl.inject_cross_device_copies(model, output_device=0)
+    >>> [(op.inputs[0], op.outputs[0], str(op.device)) for op in model.ops if op.is_copy]
+    [('relu', 'relu_cuda_1', 'cuda:1'), ('linear_2_cuda_1', 'linear_2', 'cuda:0')]
+    >>> pl.verify(model)
+    >>> pl.inject_cross_device_copies(model, output_device=0).modified
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import cast
+
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from placement.errors import VerificationError
+from placement.graph.device import Device, DeviceLike
+from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY
+from placement.passes.base import DeviceReader, ModelLike, PlacementPass
+
+__all__ = [
+    "inject_cross_device_copies",
+    "InjectCrossDeviceCopiesPass",
+    "CopyResult",
+    "copy_kind",
+    "COPY_OP_TYPE",
+]
+
+log = logging.getLogger(__name__)
+
+#: The ONNX op type of a copy.
+COPY_OP_TYPE = "Identity"
+
+
+@dataclasses.dataclass
+class CopyResult(PassResult):
+    """What an injection did, and the model's copies afterwards."""
+
+    added: int = 0
+    removed: int = 0
+    rewired: int = 0
+    renamed: int = 0
+    moved: int = 0
+    copies: int = 0
+    input_device: Device | None = None
+    output_device: Device | None = None
+
+    def __str__(self) -> str:
+        return (
+            f"{self.copies} copies ({self.added} added, {self.removed} removed, "
+            f"{self.moved} moved), {self.rewired} inputs rewired, {self.renamed} blobs renamed; "
+            f"inputs on {self.input_device}, outputs on {self.output_device}"
+        )
+
+
+def copy_kind(source: ir.Value) -> str:
+    """``"static"`` for a copy of a parameter (not also a graph input), else ``"dynamic"``."""
+    return "static" if source.is_initializer() and not source.is_graph_input() else "dynamic"
+
+
+@dataclasses.dataclass
+class _Need:
+    """A required copy of ``origin`` to ``device``: where its first reader sits."""
+
+    origin: ir.Value
+    device: Device
+    first_pos: int = -1  # position of the first reader on ``device``, -1: none (output only)
+    first_node: ir.Node | None = None
+    output_slot: int = -1  # >= 0 when this copy is graph output number ``output_slot``
+    output_name: str = ""
+
+
+class InjectCrossDeviceCopiesPass(PlacementPass):
+    """Insert, repair or remove copies so that every cross-device edge has exactly one.
+
+    Args:
+        input_device: device graph inputs are fed on; ``None``: the device of the
+            first op that reads a graph input.
+        output_device: device graph outputs are gathered on; ``None``: the device of
+            the last op (graph order) that produces a graph output.
+        debug: run ``verify`` afterwards (default: ``PLACEMENT_DEBUG``).
+
+    ``call`` returns a :class:`CopyResult` and records both devices in the model.
+    """
+
+    ensures_verified = True
+
+    def __init__(
+        self,
+        *,
+        input_device: DeviceLike | None = None,
+        output_device: DeviceLike | None = None,
+        debug: bool | None = None,
+        check_onnx: bool = True,
+    ) -> None:
+        super().__init__(debug=debug, check_onnx=check_onnx)
+        self.input_device = Device.parse(input_device) if input_device is not None else None
+        self.output_device = Device.parse(output_device) if output_device is not None else None
+
+    def __repr__(self) -> str:
+        return (
+            f"InjectCrossDeviceCopiesPass(input_device={self.input_device}, "
+            f"output_device={self.output_device})"
+        )
+
+    def call(self, model: ir.Model) -> CopyResult:
+        return _Injection(model, self.input_device, self.output_device).run()
+
+
+class _Injection:
+    """One run of the pass: a read-only scan and plan, then the mutation."""
+
+    def __init__(self, model: ir.Model, input_device: Device | None, output_device: Device | None) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.reader = DeviceReader()
+        self.input_device = self.reader.canonical(input_device) if input_device else None
+        self.output_device = self.reader.canonical(output_device) if output_device else None
+        self.result = CopyResult(model, False)
+        self._value_names: set[str] | None = None
+        self._node_names: set[str] | None = None
+
+    # -- scan ----------------------------------------------------------------------------
+
+    def run(self) -> CopyResult:
+        graph = self.graph
+        input_ids = {id(v) for v in graph.inputs if not v.is_initializer()}
+        in_dev = self.input_device or self._default_input_device(input_ids)
+
+        origin: dict[int, ir.Value] = {}  # copy output -> the blob it copies (chains resolved)
+        dev_of: dict[int, Device] = {}  # blob -> device it lives on
+        home_pos: dict[int, int] = {}  # parameter -> position of its first (non-copy) reader
+        copies: list[tuple[ir.Node, int, ir.Value, Device]] = []
+        uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device, int]] = []
+        of = self.reader.of
+        for pos, node in enumerate(graph):
+            device = of(node)
+            if COPY_KEY in node.metadata_props:
+                inputs, outputs = node.inputs, node.outputs
+                if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
+                    raise VerificationError(
+                        f"copy {node.name!r} must have exactly one input and one output"
+                    )
+                source = origin.get(id(inputs[0]), inputs[0])
+                origin[id(outputs[0])] = source
+                copies.append((node, pos, source, device))
+                continue
+            for index, value in enumerate(node.inputs):
+                if value is None:
+                    continue
+                source = origin.get(id(value), value)
+                where = dev_of.get(id(source))
+                if where is None:  # a graph input, a parameter (or an undefined blob)
+                    if id(source) in input_ids:
+                        where = in_dev
+                    else:
+                        where = device
+                        home_pos[id(source)] = pos
+                    dev_of[id(source)] = where
+                if where is not device or source is not value:
+                    uses.append((node, index, value, source, device, pos))
+            for value in node.outputs:
+                dev_of[id(value)] = device
+
+        # -- plan ------------------------------------------------------------------------
+        outputs, protected = self._plan_outputs(origin)
+        out_dev = self.output_device or self._default_output_device(outputs) or in_dev
+        needs: dict[tuple[int, Device], _Need] = {}
+        for node, _, _, source, device, pos in uses:
+            if dev_of[id(source)] is device:
+                continue
+            key = (id(source), device)
+            need = needs.get(key)
+            if need is None:
+                needs[key] = _Need(source, device, pos, node)
+            elif pos < need.first_pos:
+                need.first_pos, need.first_node = pos, node
+        for slot, _, source, name in outputs:
+            if dev_of.get(id(source)) is not out_dev:
+                need = needs.setdefault((id(source), out_dev), _Need(source, out_dev))
+                need.output_slot, need.output_name = slot, name
+
+        keep: dict[tuple[int, Device], ir.Node] = {}
+        for need in needs.values():  # prefer the copy that already is the graph output
+            if need.output_slot >= 0:
+                producer = graph.outputs[need.output_slot].producer()
+                if producer is not None and COPY_KEY in producer.metadata_props:
+                    if origin.get(id(producer.outputs[0])) is need.origin and of(producer) is need.device:
+                        keep[(id(need.origin), need.device)] = producer
+        kept_ids = {id(node) for node in keep.values()}
+        remove: list[ir.Node] = []
+        misplaced: list[tuple[ir.Node, _Need]] = []
+        for node, pos, source, device in copies:
+            if id(node) in protected:
+                continue
+            key = (id(source), device)
+            need = needs.get(key)
+            if need is None or (key in keep and id(node) not in kept_ids):
+                remove.append(node)
+                continue
+            keep[key] = node
+            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(id(source), -1):
+                misplaced.append((node, need))
+
+        # -- mutate (everything above only read the graph) ---------------------------------
+        result = self.result
+        for node in remove:
+            self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
+        self._apply_outputs(outputs, needs, keep, dev_of)
+        created: dict[tuple[int, Device], ir.Node] = {}
+        for key, need in needs.items():
+            if key not in keep:
+                created[key] = node = self._new_copy(need)
+                if need.output_slot >= 0:
+                    graph.outputs[need.output_slot] = node.outputs[0]
+        targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
+        for node, index, value, source, device, _ in uses:
+            want = source if dev_of[id(source)] is device else targets[(id(source), device)]
+            if want is not value:
+                node.replace_input_with(index, want)
+                result.rewired += 1
+        for key, node in keep.items():
+            source = needs[key].origin
+            if node.inputs[0] is not source:
+                node.replace_input_with(0, source)
+                result.rewired += 1
+            kind = copy_kind(source)
+            if node.metadata_props.get(COPY_KEY) != kind:
+                node.metadata_props[COPY_KEY] = kind
+                result.modified = True
+        if remove:
+            graph.remove(remove, safe=True)
+            result.removed = len(remove)
+        for node, need in misplaced:
+            self._place(node, need)
+            result.moved += 1
+        for key, node in created.items():
+            self._place(node, needs[key])
+            result.added += 1
+        self._record_io_devices(in_dev, out_dev)
+
+        result.copies = len(keep) + len(created) + len(protected)
+        result.modified = result.modified or bool(
+            result.added or result.removed or result.rewired or result.renamed or result.moved
+        )
+        result.input_device, result.output_device = in_dev, out_dev
+        if result.modified:
+            log.info("inject_cross_device_copies: %s", result)
+        else:
+            log.debug("inject_cross_device_copies: nothing to do (%d copies)", result.copies)
+        return result
+
+    def _default_input_device(self, input_ids: set[int]) -> Device:
+        """The device of the first non-copy op reading a graph input (directly or via copies)."""
+        reaching = set(input_ids)
+        for node in self.graph:
+            if COPY_KEY in node.metadata_props:
+                if node.inputs and node.inputs[0] is not None and id(node.inputs[0]) in reaching:
+                    reaching.add(id(node.outputs[0]))
+                continue
+            for value in node.inputs:
+                if value is not None and id(value) in reaching:
+                    return self.reader.of(node)
+        for node in self.graph:
+            if COPY_KEY not in node.metadata_props:
+                return self.reader.of(node)
+        return self.reader.canonical(Device("cuda", 0))
+
+    def _plan_outputs(
+        self, origin: dict[int, ir.Value]
+    ) -> tuple[list[tuple[int, ir.Value, ir.Value, str]], set[int]]:
+        """(slot, graph output value, the blob it is, output name) for outputs produced by ops,
+        once per blob;
+        and the copies that pass a graph input or parameter straight to an output (left alone)."""
+        planned: list[tuple[int, ir.Value, ir.Value, str]] = []
+        protected: set[int] = set()
+        seen: set[int] = set()
+        for slot, value in enumerate(self.graph.outputs):
+            source = origin.get(id(value), value)
+            producer = source.producer()
+            if producer is None or producer.graph is not self.graph:
+                if value.producer() is not None:
+                    protected.add(id(value.producer()))
+                continue
+            if id(source) in seen:
+                continue  # a second slot for the same blob
+            seen.add(id(source))
+            planned.append((slot, value, source, value.name or ""))
+        return planned, protected
+
+    def _default_output_device(self, outputs: list[tuple[int, ir.Value, ir.Value, str]]) -> Device | None:
+        """The device of the last op (graph order) producing a graph output."""
+        producers = {id(source.producer()) for _, _, source, _ in outputs}
+        if not producers:
+            return None
+        for node in reversed(self.graph):
+            if id(node) in producers:
+                return self.reader.of(node)
+        return None
+
+    # -- mutation helpers ------------------------------------------------------------------
+
+    def _apply_outputs(
+        self,
+        outputs: list[tuple[int, ir.Value, ir.Value, str]],
+        needs: dict[tuple[int, Device], _Need],
+        keep: dict[tuple[int, Device], ir.Node],
+        dev_of: dict[int, Device],
+    ) -> None:
+        """Keep every graph output's name on the output device; rename the blobs behind them.
+
+        A blob produced on the output device is the output itself. Otherwise the blob
+        is renamed ``<output>_<type>_<index>`` after the device it lives on and the copy
+        to the output device carries the output's name (a copy created later takes it).
+        """
+        graph = self.graph
+        by_slot = {need.output_slot: need for need in needs.values() if need.output_slot >= 0}
+        for slot, value, source, name in outputs:
+            need = by_slot.get(slot)
+            copy = keep.get((id(need.origin), need.device)) if need is not None else None
+            if value is not source and value.name is not None and value.producer() is not copy:
+                # an old output copy that stays as an internal copy: give it a copy's name
+                device = self.reader.of(cast(ir.Node, value.producer()))
+                self._set_name(value, self._unique_value(f"{name}_{device.slug}"))
+            if need is None:  # produced on the output device: the blob is the output
+                if value is not source:
+                    graph.outputs[slot] = source
+                self._set_name(source, name)
+                continue
+            want = f"{name}_{dev_of[id(source)].slug}"
+            if source.name != want and not _is_numbered(source.name, want):
+                self._set_name(source, self._unique_value(want))
+            if copy is not None:  # otherwise the copy created next takes the name
+                if copy.outputs[0] is not value:
+                    graph.outputs[slot] = copy.outputs[0]
+                self._set_name(copy.outputs[0], name)
+
+    def _set_name(self, value: ir.Value, name: str | None, *, count: bool = True) -> None:
+        """Rename a blob, keeping the set of taken names current."""
+        if value.name == name:
+            return
+        if self._value_names is not None:
+            if value.name:
+                self._value_names.discard(value.name)
+            if name:
+                self._value_names.add(name)
+        value.name = name
+        if count:
+            self.result.renamed += 1
+
+    def _new_copy(self, need: _Need) -> ir.Node:
+        source, device = need.origin, need.device
+        if need.output_slot >= 0:
+            name = need.output_name
+            self._names().add(name)
+        else:
+            name = self._unique_value(f"{source.name or 'blob'}_{device.slug}")
+        out = ir.Value(
+            name=name,
+            type=source.type,
+            shape=ir.Shape(source.shape) if source.shape is not None else None,
+        )
+        node = ir.Node(
+            "",
+            COPY_OP_TYPE,
+            [source],
+            outputs=[out],
+            name=self._unique_node(f"copy_{name}"),
+            metadata_props={DEVICE_KEY: str(device), COPY_KEY: copy_kind(source)},
+        )
+        return node
+
+    def _place(self, node: ir.Node, need: _Need) -> None:
+        if need.first_node is not None:
+            self.graph.insert_before(need.first_node, node)
+        elif node.graph is None:
+            self.graph.append(node)
+
+    def _record_io_devices(self, in_dev: Device, out_dev: Device) -> None:
+        props = self.model.metadata_props
+        for key, device in ((INPUT_DEVICE_KEY, in_dev), (OUTPUT_DEVICE_KEY, out_dev)):
+            if props.get(key) != str(device):
+                props[key] = str(device)
+                self.result.modified = True
+
+    # -- names -------------------------------------------------------------------------------
+
+    def _names(self) -> set[str]:
+        if self._value_names is None:
+            graph = self.graph
+            names = {v.name for v in graph.inputs if v.name}
+            names.update(graph.initializers)
+            for node in graph:
+                names.update(v.name for v in node.outputs if v.name)
+            self._value_names = names
+        return self._value_names
+
+    def _unique_value(self, base: str) -> str:
+        names = self._names()
+        name, k = base, 0
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.add(name)
+        return name
+
+    def _unique_node(self, base: str) -> str:
+        if self._node_names is None:
+            self._node_names = {n.name for n in self.graph if n.name}
+        name, k = base, 0
+        while name in self._node_names:
+            k += 1
+            name = f"{base}_{k}"
+        self._node_names.add(name)
+        return name
+
+
+def _is_numbered(name: str | None, base: str) -> bool:
+    """True for ``base_<k>``: the unique spelling of ``base`` chosen when it was taken."""
+    return bool(name) and re.fullmatch(re.escape(base) + r"_\d+", name or "") is not None
+
+
+def inject_cross_device_copies(
+    model: ModelLike,
+    *,
+    input_device: DeviceLike | None = None,
+    output_device: DeviceLike | None = None,
+) -> CopyResult:
+    """Put exactly one copy on every (blob, destination device) edge; idempotent.
+
+    See :mod:`placement.passes.copies` for the rules (names, graph inputs and
+    outputs, static copies, repair of earlier copies).
+
+    Args:
+        model: the placed model (changed in place).
+        input_device: where graph inputs are fed; ``None``: the device of the first
+            op reading a graph input.
+        output_device: where graph outputs are gathered; ``None``: the device of the
+            last op producing a graph output.
+
+    Returns:
+        A :class:`CopyResult` (``.modified``, ``.added``, ``.removed``, ``.copies``, ...).
+
+    Raises:
+        DeviceError: an op's device or an argument is malformed (model unchanged).
+        VerificationError: a copy op is malformed (model unchanged).
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> result = pl.inject_cross_device_copies(model, output_device="cpu")
+        >>> model.outputs, [op.name for op in model.ops if op.is_copy]
+        (['linear_2'], ['copy_linear_2'])
+        >>> str(model.output_device), pl.inject_cross_device_copies(model).modified
+        ('cpu', True)
+    """
+    pass_ = InjectCrossDeviceCopiesPass(input_device=input_device, output_device=output_device)
+    return cast(CopyResult, pass_(model))

@@ -1,0 +1,238 @@
+"""Per-device report of a placed model: ops, parameters, activations, copies and traffic.
+
+One :class:`DeviceRow` per device: ops (copies excluded), copies landing there,
+parameters homed there and their bytes, activations produced there and their
+bytes, activation bytes received and sent through (dynamic) copies, and parameter
+bytes replicated there by static copies (moved once, at load time). Sizes come
+from static shapes (``value_nbytes``); a blob whose shape or dtype is unknown
+counts 0 bytes and is listed in ``Summary.unknown_sizes``.
+
+The rendering is data-driven (``Summary.columns``), so later reports can add
+columns (estimated time, peak memory) by extending :class:`DeviceRow` and the
+column list.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> acts = pl.get_activation_blobs(model)
+    >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
+    >>> _ = pl.inject_cross_device_copies(model, output_device=0)
+    >>> report = model.summary()
+    >>> [(str(r.device), r.ops, r.copies, r.recv_bytes, r.sent_bytes) for r in report.rows]
+    [('cuda:0', 2, 1, 128, 512), ('cuda:1', 3, 1, 512, 128)]
+    >>> "cuda:1" in str(report)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable
+from typing import Any
+
+import onnx_ir as ir
+
+from placement.graph.device import Device
+from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, value_nbytes
+from placement.passes.activations import activation_values
+from placement.passes.base import DeviceReader, ModelLike, as_ir_model
+
+__all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]
+
+
+@dataclasses.dataclass
+class DeviceRow:
+    """Counts and bytes for one device (see the module docstring)."""
+
+    device: Device
+    ops: int = 0
+    copies: int = 0
+    static_copies: int = 0
+    params: int = 0
+    param_bytes: int = 0
+    activations: int = 0
+    activation_bytes: int = 0
+    recv_bytes: int = 0
+    sent_bytes: int = 0
+    static_copy_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields (the device as a string)."""
+        data = dataclasses.asdict(self)
+        data["device"] = str(self.device)
+        return data
+
+
+def format_bytes(count: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"  # unreachable
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One rendered column: header, how to read a row, alignment."""
+
+    header: str
+    get: Callable[[DeviceRow], str]
+    justify: str = "right"
+
+
+DEFAULT_COLUMNS: list[Column] = [
+    Column("device", lambda r: str(r.device), "left"),
+    Column("ops", lambda r: str(r.ops)),
+    Column("params", lambda r: format_bytes(r.param_bytes)),
+    Column("activations", lambda r: f"{r.activations} ({format_bytes(r.activation_bytes)})"),
+    Column("copies in", lambda r: f"{r.copies} ({r.static_copies} static)"),
+    Column("recv", lambda r: format_bytes(r.recv_bytes)),
+    Column("sent", lambda r: format_bytes(r.sent_bytes)),
+    Column("params copied in", lambda r: format_bytes(r.static_copy_bytes)),
+]
+
+
+@dataclasses.dataclass
+class Summary:
+    """The per-device report; ``rows`` sorted by device."""
+
+    rows: list[DeviceRow]
+    unknown_sizes: list[str] = dataclasses.field(default_factory=list)
+    input_device: Device | None = None
+    output_device: Device | None = None
+    columns: list[Column] = dataclasses.field(default_factory=lambda: list(DEFAULT_COLUMNS))
+
+    def row(self, device: Any) -> DeviceRow:
+        """The row of ``device`` (an empty row if no op runs there)."""
+        wanted = Device.parse(device)
+        return next((r for r in self.rows if r.device == wanted), DeviceRow(wanted))
+
+    @property
+    def total_copies(self) -> int:
+        """Copies in the model."""
+        return sum(r.copies for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (used by ``placement inspect --json``)."""
+        return {
+            "devices": [r.to_dict() for r in self.rows],
+            "input_device": str(self.input_device) if self.input_device else None,
+            "output_device": str(self.output_device) if self.output_device else None,
+            "unknown_sizes": list(self.unknown_sizes),
+        }
+
+    def to_table(self, title: str | None = "placement by device") -> Any:
+        """A ``rich.table.Table`` with one row per device (and a footnote on unknown sizes)."""
+        from rich.table import Table
+
+        caption = None
+        if self.unknown_sizes:
+            shown = ", ".join(self.unknown_sizes[:3])
+            more = f" and {len(self.unknown_sizes) - 3} more" if len(self.unknown_sizes) > 3 else ""
+            caption = f"unknown size (counted as 0): {shown}{more}"
+        table = Table(title=title, caption=caption)
+        for column in self.columns:
+            table.add_column(column.header, justify=column.justify)  # type: ignore[arg-type]
+        for row in self.rows:
+            table.add_row(*(column.get(row) for column in self.columns))
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, color_system=None, force_terminal=False).print(self.to_table())
+        return buffer.getvalue().rstrip("\n")
+
+
+def summary(model: ModelLike) -> Summary:
+    """Per-device report of ``model`` (also ``model.summary()`` and ``placement inspect``).
+
+    Args:
+        model: a placed :class:`placement.Model` (copies injected or not).
+
+    Returns:
+        A :class:`Summary`; ``str()`` renders it as a table.
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> from placement.passes import summary
+        >>> report = summary(pl.from_torch(*mlp.build("tiny")))
+        >>> report.rows[0].ops, report.total_copies
+        (5, 0)
+    """
+    ir_model = as_ir_model(model)
+    graph = ir_model.graph
+    reader = DeviceReader()
+    rows: dict[Device, DeviceRow] = {}
+
+    def row(device: Device) -> DeviceRow:
+        found = rows.get(device)
+        if found is None:
+            found = rows[device] = DeviceRow(device)
+        return found
+
+    meta = ir_model.metadata_props
+    input_device = reader.parse(meta[INPUT_DEVICE_KEY]) if meta.get(INPUT_DEVICE_KEY) else None
+    output_device = reader.parse(meta[OUTPUT_DEVICE_KEY]) if meta.get(OUTPUT_DEVICE_KEY) else None
+    unknown: dict[str, None] = {}
+
+    def size(value: ir.Value) -> int:
+        nbytes = value_nbytes(value)
+        if nbytes is None:
+            unknown[value.name or "?"] = None
+            return 0
+        return int(nbytes)
+
+    dev_of: dict[int, Device] = {}
+    first_node: ir.Node | None = None
+    for node in graph:
+        device = reader.of(node)
+        first_node = first_node or node
+        current = row(device)
+        is_copy = COPY_KEY in node.metadata_props
+        for value in node.inputs:
+            if value is None or id(value) in dev_of:
+                continue
+            if value.is_initializer():  # a parameter lives where its first reader runs
+                dev_of[id(value)] = device
+                current.params += 1
+                current.param_bytes += size(value)
+            elif value.is_graph_input():
+                dev_of[id(value)] = input_device or device
+        if is_copy:
+            current.copies += 1
+            source = node.inputs[0] if node.inputs else None
+            if source is not None:
+                nbytes = size(source)
+                if node.metadata_props.get(COPY_KEY) == "static":
+                    current.static_copies += 1
+                    current.static_copy_bytes += nbytes
+                else:
+                    current.recv_bytes += nbytes
+                    row(dev_of.get(id(source), device)).sent_bytes += nbytes
+        else:
+            current.ops += 1
+        for value in node.outputs:
+            dev_of[id(value)] = device
+    default = reader.of(first_node) if first_node is not None else Device("cuda", 0)
+    for value in graph.initializers.values():
+        if id(value) not in dev_of:  # unused parameters: the model's default device
+            target = row(default)
+            target.params += 1
+            target.param_bytes += size(value)
+    for value in activation_values(graph):
+        target = row(dev_of[id(value)])
+        target.activations += 1
+        target.activation_bytes += size(value)
+    return Summary(
+        rows=[rows[d] for d in sorted(rows)],
+        unknown_sizes=list(unknown),
+        input_device=input_device,
+        output_device=output_device,
+    )
