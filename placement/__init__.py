@@ -26,13 +26,8 @@ from placement.errors import (
     VerificationError,
 )
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
-# the Caffe2 pass trio and the pass pipeline (issue 3)
-from placement.passes import (
-    Pipeline,
-    get_activation_blobs,
-    inject_cross_device_copies,
-    shift_activation_devices,
-)
+# ONNX Runtime executor (issue 4)
+from placement.runtime.ort import Runner, run
 
 __version__ = "0.1.0"
 
@@ -59,4 +54,4 @@ __all__ = [
     "VerificationError",
 ]
 
-__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
+__all__ += ["Runner", "run"]

@@ -1,0 +1,172 @@
+"""Input normalisation and validation shared by the runtimes.
+
+Runtimes accept ``inputs`` as a dict by graph-input name or a sequence in
+graph-input order (a single array is accepted for a one-input model), with
+numpy arrays or torch tensors as values. :func:`normalize_inputs` turns that
+into a list of contiguous numpy arrays in graph-input order and checks names,
+dtypes, ranks and static dimensions, raising :class:`placement.InputError`
+that names the offending input (expected vs got). Symbolic dimensions accept
+any size.
+
+Example:
+    >>> import numpy as np
+    >>> from placement.runtime.inputs import InputSpec, normalize_inputs
+    >>> spec = [InputSpec("x", np.dtype("float32"), ("batch", 4))]
+    >>> [a.shape for a in normalize_inputs({"x": np.zeros((2, 4), np.float32)}, spec)]
+    [(2, 4)]
+    >>> normalize_inputs({"y": np.zeros((2, 4), np.float32)}, spec)
+    Traceback (most recent call last):
+    ...
+    placement.errors.InputError: unknown input 'y'; the model's inputs are: 'x'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import onnx_ir as ir
+
+from placement.errors import InputError
+
+__all__ = ["InputSpec", "InputsLike", "input_specs", "normalize_inputs", "to_numpy"]
+
+#: What runtimes accept as ``inputs``.
+InputsLike = Union[Mapping[str, Any], Sequence[Any], Any]
+
+Dim = Union[int, str, None]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input: name, numpy dtype (None if unknown) and dims (int, or str/None if symbolic)."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[Dim, ...] | None
+
+    def describe(self) -> str:
+        """``float32[batch, 4]``-style text."""
+        dtype = str(self.dtype) if self.dtype is not None else "?"
+        if self.shape is None:
+            return f"{dtype}[...]"
+        return f"{dtype}[{', '.join('?' if d is None else str(d) for d in self.shape)}]"
+
+
+def input_specs(graph: ir.Graph) -> list[InputSpec]:
+    """The specs of a graph's inputs (initializers excluded), in order."""
+    specs = []
+    inits = graph.initializers
+    for value in graph.inputs:
+        if value.name in inits:
+            continue
+        dtype = None
+        if value.dtype is not None:
+            try:
+                dtype = np.dtype(value.dtype.numpy())
+            except Exception:  # types numpy cannot express (e.g. float8): skip the dtype check
+                dtype = None
+        shape: tuple[Dim, ...] | None = None
+        if value.shape is not None:
+            shape = tuple(
+                d if isinstance(d, int) else (d.value if hasattr(d, "value") else None) for d in value.shape
+            )
+        specs.append(InputSpec(value.name or "", dtype, shape))
+    return specs
+
+
+def to_numpy(name: str, value: Any) -> np.ndarray:
+    """A numpy array from a numpy array, torch tensor, scalar or nested list.
+
+    Raises:
+        InputError: the value cannot be converted (names ``name``).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    module = type(value).__module__ or ""
+    if module.startswith("torch") and hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (int, float, bool, np.generic, list, tuple)):
+        return np.asarray(value)
+    raise InputError(f"input {name!r}: expected a numpy array or torch tensor, got {type(value).__name__}")
+
+
+def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[np.ndarray]:
+    """Validated, contiguous numpy arrays in graph-input order.
+
+    Args:
+        inputs: a dict by input name, a sequence in input order, or one array
+            when the model has exactly one input.
+        specs: the model's inputs (see :func:`input_specs`).
+
+    Raises:
+        InputError: an unknown or missing name, a wrong count, dtype, rank or
+            static dimension; the message names the input and says expected vs got.
+    """
+    names = [s.name for s in specs]
+    if isinstance(inputs, Mapping):
+        unknown = [k for k in inputs if k not in names]
+        if unknown:
+            raise InputError(
+                f"unknown input {', '.join(map(repr, unknown))}; the model's inputs are: "
+                f"{', '.join(map(repr, names))}"
+            )
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise InputError(
+                f"missing input {', '.join(map(repr, missing))}; the model's inputs are: "
+                f"{', '.join(map(repr, names))}"
+            )
+        values = [inputs[n] for n in names]
+    elif _is_array(inputs):
+        if len(specs) != 1:
+            raise InputError(
+                f"got one array but the model has {len(specs)} inputs "
+                f"({', '.join(map(repr, names))}); pass a dict by name or a sequence"
+            )
+        values = [inputs]
+    elif isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        if len(inputs) != len(specs):
+            raise InputError(
+                f"got {len(inputs)} inputs but the model has {len(specs)} ({', '.join(map(repr, names))})"
+            )
+        values = list(inputs)
+    else:
+        raise InputError(f"inputs must be a dict by name or a sequence in order, got {type(inputs).__name__}")
+    arrays = []
+    for spec, value in zip(specs, values):
+        array = to_numpy(spec.name, value)
+        _check(spec, array)
+        arrays.append(np.ascontiguousarray(array))
+    return arrays
+
+
+def _is_array(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    module = type(value).__module__ or ""
+    return module.startswith("torch") and hasattr(value, "detach")
+
+
+def _check(spec: InputSpec, array: np.ndarray) -> None:
+    got = f"{array.dtype}[{', '.join(map(str, array.shape))}]"
+    if spec.dtype is not None and array.dtype != spec.dtype:
+        raise InputError(
+            f"input {spec.name!r} has dtype {array.dtype}, expected {spec.dtype} "
+            f"(expected {spec.describe()}, got {got})"
+        )
+    if spec.shape is None:
+        return
+    if array.ndim != len(spec.shape):
+        raise InputError(
+            f"input {spec.name!r} has rank {array.ndim}, expected {len(spec.shape)} "
+            f"(expected {spec.describe()}, got {got})"
+        )
+    for axis, (want, have) in enumerate(zip(spec.shape, array.shape)):
+        if isinstance(want, int) and want != have:
+            raise InputError(
+                f"input {spec.name!r} has size {have} in dimension {axis}, expected {want} "
+                f"(expected {spec.describe()}, got {got})"
+            )

@@ -1,0 +1,472 @@
+"""Cut a placed model into *stages*: same-device segments whose stage graph is acyclic.
+
+A stage is a set of ops that all run on one logical device and that a runtime
+executes as one unit (one ONNX Runtime session). Cross-device copies are not
+part of any stage: a runtime performs them as *transfers* between stages (see
+:class:`Transfer`). Each stage is also a standalone, valid ONNX model
+(:attr:`Stage.model`) whose inputs and outputs are the blobs crossing its
+boundary, under their original names.
+
+The algorithm (greedy, one pass over the ops in topological order):
+
+1. Walk the non-copy ops in graph (topological) order. An op's *predecessor
+   stages* are the stages of the ops that produce its inputs, looking through
+   copies (a copy of ``b`` makes the consumer depend on ``b``'s producer).
+2. The op joins the current (most recent) stage ``S`` of its device if that
+   keeps the stage graph acyclic. Since every predecessor op is already placed
+   and the op has no successors yet, joining ``S`` closes a cycle exactly when
+   ``S`` already reaches one of the op's predecessor stages ``T != S`` in the
+   stage graph (``S -> ... -> T -> op in S``); :func:`networkx.has_path`
+   decides it.
+3. Otherwise the op opens a new stage, which becomes its device's current one.
+   Older stages of the device need not be tried: a stage is only opened when
+   the previous current stage reaches one of the opener's predecessors, so
+   every older stage of a device reaches every newer one and whatever the
+   newer one reaches; if the current stage cannot take an op, none can.
+   Hence the result is *pairwise maximal*: merging any two stages of one device
+   would close a cycle.
+4. Stages are numbered in a topological order of the stage graph (ties by
+   creation order), which is the order a runtime runs them in.
+
+For a model placed by ``shift_activation_devices`` (a prefix on one device, the
+rest on another) this gives one stage per contiguous device segment; for a
+random op assignment it gives few stages, never a cyclic stage graph.
+
+Static copies (copies of parameters) need no transfer at run time: the stage
+that reads the copy's blob carries the parameter itself as an initializer
+under the copy's name, so the parameter is copied onto the device exactly once,
+when the stage's session loads. Parameters read directly are carried likewise.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> from placement.runtime.stages import partition
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> [(s.index, str(s.device), len(s.ops)) for s in partition(model)]
+    [(0, 'cuda:0', 4), (1, 'cuda:1', 1)]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+import onnx
+import onnx_ir as ir
+
+from placement.errors import PlacementError
+from placement.graph.device import Device
+from placement.graph.model import Model, is_copy_node, node_device
+
+__all__ = ["Stage", "Transfer", "Partition", "partition", "plan", "stage_graph"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stage:
+    """One same-device segment of a placed model, runnable as one ONNX model.
+
+    Attributes:
+        index: position in execution order (a topological order of the stage graph).
+        device: the logical device all its ops run on.
+        ops: names of its ops, in graph order (copies are never part of a stage).
+        inputs: blobs it reads from outside (graph inputs, other stages' outputs,
+            dynamic copies' outputs), in first-use order; the stage model's inputs.
+        outputs: blobs it produces that are read outside it or are graph outputs;
+            the stage model's outputs.
+        parameters: initializer names the stage model carries. A static copy's
+            blob is carried under the copy's name with the parameter's data.
+        depends_on: indices of the stages whose outputs it reads (through copies).
+        model: the stage as a standalone ``onnx_ir.Model`` (shares tensor data
+            with the placed model).
+        fingerprint: a hash of what the stage is (device, op names and types,
+            boundary blobs, carried parameters); equal fingerprints mean the same
+            session can be reused (see :class:`placement.runtime.ort.Runner`).
+    """
+
+    index: int
+    device: Device
+    ops: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    parameters: tuple[str, ...]
+    depends_on: tuple[int, ...]
+    model: ir.Model = field(repr=False)
+    fingerprint: str = ""
+
+    def to_proto(self) -> onnx.ModelProto:
+        """The stage model as an ``onnx.ModelProto``."""
+        return ir.serde.serialize_model(self.model)
+
+    def __repr__(self) -> str:
+        return (
+            f"Stage({self.index}, {self.device}, ops={len(self.ops)}, "
+            f"inputs={list(self.inputs)}, outputs={list(self.outputs)}, "
+            f"depends_on={list(self.depends_on)})"
+        )
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A dynamic copy as a runtime performs it: blob ``source`` moved to ``device`` as ``target``.
+
+    Attributes:
+        op: the copy op's name.
+        source: the blob copied (an activation or a graph input).
+        target: the copy's output blob, which consumers on ``device`` read.
+        src_device: where ``source`` lives.
+        device: the destination device.
+    """
+
+    op: str
+    source: str
+    target: str
+    src_device: Device
+    device: Device
+
+
+@dataclass
+class Partition:
+    """Stages plus what a runtime needs around them.
+
+    Attributes:
+        stages: the stages in execution order.
+        transfers: the dynamic copies (copies of parameters are folded into stages).
+        static_copies: static copy blob -> the parameter it copies.
+        inputs: the model's graph inputs, in order.
+        outputs: the model's graph outputs, in order.
+        input_devices: graph input -> the device it is fed on.
+        output_devices: graph output -> the device it is produced on.
+    """
+
+    stages: list[Stage]
+    transfers: list[Transfer]
+    static_copies: dict[str, str]
+    inputs: list[str]
+    outputs: list[str]
+    input_devices: dict[str, Device]
+    output_devices: dict[str, Device]
+
+
+def partition(model: Model) -> list[Stage]:
+    """Cut ``model`` into stages: maximal same-device segments with an acyclic stage graph.
+
+    See the module docstring for the algorithm. Copy ops become transfers
+    between stages (see :func:`plan` for those); every other op is in exactly
+    one stage. The model is not modified.
+
+    Args:
+        model: a placed model (copies injected or not; a cross-device edge
+            without a copy is treated as an implicit transfer).
+
+    Returns:
+        The stages in execution order (``stages[i].index == i``).
+
+    Raises:
+        PlacementError: a blob is read before it is produced, or a stage
+            boundary blob has no type (the message names it).
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> [str(s.device) for s in partition(model)]
+        ['cuda:0']
+    """
+    return plan(model).stages
+
+
+def plan(model: Model) -> Partition:
+    """Like :func:`partition`, also returning transfers and graph input/output devices.
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> p = plan(pl.from_torch(*mlp.build("tiny")))
+        >>> len(p.stages), p.transfers, p.inputs
+        (1, [], ['input'])
+    """
+    graph = model.graph
+    initializers = graph.initializers
+    graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
+
+    # Where does each copy's blob come from?  copy output value -> root source value.
+    copy_root: dict[ir.Value, ir.Value] = {}
+    static_copies: dict[str, str] = {}
+    transfers: list[Transfer] = []
+    compute: list[ir.Node] = []
+    for node in graph:
+        if is_copy_node(node) and len(node.inputs) == 1 and len(node.outputs) == 1:
+            src = node.inputs[0]
+            if src is None:
+                raise PlacementError(f"copy {node.name!r} has no input")
+            root = copy_root.get(src, src)
+            out = node.outputs[0]
+            copy_root[out] = root
+            if root.producer() is None and root.name in initializers:
+                static_copies[out.name or ""] = root.name or ""
+            else:
+                transfers.append(
+                    Transfer(
+                        op=node.name or "",
+                        source=src.name or "",
+                        target=out.name or "",
+                        src_device=model.blob_device(src),
+                        device=node_device(node),
+                    )
+                )
+        else:
+            compute.append(node)
+
+    stage_of_node, stage_device, stage_nodes, sg = _assign(compute, copy_root)
+
+    # Execution order: topological order of the stage graph, ties by creation order.
+    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
+    renumber = {old: new for new, old in enumerate(order)}
+
+    readers: dict[ir.Value, set[int]] = {}
+    for node in graph:
+        sid = stage_of_node.get(node)
+        for value in _reads(node, graph):
+            # A copy reads its source outside every stage (-1 marks "outside").
+            readers.setdefault(value, set()).add(-1 if sid is None else sid)
+    graph_outputs = set(graph.outputs)
+
+    stages: list[Stage] = []
+    typed = _TypeFallback(model)
+    for old in order:
+        nodes = stage_nodes[old]
+        device = stage_device[old]
+        produced = {v for n in nodes for v in n.outputs}
+        inputs: list[ir.Value] = []
+        params: list[tuple[str, ir.Value]] = []  # (name in stage, parameter value)
+        seen: set[ir.Value] = set()
+        for node in nodes:
+            for value in _reads(node, graph):
+                if value in produced or value in seen:
+                    continue
+                seen.add(value)
+                name = value.name or ""
+                if name in initializers and value.producer() is None:
+                    params.append((name, value))
+                elif name in static_copies:
+                    params.append((name, initializers[static_copies[name]]))
+                elif value.producer() is None and name not in graph_inputs:
+                    raise PlacementError(
+                        f"op {node.name!r} reads blob {name!r}, which is neither produced, "
+                        "a graph input nor a parameter"
+                    )
+                else:
+                    inputs.append(value)
+        outputs = [
+            v
+            for n in nodes
+            for v in n.outputs
+            if v.name and (v in graph_outputs or (readers.get(v, set()) - {old}))
+        ]
+        depends = sorted({renumber[p] for p in sg.predecessors(old)})
+        stage_model = _stage_model(model, nodes, inputs, outputs, params, typed, renumber[old])
+        stage = Stage(
+            index=renumber[old],
+            device=device,
+            ops=tuple(n.name or "" for n in nodes),
+            inputs=tuple(v.name or "" for v in inputs),
+            outputs=tuple(v.name or "" for v in outputs),
+            parameters=tuple(name for name, _ in params),
+            depends_on=tuple(depends),
+            model=stage_model,
+        )
+        stage.fingerprint = _fingerprint(stage, nodes, params)
+        stages.append(stage)
+
+    input_devices = {name: model.blob_device(model.value(name)) for name in model.inputs}
+    output_devices = {v.name or "": model.blob_device(v) for v in graph.outputs}
+    log.debug(
+        "partitioned %d ops into %d stages (%d transfers, %d static copies)",
+        len(compute),
+        len(stages),
+        len(transfers),
+        len(static_copies),
+    )
+    return Partition(
+        stages=stages,
+        transfers=transfers,
+        static_copies=static_copies,
+        inputs=list(model.inputs),
+        outputs=list(model.outputs),
+        input_devices=input_devices,
+        output_devices=output_devices,
+    )
+
+
+def stage_graph(stages: Sequence[Stage]) -> nx.DiGraph:
+    """The stage graph: one node per stage index, an edge when one stage reads another's output.
+
+    Node attributes: ``device``, ``ops`` (count).
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> model.set_device(model.ops[-1].name, 1)
+        >>> sorted(stage_graph(partition(model)).edges)
+        [(0, 1)]
+    """
+    g = nx.DiGraph()
+    for stage in stages:
+        g.add_node(stage.index, device=stage.device, ops=len(stage.ops))
+    for stage in stages:
+        for dep in stage.depends_on:
+            g.add_edge(dep, stage.index)
+    return g
+
+
+# --- internals -------------------------------------------------------------------------
+
+
+def _assign(
+    compute: list[ir.Node], copy_root: dict[ir.Value, ir.Value]
+) -> tuple[dict[ir.Node, int], dict[int, Device], dict[int, list[ir.Node]], nx.DiGraph]:
+    """Greedy stage assignment (module docstring, steps 1-3)."""
+    stage_of_node: dict[ir.Node, int] = {}
+    stage_device: dict[int, Device] = {}
+    stage_nodes: dict[int, list[ir.Node]] = {}
+    current: dict[Device, int] = {}  # device -> its current (newest) stage
+    sg = nx.DiGraph()
+    for node in compute:
+        device = node_device(node)
+        preds: set[int] = set()
+        for value in _reads(node, node.graph):
+            root = copy_root.get(value, value)
+            producer = root.producer()
+            if producer is None:
+                continue
+            sid = stage_of_node.get(producer)
+            if sid is None:
+                raise PlacementError(
+                    f"op {node.name!r} reads blob {value.name!r} before it is produced "
+                    "(ops are not in topological order)"
+                )
+            preds.add(sid)
+        chosen = current.get(device)
+        if chosen is None or any(p != chosen and nx.has_path(sg, chosen, p) for p in preds):
+            chosen = len(stage_nodes)
+            stage_nodes[chosen] = []
+            stage_device[chosen] = device
+            current[device] = chosen
+            sg.add_node(chosen)
+        stage_nodes[chosen].append(node)
+        stage_of_node[node] = chosen
+        sg.add_edges_from((p, chosen) for p in preds if p != chosen)
+    return stage_of_node, stage_device, stage_nodes, sg
+
+
+def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:
+    """Values of ``graph`` a node reads, including outer-scope reads of its subgraphs."""
+    for value in node.inputs:
+        if value is not None:
+            yield value
+    for attr in node.attributes.values():
+        if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            subgraphs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else attr.as_graphs()
+            for sub in subgraphs:
+                for inner in sub.all_nodes() if hasattr(sub, "all_nodes") else sub:
+                    for value in inner.inputs:
+                        if value is not None and value.graph is graph:
+                            yield value
+
+
+class _TypeFallback:
+    """Types for boundary blobs the exporter left untyped, from ONNX shape inference (lazily)."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self._types: dict[str, tuple[ir.TypeProtocol, ir.Shape | None]] | None = None
+
+    def fill(self, value: ir.Value) -> None:
+        if value.type is not None:
+            return
+        if self._types is None:
+            self._types = {}
+            try:
+                proto = ir.serde.serialize_model(self._model.ir_model)
+                inferred = onnx.shape_inference.infer_shapes(proto)
+                for info in inferred.graph.value_info:
+                    typed = ir.serde.deserialize_value_info_proto(info, None)
+                    if typed.type is not None:
+                        self._types[info.name] = (typed.type, typed.shape)
+            except Exception as err:  # inference is best effort
+                log.debug("shape inference for stage boundaries failed: %s", err)
+        found = self._types.get(value.name or "")
+        if found is None:
+            raise PlacementError(
+                f"blob {value.name!r} crosses a stage boundary but has no known type; "
+                "run shape inference on the model (e.g. onnx_ir ShapeInferencePass) first"
+            )
+        value.type, value.shape = found[0], found[1]
+
+
+def _stage_model(
+    model: Model,
+    nodes: list[ir.Node],
+    inputs: list[ir.Value],
+    outputs: list[ir.Value],
+    params: list[tuple[str, ir.Value]],
+    typed: _TypeFallback,
+    index: int,
+) -> ir.Model:
+    """A standalone ``onnx_ir.Model`` of ``nodes`` (cloned; tensors are shared)."""
+    source = model.ir_model
+    direct = [v for name, v in params if v.name == name]
+    aliased = [(name, v) for name, v in params if v.name != name]
+    # Static-copy blobs enter the view as inputs and are turned into initializers after cloning.
+    alias_inputs: list[ir.Value] = []
+    for name, _ in aliased:
+        alias_inputs.append(model.value(name))
+    view = ir.GraphView(
+        [*inputs, *alias_inputs],
+        outputs,
+        nodes=nodes,
+        initializers=direct,
+        opset_imports=dict(source.graph.opset_imports),
+        name=f"{source.graph.name or 'graph'}_stage{index}",
+    )
+    graph = view.clone()
+    for (name, param), _ in zip(aliased, alias_inputs):
+        value = next(v for v in graph.inputs if v.name == name)
+        graph.inputs.remove(value)
+        value.const_value = param.const_value
+        value.type = param.type
+        value.shape = param.shape.copy() if param.shape is not None else None
+        graph.register_initializer(value)
+    for value in graph.initializers.values():  # ORT wants initializers off the input list
+        if value in graph.inputs:
+            graph.inputs.remove(value)
+    for value in graph.inputs:
+        typed.fill(value)
+    stage_model = ir.Model(
+        graph,
+        ir_version=source.ir_version,
+        producer_name="placement",
+        functions=list(source.functions.values()),
+    )
+    return stage_model
+
+
+def _fingerprint(stage: Stage, nodes: list[ir.Node], params: list[tuple[str, ir.Value]]) -> str:
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(str(stage.device).encode())
+    for node in nodes:
+        h.update(f"|{node.name}:{node.domain}:{node.op_type}".encode())
+        h.update(",".join(v.name or "" if v is not None else "" for v in node.inputs).encode())
+        h.update(b">")
+        h.update(",".join(v.name or "" for v in node.outputs).encode())
+    h.update(("|in:" + ",".join(stage.inputs)).encode())
+    h.update(("|out:" + ",".join(stage.outputs)).encode())
+    h.update(("|params:" + ",".join(f"{n}={v.name}" for n, v in params)).encode())
+    return h.hexdigest()
