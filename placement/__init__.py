@@ -28,6 +28,13 @@ from placement.errors import (
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run
+# the Caffe2 pass trio and the pass pipeline (issue 3)
+from placement.passes import (
+    Pipeline,
+    get_activation_blobs,
+    inject_cross_device_copies,
+    shift_activation_devices,
+)
 
 __version__ = "0.1.0"
 
@@ -53,5 +60,7 @@ __all__ = [
     "UnknownOpError",
     "VerificationError",
 ]
+
+__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
 
 __all__ += ["Runner", "run"]
