@@ -1,0 +1,298 @@
+"""Tests for ``placement.runtime.ort``: equality with torch and one ORT session on every zoo model,
+device maps, inputs, transfers, and re-placement that rebuilds only changed stages."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import placement as pl
+from placement.graph.serialize import to_proto
+from placement.runtime import device_map as device_map_module
+from placement.runtime import ort as rort
+from placement.runtime.device_map import PhysicalDevice
+from tests.conftest import MODEL_NAMES
+
+RTOL = ATOL = 1e-4
+
+
+# --- placements -------------------------------------------------------------------------
+
+
+def place_shift(model: pl.Model, n_devices: int) -> pl.Model:
+    """Split the activations into ``n_devices`` equal runs on cuda:0..n-1 (Caffe2 style)."""
+    acts = pl.get_activation_blobs(model)
+    for k in range(1, n_devices):
+        pl.shift_activation_devices(model, acts[k * len(acts) // n_devices :], {k - 1: k})
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+    return model
+
+
+def place_random(model: pl.Model, n_devices: int, seed: int) -> pl.Model:
+    """Every op on a random device (seeded), then copies."""
+    rng = np.random.default_rng(seed)
+    for op in model.ops:
+        model.set_device(op.name, int(rng.integers(n_devices)))
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+    return model
+
+
+@functools.cache
+def _references(name: str):
+    """(torch outputs, single-ORT-session outputs) of the unplaced tiny model."""
+    from tests.conftest import _exported
+
+    model, net, args = _exported(name)
+    with torch.no_grad():
+        out = net(*args)
+    expected = [t.numpy() for t in (out if isinstance(out, (tuple, list)) else (out,))]
+    session = ort.InferenceSession(to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    single = session.run(None, {n: a.numpy() for n, a in zip(model.inputs, args)})
+    return expected, single
+
+
+def _check(name: str, outputs: list[np.ndarray]) -> None:
+    expected, single = _references(name)
+    assert len(outputs) == len(expected)
+    for got, want, one in zip(outputs, expected, single):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(got, one, rtol=RTOL, atol=ATOL)
+
+
+# --- equality on the zoo ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("n_devices", [2, 4])
+def test_shift_placement_matches_torch_and_single_session(exported, name, n_devices):
+    model, _, args = exported(name)
+    place_shift(model, n_devices)
+    assert len(model.devices) == n_devices
+    _check(name, pl.run(model, args))
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("n_devices,seed", [(2, 0), (4, 1)])
+def test_random_placement_matches(exported, name, n_devices, seed):
+    model, _, args = exported(name)
+    place_random(model, n_devices, seed)
+    _check(name, pl.run(model, {n: a for n, a in zip(model.inputs, args)}))
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_two_logical_devices_on_one_physical_device(exported, name):
+    model, _, args = exported(name)
+    place_shift(model, 4)
+    runner = pl.Runner(model, device_map={0: "cpu", 1: "cpu", 2: "cpu", 3: "cpu"})
+    assert {str(p) for p in runner.device_map.values()} == {"cpu"}
+    _check(name, runner.run(args))
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_device_map_cpu_and_unplaced_model(exported, name):
+    model, _, args = exported(name)
+    _check(name, pl.run(model, args, device_map="cpu"))  # one device, one stage
+    place_shift(model, 2)
+    _check(name, pl.run(model, args, device_map="cpu"))
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_placement_without_copies_runs_as_if_injected(exported, name):
+    model, _, args = exported(name)
+    acts = pl.get_activation_blobs(model)
+    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 1})
+    state, n_ops = model.device_state(), len(model.ops)
+    with pytest.raises(pl.VerificationError):
+        pl.verify(model)
+    runner = pl.Runner(model)
+    _check(name, runner.run(args))
+    assert runner.stats.transfers > 0
+    assert model.device_state() == state and len(model.ops) == n_ops  # user's model untouched
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), n_devices=st.integers(2, 4), inject=st.booleans())
+def test_random_placements_of_the_mlp(seed, n_devices, inject):
+    from tests.conftest import _exported
+
+    base, _, args = _exported("mlp")
+    model = base.copy()
+    rng = np.random.default_rng(seed)
+    for op in model.ops:
+        model.set_device(op.name, int(rng.integers(n_devices)))
+    if inject:
+        pl.inject_cross_device_copies(model)
+    _check("mlp", pl.run(model, args))
+
+
+# --- runner behaviour -------------------------------------------------------------------
+
+
+def test_runner_reuses_sessions_and_outputs_are_not_overwritten(exported):
+    model, net, (x,) = exported("mlp")
+    place_shift(model, 2)
+    runner = pl.Runner(model)
+    first = runner.run([x])[0]
+    kept = first.copy()
+    x2 = torch.randn_like(x)
+    second = runner.run([x2])[0]
+    np.testing.assert_array_equal(first, kept)  # the next run did not reuse its buffer
+    with torch.no_grad():
+        np.testing.assert_allclose(second, net(x2).numpy(), rtol=RTOL, atol=ATOL)
+    assert runner.stats.sessions_built == 2 and runner.stats.partitions == 1
+    assert runner.stats.runs == 2
+
+
+def test_stages_on_their_logical_devices(exported):
+    model, _, _ = exported("gpt")
+    place_shift(model, 2)
+    runner = pl.Runner(model)
+    assert [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1"]
+    assert all(p.emulated for p in runner.device_map.values())
+    sessions = [step[1].session for step in runner._program.steps if step[0] == "stage"]
+    assert len({id(s) for s in sessions}) == 2  # one session per stage
+    assert all(s.get_providers() == ["CPUExecutionProvider"] for s in sessions)
+
+
+def test_emulation_is_announced_once(exported, monkeypatch, caplog):
+    monkeypatch.setattr(device_map_module, "_warned_emulation", False)
+    monkeypatch.setattr(device_map_module, "cuda_device_count", lambda runtime="torch": 0)
+    model, _, args = exported("mlp")
+    place_shift(model, 2)
+    with caplog.at_level(logging.WARNING):
+        pl.run(model, args)
+        pl.run(model, args)
+    messages = [r.getMessage() for r in caplog.records if "EMULATING" in r.getMessage()]
+    assert len(messages) == 1 and "cuda:0, cuda:1" in messages[0]
+
+
+def test_missing_gpu_in_an_explicit_map_is_an_error(exported):
+    model, _, _ = exported("mlp")
+    place_shift(model, 2)
+    with pytest.raises(pl.DeviceError, match="cuda:7"):
+        pl.Runner(model, device_map={0: "cpu", 1: "cuda:7"})
+
+
+# --- re-placement (update_flow) ---------------------------------------------------------
+
+
+def test_replacement_rebuilds_only_changed_stages(exported):
+    model, net, args = exported("gpt")
+    place_shift(model, 3)  # stages on cuda:0, cuda:1, cuda:2
+    runner = pl.Runner(model)
+    assert [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1", "cuda:2"]
+    before = {s.index: s.fingerprint for s in runner.stages}
+    _check("gpt", runner.run(args))
+    assert runner.update() is False  # nothing changed
+
+    # move the last segment to a new device (modelsplit: layer_gpus[...] = 3; update_flow())
+    for op in model.ops:
+        if op.device == pl.Device("cuda", 2):
+            model.set_device(op.name, 3)
+    pl.inject_cross_device_copies(model)
+    _check("gpt", runner.run(args))  # run notices the change by itself
+    after = {s.index: s.fingerprint for s in runner.stages}
+    assert [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1", "cuda:3"]
+    assert after[0] == before[0] and after[1] == before[1] and after[2] != before[2]
+    assert runner.stats.partitions == 2
+    assert runner.stats.sessions_built == 3 + 1  # only the moved stage was rebuilt
+    assert runner.stats.sessions_reused == 2
+
+
+def test_replacement_with_stale_copies_and_explicit_update(exported):
+    model, _, args = exported("mlp")
+    place_shift(model, 2)
+    runner = pl.Runner(model, auto_update=False)
+    last = [op for op in model.ops if not op.is_copy][-1]
+    model.set_device(last.name, 2)  # copies are now stale: no copy into cuda:2
+    assert runner.run(args) is not None  # no auto update: still the old placement
+    assert runner.stats.partitions == 1
+    assert runner.update() is True
+    assert {str(s.device) for s in runner.stages} == {"cuda:0", "cuda:1", "cuda:2"}
+    _check("mlp", runner.run(args))
+    assert runner.stats.sessions_built == 2 + 2  # cuda:1's stage lost an op; cuda:2's is new
+    assert runner.update(force=True) is True
+    assert runner.stats.sessions_built == 4  # a forced re-partition reuses every session
+    assert runner.stats.sessions_reused == 1 + 3
+
+
+# --- inputs -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpt_runner(exported):
+    model, _, args = exported("gpt")
+    place_shift(model, 2)
+    return pl.Runner(model), model, args
+
+
+def test_inputs_as_dict_sequence_array_and_torch(gpt_runner):
+    runner, model, (idx,) = gpt_runner
+    name = model.inputs[0]
+    ref = runner.run({name: idx.numpy()})[0]
+    for inputs in ([idx], (idx.numpy(),), idx, idx.numpy(), {name: idx}):
+        np.testing.assert_array_equal(runner.run(inputs)[0], ref)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda n, a: {"nope": a}, r"unknown input 'nope'.*'idx'"),
+        (lambda n, a: {}, r"missing input 'idx'"),
+        (lambda n, a: [a, a], r"got 2 inputs but the model has 1"),
+        (lambda n, a: {n: a.astype(np.int32)}, r"input 'idx' has dtype int32, expected int64"),
+        (lambda n, a: {n: a[:, :3]}, r"input 'idx' has size 3 in dimension 1, expected 8"),
+        (lambda n, a: {n: a[0]}, r"input 'idx' has rank 1, expected 2"),
+        (lambda n, a: {n: "text"}, r"input 'idx': expected a numpy array"),
+        (lambda n, a: 42, r"dict by name or a sequence"),
+    ],
+)
+def test_bad_inputs_name_the_input(gpt_runner, make, match):
+    runner, model, (idx,) = gpt_runner
+    with pytest.raises(pl.InputError, match=match):
+        runner.run(make(model.inputs[0], idx.numpy()))
+
+
+# --- transfers --------------------------------------------------------------------------
+
+
+def test_transfer_kinds():
+    cpu_a = PhysicalDevice("cpu", 0, emulated=True)
+    gpu0, gpu0b, gpu1 = PhysicalDevice("cuda", 0), PhysicalDevice("cuda", 0), PhysicalDevice("cuda", 1)
+    kind = rort._transfer_kind
+    assert kind(cpu_a, cpu_a, same_logical=True) == "alias"
+    assert kind(cpu_a, cpu_a, same_logical=False) == "host"  # emulated devices are separate
+    assert kind(gpu0, gpu0b, same_logical=False) == "alias"  # two logical GPUs on one GPU
+    assert kind(gpu0, gpu1, same_logical=False) == "d2d"
+    assert kind(gpu0, cpu_a, same_logical=False) == "d2h"
+    assert kind(cpu_a, gpu1, same_logical=False) == "h2d"
+    assert kind(PhysicalDevice("cpu"), PhysicalDevice("cpu"), same_logical=False) == "alias"
+
+
+def test_emulated_transfer_makes_a_separate_value():
+    value = ort.OrtValue.ortvalue_from_numpy(np.arange(6, dtype=np.float32))
+    moved = rort._move(value, "host", PhysicalDevice("cpu", 0, emulated=True))
+    assert moved.data_ptr() != value.data_ptr()
+    np.testing.assert_array_equal(moved.numpy(), value.numpy())
+
+
+def test_intermediate_values_are_freed_after_last_use(exported):
+    model, _, _ = exported("unet")
+    place_shift(model, 4)
+    runner = pl.Runner(model)
+    program = runner._program
+    freed = {key for step in program.steps for key in step[-1]}
+    kept = {key for key, _ in program.outputs}
+    produced = set(program.partition.inputs)
+    for step in program.steps:
+        produced |= set(step[3]) if step[0] == "stage" else {step[3]}
+    assert produced - kept == freed
