@@ -28,6 +28,18 @@ from placement.errors import (
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run
+# placement front-ends, profiler and planner (issue 5)
+from placement.passes.balance import balance, balance_by_size, balance_by_time
+from placement.passes.blocks import begin_block
+from placement.passes.modules import assign_modules, module_devices
+from placement.passes.planner import Plan, auto_place
+from placement.passes.profile import Profile, profile
+from placement.passes.stage_assignment import (
+    StageAssignment,
+    get_stage_assignment,
+    set_stage_assignment,
+    summary,
+)
 # the Caffe2 pass trio and the pass pipeline (issue 3)
 from placement.passes import (
     Pipeline,
@@ -61,6 +73,22 @@ __all__ = [
     "VerificationError",
 ]
 
-__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
+__all__ += [
+    "module_devices",
+    "assign_modules",
+    "begin_block",
+    "get_stage_assignment",
+    "set_stage_assignment",
+    "StageAssignment",
+    "summary",
+    "balance",
+    "balance_by_time",
+    "balance_by_size",
+    "profile",
+    "Profile",
+    "auto_place",
+    "Plan",
+]
 
 __all__ += ["Runner", "run"]
+__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]

@@ -57,6 +57,9 @@ class DeviceRow:
     recv_bytes: int = 0
     sent_bytes: int = 0
     static_copy_bytes: int = 0
+    # filled by placement.passes.profile.add_estimates (issue 5)
+    peak_activation_bytes: int = 0
+    time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly fields (the device as a string)."""
@@ -93,6 +96,8 @@ DEFAULT_COLUMNS: list[Column] = [
     Column("recv", lambda r: format_bytes(r.recv_bytes)),
     Column("sent", lambda r: format_bytes(r.sent_bytes)),
     Column("params copied in", lambda r: format_bytes(r.static_copy_bytes)),
+    Column("peak act.", lambda r: format_bytes(r.peak_activation_bytes)),
+    Column("est. time", lambda r: f"{r.time_s * 1e3:.3f} ms" if r.time_s is not None else "-"),
 ]
 
 
@@ -230,9 +235,13 @@ def summary(model: ModelLike) -> Summary:
         target = row(dev_of[id(value)])
         target.activations += 1
         target.activation_bytes += size(value)
-    return Summary(
+    result = Summary(
         rows=[rows[d] for d in sorted(rows)],
         unknown_sizes=list(unknown),
         input_device=input_device,
         output_device=output_device,
     )
+    from placement.passes.profile import add_estimates  # peak activations, time (issue 5)
+
+    add_estimates(ir_model, result)
+    return result

@@ -1,0 +1,771 @@
+"""The automatic planner: exact bottleneck-optimal contiguous partitions under memory budgets.
+
+``auto_place(model, devices=N)`` or ``auto_place(model, max_memory={0: "2GB", 1: "6GB"})``
+cuts the graph order (a topological order: the exporter's, which follows the forward
+code) into at most one contiguous part per device, part ``k`` on the ``k``-th device,
+applies the result to the model in place and returns a :class:`Plan`.
+
+Costs per op come from the profiler (:mod:`placement.passes.profile`): measured time
+(``cost="time"``, nanoseconds), parameter plus output bytes (``"size"``) or analytic
+FLOPs (``"flops"``); all are integers, which makes the search below exact.
+
+Memory of a part is the bytes of the distinct parameters its ops read (a parameter read
+by ops of several parts, like GPT's tied embedding, counts on every one of them: it is
+a static copy there) plus the liveness-based peak of its activations (see
+:meth:`GraphInfo.segment_peak_activation`). Both can only shrink when a part shrinks.
+
+Objectives:
+
+* ``"throughput"`` (default; pipelined execution): minimise the bottleneck, the largest
+  part cost. For additive costs and memory that is monotone under taking sub-segments,
+  whether a bottleneck ``T`` is achievable is decided exactly by a greedy sweep (each
+  device takes the longest prefix of what is left that stays within ``T`` and its
+  budget: an exchange argument shows no partition reaches further), so an integer
+  bisection on ``T`` finds the optimum ``T*`` exactly in O(log(total)) sweeps. Among
+  all partitions with bottleneck ``T*`` a dynamic programme over cut points then picks
+  one that copies the fewest bytes per step. The result is the exact lexicographic
+  optimum (bottleneck, then bytes copied) over contiguous partitions of the order.
+* ``"latency"`` (one request at a time): the compute along the chain is the same for
+  every contiguous partition, so latency differs only by transfers; the planner
+  minimises the bytes copied per step subject to the budgets, then the bottleneck
+  (exact, by the same dynamic programme). With room to spare this keeps everything
+  on the first device, which is the fastest way to run one request.
+
+Bytes copied per step count one copy per (blob, reading device), as
+``inject_cross_device_copies`` makes them; graph inputs are fed where first read.
+The dynamic programme is O(N * sum of part lengths) in the worst case, fine for
+graphs of a few thousand ops.
+
+Example:
+    >>> import placement as pl
+    >>> from models import gpt
+    >>> model = pl.from_torch(*gpt.build("tiny"))
+    >>> plan = pl.auto_place(model, devices=2, cost="flops")
+    >>> [str(d) for d in model.devices]
+    ['cuda:0', 'cuda:1']
+    >>> plan.bottleneck <= 1.05 * plan.lower_bound
+    True
+    >>> pl.Plan.from_json(plan.to_json()) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
+from placement.graph.device import Device, DeviceLike
+from placement.graph.model import Model, set_node_device
+from placement.passes.profile import COST_KINDS, GraphInfo, fingerprint, profile
+from placement.passes.propagate import check_no_copies, transaction
+
+__all__ = [
+    "Plan",
+    "auto_place",
+    "parse_bytes",
+    "format_bytes",
+    "partition_costs",
+    "PartitionProblem",
+]
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("throughput", "latency")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(spec: int | float | str) -> int:
+    """Parse a memory budget: an int (bytes) or ``"2GB"``, ``"512MiB"``, ``"1.5 GB"``.
+
+    KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024 (as in accelerate).
+
+    Raises:
+        PlanError: the spec is malformed or negative.
+
+    Example:
+        >>> parse_bytes("1.5 GB"), parse_bytes("512MiB"), parse_bytes(1024)
+        (1500000000, 536870912, 1024)
+    """
+    if isinstance(spec, bool):
+        raise PlanError(f"not a memory size: {spec!r}")
+    if isinstance(spec, (int, float)):
+        if spec < 0 or (isinstance(spec, float) and not math.isfinite(spec)):
+            raise PlanError(f"memory sizes must be non-negative, got {spec!r}")
+        return int(spec)
+    if isinstance(spec, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", spec)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise PlanError(f"bad memory size {spec!r}: use bytes or a string like '2GB', '512MiB'")
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 -> '1.5 KiB'`` (binary units)."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _format_cost(value: float, kind: str) -> str:
+    if kind == "time":
+        return f"{value / 1e6:.3f} ms"
+    if kind == "size":
+        return format_bytes(value)
+    return f"{value / 1e6:.2f} MFLOP"
+
+
+# --- the exact partitioner ------------------------------------------------------------
+
+
+class PartitionProblem:
+    """Contiguous partition of ``n`` ops into ``len(budgets)`` ordered parts.
+
+    Args:
+        costs: integer cost per op (non-negative).
+        budgets: per part, a memory budget in bytes or None (unlimited).
+        info: the graph tables (needed for memory and transfers; None for pure costs).
+    """
+
+    def __init__(
+        self, costs: Sequence[int], budgets: Sequence[int | None], info: GraphInfo | None = None
+    ) -> None:
+        if any(c < 0 for c in costs):
+            raise PlanError("op costs must be non-negative")
+        if not budgets:
+            raise PlanError("need at least one device")
+        self.n = len(costs)
+        self.costs = [int(c) for c in costs]
+        self.prefix = [0]
+        for c in self.costs:
+            self.prefix.append(self.prefix[-1] + c)
+        self.budgets = list(budgets)
+        self.info = info
+        self._reach: dict[int, dict[int, int]] = {}
+        self._mem: dict[tuple[int, int], int] = {}
+        if info is None and any(b is not None for b in budgets):
+            raise PlanError("memory budgets need graph tables")
+
+    @property
+    def parts(self) -> int:
+        return len(self.budgets)
+
+    def cost(self, i: int, j: int) -> int:
+        return self.prefix[j] - self.prefix[i]
+
+    def memory(self, i: int, j: int) -> int:
+        """Parameters plus peak activations of ops ``i..j-1`` (memoised)."""
+        key = (i, j)
+        value = self._mem.get(key)
+        if value is None:
+            assert self.info is not None
+            value = self.info.segment_memory(i, j) if j > i else 0
+            self._mem[key] = value
+        return value
+
+    def memory_reach(self, budget: int | None, i: int) -> int:
+        """The largest ``j`` such that ops ``i..j-1`` fit in ``budget`` (memory is monotone)."""
+        if budget is None:
+            return self.n
+        cache = self._reach.setdefault(budget, {})
+        hit = cache.get(i)
+        if hit is not None:
+            return hit
+        if self.memory(i, min(i + 1, self.n)) > budget:
+            cache[i] = i
+            return i
+        lo, step = min(i + 1, self.n), 1  # lo fits
+        while lo < self.n:
+            hi = min(self.n, lo + step)
+            if self.memory(i, hi) <= budget:
+                lo, step = hi, step * 2
+            else:
+                break
+        else:
+            cache[i] = self.n
+            return self.n
+        # lo fits, lo+step does not (or is past n): binary search in between
+        hi = min(self.n, lo + step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.memory(i, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        cache[i] = lo
+        return lo
+
+    def cost_reach(self, i: int, bound: int) -> int:
+        """The largest ``j`` with ``cost(i, j) <= bound``."""
+        return bisect.bisect_right(self.prefix, self.prefix[i] + bound) - 1
+
+    def greedy(self, bound: int, budgets: Sequence[int | None] | None = None) -> list[int] | None:
+        """Ends of the parts if every part can stay within ``bound``, else None."""
+        budgets = self.budgets if budgets is None else budgets
+        i = 0
+        ends = []
+        for budget in budgets:
+            j = min(self.cost_reach(i, bound), self.memory_reach(budget, i))
+            ends.append(j)
+            i = j
+        return ends if i == self.n else None
+
+    def min_bottleneck(self) -> int:
+        """The smallest achievable bottleneck (exact, integer bisection over greedy sweeps).
+
+        Raises:
+            InfeasiblePlacementError: the budgets cannot hold the model at all.
+        """
+        total = self.prefix[-1]
+        if self.greedy(total) is None:
+            raise InfeasiblePlacementError(self.infeasible_message())
+        lo = max(max(self.costs, default=0), -(-total // self.parts))
+        hi = total
+        if lo > hi:
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.greedy(mid) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def min_transfer(self, bound: int | None) -> list[int]:
+        """Part ends minimising (bytes copied per step, bottleneck), parts within ``bound``.
+
+        Exact dynamic programme over cut points; part ``k`` must fit its budget.
+        """
+        n, info = self.n, self.info
+        inf = (math.inf, math.inf)
+        best: list[tuple[float, float]] = [(0, 0)] + [inf] * n
+        parents: list[list[int]] = []
+        for budget in self.budgets:
+            new = list(best)  # an empty part keeps the position
+            parent = list(range(n + 1))
+            for i in range(n):
+                base = best[i]
+                if base == inf:
+                    continue
+                jmax = self.memory_reach(budget, i)
+                if bound is not None:
+                    jmax = min(jmax, self.cost_reach(i, bound))
+                seen: set[int] = set()
+                in_bytes = 0
+                for j in range(i + 1, jmax + 1):
+                    if info is not None:
+                        for b in info.op_inputs[j - 1]:
+                            if b in seen:
+                                continue
+                            producer = info.blob_producer[b]
+                            first = producer if producer >= 0 else info.blob_consumers[b][0]
+                            if first < i:
+                                seen.add(b)
+                                in_bytes += info.blob_bytes[b]
+                    cand = (base[0] + in_bytes, max(base[1], self.cost(i, j)))
+                    if cand < new[j]:
+                        new[j] = cand
+                        parent[j] = i
+            best = new
+            parents.append(parent)
+        if best[n] == inf:
+            raise InfeasiblePlacementError(self.infeasible_message())
+        ends = []
+        j = n
+        for parent in reversed(parents):
+            ends.append(j)
+            j = parent[j]
+        return list(reversed(ends))
+
+    def min_uniform_budget(self) -> int:
+        """The smallest budget that, given to every part, admits a placement (exact)."""
+        assert self.info is not None
+        total = self.prefix[-1]
+        lo = max((self.memory(i, i + 1) for i in range(self.n)), default=0)
+        hi = self.memory(0, self.n)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.greedy(total, [mid] * self.parts) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def infeasible_message(self) -> str:
+        largest_op = max(range(self.n), key=lambda i: self.memory(i, i + 1)) if self.n else 0
+        need = self.memory(largest_op, largest_op + 1) if self.n else 0
+        uniform = self.min_uniform_budget()
+        budgets = ", ".join(format_bytes(b) if b is not None else "unlimited" for b in self.budgets)
+        name = self.info.names[largest_op] if self.info is not None and self.n else "?"
+        return (
+            f"no contiguous placement of {self.n} ops on {self.parts} devices fits the budgets "
+            f"[{budgets}]: it needs at least {format_bytes(need)} on some device (op {name!r} "
+            f"alone), and the smallest uniform budget that fits is {format_bytes(uniform)} "
+            f"({uniform} bytes) per device"
+        )
+
+
+def partition_costs(costs: Sequence[int], parts: int, *, nonempty: bool = True) -> list[int]:
+    """Sizes of an exact min-bottleneck contiguous partition of ``costs`` into ``parts``.
+
+    With ``nonempty`` (and at least ``parts`` items) every part gets one item or more
+    without raising the bottleneck (torchgpipe's balance lists are positive).
+
+    Example:
+        >>> partition_costs([1, 2, 3, 4, 5, 6], 3)
+        [3, 2, 1]
+        >>> partition_costs([1, 1, 10], 3)
+        [1, 1, 1]
+    """
+    if parts < 1:
+        raise PlanError(f"need at least one partition, got {parts}")
+    problem = PartitionProblem(costs, [None] * parts)
+    ends = problem.greedy(problem.min_bottleneck())
+    assert ends is not None
+    if nonempty and len(costs) >= parts:
+        fixed = list(ends)
+        for k in range(parts - 2, -1, -1):
+            fixed[k] = min(fixed[k], fixed[k + 1] - 1)
+        ends = fixed
+    sizes, start = [], 0
+    for end in ends:
+        sizes.append(end - start)
+        start = end
+    return sizes
+
+
+# --- plans ------------------------------------------------------------------------------
+
+
+@dataclass
+class DevicePlan:
+    """Predicted figures of one device under a plan.
+
+    Attributes:
+        device: the device (string).
+        ops: number of ops.
+        first_op / last_op: the part's first and last op (None if empty).
+        cost: summed op cost (ns, bytes or FLOPs, per ``Plan.cost_kind``).
+        param_bytes: parameters it holds (shared ones count on every device reading them).
+        activation_bytes: liveness-based peak of its activations.
+        budget: its memory budget in bytes, or None.
+        bytes_in / bytes_out: bytes copied in and out per step.
+    """
+
+    device: str
+    ops: int
+    first_op: str | None
+    last_op: str | None
+    cost: int
+    param_bytes: int
+    activation_bytes: int
+    budget: int | None
+    bytes_in: int
+    bytes_out: int
+
+    @property
+    def memory(self) -> int:
+        """Parameters plus peak activations."""
+        return self.param_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        """True if the device's memory stays within its budget."""
+        return self.budget is None or self.memory <= self.budget
+
+
+@dataclass
+class Plan:
+    """A placement plan: the device of every op plus its predicted cost and memory.
+
+    Plans can be applied (:meth:`apply`), printed (``str(plan)`` is a table), saved
+    (:meth:`save`, :meth:`to_json`) and loaded (:meth:`load`, :meth:`from_json`).
+
+    Attributes:
+        assignment: op name -> device string, in graph order.
+        devices: per-device predictions (:class:`DevicePlan`), in part order.
+        cost_kind: ``"time"`` (ns), ``"size"`` (bytes) or ``"flops"``.
+        objective: ``"throughput"`` or ``"latency"``.
+        bottleneck: the largest per-device cost.
+        lower_bound: ``max(ceil(total / N), largest op)``, no plan can beat it.
+        total_cost: sum of all op costs.
+        transfer_bytes: bytes copied between devices per step.
+        cut_bytes: per boundary between consecutive used devices, bytes of the
+            distinct blobs crossing it.
+        fingerprint: structure fingerprint of the model planned for.
+    """
+
+    assignment: dict[str, str]
+    devices: list[DevicePlan]
+    cost_kind: str
+    objective: str
+    bottleneck: int
+    lower_bound: int
+    total_cost: int
+    transfer_bytes: int
+    cut_bytes: list[int] = field(default_factory=list)
+    fingerprint: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """``bottleneck / lower_bound`` (1.0 is provably optimal)."""
+        return self.bottleneck / self.lower_bound if self.lower_bound else 1.0
+
+    @property
+    def fits(self) -> bool:
+        """True if every device stays within its budget."""
+        return all(d.fits for d in self.devices)
+
+    def device_of(self, op: str) -> Device:
+        """The device the plan gives ``op``."""
+        try:
+            return Device.parse(self.assignment[op])
+        except KeyError:
+            raise UnknownOpError(f"the plan has no op {op!r}") from None
+
+    def apply(self, model: Model) -> None:
+        """Place ``model``'s ops as planned, in place (transactional).
+
+        Raises:
+            UnknownOpError: the plan names an op the model lacks.
+            PlanError: the model has ops the plan does not cover, or copies.
+        """
+        check_no_copies(model, "Plan.apply")
+        names = {node.name for node in model.graph}
+        for op in self.assignment:
+            if op not in names:
+                raise UnknownOpError(f"the plan places op {op!r}, which is not in the model")
+        missing = [n for n in names if n not in self.assignment]
+        if missing:
+            raise PlanError(f"the plan does not cover op {missing[0]!r} ({len(missing)} ops missing)")
+        if self.fingerprint and fingerprint(model) != self.fingerprint:
+            log.warning("applying a plan made for a different model structure")
+        parsed = {op: Device.parse(dev) for op, dev in self.assignment.items()}
+        with transaction(model):
+            for node in model.graph:
+                set_node_device(node, parsed[node.name or ""])
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from :meth:`to_dict` output.
+
+        Raises:
+            PlanError: the data is not a plan.
+        """
+        try:
+            fields = dict(data)
+            fields["devices"] = [DevicePlan(**d) for d in fields["devices"]]
+            fields["assignment"] = {str(k): str(v) for k, v in fields["assignment"].items()}
+            for dev in fields["assignment"].values():
+                Device.parse(dev)
+            return cls(**fields)
+        except (TypeError, KeyError, AttributeError, ValueError) as err:
+            raise PlanError(f"not a placement plan: {err}") from err
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Rebuild a plan from :meth:`to_json` text."""
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise PlanError(f"plan JSON does not parse: {err}") from err
+        if not isinstance(data, dict):
+            raise PlanError("plan JSON must be an object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            PlanError: the file is missing or not a plan.
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as err:
+            raise PlanError(f"cannot read plan {str(path)!r}: {err}") from err
+        return cls.from_json(text)
+
+    def table(self) -> Any:
+        """A ``rich.table.Table`` with one row per device."""
+        from rich.table import Table
+
+        table = Table(
+            title=(
+                f"plan ({self.objective}, cost={self.cost_kind}): bottleneck "
+                f"{_format_cost(self.bottleneck, self.cost_kind)} = {self.ratio:.3f} x lower bound, "
+                f"{format_bytes(self.transfer_bytes)} copied per step"
+            )
+        )
+        for col in (
+            "device",
+            "ops",
+            "first op",
+            "last op",
+            "cost",
+            "params",
+            "peak act.",
+            "budget",
+            "in",
+            "out",
+        ):
+            table.add_column(col, justify="left" if col in ("device", "first op", "last op") else "right")
+        for d in self.devices:
+            table.add_row(
+                d.device,
+                str(d.ops),
+                d.first_op or "-",
+                d.last_op or "-",
+                _format_cost(d.cost, self.cost_kind),
+                format_bytes(d.param_bytes),
+                format_bytes(d.activation_bytes),
+                format_bytes(d.budget) if d.budget is not None else "-",
+                format_bytes(d.bytes_in),
+                format_bytes(d.bytes_out),
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+        console.print(self.table())
+        text = console.export_text()
+        console.file.close()
+        return text.rstrip("\n")
+
+
+def _resolve_devices(
+    devices: int | Sequence[DeviceLike] | None, max_memory: Mapping[Any, Any] | None
+) -> tuple[list[Device], list[int | None]]:
+    budgets_by_device: dict[Device, int] = {}
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise PlanError(f"max_memory must map devices to sizes, got {type(max_memory).__name__}")
+        for key, spec in max_memory.items():
+            budgets_by_device[Device.parse(key)] = parse_bytes(spec)
+    if devices is None:
+        if not budgets_by_device:
+            raise PlanError("auto_place needs devices=N, a list of devices, or max_memory")
+        device_list = list(budgets_by_device)
+    elif isinstance(devices, bool):
+        raise PlanError(f"devices must be a count or a list, got {devices!r}")
+    elif isinstance(devices, int):
+        if devices < 1:
+            raise PlanError(f"need at least one device, got devices={devices}")
+        device_list = [Device("cuda", k) for k in range(devices)]
+    else:
+        device_list = [Device.parse(d) for d in devices]
+        if not device_list:
+            raise PlanError("devices is empty")
+    if len(set(device_list)) != len(device_list):
+        raise PlanError(f"devices repeat: {[str(d) for d in device_list]}")
+    extra = [d for d in budgets_by_device if d not in device_list]
+    if extra:
+        raise PlanError(
+            f"max_memory names {extra[0]}, which is not among devices {[str(d) for d in device_list]}"
+        )
+    return device_list, [budgets_by_device.get(d) for d in device_list]
+
+
+def build_plan(
+    info: GraphInfo,
+    costs: Sequence[int],
+    ends: Sequence[int],
+    devices: Sequence[Device],
+    budgets: Sequence[int | None],
+    *,
+    cost_kind: str,
+    objective: str,
+    fp: str = "",
+) -> Plan:
+    """Evaluate a contiguous partition (part ends) into a :class:`Plan`."""
+    n = len(info)
+    part = [0] * n
+    start = 0
+    for k, end in enumerate(ends):
+        for pos in range(start, end):
+            part[pos] = k
+        start = end
+    return evaluate_assignment(
+        info, costs, part, devices, budgets, cost_kind=cost_kind, objective=objective, fp=fp
+    )
+
+
+def evaluate_assignment(
+    info: GraphInfo,
+    costs: Sequence[int],
+    part: Sequence[int],
+    devices: Sequence[Device],
+    budgets: Sequence[int | None],
+    *,
+    cost_kind: str,
+    objective: str,
+    fp: str = "",
+) -> Plan:
+    """Evaluate any assignment ``part[pos]`` (index into ``devices``) into a :class:`Plan`.
+
+    Used for our plans and, in the benchmark, to score other tools' placements with the
+    same cost and memory model.
+    """
+    num = len(devices)
+    n = len(info)
+    total = sum(costs)
+    part_cost = [0] * num
+    for pos in range(n):
+        part_cost[part[pos]] += costs[pos]
+    params = info.part_param_bytes(part, num)
+    acts = info.peak_activations(part, num)
+    out, into = info.transfers(part, num)
+    rows = []
+    for k, device in enumerate(devices):
+        members = [pos for pos in range(n) if part[pos] == k]
+        rows.append(
+            DevicePlan(
+                device=str(device),
+                ops=len(members),
+                first_op=info.names[members[0]] if members else None,
+                last_op=info.names[members[-1]] if members else None,
+                cost=part_cost[k],
+                param_bytes=params[k],
+                activation_bytes=acts[k],
+                budget=budgets[k],
+                bytes_in=into[k],
+                bytes_out=out[k],
+            )
+        )
+    cut_bytes = []
+    for c in range(1, n):
+        if part[c] != part[c - 1]:
+            cut_bytes.append(_cut_bytes(info, c))
+    lower = max(max(costs, default=0), -(-total // num)) if n else 0
+    return Plan(
+        assignment={info.names[pos]: str(devices[part[pos]]) for pos in range(n)},
+        devices=rows,
+        cost_kind=cost_kind,
+        objective=objective,
+        bottleneck=max(part_cost, default=0),
+        lower_bound=lower,
+        total_cost=total,
+        transfer_bytes=sum(into),
+        cut_bytes=cut_bytes,
+        fingerprint=fp,
+    )
+
+
+def _cut_bytes(info: GraphInfo, c: int) -> int:
+    """Bytes of the distinct blobs made (or fed) before position ``c`` and read at or after it."""
+    total = 0
+    for b, consumers in enumerate(info.blob_consumers):
+        if not consumers or consumers[-1] < c:
+            continue
+        producer = info.blob_producer[b]
+        first = producer if producer >= 0 else consumers[0]
+        if first < c:
+            total += info.blob_bytes[b]
+    return total
+
+
+def auto_place(
+    model: Model,
+    devices: int | Sequence[DeviceLike] | None = None,
+    max_memory: Mapping[Any, int | float | str] | None = None,
+    *,
+    sample_inputs: Any = None,
+    cost: str = "time",
+    objective: str = "throughput",
+    repeats: int = 5,
+) -> Plan:
+    """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
+
+    Args:
+        model: the model, placed in place.
+        devices: a device count (``cuda:0 .. cuda:N-1``) or a list of devices, in
+            pipeline order. Optional when ``max_memory`` is given (its keys, in order).
+        max_memory: device -> budget for parameters plus peak activations, in bytes or
+            as ``"2GB"`` / ``"512MiB"``; devices left out are unlimited.
+        sample_inputs: inputs for time profiling (see :func:`placement.profile`).
+        cost: ``"time"`` (measured), ``"size"`` (parameter + output bytes) or ``"flops"``.
+        objective: ``"throughput"`` (minimise the bottleneck, then bytes copied) or
+            ``"latency"`` (minimise bytes copied, then the bottleneck); see the module
+            docstring.
+        repeats: timed runs when profiling.
+
+    Raises:
+        InfeasiblePlacementError: no placement fits the budgets; the message gives the
+            smallest uniform budget that would.
+        PlanError: bad arguments, or the model already has copies.
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> plan = pl.auto_place(model, max_memory={0: 10**9, 1: "1GB"}, cost="size")
+        >>> plan.fits, len(plan.devices)
+        (True, 2)
+    """
+    if cost not in COST_KINDS:
+        raise PlanError(f"unknown cost {cost!r}; expected one of {', '.join(COST_KINDS)}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
+    check_no_copies(model, "auto_place")
+    device_list, budgets = _resolve_devices(devices, max_memory)
+    prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
+    costs = prof.costs(cost)
+    info = GraphInfo(model)
+    problem = PartitionProblem(costs, budgets, info)
+    if objective == "throughput":
+        bound = problem.min_bottleneck()
+        ends = problem.min_transfer(bound)
+    else:
+        ends = problem.min_transfer(None)
+    plan = build_plan(
+        info, costs, ends, device_list, budgets, cost_kind=cost, objective=objective, fp=prof.fingerprint
+    )
+    plan.apply(model)
+    log.info(
+        "auto_place: %d ops on %d devices, bottleneck %.3f x lower bound, %d bytes copied per step",
+        len(info),
+        len(device_list),
+        plan.ratio,
+        plan.transfer_bytes,
+    )
+    return plan

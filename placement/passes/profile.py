@@ -1,0 +1,786 @@
+"""The profiler: per-op cost (measured time, bytes, FLOPs) and liveness-based memory.
+
+For every op (copies excluded) :func:`profile` records
+
+* ``time_s``: the median forward time over ``repeats`` runs, measured by ONNX
+  Runtime's own profiler (``SessionOptions.enable_profiling``) on one plain CPU
+  session of the whole model with graph optimisations off (so every ONNX node is
+  timed under its own name) and one intra-op thread (stable, proportional timings);
+* ``output_bytes``: bytes of the blobs it produces (static shapes from the exporter);
+* ``param_bytes``: bytes of the parameters (initializers) it is the *first* consumer
+  of, so that the per-op values add up to the model's parameter bytes;
+* ``flops``: an analytic count from a per-op-type rule table (:data:`FLOP_RULES`)
+  with a default rule (one FLOP per output element).
+
+Results are cached on the model (``model.ir_model.meta``), keyed by a fingerprint of
+the graph's structure (op names, types and outputs; copies and devices ignored) and
+the input shapes, so placing ops or injecting copies keeps the cache valid.
+
+Peak activation memory is liveness based (:func:`peak_activation_bytes`): a device
+holds a blob from the moment it is produced there (or, for a blob that arrives by
+copy or is a graph input, from the start of the stage that first reads it) until
+its last use there; a blob that leaves the device, or is a graph output, stays until
+the end of the stage that produced it (stages are the maximal same-device runs of
+ops in graph order, the unit the runtimes execute). Parameters are counted apart.
+
+Example:
+    >>> import placement as pl
+    >>> from models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> prof = pl.profile(model, repeats=2)
+    >>> len(prof.ops) == len(model.ops), prof.backend
+    (True, 'ort')
+    >>> prof.total_output_bytes > 0
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from placement.errors import InputError, PlanError
+from placement.graph.device import Device
+from placement.graph.model import Model, is_copy_node, node_device, value_nbytes
+
+__all__ = [
+    "FLOP_RULES",
+    "GraphInfo",
+    "OpProfile",
+    "Profile",
+    "add_estimates",
+    "cached_profile",
+    "make_sample_inputs",
+    "op_flops",
+    "peak_activation_bytes",
+    "profile",
+]
+
+log = logging.getLogger(__name__)
+
+_CACHE_KEY = "placement.profile"
+COST_KINDS = ("time", "size", "flops")
+
+
+# --- graph tables -------------------------------------------------------------------
+
+
+class GraphInfo:
+    """Integer tables of a model's non-copy ops, in graph (topological) order.
+
+    Copies are looked through: a consumer of a copy's output counts as a consumer of
+    the copied blob. Blobs are activations (outputs of ops, and graph inputs);
+    parameters are initializers.
+
+    Attributes:
+        nodes: the ``onnx_ir.Node`` of each position.
+        names: op names by position.
+        op_inputs: per position, the distinct activation blob ids it reads.
+        op_params: per position, the distinct parameter ids it reads.
+        op_outputs: per position, the blob ids it produces.
+        blob_bytes, blob_producer (-1 for graph inputs), blob_consumers (sorted
+        positions), blob_is_output: per blob id.
+        param_bytes, param_names: per parameter id.
+    """
+
+    def __init__(self, model: Model) -> None:
+        graph = model.graph
+        self.nodes: list[ir.Node] = [n for n in graph if not is_copy_node(n)]
+        self.names: list[str] = [n.name or "" for n in self.nodes]
+        self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
+        inits = graph.initializers
+        self.param_names: list[str] = list(inits)
+        param_id = {id(v): k for k, v in enumerate(inits.values())}
+        self.param_bytes: list[int] = [int(math.ceil(value_nbytes(v) or 0)) for v in inits.values()]
+        self.blob_names: list[str] = []
+        self.blob_bytes: list[int] = []
+        self.blob_producer: list[int] = []
+        self.blob_consumers: list[list[int]] = []
+        self.blob_is_output: list[bool] = []
+        blob_id: dict[int, int] = {}
+        self.unknown_size: list[str] = []
+
+        def new_blob(value: ir.Value, producer: int) -> int:
+            b = len(self.blob_names)
+            blob_id[id(value)] = b
+            self.blob_names.append(value.name or "")
+            size = value_nbytes(value)
+            if size is None:
+                self.unknown_size.append(value.name or "")
+            self.blob_bytes.append(int(math.ceil(size)) if size else 0)
+            self.blob_producer.append(producer)
+            self.blob_consumers.append([])
+            self.blob_is_output.append(False)
+            return b
+
+        for value in graph.inputs:
+            if id(value) not in param_id:
+                new_blob(value, -1)
+        self.op_inputs: list[list[int]] = []
+        self.op_params: list[list[int]] = []
+        self.op_outputs: list[list[int]] = []
+        for i, node in enumerate(self.nodes):
+            acts: list[int] = []
+            params: list[int] = []
+            for value in node.inputs:
+                if value is None:
+                    continue
+                value = _look_through_copies(value)
+                k = param_id.get(id(value))
+                if k is not None:
+                    if k not in params:
+                        params.append(k)
+                    continue
+                b = blob_id.get(id(value))
+                if b is None:  # produced outside the graph order (should not happen)
+                    b = new_blob(value, -1)
+                if b not in acts:
+                    acts.append(b)
+                    self.blob_consumers[b].append(i)
+            self.op_inputs.append(acts)
+            self.op_params.append(params)
+            self.op_outputs.append([new_blob(v, i) for v in node.outputs])
+        for value in graph.outputs:
+            b = blob_id.get(id(_look_through_copies(value)))
+            if b is not None:
+                self.blob_is_output[b] = True
+        if self.unknown_size:
+            inferred = _infer_sizes(model, set(self.unknown_size))
+            for b, name in enumerate(self.blob_names):
+                if name in inferred:
+                    self.blob_bytes[b] = inferred[name]
+            self.unknown_size = [n for n in self.unknown_size if n not in inferred]
+        if self.unknown_size:
+            log.info(
+                "%d blobs have no static shape and count as 0 bytes (first: %r)",
+                len(self.unknown_size),
+                self.unknown_size[0],
+            )
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # -- memory of one contiguous segment -------------------------------------------
+
+    def segment_param_bytes(self, i: int, j: int) -> int:
+        """Bytes of the distinct parameters read by ops ``i..j-1`` (shared ones count once)."""
+        seen: set[int] = set()
+        total = 0
+        for pos in range(i, j):
+            for k in self.op_params[pos]:
+                if k not in seen:
+                    seen.add(k)
+                    total += self.param_bytes[k]
+        return total
+
+    def segment_peak_activation(self, i: int, j: int) -> int:
+        """Peak live activation bytes of a device that runs exactly ops ``i..j-1``."""
+        if j <= i:
+            return 0
+        diff = [0] * (j - i + 1)
+        received: set[int] = set()
+        for pos in range(i, j):
+            for b in self.op_inputs[pos]:
+                if self.blob_producer[b] < i and b not in received:
+                    received.add(b)
+                    size = self.blob_bytes[b]
+                    if size:
+                        end = _last_before(self.blob_consumers[b], j)
+                        diff[0] += size
+                        diff[end - i + 1] -= size
+            for b in self.op_outputs[pos]:
+                size = self.blob_bytes[b]
+                if not size:
+                    continue
+                consumers = self.blob_consumers[b]
+                if self.blob_is_output[b] or (consumers and consumers[-1] >= j):
+                    end = j - 1
+                elif consumers:
+                    end = consumers[-1]
+                else:
+                    end = pos
+                diff[pos - i] += size
+                diff[end - i + 1] -= size
+        return _max_prefix(diff)
+
+    def segment_memory(self, i: int, j: int) -> int:
+        """Parameters plus peak activations of a device that runs ops ``i..j-1``."""
+        return self.segment_param_bytes(i, j) + self.segment_peak_activation(i, j)
+
+    def segment_in_bytes(self, i: int, j: int) -> int:
+        """Bytes copied into a device running ops ``i..j-1`` from earlier ones (per step).
+
+        Counts each distinct activation read there and produced before ``i``; a graph
+        input counts when its first reader lies before ``i`` (it is fed where first used).
+        """
+        seen: set[int] = set()
+        total = 0
+        for pos in range(i, j):
+            for b in self.op_inputs[pos]:
+                if b in seen:
+                    continue
+                producer = self.blob_producer[b]
+                first = producer if producer >= 0 else self.blob_consumers[b][0]
+                if first < i:
+                    seen.add(b)
+                    total += self.blob_bytes[b]
+        return total
+
+    # -- memory of an arbitrary placement --------------------------------------------
+
+    def peak_activations(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """Peak live activation bytes per part for an arbitrary assignment ``part[pos]``."""
+        n = len(self.nodes)
+        run_start = [0] * n
+        run_end = [0] * n
+        for pos in range(n):
+            run_start[pos] = run_start[pos - 1] if pos and part[pos - 1] == part[pos] else pos
+        for pos in range(n - 1, -1, -1):
+            run_end[pos] = run_end[pos + 1] if pos < n - 1 and part[pos + 1] == part[pos] else pos
+        diffs = [[0] * (n + 1) for _ in range(num_parts)]
+        for b, size in enumerate(self.blob_bytes):
+            if not size:
+                continue
+            producer = self.blob_producer[b]
+            by_part: dict[int, list[int]] = {}
+            for c in self.blob_consumers[b]:
+                by_part.setdefault(part[c], []).append(c)
+            home = part[producer] if producer >= 0 else None
+            if home is not None:
+                own = by_part.get(home)
+                end = own[-1] if own else producer
+                if self.blob_is_output[b] or len(by_part) > (1 if own else 0):
+                    end = max(end, run_end[producer])
+                diffs[home][producer] += size
+                diffs[home][end + 1] -= size
+            for p, positions in by_part.items():
+                if p == home:
+                    continue
+                diffs[p][run_start[positions[0]]] += size
+                diffs[p][positions[-1] + 1] -= size
+        return [_max_prefix(d) for d in diffs]
+
+    def part_param_bytes(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """Parameter bytes per part; a parameter read on several parts counts on each."""
+        seen: list[set[int]] = [set() for _ in range(num_parts)]
+        totals = [0] * num_parts
+        for pos, p in enumerate(part):
+            for k in self.op_params[pos]:
+                if k not in seen[p]:
+                    seen[p].add(k)
+                    totals[p] += self.param_bytes[k]
+        return totals
+
+    def transfers(self, part: Sequence[int], num_parts: int) -> tuple[list[int], list[int]]:
+        """Per-step bytes sent and received per part: one copy per (blob, reading part).
+
+        A graph input is fed on the part of its first reader and copied to the others.
+        """
+        out = [0] * num_parts
+        into = [0] * num_parts
+        for b, size in enumerate(self.blob_bytes):
+            producer = self.blob_producer[b]
+            consumers = self.blob_consumers[b]
+            if not consumers:
+                continue
+            home = part[producer] if producer >= 0 else part[consumers[0]]
+            for p in {part[c] for c in consumers}:
+                if p != home:
+                    out[home] += size
+                    into[p] += size
+        return out, into
+
+
+def _infer_sizes(model: Model, names: set[str]) -> dict[str, int]:
+    """Byte sizes of ``names`` from ONNX shape inference (for values the exporter left unshaped)."""
+    import onnx
+
+    try:
+        proto = ir.serde.serialize_model(model.ir_model)
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception as err:  # shape inference is best effort
+        log.debug("shape inference failed: %s", err)
+        return {}
+    sizes: dict[str, int] = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if info.name not in names or not info.type.HasField("tensor_type"):
+            continue
+        tensor = info.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if not tensor.HasField("shape") or any(d is None for d in dims) or not tensor.elem_type:
+            continue
+        itemsize = ir.DataType(tensor.elem_type).itemsize
+        sizes[info.name] = int(math.prod(dims) * itemsize)
+    return sizes
+
+
+def _look_through_copies(value: ir.Value) -> ir.Value:
+    producer = value.producer()
+    while producer is not None and is_copy_node(producer) and producer.inputs and producer.inputs[0]:
+        value = producer.inputs[0]
+        producer = value.producer()
+    return value
+
+
+def _last_before(positions: list[int], j: int) -> int:
+    """The largest position ``< j`` in a sorted list (there is at least one)."""
+    lo, hi = 0, len(positions)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if positions[mid] < j:
+            lo = mid + 1
+        else:
+            hi = mid
+    return positions[lo - 1]
+
+
+def _max_prefix(diff: list[int]) -> int:
+    best = running = 0
+    for delta in diff:
+        running += delta
+        if running > best:
+            best = running
+    return best
+
+
+def peak_activation_bytes(model: Model) -> dict[Device, int]:
+    """Liveness-based peak activation bytes per device for the model's current placement.
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> peaks = pl.passes.profile.peak_activation_bytes(model)
+        >>> list(peaks), peaks[pl.Device("cuda", 0)] > 0
+        ([Device('cuda:0')], True)
+    """
+    info = GraphInfo(model)
+    devices = sorted({node_device(n) for n in info.nodes})
+    index = {d: k for k, d in enumerate(devices)}
+    part = [index[node_device(n)] for n in info.nodes]
+    return dict(zip(devices, info.peak_activations(part, len(devices))))
+
+
+def add_estimates(model: Model | ir.Model, report: Any) -> None:
+    """Fill ``peak_activation_bytes`` and ``time_s`` of each row of a ``passes.report.Summary``.
+
+    Times come from the latest cached profile with times of the model's structure;
+    without one ``time_s`` stays None.
+    """
+    wrapped = model if isinstance(model, Model) else Model(model)
+    peaks = peak_activation_bytes(wrapped)
+    prof = cached_profile(wrapped, need_time=True)
+    times: dict[Device, float] = {}
+    if prof is not None:
+        for node in wrapped.graph:
+            op = prof.ops.get(node.name or "")
+            if op is not None and op.time_s is not None and not is_copy_node(node):
+                device = node_device(node)
+                times[device] = times.get(device, 0.0) + op.time_s
+    for row in report.rows:
+        row.peak_activation_bytes = peaks.get(row.device, 0)
+        row.time_s = times.get(row.device, 0.0) if prof is not None else None
+
+
+# --- FLOPs --------------------------------------------------------------------------
+
+
+def _numel(value: ir.Value | None) -> int | None:
+    if value is None or value.shape is None:
+        return None
+    count = 1
+    for dim in value.shape:
+        if not isinstance(dim, int):
+            return None
+        count *= dim
+    return count
+
+
+def _dims(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return [int(d) for d in value.shape]
+
+
+def _out_numel(node: ir.Node) -> int:
+    return sum(_numel(v) or 0 for v in node.outputs)
+
+
+def _flops_matmul(node: ir.Node) -> int:
+    a = _dims(node.inputs[0])
+    k = a[-1] if a else 1
+    return 2 * k * (_numel(node.outputs[0]) or 0)
+
+
+def _flops_gemm(node: ir.Node) -> int:
+    a = _dims(node.inputs[0])
+    trans_a = node.attributes.get("transA")
+    k = 1
+    if a and len(a) == 2:
+        k = a[0] if trans_a is not None and trans_a.as_int() else a[1]
+    out = _numel(node.outputs[0]) or 0
+    return 2 * k * out + (out if len(node.inputs) > 2 and node.inputs[2] is not None else 0)
+
+
+def _flops_conv(node: ir.Node) -> int:
+    w = _dims(node.inputs[1]) if len(node.inputs) > 1 else None
+    per_out = math.prod(w[1:]) if w else 1
+    return 2 * per_out * (_numel(node.outputs[0]) or 0)
+
+
+def _flops_conv_transpose(node: ir.Node) -> int:
+    w = _dims(node.inputs[1]) if len(node.inputs) > 1 else None
+    per_in = math.prod(w[1:]) if w else 1
+    return 2 * per_in * (_numel(node.inputs[0]) or 0)
+
+
+def _flops_scaled(factor: int) -> Callable[[ir.Node], int]:
+    return lambda node: factor * _out_numel(node)
+
+
+def _flops_zero(node: ir.Node) -> int:
+    return 0
+
+
+#: Per-op-type FLOP rules (JAX-style rule table); op types not listed use
+#: :func:`_default_flops` (one FLOP per output element).
+FLOP_RULES: dict[str, Callable[[ir.Node], int]] = {
+    "MatMul": _flops_matmul,
+    "Gemm": _flops_gemm,
+    "Conv": _flops_conv,
+    "ConvTranspose": _flops_conv_transpose,
+    "Softmax": _flops_scaled(5),
+    "LogSoftmax": _flops_scaled(5),
+    "LayerNormalization": _flops_scaled(8),
+    "InstanceNormalization": _flops_scaled(8),
+    "BatchNormalization": _flops_scaled(4),
+    "GroupNormalization": _flops_scaled(8),
+    "Gelu": _flops_scaled(8),
+    "Erf": _flops_scaled(8),
+    "Tanh": _flops_scaled(4),
+    "Sigmoid": _flops_scaled(4),
+    "Exp": _flops_scaled(4),
+    "Reshape": _flops_zero,
+    "Flatten": _flops_zero,
+    "Squeeze": _flops_zero,
+    "Unsqueeze": _flops_zero,
+    "Shape": _flops_zero,
+    "Size": _flops_zero,
+    "Constant": _flops_zero,
+    "ConstantOfShape": _flops_zero,
+    "Identity": _flops_zero,
+}
+
+
+def _default_flops(node: ir.Node) -> int:
+    return _out_numel(node)
+
+
+def op_flops(node: ir.Node) -> int:
+    """Analytic FLOPs of one op from :data:`FLOP_RULES` (default: output elements)."""
+    return int(FLOP_RULES.get(node.op_type, _default_flops)(node))
+
+
+# --- profiles -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """Cost figures of one op.
+
+    Attributes:
+        name: op name.
+        op_type: ONNX op type.
+        time_s: median measured forward time in seconds (None if not measured).
+        output_bytes: bytes of the blobs it produces.
+        param_bytes: bytes of the parameters it is the first reader of.
+        flops: analytic FLOPs.
+    """
+
+    name: str
+    op_type: str
+    time_s: float | None
+    output_bytes: int
+    param_bytes: int
+    flops: int
+
+
+@dataclass
+class Profile:
+    """Per-op costs of a model, in graph order (copies excluded).
+
+    Attributes:
+        ops: op name -> :class:`OpProfile`, in graph order.
+        backend: ``"ort"`` when times were measured, ``"static"`` otherwise.
+        repeats: timed runs per op.
+        fingerprint: structure fingerprint of the profiled model.
+    """
+
+    ops: dict[str, OpProfile]
+    backend: str
+    repeats: int
+    fingerprint: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_time(self) -> bool:
+        """True if forward times were measured."""
+        return all(p.time_s is not None for p in self.ops.values())
+
+    @property
+    def total_time_s(self) -> float | None:
+        """Sum of per-op times (None if not measured)."""
+        if not self.has_time:
+            return None
+        return float(sum(p.time_s or 0.0 for p in self.ops.values()))
+
+    @property
+    def total_output_bytes(self) -> int:
+        """Sum of per-op output bytes."""
+        return sum(p.output_bytes for p in self.ops.values())
+
+    def costs(self, kind: str = "time") -> list[int]:
+        """Integer per-op costs in graph order: ns (``"time"``), bytes (``"size"``) or FLOPs.
+
+        Raises:
+            PlanError: unknown kind, or ``"time"`` on a profile without times.
+        """
+        if kind == "time":
+            if not self.has_time:
+                raise PlanError("this profile has no measured times; profile with time=True")
+            return [max(0, round((p.time_s or 0.0) * 1e9)) for p in self.ops.values()]
+        if kind == "size":
+            return [p.param_bytes + p.output_bytes for p in self.ops.values()]
+        if kind == "flops":
+            return [p.flops for p in self.ops.values()]
+        raise PlanError(f"unknown cost {kind!r}; expected one of {', '.join(COST_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "backend": self.backend,
+            "repeats": self.repeats,
+            "fingerprint": self.fingerprint,
+            "ops": [vars(p) for p in self.ops.values()],
+        }
+
+
+def fingerprint(model: Model) -> str:
+    """A hash of the model's structure (op names, types, outputs; copies and devices ignored)."""
+    h = hashlib.sha1()
+    for value in model.graph.inputs:
+        h.update(f"in:{value.name}:{value.shape}:{value.dtype};".encode())
+    for node in model.graph:
+        if is_copy_node(node):
+            continue
+        h.update(f"{node.name}:{node.op_type}:{','.join(v.name or '' for v in node.outputs)};".encode())
+    return h.hexdigest()[:16]
+
+
+def _cache(model: Model) -> dict[str, Profile]:
+    meta = model.ir_model.meta
+    cache = meta.get(_CACHE_KEY)
+    if not isinstance(cache, dict):
+        cache = {}
+        meta[_CACHE_KEY] = cache
+    return cache
+
+
+def cached_profile(model: Model, *, need_time: bool = False) -> Profile | None:
+    """The most recent cached profile of this model's current structure, if any."""
+    fp = fingerprint(model)
+    best = None
+    for prof in _cache(model).values():
+        if prof.fingerprint == fp and (prof.has_time or not need_time):
+            if best is None or (prof.has_time and not best.has_time):
+                best = prof
+    return best
+
+
+def make_sample_inputs(model: Model, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of the graph's static shapes: normal floats, zeros for ints and bools.
+
+    Zeros are valid token ids and indices for any vocabulary, which random ints
+    might not be.
+
+    Raises:
+        InputError: an input has a symbolic dimension or no dtype (pass sample inputs).
+    """
+    rng = np.random.default_rng(seed)
+    inputs: dict[str, np.ndarray] = {}
+    inits = model.graph.initializers
+    for value in model.graph.inputs:
+        if value.name in inits:
+            continue
+        dims = _dims(value)
+        if dims is None or value.dtype is None:
+            raise InputError(
+                f"graph input {value.name!r} has shape {value.shape} and dtype {value.dtype}: "
+                "pass sample_inputs to profile it"
+            )
+        dtype = value.dtype.numpy()
+        if np.issubdtype(dtype, np.floating):
+            inputs[value.name or ""] = rng.standard_normal(dims).astype(dtype)
+        else:
+            inputs[value.name or ""] = np.zeros(dims, dtype=dtype)
+    return inputs
+
+
+def _normalise_inputs(model: Model, sample_inputs: Any) -> dict[str, np.ndarray]:
+    names = model.inputs
+    if isinstance(sample_inputs, Mapping):
+        unknown = [k for k in sample_inputs if k not in names]
+        if unknown:
+            raise InputError(f"unknown input {unknown[0]!r}; the model's inputs are {names}")
+        missing = [k for k in names if k not in sample_inputs]
+        if missing:
+            raise InputError(f"missing input {missing[0]!r}; the model's inputs are {names}")
+        items = [(k, sample_inputs[k]) for k in names]
+    else:
+        seq = list(sample_inputs) if isinstance(sample_inputs, (list, tuple)) else [sample_inputs]
+        if len(seq) != len(names):
+            raise InputError(f"got {len(seq)} sample inputs; the model has {len(names)}: {names}")
+        items = list(zip(names, seq))
+    result = {}
+    for name, array in items:
+        if hasattr(array, "detach"):
+            array = array.detach().cpu().numpy()
+        result[name] = np.asarray(array)
+    return result
+
+
+def _time_with_ort(
+    model: Model, inputs: dict[str, np.ndarray], *, repeats: int, warmup: int
+) -> dict[str, float]:
+    import onnxruntime as ort
+
+    from placement.graph.serialize import to_proto
+
+    proto = to_proto(model)
+    tmp = tempfile.mkdtemp(prefix="placement-profile-")
+    try:
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "ort")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for _ in range(warmup + repeats):
+            session.run(None, inputs)
+        path = session.end_profiling()
+        with open(path, encoding="utf-8") as f:
+            events = json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    samples: dict[str, list[float]] = {}
+    suffix = "_kernel_time"
+    for event in events:
+        if event.get("cat") != "Node":
+            continue
+        name = str(event.get("name", ""))
+        if name.endswith(suffix):
+            samples.setdefault(name[: -len(suffix)], []).append(float(event.get("dur", 0)) * 1e-6)
+    return {name: statistics.median(vals[warmup:] or vals) for name, vals in samples.items()}
+
+
+def profile(
+    model: Model,
+    *,
+    sample_inputs: Any = None,
+    time: bool = True,
+    repeats: int = 5,
+    warmup: int = 1,
+    refresh: bool = False,
+) -> Profile:
+    """Profile every op of ``model`` (copies excluded); cache the result on the model.
+
+    Args:
+        model: the model (its placement does not matter).
+        sample_inputs: a dict name -> array, a sequence in graph-input order, or one
+            array (numpy or torch). ``None``: :func:`make_sample_inputs` (normal floats,
+            zero ints, so token ids are valid).
+        time: measure forward times with ONNX Runtime; ``False`` gives bytes and FLOPs only.
+        repeats: timed runs (the median is kept); ``warmup`` untimed runs come first.
+        refresh: ignore the cache.
+
+    Returns:
+        A :class:`Profile`; :attr:`Profile.costs` gives integer cost vectors.
+
+    Raises:
+        InputError: bad sample inputs.
+
+    Example:
+        >>> import placement as pl
+        >>> from models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> prof = pl.profile(model, time=False)
+        >>> [p.op_type for p in prof.ops.values()]
+        ['Gemm', 'Relu', 'Gemm', 'Relu', 'Gemm']
+        >>> pl.profile(model, time=False) is prof  # cached on the model
+        True
+    """
+    if repeats < 1:
+        raise PlanError(f"repeats must be >= 1, got {repeats}")
+    fp = fingerprint(model)
+    inputs = None
+    if time:
+        inputs = (
+            make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+        )
+        signature = ",".join(f"{k}:{v.dtype}{list(v.shape)}" for k, v in inputs.items())
+        key = f"{fp}|ort|{signature}"
+    else:
+        key = f"{fp}|static"
+    cache = _cache(model)
+    if not refresh:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        if not time:
+            timed = cached_profile(model, need_time=True)
+            if timed is not None:
+                return timed
+    info = GraphInfo(model)
+    times: dict[str, float] = {}
+    if time:
+        assert inputs is not None
+        times = _time_with_ort(model, inputs, repeats=repeats, warmup=warmup)
+    first_reader: dict[int, int] = {}
+    for pos, params in enumerate(info.op_params):
+        for k in params:
+            first_reader.setdefault(k, pos)
+    owned = [0] * len(info)
+    for k, pos in first_reader.items():
+        owned[pos] += info.param_bytes[k]
+    ops: dict[str, OpProfile] = {}
+    for pos, node in enumerate(info.nodes):
+        name = info.names[pos]
+        ops[name] = OpProfile(
+            name=name,
+            op_type=node.op_type,
+            time_s=times.get(name, 0.0) if time else None,
+            output_bytes=sum(info.blob_bytes[b] for b in info.op_outputs[pos]),
+            param_bytes=owned[pos],
+            flops=op_flops(node),
+        )
+    result = Profile(
+        ops=ops, backend="ort" if time else "static", repeats=repeats if time else 0, fingerprint=fp
+    )
+    cache[key] = result
+    if time:
+        log.info("profiled %d ops: %.3f ms per forward", len(ops), (result.total_time_s or 0) * 1e3)
+    return result
