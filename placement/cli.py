@@ -121,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("models", help="list the built-in models", description="List the built-in models.")
+    p = sub.add_parser(
+        "models",
+        help="list the built-in models",
+        description="List the built-in models (usable as MODEL in 'inspect' and 'place', and in 'demo').",
+        epilog="Example: placement models",
+    )
     p.set_defaults(func=_cmd_models)
 
     size_help = "size of a built-in model: tiny (tests) or bench (benchmarks); default tiny"
