@@ -60,6 +60,7 @@ __all__ = [
     "GraphInfo",
     "OpProfile",
     "Profile",
+    "Shapes",
     "add_estimates",
     "cached_profile",
     "make_sample_inputs",
@@ -156,11 +157,15 @@ class GraphInfo:
             b = blob_id.get(id(_look_through_copies(value)))
             if b is not None:
                 self.blob_is_output[b] = True
+        #: dims found by ONNX shape inference for values the exporter left unshaped
+        self.inferred_dims: dict[str, list[int]] = {}
         if self.unknown_size:
-            inferred = _infer_sizes(model, set(self.unknown_size))
+            inferred = _infer_shapes(model, set(self.unknown_size))
             for b, name in enumerate(self.blob_names):
                 if name in inferred:
-                    self.blob_bytes[b] = inferred[name]
+                    dims, itemsize = inferred[name]
+                    self.blob_bytes[b] = int(math.ceil(math.prod(dims) * itemsize))
+                    self.inferred_dims[name] = dims
             self.unknown_size = [n for n in self.unknown_size if n not in inferred]
         if self.unknown_size:
             log.info(
@@ -303,8 +308,8 @@ class GraphInfo:
         return out, into
 
 
-def _infer_sizes(model: Model, names: set[str]) -> dict[str, int]:
-    """Byte sizes of ``names`` from ONNX shape inference (for values the exporter left unshaped)."""
+def _infer_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], float]]:
+    """Static dims and item size of ``names`` from ONNX shape inference (best effort)."""
     import onnx
 
     try:
@@ -313,7 +318,7 @@ def _infer_sizes(model: Model, names: set[str]) -> dict[str, int]:
     except Exception as err:  # shape inference is best effort
         log.debug("shape inference failed: %s", err)
         return {}
-    sizes: dict[str, int] = {}
+    found: dict[str, tuple[list[int], float]] = {}
     for info in list(inferred.graph.value_info) + list(inferred.graph.output):
         if info.name not in names or not info.type.HasField("tensor_type"):
             continue
@@ -321,9 +326,8 @@ def _infer_sizes(model: Model, names: set[str]) -> dict[str, int]:
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
         if not tensor.HasField("shape") or any(d is None for d in dims) or not tensor.elem_type:
             continue
-        itemsize = ir.DataType(tensor.elem_type).itemsize
-        sizes[info.name] = int(math.prod(dims) * itemsize)
-    return sizes
+        found[info.name] = ([int(d) for d in dims if d is not None], ir.DataType(tensor.elem_type).itemsize)
+    return found
 
 
 def _look_through_copies(value: ir.Value) -> ir.Value:
@@ -397,66 +401,69 @@ def add_estimates(model: Model | ir.Model, report: Any) -> None:
 # --- FLOPs --------------------------------------------------------------------------
 
 
-def _numel(value: ir.Value | None) -> int | None:
-    if value is None or value.shape is None:
-        return None
-    count = 1
-    for dim in value.shape:
-        if not isinstance(dim, int):
+class Shapes:
+    """Static dims of values: the IR's own shapes, else ``extra`` (from shape inference)."""
+
+    def __init__(self, extra: Mapping[str, list[int]] | None = None) -> None:
+        self.extra = dict(extra or {})
+
+    def dims(self, value: ir.Value | None) -> list[int] | None:
+        if value is None:
             return None
-        count *= dim
-    return count
+        if value.shape is not None and all(isinstance(d, int) for d in value.shape):
+            return [int(d) for d in value.shape]
+        return self.extra.get(value.name or "")
+
+    def numel(self, value: ir.Value | None) -> int:
+        dims = self.dims(value)
+        return math.prod(dims) if dims is not None else 0
+
+    def out_numel(self, node: ir.Node) -> int:
+        return sum(self.numel(v) for v in node.outputs)
 
 
-def _dims(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape):
-        return None
-    return [int(d) for d in value.shape]
+FlopRule = Callable[[ir.Node, Shapes], int]
 
 
-def _out_numel(node: ir.Node) -> int:
-    return sum(_numel(v) or 0 for v in node.outputs)
-
-
-def _flops_matmul(node: ir.Node) -> int:
-    a = _dims(node.inputs[0])
+def _flops_matmul(node: ir.Node, shapes: Shapes) -> int:
+    a = shapes.dims(node.inputs[0])
     k = a[-1] if a else 1
-    return 2 * k * (_numel(node.outputs[0]) or 0)
+    return 2 * k * shapes.numel(node.outputs[0])
 
 
-def _flops_gemm(node: ir.Node) -> int:
-    a = _dims(node.inputs[0])
+def _flops_gemm(node: ir.Node, shapes: Shapes) -> int:
+    a = shapes.dims(node.inputs[0])
     trans_a = node.attributes.get("transA")
     k = 1
     if a and len(a) == 2:
         k = a[0] if trans_a is not None and trans_a.as_int() else a[1]
-    out = _numel(node.outputs[0]) or 0
+    out = shapes.numel(node.outputs[0])
     return 2 * k * out + (out if len(node.inputs) > 2 and node.inputs[2] is not None else 0)
 
 
-def _flops_conv(node: ir.Node) -> int:
-    w = _dims(node.inputs[1]) if len(node.inputs) > 1 else None
+def _flops_conv(node: ir.Node, shapes: Shapes) -> int:
+    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
     per_out = math.prod(w[1:]) if w else 1
-    return 2 * per_out * (_numel(node.outputs[0]) or 0)
+    return 2 * per_out * shapes.numel(node.outputs[0])
 
 
-def _flops_conv_transpose(node: ir.Node) -> int:
-    w = _dims(node.inputs[1]) if len(node.inputs) > 1 else None
+def _flops_conv_transpose(node: ir.Node, shapes: Shapes) -> int:
+    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
     per_in = math.prod(w[1:]) if w else 1
-    return 2 * per_in * (_numel(node.inputs[0]) or 0)
+    return 2 * per_in * shapes.numel(node.inputs[0])
 
 
-def _flops_scaled(factor: int) -> Callable[[ir.Node], int]:
-    return lambda node: factor * _out_numel(node)
+def _flops_scaled(factor: int) -> FlopRule:
+    return lambda node, shapes: factor * shapes.out_numel(node)
 
 
-def _flops_zero(node: ir.Node) -> int:
+def _flops_zero(node: ir.Node, shapes: Shapes) -> int:
     return 0
 
 
-#: Per-op-type FLOP rules (JAX-style rule table); op types not listed use
-#: :func:`_default_flops` (one FLOP per output element).
-FLOP_RULES: dict[str, Callable[[ir.Node], int]] = {
+#: Per-op-type FLOP rules (JAX-style rule table): ``rule(node, shapes) -> FLOPs``; op
+#: types not listed use :func:`_default_flops` (one FLOP per output element).
+FLOP_RULES: dict[str, FlopRule] = {
     "MatMul": _flops_matmul,
     "Gemm": _flops_gemm,
     "Conv": _flops_conv,
@@ -484,13 +491,13 @@ FLOP_RULES: dict[str, Callable[[ir.Node], int]] = {
 }
 
 
-def _default_flops(node: ir.Node) -> int:
-    return _out_numel(node)
+def _default_flops(node: ir.Node, shapes: Shapes) -> int:
+    return shapes.out_numel(node)
 
 
-def op_flops(node: ir.Node) -> int:
+def op_flops(node: ir.Node, shapes: Shapes | None = None) -> int:
     """Analytic FLOPs of one op from :data:`FLOP_RULES` (default: output elements)."""
-    return int(FLOP_RULES.get(node.op_type, _default_flops)(node))
+    return int(FLOP_RULES.get(node.op_type, _default_flops)(node, shapes or Shapes()))
 
 
 # --- profiles -----------------------------------------------------------------------
@@ -624,7 +631,7 @@ def make_sample_inputs(model: Model, *, seed: int = 0) -> dict[str, np.ndarray]:
     for value in model.graph.inputs:
         if value.name in inits:
             continue
-        dims = _dims(value)
+        dims = Shapes().dims(value)
         if dims is None or value.dtype is None:
             raise InputError(
                 f"graph input {value.name!r} has shape {value.shape} and dtype {value.dtype}: "
@@ -766,6 +773,7 @@ def profile(
     owned = [0] * len(info)
     for k, pos in first_reader.items():
         owned[pos] += info.param_bytes[k]
+    shapes = Shapes(info.inferred_dims)
     ops: dict[str, OpProfile] = {}
     for pos, node in enumerate(info.nodes):
         name = info.names[pos]
@@ -775,7 +783,7 @@ def profile(
             time_s=times.get(name, 0.0) if time else None,
             output_bytes=sum(info.blob_bytes[b] for b in info.op_outputs[pos]),
             param_bytes=owned[pos],
-            flops=op_flops(node),
+            flops=op_flops(node, shapes),
         )
     result = Profile(
         ops=ops, backend="ort" if time else "static", repeats=repeats if time else 0, fingerprint=fp

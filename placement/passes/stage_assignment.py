@@ -175,7 +175,9 @@ def summary(model: Model, *, print_: bool = False) -> Summary:
 
     result = report_summary(model)
     if print_:
+        import sys
+
         from rich.console import Console
 
-        Console().print(result.to_table())
+        Console(width=None if sys.stdout.isatty() else 160).print(result.to_table())
     return result

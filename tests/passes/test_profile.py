@@ -1,0 +1,124 @@
+"""Tests for the profiler: times, bytes, FLOPs, caching and liveness-based peak memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import placement as pl
+from placement.passes.profile import GraphInfo, make_sample_inputs, op_flops, peak_activation_bytes
+from tests.graph.builders import mlp_graph
+from tests.passes.planning_helpers import random_dag
+
+
+def test_profile_measures_every_op_and_caches(exported):
+    model, _, args = exported("mlp")
+    prof = pl.profile(model, repeats=2)
+    assert list(prof.ops) == [op.name for op in model.ops]
+    assert prof.backend == "ort" and prof.has_time
+    assert all(p.time_s is not None and p.time_s >= 0 for p in prof.ops.values())
+    assert prof.total_time_s > 0
+    assert sum(p.param_bytes for p in prof.ops.values()) == sum(p.nbytes for p in model.parameters.values())
+    assert pl.profile(model, repeats=2) is prof
+    assert pl.profile(model, time=False) is prof  # a timed profile serves static requests
+    pl.balance(model, [2, 3])  # placement does not invalidate the cache
+    assert pl.profile(model, repeats=2) is prof
+    assert pl.profile(model, repeats=2, refresh=True) is not prof
+    explicit = pl.profile(model, sample_inputs=[args[0]], repeats=1)
+    assert explicit.has_time
+    assert json_ready(prof.to_dict())
+
+
+def json_ready(data) -> bool:
+    import json
+
+    return bool(json.dumps(data))
+
+
+def test_profile_sample_input_errors(exported):
+    model, _, args = exported("mlp")
+    with pytest.raises(pl.InputError, match="unknown input"):
+        pl.profile(model, sample_inputs={"nope": args[0]})
+    with pytest.raises(pl.InputError, match="missing input"):
+        pl.profile(model, sample_inputs={})
+    with pytest.raises(pl.InputError, match="got 2 sample inputs"):
+        pl.profile(model, sample_inputs=[args[0], args[0]])
+    with pytest.raises(pl.PlanError):
+        pl.profile(model, repeats=0)
+
+
+def test_sample_inputs_use_zero_token_ids(exported):
+    model, _, _ = exported("gpt")
+    inputs = make_sample_inputs(model)
+    (idx,) = inputs.values()
+    assert idx.dtype == np.int64 and not idx.any()
+    assert pl.profile(model, repeats=1).has_time  # valid embedding lookups
+
+
+def test_size_and_flops_costs(exported):
+    model, _, _ = exported("mlp")
+    prof = pl.profile(model, time=False)
+    assert prof.backend == "static" and not prof.has_time
+    with pytest.raises(pl.PlanError, match="no measured times"):
+        prof.costs("time")
+    with pytest.raises(pl.PlanError, match="unknown cost"):
+        prof.costs("joules")
+    gemm = model.ops[0].node
+    (m, k) = gemm.inputs[0].shape
+    n = gemm.outputs[0].shape[1]
+    assert op_flops(gemm) == 2 * m * n * k + m * n
+    assert prof.costs("flops")[1] == m * n  # Relu: one per element
+    sizes = prof.costs("size")
+    assert sizes[0] == (k * n + n) * 4 + m * n * 4
+
+
+def test_conv_and_matmul_flops(exported):
+    model, _, _ = exported("resnet")
+    conv = next(op.node for op in model.ops if op.op_type == "Conv")
+    w = conv.inputs[1].shape
+    out = conv.outputs[0].shape
+    assert op_flops(conv) == 2 * int(np.prod(list(out))) * int(np.prod(list(w)[1:]))
+    model, _, _ = exported("gpt")
+    prof = pl.profile(model, time=False)
+    names = [op.name for op in model.ops]
+    # c_attn: (2, 8, 32) @ (32, 96) -- its output is shaped by ONNX shape inference
+    c_attn = next(op for op in model.ops if op.op_type == "MatMul" and op.scope == "blocks.0.attn.c_attn")
+    assert prof.costs("flops")[names.index(c_attn.name)] == 2 * 32 * (2 * 8 * 96)
+    assert prof.ops[c_attn.name].output_bytes == 2 * 8 * 96 * 4
+
+
+def test_peak_activation_by_hand():
+    # x -> fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> relu2: blobs of 2x4 floats (32 B)
+    model = mlp_graph(3, 4)
+    assert peak_activation_bytes(model) == {pl.Device("cuda", 0): 64}
+    info = GraphInfo(model)
+    assert info.segment_param_bytes(0, 6) == 3 * 64
+    # split after fc1: fc1's output stays on device 0 until its stage ends, arrives on 1
+    for op in model.ops[3:]:
+        model.set_device(op.name, 1)
+    peaks = peak_activation_bytes(model)
+    assert peaks == {pl.Device("cuda", 0): 64, pl.Device("cuda", 1): 64}
+    assert info.segment_in_bytes(3, 6) == 32 and info.segment_in_bytes(0, 3) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n_ops=st.integers(1, 12), data=st.data())
+def test_segment_memory_agrees_with_general_liveness_and_is_monotone(seed, n_ops, data):
+    info = GraphInfo(random_dag(seed, n_ops))
+    n = len(info)
+    cut = data.draw(st.integers(0, n))
+    part = [0 if pos < cut else 1 for pos in range(n)]
+    peaks = info.peak_activations(part, 2)
+    assert peaks[0] == info.segment_peak_activation(0, cut)
+    assert peaks[1] == info.segment_peak_activation(cut, n)
+    params = info.part_param_bytes(part, 2)
+    assert params == [info.segment_param_bytes(0, cut), info.segment_param_bytes(cut, n)]
+    i = data.draw(st.integers(0, n))
+    j = data.draw(st.integers(i, n))
+    a = data.draw(st.integers(i, j))
+    b = data.draw(st.integers(a, j))
+    assert info.segment_memory(a, b) <= info.segment_memory(i, j)  # what makes the greedy exact
+    out, into = info.transfers(part, 2)
+    assert into[1] == info.segment_in_bytes(cut, n) and out[0] == into[1]
