@@ -205,7 +205,7 @@ class PlacementPass(InPlacePass):
 
     def verify_after(self, model: ir.Model, pass_: PlacementPass | InPlacePass) -> None:
         """Check ``model`` at the level ``pass_`` guarantees; raise naming the pass."""
-        full = getattr(pass_, "ensures_verified", True)
+        full = getattr(pass_, "ensures_verified", False)  # foreign passes: structure only
         try:
             _check(model, full=full, check_onnx=self.check_onnx, wrapper=self._wrapper)
         except VerificationError as err:
@@ -236,7 +236,8 @@ class Pipeline(PlacementPass):
     """Run placement passes in order; in debug mode verify after every pass.
 
     A pass that guarantees a verified model (copy injection) is followed by a full
-    :func:`placement.verify`; one that does not (shifting) by the structural checks.
+    :func:`placement.verify`; one that does not (shifting, or a plain ``onnx_ir``
+    pass, which declares nothing) by the structural checks.
     Errors from a pass propagate unchanged (a ``PlacementError`` stays one).
 
     Args:
@@ -266,7 +267,7 @@ class Pipeline(PlacementPass):
     @property
     def ensures_verified(self) -> bool:  # type: ignore[override]
         """As strong as the last pass's guarantee."""
-        return getattr(self.passes[-1], "ensures_verified", True)
+        return getattr(self.passes[-1], "ensures_verified", False)
 
     def call(self, model: ir.Model) -> PipelineResult:
         steps: list[StepResult] = []

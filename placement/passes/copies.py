@@ -155,6 +155,7 @@ class _Injection:
         self.result = CopyResult(model, False)
         self._value_names: set[str] | None = None
         self._node_names: set[str] | None = None
+        self._bases: dict[int, str] = {}
 
     # -- scan ----------------------------------------------------------------------------
 
@@ -186,12 +187,17 @@ class _Injection:
                     continue
                 source = origin.get(id(value), value)
                 where = dev_of.get(id(source))
-                if where is None:  # a graph input, a parameter (or an undefined blob)
+                if where is None:  # a graph input or a parameter, read for the first time
                     if id(source) in input_ids:
                         where = in_dev
-                    else:
+                    elif source.is_initializer():
                         where = device
                         home_pos[id(source)] = pos
+                    else:
+                        raise VerificationError(
+                            f"op {node.name!r} reads blob {source.name!r} before it is produced "
+                            "(ops are not in topological order, or the blob has no producer)"
+                        )
                     dev_of[id(source)] = where
                 if where is not device or source is not value:
                     uses.append((node, index, value, source, device, pos))
@@ -200,6 +206,7 @@ class _Injection:
 
         # -- plan ------------------------------------------------------------------------
         outputs, protected = self._plan_outputs(origin)
+        self._bases = {id(source): name for _, _, source, name in outputs}  # copies of y: y_cuda_2
         out_dev = self.output_device or self._default_output_device(outputs) or in_dev
         needs: dict[tuple[int, Device], _Need] = {}
         for node, _, _, source, device, pos in uses:
@@ -390,7 +397,8 @@ class _Injection:
             name = need.output_name
             self._names().add(name)
         else:
-            name = self._unique_value(f"{source.name or 'blob'}_{device.slug}")
+            base = self._bases.get(id(source)) or source.name or "blob"
+            name = self._unique_value(f"{base}_{device.slug}")
         out = ir.Value(
             name=name,
             type=source.type,

@@ -134,12 +134,14 @@ class Summary:
         """A ``rich.table.Table`` with one row per device (and a footnote on unknown sizes)."""
         from rich.table import Table
 
-        caption = None
+        notes = []
+        if self.input_device is not None or self.output_device is not None:
+            notes.append(f"inputs fed on {self.input_device}, outputs gathered on {self.output_device}")
         if self.unknown_sizes:
             shown = ", ".join(self.unknown_sizes[:3])
             more = f" and {len(self.unknown_sizes) - 3} more" if len(self.unknown_sizes) > 3 else ""
-            caption = f"unknown size (counted as 0): {shown}{more}"
-        table = Table(title=title, caption=caption)
+            notes.append(f"unknown size (counted as 0): {shown}{more}")
+        table = Table(title=title, caption="; ".join(notes) or None)
         for column in self.columns:
             table.add_column(column.header, justify=column.justify)  # type: ignore[arg-type]
         for row in self.rows:

@@ -9,7 +9,8 @@ defined. Only ops currently on a source device move. Labels, in graph order:
 * an op on a source device takes, in this order: the target of a listed output
   activation; else the label of its first output activation; else the label of
   its first labelled input activation; else the label of any labelled blob it
-  reads; else it stays;
+  reads; else it stays. Only labels naming its own device or its source's target
+  count, so an op moves from a source to that source's target or not at all;
 * blobs the op touches that carry no label yet (parameters, data-independent
   temporaries) take its device.
 
@@ -168,10 +169,17 @@ class ShiftActivationDevicesPass(PlacementPass):
                     if new is None:
                         new = device
             inputs = [origin.get(id(v), v) for v in node.inputs if v is not None]
-            if new is None:  # rule 2: labelled input activations
-                new = next((labels[id(v)] for v in inputs if id(v) in act_ids and id(v) in labels), None)
+            if new is None:  # rule 2: labelled input activations (labels it may take)
+                new = next(
+                    (
+                        labels[id(v)]
+                        for v in inputs
+                        if id(v) in act_ids and labels.get(id(v)) in (device, target)
+                    ),
+                    None,
+                )
             if new is None:  # rule 3: any labelled blob
-                new = next((labels[id(v)] for v in inputs if id(v) in labels), device)
+                new = next((labels[id(v)] for v in inputs if labels.get(id(v)) in (device, target)), device)
             for v in inputs:  # parameters and temporaries; activations carry their own label
                 if id(v) not in act_ids:
                     labels.setdefault(id(v), new)

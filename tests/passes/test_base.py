@@ -1,0 +1,133 @@
+"""Tests for ``placement.passes.base``: pass objects, ``Pipeline`` and debug verification."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import pytest
+from onnx_ir.passes import PassResult, PostconditionError
+
+import placement as pl
+from placement.graph.model import DEVICE_KEY
+from placement.passes import (
+    InjectCrossDeviceCopiesPass,
+    PassVerificationError,
+    PlacementPass,
+    ShiftActivationDevicesPass,
+)
+from placement.passes.base import DEBUG_ENV, check_structure, debug_enabled
+from tests.passes.helpers import chain, check_copies, snapshot
+
+
+class BreakDevices(PlacementPass):
+    """A buggy pass: moves one op without injecting copies, yet claims a verified model."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        node = list(model.graph)[1]
+        node.metadata_props[DEVICE_KEY] = "cuda:5"
+        return PassResult(model, True)
+
+
+class Noop(PlacementPass):
+    def call(self, model: ir.Model) -> PassResult:
+        return PassResult(model, False)
+
+
+def pipeline_for(model: pl.Model, **kwargs) -> pl.Pipeline:
+    acts = pl.get_activation_blobs(model)
+    return pl.Pipeline(
+        ShiftActivationDevicesPass(acts[len(acts) // 2 :], {0: 1}), InjectCrossDeviceCopiesPass(), **kwargs
+    )
+
+
+def test_pipeline_reports_modified_per_step_and_is_idempotent() -> None:
+    model = chain(6)
+    pipeline = pipeline_for(model, debug=True)
+    result = pipeline(model)
+    assert result.modified and result.model is model.ir_model
+    assert [(s.name, s.modified) for s in result.steps] == [
+        ("ShiftActivationDevicesPass", True),
+        ("InjectCrossDeviceCopiesPass", True),
+    ]
+    assert all(s.seconds >= 0 for s in result.steps)
+    check_copies(model)
+    again = pipeline(model)
+    assert not again.modified and [s.modified for s in again.steps] == [False, False]
+
+
+def test_debug_pipeline_names_the_pass_that_broke_the_model() -> None:
+    model = chain(4)
+    with pytest.raises(PassVerificationError, match="after pass BreakDevices") as info:
+        pl.Pipeline(Noop(), BreakDevices(debug=False), debug=True)(model)
+    assert isinstance(info.value, pl.VerificationError) and isinstance(info.value, PostconditionError)
+
+
+def test_debug_pass_checks_itself_and_non_debug_does_not() -> None:
+    with pytest.raises(PassVerificationError):
+        BreakDevices(debug=True)(chain(4))
+    assert BreakDevices(debug=False)(chain(4)).modified
+
+
+def test_shift_is_checked_structurally_only(monkeypatch) -> None:
+    """After a shift cross-device edges lack copies: debug mode must not call that an error."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert debug_enabled()
+    model = chain(4)
+    pl.shift_activation_devices(model, ["h3"], {0: 1})  # debug from the environment
+    with pytest.raises(pl.VerificationError):
+        pl.verify(model)
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+
+
+def test_environment_turns_debug_on(monkeypatch) -> None:
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(PassVerificationError):
+        BreakDevices()(chain(4))
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    assert not debug_enabled()
+    assert BreakDevices()(chain(4)).modified
+
+
+def test_placement_errors_propagate_unchanged_through_a_pipeline() -> None:
+    model = chain(4)
+    before = snapshot(model)
+    pipeline = pl.Pipeline(ShiftActivationDevicesPass(["nope"], {0: 1}), InjectCrossDeviceCopiesPass())
+    with pytest.raises(pl.UnknownBlobError, match="nope"):
+        pipeline(model)
+    assert snapshot(model) == before
+
+
+def test_pipeline_accepts_ir_models_and_onnx_ir_passes() -> None:
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    model = chain(4, devices=[0, 0, 1, 1])
+    result = pl.Pipeline(RemoveUnusedNodesPass(), InjectCrossDeviceCopiesPass(), debug=True)(model.ir_model)
+    assert result.modified
+    check_copies(model)
+
+
+def test_pipeline_validates_its_passes() -> None:
+    with pytest.raises(ValueError):
+        pl.Pipeline()
+    with pytest.raises(TypeError):
+        pl.Pipeline(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Noop()("not a model")
+    assert "InjectCrossDeviceCopiesPass" in repr(pl.Pipeline(InjectCrossDeviceCopiesPass()))
+
+
+def test_check_structure_catches_order_and_devices() -> None:
+    model = chain(3)
+    check_structure(model.ir_model, check_onnx=True)
+    node = list(model.graph)[0]
+    del node.metadata_props[DEVICE_KEY]
+    with pytest.raises(pl.VerificationError, match="op0.*no device"):
+        check_structure(model.ir_model)
+    node.metadata_props[DEVICE_KEY] = "tpu"
+    with pytest.raises(pl.VerificationError, match="op0"):
+        check_structure(model.ir_model)
+    node.metadata_props[DEVICE_KEY] = "cuda:0"
+    model.graph.remove(node)
+    model.graph.append(node)
+    with pytest.raises(pl.VerificationError, match="before it is produced"):
+        check_structure(model.ir_model)
