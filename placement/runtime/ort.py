@@ -60,7 +60,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,17 +122,28 @@ class _Program:
 
 
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
-    """The ``SessionOptions`` a stage session gets: full graph optimisation and ``threads``
-    intra-op threads (default: the machine's CPU count), no inter-op pool, no spinning
-    after a run (a finished stage must not keep cores busy while the next one runs).
+    """The ``SessionOptions`` a stage session gets.
+
+    Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
+    intra-op threads (default: ONNX Runtime's choice, one per physical core), and
+    ``session.force_spinning_stop``: a stage's worker threads spin while it runs
+    (fast) but stop spinning when its run ends, so a finished stage does not keep
+    cores busy while the next stage runs. (A process-wide shared thread pool,
+    ``use_per_session_threads = False``, would also do, but it forces every other
+    session in the process to use the global pool, so a library cannot choose it.)
+
+    Example:
+        >>> opts = session_options(PhysicalDevice("cpu"))
+        >>> opts.get_session_config_entry("session.force_spinning_stop")
+        '1'
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.intra_op_num_threads = threads or _cpu_count()
-    options.inter_op_num_threads = 1
+    if threads:
+        options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 
@@ -148,7 +158,7 @@ class Runner:
             exist, else CPU emulation), a single device such as ``"cpu"``, or a
             dict such as ``{0: "cuda:0", 1: "cuda:0"}``
             (see :mod:`placement.runtime.device_map`).
-        threads: intra-op threads per session (default: the CPU count).
+        threads: intra-op threads per session (default: ONNX Runtime's choice).
         auto_update: check for re-placement before every run (cheap: one pass
             over the ops' device labels). With False, call :meth:`update` yourself.
 
@@ -575,10 +585,3 @@ def _numpy_dtype(value: ort.OrtValue) -> Any:
         return _ONNX_TO_NUMPY[value.data_type()]
     except KeyError:
         raise PlacementError(f"cannot move a {value.data_type()} between GPUs") from None
-
-
-def _cpu_count() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
