@@ -1,0 +1,225 @@
+"""Benchmark: latency of ``pl.to_torch`` modules relative to the original eager module.
+
+For each model, the bench-size network is imported, split across ``devices``
+logical devices Caffe2 style (activations shifted in equal slices,
+``inject_cross_device_copies``), lowered with ``pl.to_torch`` and timed against
+the original eager ``torch.nn.Module`` on the same inputs, in inference mode.
+Runs alternate between the two so that drift (turbo, other load) hits both; the
+reported latency is the median. Target: lowered / eager <= 1.10.
+
+Without GPUs the logical devices are emulated on the CPU (the device map says
+so), which measures the lowering's own overhead: op-by-op dispatch, copies as
+``.to`` no-ops, folded shape arithmetic.
+
+Usage::
+
+    python benchmarks/torch_lowering.py                 # gpt and resnet, 2 devices
+    python benchmarks/torch_lowering.py --models gpt mlp resnet unet --devices 2 4
+
+Writes ``benchmarks/results/torch_lowering.json``. Another script can call
+:func:`measure` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import models  # noqa: E402
+import placement as pl  # noqa: E402
+from placement.passes.activations import get_activation_blobs  # noqa: E402
+from placement.passes.copies import inject_cross_device_copies  # noqa: E402
+from placement.passes.shift import shift_activation_devices  # noqa: E402
+from placement.runtime.torch_lower import to_torch  # noqa: E402
+
+__all__ = ["measure", "place_evenly", "main"]
+
+log = logging.getLogger("benchmarks.torch_lowering")
+
+RESULTS = _ROOT / "benchmarks" / "results" / "torch_lowering.json"
+TARGET_RATIO = 1.10
+
+
+def place_evenly(model: pl.Model, devices: int) -> pl.Model:
+    """Shift activations into ``devices`` equal slices (cuda:0 .. cuda:n-1) and add copies."""
+    acts = get_activation_blobs(model)
+    for i in range(1, devices):
+        shift_activation_devices(model, acts[len(acts) * i // devices :], {i - 1: i})
+    inject_cross_device_copies(model)
+    return model
+
+
+def _time(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def measure(
+    model_name: str,
+    size: str = "bench",
+    devices: int = 2,
+    repeats: int = 30,
+    *,
+    warmup: int = 5,
+    device_map: Any = "auto",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time the lowered module against the eager original.
+
+    Args:
+        model_name: a name from ``models.MODELS``.
+        size: ``"tiny"`` or ``"bench"``.
+        devices: number of logical devices the model is split across.
+        repeats: timed runs of each module (alternating).
+        warmup: untimed runs of each first.
+        device_map: passed to ``pl.to_torch``; the eager module runs on the
+            physical device of logical ``cuda:0``.
+        seed: model and input seed.
+
+    Returns:
+        A dict with ``model``, ``size``, ``devices``, ``ops``, ``copies``,
+        ``device_map``, ``eager_ms`` / ``lowered_ms`` (medians), ``ratio``
+        (lowered / eager), ``max_abs_diff`` and ``repeats``.
+
+    Example:
+        >>> row = measure("mlp", "tiny", devices=2, repeats=3, warmup=1)
+        >>> sorted(row)[:3], row["max_abs_diff"] < 1e-4
+        (['copies', 'device_map', 'devices'], True)
+    """
+    net, args = models.build(model_name, size, seed=seed)
+    model = place_evenly(pl.from_torch(net, args), devices)
+    module = to_torch(model, device_map=device_map)
+    first = module.device_map[str(min(model.devices))]
+    net = net.to(first).eval()
+    module.eval()
+    eager_args = tuple(a.to(first) for a in args)
+    lowered_args = tuple(a.to(first) for a in args)
+    uses_cuda = any(v.startswith("cuda") for v in module.device_map.values())
+    sync = torch.cuda.synchronize if uses_cuda else (lambda: None)
+    with torch.inference_mode():
+        expected = net(*eager_args)
+        got = module(*lowered_args)
+        diff = float((expected - got.to(expected.device)).abs().max())
+        for _ in range(warmup):
+            net(*eager_args)
+            module(*lowered_args)
+        sync()
+        eager, lowered = [], []
+        for i in range(repeats):
+            pair = [("e", lambda: net(*eager_args)), ("l", lambda: module(*lowered_args))]
+            for kind, fn in pair if i % 2 == 0 else reversed(pair):
+                (eager if kind == "e" else lowered).append(_time(fn, sync))
+    eager_ms = statistics.median(eager) * 1e3
+    lowered_ms = statistics.median(lowered) * 1e3
+    return {
+        "model": model_name,
+        "size": size,
+        "devices": devices,
+        "ops": len(model.ops),
+        "copies": sum(op.is_copy for op in model.ops),
+        "device_map": module.device_map,
+        "eager_ms": round(eager_ms, 4),
+        "lowered_ms": round(lowered_ms, 4),
+        "ratio": round(lowered_ms / eager_ms, 4),
+        "max_abs_diff": diff,
+        "repeats": repeats,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"pl.to_torch latency vs eager torch (target ratio <= {TARGET_RATIO:.2f})")
+    for column in (
+        "model",
+        "size",
+        "devices",
+        "ops",
+        "copies",
+        "physical",
+        "eager ms",
+        "lowered ms",
+        "ratio",
+        "max |diff|",
+    ):
+        table.add_column(column, justify="left" if column in ("model", "size", "physical") else "right")
+    for row in rows:
+        ok = row["ratio"] <= TARGET_RATIO
+        table.add_row(
+            row["model"],
+            row["size"],
+            str(row["devices"]),
+            str(row["ops"]),
+            str(row["copies"]),
+            ",".join(sorted(set(row["device_map"].values()))),
+            f"{row['eager_ms']:.3f}",
+            f"{row['lowered_ms']:.3f}",
+            f"[{'green' if ok else 'red'}]{row['ratio']:.3f}[/]",
+            f"{row['max_abs_diff']:.1e}",
+        )
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print a table and write the JSON results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt", "resnet"])
+    parser.add_argument("--size", default="bench", choices=list(models.SIZES))
+    parser.add_argument("--devices", nargs="+", type=int, default=[2])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from rich.console import Console
+
+    rows = []
+    for name in ns.models:
+        for n in ns.devices:
+            rows.append(measure(name, ns.size, n, ns.repeats, device_map=ns.device_map))
+    Console().print(_table(rows))
+    ns.output.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "torch_lowering",
+        "target_ratio": TARGET_RATIO,
+        "environment": _environment(),
+        "results": rows,
+    }
+    tmp = ns.output.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(ns.output)
+    print(f"wrote {ns.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,607 @@
+"""Lower a placed model to PyTorch: ``to_torch(model) -> torch.fx.GraphModule``.
+
+The ONNX graph is walked once in topological order and a ``torch.fx.Graph`` is
+built by hand: a placeholder per graph input, ``get_attr`` for parameters and
+constants, one ``call_function`` per op to its rule in
+:data:`placement.runtime.torch_ops.RULES`, and ``.to(device, non_blocking=True)``
+for copies. The result is an ordinary ``torch.nn.Module`` with readable ``.code``
+that supports autograd.
+
+Design choices:
+
+* **Devices.** Every logical device goes through
+  :func:`~placement.runtime.device_map.resolve_device_map`. Each value knows its
+  logical device; an op on device ``d`` reads its inputs on ``d``'s physical
+  device. Explicit copies (``Copy`` ops from ``inject_cross_device_copies``)
+  always become ``.to(...)``. A cross-device edge *without* a copy also gets a
+  ``.to(...)`` when the physical devices differ (logged at debug level), so
+  unplaced-copy models lower correctly too. ``non_blocking=True`` is used except
+  for GPU -> CPU copies, where it would let the CPU read unfinished data.
+* **Inputs and outputs.** Graph inputs are moved to their device on entry (a
+  no-op when already there); graph outputs are moved to the model's output
+  device when one is set. One output is returned as a tensor, several as a tuple.
+* **Parameters.** Floating-point initializers with at least one dimension become
+  ``nn.Parameter`` (``requires_grad=True``) on the physical device of their home
+  logical device (``Model.parameters[name].device``), registered under their
+  original dotted names (``blocks.0.attn.c_attn.bias`` -> submodule
+  ``blocks.0.attn.c_attn``, parameter ``bias``). Static copies of a parameter
+  stay ``.to(...)`` calls in ``forward``: free when the devices coincide, and a
+  parameter used on two GPUs stays one ``nn.Parameter`` that training updates
+  once (materializing per-device replicas would silently split it).
+* **Constants.** Integer/bool initializers, 0-d initializers, BatchNorm running
+  statistics (a rule's ``buffer_inputs``), ``Constant`` ops and
+  everything computed only from them (shape arithmetic, and ``Shape`` of a value
+  whose shape is static) are folded at lowering time. A folded constant is then
+  inlined as a Python literal where the rule allows it (shapes, axes, scalars:
+  ``reshape(x, [2, 8, 4, 8])``, ``x * 0.125``) or else registered as a buffer on
+  each physical device that reads it (first device: the blob's name; others:
+  ``<name>__<device>``).
+* **Names.** Attribute paths are the ONNX names with each dot-separated part
+  kept when it is a usable attribute name; otherwise (empty parts, a clash with
+  an ``nn.Module`` attribute, or a name that is both a tensor and a prefix of
+  another) the whole name is flattened with ``.`` -> ``_`` and made unique. The
+  full mapping is ``module.initializer_paths`` (ONNX name -> attribute path).
+  FX node names come from output blob names.
+
+Example:
+    >>> import torch
+    >>> import placement as pl
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x = torch.randn(3, 4)
+    >>> model = pl.from_torch(net, (x,))
+    >>> model.set_device(model.ops[-1].name, 1)  # last Gemm on logical cuda:1
+    >>> module = pl.to_torch(model, device_map="cpu")
+    >>> torch.allclose(module(x), net(x), atol=1e-6)
+    True
+    >>> sorted(name for name, _ in module.named_parameters())
+    ['0.bias', '0.weight', '2.bias', '2.weight']
+"""
+
+from __future__ import annotations
+
+import keyword
+import logging
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.fx as fx
+
+from placement.errors import LoweringError
+from placement.graph.device import Device
+from placement.graph.model import Model, is_copy_node, node_device
+from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
+from placement.runtime.torch_ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
+
+__all__ = ["to_torch", "check_supported", "MIN_OPSET"]
+
+log = logging.getLogger(__name__)
+
+#: Oldest default-domain opset the rules implement (Softmax / Split semantics).
+MIN_OPSET = 13
+
+#: Constants folded at lowering time larger than this many elements stay runtime ops.
+_MAX_FOLD_NUMEL = 1 << 22
+#: Largest constant inlined as a Python list into a shape-like input.
+_MAX_INLINE_NUMEL = 64
+
+
+def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphModule:
+    """Lower a (placed) model to a ``torch.fx.GraphModule``.
+
+    Args:
+        model: the model; its ops may sit on several logical devices, with or
+            without explicit copies.
+        device_map: logical -> physical devices, see
+            :func:`~placement.runtime.device_map.resolve_device_map` (``"auto"``:
+            real GPUs when present, else every logical device emulated on the CPU).
+
+    Returns:
+        A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
+        ``module.input_names`` order, or by those names) to get the output tensor,
+        or a tuple of tensors when the graph has several outputs. It also carries
+        ``input_names``, ``output_names``, ``device_map`` (logical -> physical
+        device strings) and ``initializer_paths``.
+
+    Raises:
+        LoweringError: op types without a rule (all of them, named with an
+            example op each), unsupported attributes, or an opset older than 13.
+        DeviceError: a bad ``device_map``.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Softmax(-1))
+        >>> module = pl.to_torch(pl.from_torch(net, (torch.randn(1, 4),)), device_map="cpu")
+        >>> print(module.code.strip().splitlines()[0])
+        def forward(self, input):
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
+    check_supported(model)
+    devices = _logical_devices(model)
+    dmap = resolve_device_map(devices, device_map, runtime="torch")
+    module = _Lowering(model, dmap).build()
+    log.info(
+        "lowered %d ops to torch on %s",
+        model.graph.num_nodes(),
+        ", ".join(f"{d}->{p}" for d, p in sorted(dmap.items())),
+    )
+    return module
+
+
+def check_supported(model: Model) -> None:
+    """Raise one ``LoweringError`` naming every op type the lowering cannot handle.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> model = pl.from_torch(torch.nn.ReLU(), (torch.randn(2),))
+        >>> check_supported(model)  # fine: Relu has a rule
+    """
+    opset = model.graph.opset_imports.get("", model.graph.opset_imports.get("ai.onnx"))
+    problems: list[str] = []
+    if opset is not None and opset < MIN_OPSET:
+        problems.append(f"default-domain opset {opset} is older than {MIN_OPSET}")
+    missing: dict[str, tuple[str, int]] = {}
+    bad_attrs: dict[str, str] = {}
+    for node in model.graph:
+        rule = get_rule(node.op_type, node.domain)
+        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        if rule is DEFAULT_RULE:
+            example, count = missing.get(key, (node.name or "?", 0))
+            missing[key] = (example, count + 1)
+            continue
+        attrs = {name: _attr_python(attr) for name, attr in node.attributes.items()}
+        unknown = sorted(set(attrs) - (rule.params or frozenset()))
+        if unknown:
+            bad_attrs.setdefault(f"{key}: attribute(s) {', '.join(unknown)}", node.name or "?")
+        elif rule.check is not None:
+            issue = rule.check(attrs)
+            if issue:
+                bad_attrs.setdefault(f"{key}: {issue}", node.name or "?")
+    if missing:
+        listed = "; ".join(
+            f"{key} (e.g. op {example!r}{f', {count} ops' if count > 1 else ''})"
+            for key, (example, count) in sorted(missing.items())
+        )
+        problems.append(f"unsupported op types: {listed}")
+    if bad_attrs:
+        listed = "; ".join(f"{what} (e.g. op {example!r})" for what, example in sorted(bad_attrs.items()))
+        problems.append(f"unsupported attributes: {listed}")
+    if problems:
+        raise LoweringError("cannot lower to torch: " + " | ".join(problems))
+
+
+# --- internals -------------------------------------------------------------------------
+
+
+def _logical_devices(model: Model) -> list[Device]:
+    devices = set(model.devices)
+    for extra in (model.input_device, model.output_device):
+        if extra is not None:
+            devices.add(extra)
+    return sorted(devices) or [Device("cuda", 0)]
+
+
+def _attr_python(attr: ir.Attr) -> Any:
+    """An attribute's value as plain Python (tensors as CPU torch tensors)."""
+    kind = attr.type
+    value = attr.value
+    if kind == ir.AttributeType.FLOAT:
+        return _short_float(value)
+    if kind == ir.AttributeType.FLOATS:
+        return [_short_float(v) for v in value]
+    if kind == ir.AttributeType.INTS:
+        return [int(v) for v in value]
+    if kind == ir.AttributeType.TENSOR:
+        return _to_torch_tensor(value)
+    if kind == ir.AttributeType.STRINGS:
+        return list(value)
+    return value
+
+
+def _short_float(value: float) -> float:
+    """A float32 attribute at its shortest round-trip spelling (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _to_torch_tensor(tensor: Any) -> torch.Tensor:
+    """An onnx_ir tensor (or numpy array) as a CPU torch tensor."""
+    dtype_enum = getattr(tensor, "dtype", None)
+    if isinstance(dtype_enum, ir.DataType):
+        dtype = torch_dtype(int(dtype_enum))
+        shape = [int(d) for d in tensor.shape]
+        raw = tensor.tobytes()
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone()
+    return torch.from_numpy(np.array(tensor, copy=True))
+
+
+_IDENT = re.compile(r"[^0-9a-zA-Z_]")
+
+#: Attribute names a parameter or submodule may not take (they exist on every GraphModule).
+_RESERVED = frozenset(dir(fx.GraphModule)) | frozenset(vars(torch.nn.Module())) | {
+    "graph", "code", "meta", "input_names", "output_names", "device_map", "initializer_paths",
+}  # fmt: skip
+
+
+def _identifier(name: str, fallback: str = "v") -> str:
+    """A valid Python identifier from a blob name (``blocks.0/x`` -> ``blocks_0_x``)."""
+    text = _IDENT.sub("_", name).strip("_") or fallback
+    if text[0].isdigit():
+        text = f"_{text}"
+    if keyword.iskeyword(text):
+        text += "_"
+    return text
+
+
+@dataclass
+class _Val:
+    """A blob during lowering: a runtime fx node, a parameter, or a constant."""
+
+    name: str
+    node: fx.Node | None = None
+    device: Device | None = None  # logical device of a runtime value / parameter home
+    const: torch.Tensor | None = None
+    param: str | None = None  # attribute path of an nn.Parameter
+
+    @property
+    def is_const(self) -> bool:
+        return self.const is not None
+
+
+class _Lowering:
+    def __init__(self, model: Model, dmap: dict[Device, PhysicalDevice]) -> None:
+        self.model = model
+        self.dmap = dmap
+        self.graph = fx.Graph()
+        self.root = torch.nn.Module()
+        self.values: dict[str, _Val] = {}
+        self.paths: dict[str, str] = {}  # onnx initializer / constant name -> attribute path
+        self.taken_paths: set[str] = set()
+        self.prefixes: set[str] = set()
+        self.cache: dict[tuple[str, str], fx.Node] = {}  # (blob, physical) -> node there
+        self.pending_params: dict[str, torch.Tensor] = {}  # registered on first use
+        self.default_device = next(iter(model.devices), Device("cuda", 0))
+
+    # -- driver -----------------------------------------------------------------------------
+
+    def build(self) -> fx.GraphModule:
+        model = self.model
+        self._inputs()
+        self._initializers()
+        for node in model.graph:
+            self._lower(node)
+        self._outputs()
+        self.graph.lint()
+        module = fx.GraphModule(self.root, self.graph, class_name="PlacedModule")
+        module.input_names = list(model.inputs)
+        module.output_names = list(model.outputs)
+        module.device_map = {str(k): str(v) for k, v in sorted(self.dmap.items())}
+        module.initializer_paths = dict(self.paths)
+        return module
+
+    def _phys(self, device: Device) -> str:
+        return str(self.dmap[device])
+
+    # -- inputs, parameters, constants ----------------------------------------------------
+
+    def _inputs(self) -> None:
+        inits = self.model.graph.initializers
+        for value in self.model.graph.inputs:
+            name = value.name or ""
+            if name in inits:
+                continue
+            placeholder = self.graph.placeholder(_identifier(name, "input"))
+            device = self.model.blob_device(value)
+            phys = self._phys(device)
+            moved = self._create(
+                "call_method",
+                "to",
+                (placeholder, phys),
+                {"non_blocking": True},
+                f"{placeholder.name}_on_{phys}",
+            )
+            self.values[name] = _Val(name, node=moved, device=device)
+
+    def _initializers(self) -> None:
+        params = self.model.parameters
+        state = _state_initializers(self.model)
+        for name, value in self.model.graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None:
+                raise LoweringError(f"initializer {name!r} has no data")
+            data = _to_torch_tensor(tensor)
+            trainable = data.is_floating_point() and data.dim() >= 1 and name not in state
+            if trainable:
+                home = params[name].device if name in params else self.default_device
+                self.values[name] = _Val(name, device=home)
+                self.pending_params[name] = data
+            else:
+                self.values[name] = _Val(name, const=data)
+
+    def _attr_path(self, name: str) -> str:
+        """A free attribute path for ``name`` (see the module docstring)."""
+        parts = name.split(".")
+        usable = all(p and p not in _RESERVED for p in parts)
+        path = name if usable else ""
+        clash = (
+            not path
+            or path in self.taken_paths
+            or path in self.prefixes
+            or any(".".join(parts[:i]) in self.taken_paths for i in range(1, len(parts)))
+        )
+        if clash:
+            base = _identifier(name, "tensor")
+            if base in _RESERVED:
+                base += "_"
+            path, k = base, 1
+            while path in self.taken_paths or path in self.prefixes:
+                path, k = f"{base}_{k}", k + 1
+        self.taken_paths.add(path)
+        split = path.split(".")
+        self.prefixes.update(".".join(split[:i]) for i in range(1, len(split)))
+        return path
+
+    def _register(self, path: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+        *prefix, leaf = path.split(".")
+        owner = self.root
+        for part in prefix:
+            child = owner._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if parameter:
+            owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=True))
+        else:
+            owner.register_buffer(leaf, tensor)
+
+    def _param_node(self, val: _Val) -> fx.Node:
+        """The get_attr node of a parameter (registered on first use, on its home device)."""
+        assert val.device is not None
+        key = (val.name, "param")
+        node = self.cache.get(key)
+        if node is None:
+            path = self._attr_path(val.name)
+            data = self.pending_params.pop(val.name)
+            self._register(path, data.to(self._phys(val.device)), parameter=True)
+            self.paths[val.name] = path
+            val.param = path
+            node = self.graph.get_attr(path)
+            self.cache[key] = node
+            self.cache[(val.name, self._phys(val.device))] = node
+        return node
+
+    def _const_node(self, val: _Val, phys: str) -> fx.Node:
+        """A buffer holding constant ``val`` on physical device ``phys``."""
+        key = (val.name, phys)
+        node = self.cache.get(key)
+        if node is None:
+            assert val.const is not None
+            first = not any(k[0] == val.name for k in self.cache)
+            path = self._attr_path(val.name if first else f"{val.name}__{phys.replace(':', '_')}")
+            self._register(path, val.const.to(phys), parameter=False)
+            if first:
+                self.paths[val.name] = path
+            node = self.graph.get_attr(path)
+            self.cache[key] = node
+        return node
+
+    # -- reading values ----------------------------------------------------------------
+
+    def _value(self, value: ir.Value | None, op: ir.Node) -> _Val | None:
+        if value is None or not value.name:
+            return None
+        val = self.values.get(value.name)
+        if val is None:
+            raise LoweringError(
+                f"op {op.name!r} ({op.op_type}) reads blob {value.name!r} before it is produced "
+                "(the graph is not in topological order)"
+            )
+        return val
+
+    def _on(self, val: _Val, phys: str) -> fx.Node:
+        """The fx node of a non-constant value on physical device ``phys``."""
+        if val.is_const:
+            return self._const_node(val, phys)
+        assert val.device is not None
+        home = self._phys(val.device)
+        source = self._param_node(val) if val.node is None else val.node
+        if home == phys:
+            return source
+        key = (val.name, phys)
+        node = self.cache.get(key)
+        if node is None:
+            log.debug("no explicit copy: moving blob %r from %s to %s", val.name, home, phys)
+            node = self._emit_to(source, home, phys, f"{val.name}_to_{phys}")
+            self.cache[key] = node
+        return node
+
+    def _emit_to(self, source: fx.Node, src_phys: str, dst_phys: str, name: str) -> fx.Node:
+        blocking = src_phys.startswith("cuda") and dst_phys == "cpu"
+        kwargs = {} if blocking else {"non_blocking": True}
+        return self._create("call_method", "to", (source, dst_phys), kwargs, name)
+
+    def _create(
+        self, op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str
+    ) -> fx.Node:
+        return self.graph.create_node(op, target, args, kwargs, name=_identifier(name))
+
+    def _argument(self, val: _Val | None, index: int, rule: Rule, phys: str) -> Any:
+        if val is None:
+            return None
+        if val.is_const:
+            data = val.const
+            assert data is not None
+            if index in rule.shape_inputs and data.dim() <= 1 and data.numel() <= _MAX_INLINE_NUMEL:
+                return data.tolist()
+            if index in rule.scalar_inputs and data.dim() == 0:
+                return data.item()
+        return self._on(val, phys)
+
+    # -- ops -------------------------------------------------------------------------------
+
+    def _lower(self, node: ir.Node) -> None:
+        ins = [self._value(v, node) for v in node.inputs]
+        outs = list(node.outputs)
+        device = node_device(node)
+        phys = self._phys(device)
+        if is_copy_node(node) or (node.op_type == "Identity" and node.domain in ("", "ai.onnx")):
+            self._lower_identity(node, ins[0], device, phys)
+            return
+        rule = get_rule(node.op_type, node.domain)
+        attrs = {name: _attr_python(attr) for name, attr in node.attributes.items()}
+        if "num_outputs" in (rule.params or ()) and "num_outputs" not in attrs:
+            attrs["num_outputs"] = len(outs)
+        if "device" in (rule.params or ()):
+            attrs["device"] = phys
+        if self._fold(node, rule, ins, attrs, outs):
+            return
+        args = [self._argument(val, i, rule, phys) for i, val in enumerate(ins)]
+        while args and args[-1] is None:
+            args.pop()
+        kwargs = self._kwargs(rule, attrs, phys)
+        fx_op, target = "call_function", rule.fn
+        if rule.direct is not None and len(outs) == 1:
+            shapes = [_static_shape(v) if v is not None else None for v in node.inputs]
+            emitted = rule.direct(tuple(args), kwargs, shapes)
+            if emitted is not None:
+                fx_op, target, args, kwargs = emitted
+        if len(outs) == 1:
+            name = outs[0].name or node.name or node.op_type
+            call = self._create(fx_op, target, tuple(args), kwargs, name)
+            self.values[outs[0].name or ""] = _Val(outs[0].name or "", node=call, device=device)
+            return
+        call = self._create("call_function", rule.fn, tuple(args), kwargs, node.name or node.op_type)
+        for i, out in enumerate(outs):
+            if out.name:
+                item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
+                self.values[out.name] = _Val(out.name, node=item, device=device)
+
+    def _lower_identity(self, node: ir.Node, src: _Val | None, device: Device, phys: str) -> None:
+        out = node.outputs[0].name or ""
+        if src is None:
+            raise LoweringError(f"op {node.name!r} ({node.op_type}) has no input")
+        if src.is_const:
+            self.values[out] = _Val(out, const=src.const)
+            return
+        if not is_copy_node(node):
+            # a plain Identity: alias the value (moved if it crosses devices)
+            if src.device is not None and self._phys(src.device) != phys:
+                self.values[out] = _Val(out, node=self._on(src, phys), device=device)
+            else:
+                self.values[out] = _Val(out, node=src.node, device=src.device, param=src.param)
+                if src.node is None:  # a parameter under another name
+                    self.values[out] = src
+            return
+        assert src.device is not None
+        source = self._param_node(src) if src.node is None else src.node
+        moved = self._emit_to(source, self._phys(src.device), phys, out)
+        self.values[out] = _Val(out, node=moved, device=device)
+
+    def _fold(
+        self, node: ir.Node, rule: Rule, ins: list[_Val | None], attrs: dict[str, Any], outs: list[ir.Value]
+    ) -> bool:
+        """Evaluate ``node`` now if its inputs are constants; True when folded."""
+        if not rule.foldable:
+            return False
+        if node.op_type in ("Shape", "Size") and ins and ins[0] is not None and not ins[0].is_const:
+            dims = _static_shape(node.inputs[0])
+            if dims is None:
+                return False
+            args: list[Any] = [torch.empty(dims, device="meta")]
+        elif all(val is None or val.is_const for val in ins):
+            args = [None if val is None else val.const for val in ins]
+        else:
+            return False
+        if "device" in attrs:
+            attrs = {**attrs, "device": "cpu"}
+        try:
+            with torch.no_grad():
+                result = rule.fn(*args, **attrs)
+        except LoweringError:
+            raise
+        except Exception as err:
+            raise LoweringError(
+                f"op {node.name!r} ({node.op_type}) failed on its constant inputs: {err}"
+            ) from err
+        results = result if len(outs) > 1 else (result,)
+        if any(r.numel() > _MAX_FOLD_NUMEL for r in results if isinstance(r, torch.Tensor)):
+            return False
+        for out, tensor in zip(outs, results):
+            if out.name:
+                self.values[out.name] = _Val(out.name, const=torch.as_tensor(tensor).detach().cpu())
+        return True
+
+    def _kwargs(self, rule: Rule, attrs: dict[str, Any], phys: str) -> dict[str, Any]:
+        defaults = rule.defaults()
+        kwargs: dict[str, Any] = {}
+        for name, value in attrs.items():
+            if name in defaults and _same(defaults[name], value):
+                continue
+            if isinstance(value, torch.Tensor):  # tensor attributes become CPU buffers
+                holder = _Val(f"{rule.op_type}_{name}", const=value)
+                value = self._const_node(holder, "cpu")
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[name] = value
+        return kwargs
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _outputs(self) -> None:
+        results: list[fx.Node] = []
+        out_device = self.model.output_device
+        for value in self.model.graph.outputs:
+            val = self.values.get(value.name or "")
+            if val is None:
+                raise LoweringError(f"graph output {value.name!r} is never produced")
+            if out_device is not None:
+                target = self._phys(out_device)
+            elif val.device is not None:
+                target = self._phys(val.device)
+            else:
+                target = self._phys(self.model.blob_device(value))
+            results.append(self._on(val, target))
+        self.graph.output(results[0] if len(results) == 1 else tuple(results))
+
+
+def _state_initializers(model: Model) -> set[str]:
+    """Initializers fed to a rule's ``buffer_inputs`` (e.g. BatchNorm running stats)."""
+    inits = model.graph.initializers
+    found: set[str] = set()
+    for node in model.graph:
+        positions = get_rule(node.op_type, node.domain).buffer_inputs
+        for i in positions:
+            if i < len(node.inputs):
+                value = node.inputs[i]
+                if value is not None and value.name in inits:
+                    found.add(value.name)
+    return found
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return type(a) is type(b) and a == b
+
+
+def _static_shape(value: ir.Value) -> tuple[int, ...] | None:
+    shape = value.shape
+    if shape is None:
+        return None
+    dims = []
+    for dim in shape:
+        if not isinstance(dim, int):
+            return None
+        dims.append(int(dim))
+    return tuple(dims)
