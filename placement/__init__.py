@@ -28,6 +28,8 @@ from placement.errors import (
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run
+# torch lowering (issue 4)
+from placement.runtime.torch_lower import to_torch
 # placement front-ends, profiler and planner (issue 5)
 from placement.passes.balance import balance, balance_by_size, balance_by_time
 from placement.passes.blocks import begin_block
@@ -92,3 +94,4 @@ __all__ += [
 
 __all__ += ["Runner", "run"]
 __all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
+__all__ += ["to_torch"]

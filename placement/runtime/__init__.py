@@ -5,7 +5,9 @@ from __future__ import annotations
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
 from placement.runtime.ort import Runner, RunnerStats, run
 from placement.runtime.stages import Stage, partition
+from placement.runtime.torch_lower import to_torch
 
 __all__ = ["PhysicalDevice", "resolve_device_map"]
 
 __all__ += ["Runner", "RunnerStats", "run", "Stage", "partition"]
+__all__ += ["to_torch"]
