@@ -14,6 +14,11 @@ by ops of several parts, like GPT's tied embedding, counts on every one of them:
 a static copy there) plus the liveness-based peak of its activations (see
 :meth:`GraphInfo.segment_peak_activation`). Both can only shrink when a part shrinks.
 
+A cut never falls right after an op that depends on no graph input (a weight
+transpose, shape arithmetic): such an op runs with the op after it, so plans do not
+ship parameter-sized results every step (:func:`constant_glue`). All results below
+are exact over the partitions that remain.
+
 Objectives:
 
 * ``"throughput"`` (default; pipelined execution): minimise the bottleneck, the largest
@@ -73,6 +78,7 @@ __all__ = [
     "parse_bytes",
     "format_bytes",
     "partition_costs",
+    "constant_glue",
     "PartitionProblem",
 ]
 
@@ -149,10 +155,18 @@ class PartitionProblem:
         costs: integer cost per op (non-negative).
         budgets: per part, a memory budget in bytes or None (unlimited).
         info: the graph tables (needed for memory and transfers; None for pure costs).
+        allowed_cuts: ``n + 1`` flags; a part may end at position ``j`` only where
+            ``allowed_cuts[j]`` (0 and ``n`` always may). Restricting cut points keeps
+            every algorithm exact over the partitions that remain.
     """
 
     def __init__(
-        self, costs: Sequence[int], budgets: Sequence[int | None], info: GraphInfo | None = None
+        self,
+        costs: Sequence[int],
+        budgets: Sequence[int | None],
+        info: GraphInfo | None = None,
+        *,
+        allowed_cuts: Sequence[bool] | None = None,
     ) -> None:
         if any(c < 0 for c in costs):
             raise PlanError("op costs must be non-negative")
@@ -165,6 +179,14 @@ class PartitionProblem:
             self.prefix.append(self.prefix[-1] + c)
         self.budgets = list(budgets)
         self.info = info
+        allowed = [True] * (self.n + 1) if allowed_cuts is None else [bool(a) for a in allowed_cuts]
+        if len(allowed) != self.n + 1:
+            raise PlanError(f"allowed_cuts needs {self.n + 1} entries, got {len(allowed)}")
+        allowed[0] = allowed[self.n] = True
+        self.allowed = allowed
+        self._floor = [0] * (self.n + 1)  # the largest allowed cut position <= j
+        for j in range(self.n + 1):
+            self._floor[j] = j if allowed[j] else self._floor[j - 1]
         self._reach: dict[int, dict[int, int]] = {}
         self._mem: dict[tuple[int, int], int] = {}
         if info is None and any(b is not None for b in budgets):
@@ -229,7 +251,7 @@ class PartitionProblem:
         i = 0
         ends = []
         for budget in budgets:
-            j = min(self.cost_reach(i, bound), self.memory_reach(budget, i))
+            j = self._floor[min(self.cost_reach(i, bound), self.memory_reach(budget, i))]
             ends.append(j)
             i = j
         return ends if i == self.n else None
@@ -286,6 +308,8 @@ class PartitionProblem:
                             if first < i:
                                 seen.add(b)
                                 in_bytes += info.blob_bytes[b]
+                    if not self.allowed[j]:
+                        continue
                     cand = (base[0] + in_bytes, max(base[1], self.cost(i, j)))
                     if cand < new[j]:
                         new[j] = cand
@@ -327,6 +351,16 @@ class PartitionProblem:
             f"alone), and the smallest uniform budget that fits is {format_bytes(uniform)} "
             f"({uniform} bytes) per device"
         )
+
+
+def constant_glue(info: GraphInfo) -> list[bool]:
+    """Allowed cut points: never right after an op that depends on no graph input.
+
+    Such ops (weight transposes, shape arithmetic, masks) compute from parameters
+    alone; cutting right after one would ship a parameter-sized result every step
+    instead of the activations around it, so each runs with the op after it.
+    """
+    return [True] + [info.data_dependent[pos] for pos in range(len(info))]
 
 
 def partition_costs(costs: Sequence[int], parts: int, *, nonempty: bool = True) -> list[int]:
@@ -751,7 +785,7 @@ def auto_place(
     prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
     costs = prof.costs(cost)
     info = GraphInfo(model)
-    problem = PartitionProblem(costs, budgets, info)
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=constant_glue(info))
     if objective == "throughput":
         bound = problem.min_bottleneck()
         ends = problem.min_transfer(bound)

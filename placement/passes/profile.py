@@ -129,6 +129,8 @@ class GraphInfo:
         for value in graph.inputs:
             if id(value) not in param_id:
                 new_blob(value, -1)
+        #: per position: does the op depend (transitively) on a graph input?
+        self.data_dependent: list[bool] = []
         self.op_inputs: list[list[int]] = []
         self.op_params: list[list[int]] = []
         self.op_outputs: list[list[int]] = []
@@ -153,6 +155,9 @@ class GraphInfo:
             self.op_inputs.append(acts)
             self.op_params.append(params)
             self.op_outputs.append([new_blob(v, i) for v in node.outputs])
+            self.data_dependent.append(
+                any(self.blob_producer[b] < 0 or self.data_dependent[self.blob_producer[b]] for b in acts)
+            )
         for value in graph.outputs:
             b = blob_id.get(id(_look_through_copies(value)))
             if b is not None:

@@ -19,11 +19,13 @@ from tests.passes.planning_helpers import (
 )
 
 
-def _brute_force(info, costs, budgets):
+def _brute_force(info, costs, budgets, allowed=None):
     """Lexicographic optimum (bottleneck, bytes copied) and optimum (bytes, bottleneck)."""
     n, parts = len(info), len(budgets)
     best_tp = best_lat = None
     for ends in all_ends(n, parts):
+        if allowed is not None and not all(allowed[e] for e in ends):
+            continue
         start, ok, bottleneck = 0, True, 0
         part = [0] * n
         for k, end in enumerate(ends):
@@ -44,8 +46,8 @@ def _brute_force(info, costs, budgets):
     return best_tp, best_lat
 
 
-def _solve(info, costs, budgets, objective):
-    problem = PartitionProblem(costs, budgets, info)
+def _solve(info, costs, budgets, objective, allowed=None):
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed)
     bound = problem.min_bottleneck() if objective == "throughput" else None
     ends = problem.min_transfer(bound)
     devices = [pl.Device("cuda", k) for k in range(len(budgets))]
@@ -67,15 +69,18 @@ def test_planner_matches_brute_force_on_small_graphs(seed, n_ops, parts, data):
     budgets = data.draw(
         st.lists(st.one_of(st.none(), st.integers(0, whole + 10)), min_size=parts, max_size=parts)
     )
-    best_tp, best_lat = _brute_force(info, costs, budgets)
+    allowed = data.draw(st.none() | st.lists(st.booleans(), min_size=len(info) + 1, max_size=len(info) + 1))
+    if allowed is not None:
+        allowed[0] = allowed[-1] = True
+    best_tp, best_lat = _brute_force(info, costs, budgets, allowed)
     if best_tp is None:
         with pytest.raises(pl.InfeasiblePlacementError):
-            _solve(info, costs, budgets, "throughput")
+            _solve(info, costs, budgets, "throughput", allowed)
         return
-    plan = _solve(info, costs, budgets, "throughput")
+    plan = _solve(info, costs, budgets, "throughput", allowed)
     assert (plan.bottleneck, plan.transfer_bytes) == best_tp
     assert plan.fits
-    plan = _solve(info, costs, budgets, "latency")
+    plan = _solve(info, costs, budgets, "latency", allowed)
     assert (plan.transfer_bytes, plan.bottleneck) == best_lat
     assert plan.fits
 
@@ -149,6 +154,18 @@ def test_infeasible_budget_states_smallest_uniform_budget(exported):
     assert plan.fits
     with pytest.raises(pl.InfeasiblePlacementError):
         pl.auto_place(model, max_memory={0: smallest - 1, 1: smallest - 1}, cost="size")
+
+
+def test_no_cut_right_after_a_parameter_only_op(exported):
+    model, _, _ = exported("gpt")
+    info = GraphInfo(model)
+    constant = [pos for pos in range(len(info)) if not info.data_dependent[pos]]
+    assert any(info.nodes[pos].op_type == "Transpose" for pos in constant)  # weight transposes
+    for parts in (2, 3, 4):
+        plan = pl.auto_place(model, devices=parts, cost="flops")
+        names = [op.name for op in model.ops]
+        for pos in constant:
+            assert plan.assignment[names[pos]] == plan.assignment[names[pos + 1]]
 
 
 def test_tied_embedding_counts_on_every_device_reading_it(exported):
