@@ -26,10 +26,15 @@ from placement.errors import (
     VerificationError,
 )
 from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
-# ONNX Runtime executor (issue 4)
-from placement.runtime.ort import Runner, run
-# torch lowering (issue 4)
-from placement.runtime.torch_lower import to_torch
+
+# the Caffe2 pass trio and the pass pipeline (issue 3)
+from placement.passes import (
+    Pipeline,
+    get_activation_blobs,
+    inject_cross_device_copies,
+    shift_activation_devices,
+)
+
 # placement front-ends, profiler and planner (issue 5)
 from placement.passes.balance import balance, balance_by_size, balance_by_time
 from placement.passes.blocks import begin_block
@@ -42,13 +47,12 @@ from placement.passes.stage_assignment import (
     set_stage_assignment,
     summary,
 )
-# the Caffe2 pass trio and the pass pipeline (issue 3)
-from placement.passes import (
-    Pipeline,
-    get_activation_blobs,
-    inject_cross_device_copies,
-    shift_activation_devices,
-)
+
+# ONNX Runtime executor (issue 4)
+from placement.runtime.ort import Runner, run
+
+# torch lowering (issue 4)
+from placement.runtime.torch_lower import to_torch
 
 __version__ = "0.1.0"
 
