@@ -24,7 +24,9 @@ Data flow (precomputed at construction, so a run is a short loop):
   on separate devices);
 * static copies (of parameters) need nothing at run time: each stage carries
   the parameters it reads as initializers, so they reach its device once, when
-  its session loads;
+  its session loads; values computed from parameters alone (a transposed
+  weight) are recomputed at load time by the stages that read them (see
+  :mod:`placement.runtime.stages`), never moved per run;
 * every intermediate value is dropped after its last use (as torch.fx's
   ``Interpreter`` does); outputs come back as numpy arrays in graph-output order.
 

@@ -37,6 +37,16 @@ that reads the copy's blob carries the parameter itself as an initializer
 under the copy's name, so the parameter is copied onto the device exactly once,
 when the stage's session loads. Parameters read directly are carried likewise.
 
+*Load-time values* generalise this: a blob computed from parameters and
+constants alone (a transposed weight, a scale constant, shape arithmetic) is
+the same on every run. A stage that reads one produced elsewhere gets a clone
+of the ops that compute it (``Stage.load_time_ops``), which ONNX Runtime folds
+into an initializer when the session loads; such blobs make no stage-graph
+edges, are never stage outputs and their copies are never run-time transfers.
+This keeps weights constant inside each session (so ONNX Runtime can fuse and
+pre-pack them) and avoids moving them on every run. Graph outputs are always
+produced by their stage.
+
 Example:
     >>> import placement as pl
     >>> from models import mlp
@@ -87,6 +97,8 @@ class Stage:
         fingerprint: a hash of what the stage is (device, op names and types,
             boundary blobs, carried parameters); equal fingerprints mean the same
             session can be reused (see :class:`placement.runtime.ort.Runner`).
+        load_time_ops: ops of other stages the stage model also contains because
+            they compute a load-time value it reads (see the module docstring).
     """
 
     index: int
@@ -98,6 +110,7 @@ class Stage:
     depends_on: tuple[int, ...]
     model: ir.Model = field(repr=False)
     fingerprint: str = ""
+    load_time_ops: tuple[str, ...] = ()
 
     def to_proto(self) -> onnx.ModelProto:
         """The stage model as an ``onnx.ModelProto``."""
@@ -195,6 +208,8 @@ def plan(model: Model) -> Partition:
     initializers = graph.initializers
     graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
 
+    consts = _load_time_values(graph)
+
     # Where does each copy's blob come from?  copy output value -> root source value.
     copy_root: dict[ir.Value, ir.Value] = {}
     static_copies: dict[str, str] = {}
@@ -210,7 +225,7 @@ def plan(model: Model) -> Partition:
             copy_root[out] = root
             if root.producer() is None and root.name in initializers:
                 static_copies[out.name or ""] = root.name or ""
-            else:
+            elif out not in consts:  # a copy of a load-time value is rematerialised instead
                 transfers.append(
                     Transfer(
                         op=node.name or "",
@@ -223,7 +238,7 @@ def plan(model: Model) -> Partition:
         else:
             compute.append(node)
 
-    stage_of_node, stage_device, stage_nodes, sg = _assign(compute, copy_root)
+    stage_of_node, stage_device, stage_nodes, sg = _assign(compute, copy_root, consts)
 
     # Execution order: topological order of the stage graph, ties by creation order.
     order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
@@ -239,38 +254,46 @@ def plan(model: Model) -> Partition:
 
     stages: list[Stage] = []
     typed = _TypeFallback(model)
+    position = {node: i for i, node in enumerate(graph)}
     for old in order:
         nodes = stage_nodes[old]
         device = stage_device[old]
         produced = {v for n in nodes for v in n.outputs}
         inputs: list[ir.Value] = []
         params: list[tuple[str, ir.Value]] = []  # (name in stage, parameter value)
+        extra: set[ir.Node] = set()  # load-time ops of other stages, rematerialised here
         seen: set[ir.Value] = set()
-        for node in nodes:
-            for value in _reads(node, graph):
-                if value in produced or value in seen:
-                    continue
-                seen.add(value)
-                name = value.name or ""
-                if name in initializers and value.producer() is None:
-                    params.append((name, value))
-                elif name in static_copies:
-                    params.append((name, initializers[static_copies[name]]))
-                elif value.producer() is None and name not in graph_inputs:
-                    raise PlacementError(
-                        f"op {node.name!r} reads blob {name!r}, which is neither produced, "
-                        "a graph input nor a parameter"
-                    )
-                else:
-                    inputs.append(value)
+        pending = [(node, value) for node in nodes for value in _reads(node, graph)]
+        while pending:
+            node, value = pending.pop(0)
+            if value in produced or value in seen:
+                continue
+            seen.add(value)
+            name = value.name or ""
+            producer = value.producer()
+            if name in initializers and producer is None:
+                params.append((name, value))
+            elif name in static_copies:
+                params.append((name, initializers[static_copies[name]]))
+            elif value in consts and producer is not None:
+                extra.add(producer)
+                pending.extend((producer, v) for v in _reads(producer, graph))
+            elif producer is None and name not in graph_inputs:
+                raise PlacementError(
+                    f"op {node.name!r} reads blob {name!r}, which is neither produced, "
+                    "a graph input nor a parameter"
+                )
+            else:
+                inputs.append(value)
         outputs = [
             v
             for n in nodes
             for v in n.outputs
-            if v.name and (v in graph_outputs or (readers.get(v, set()) - {old}))
+            if v.name and (v in graph_outputs or (v not in consts and readers.get(v, set()) - {old}))
         ]
+        body = sorted(set(nodes) | extra, key=position.__getitem__)
         depends = sorted({renumber[p] for p in sg.predecessors(old)})
-        stage_model = _stage_model(model, nodes, inputs, outputs, params, typed, renumber[old])
+        stage_model = _stage_model(model, body, inputs, outputs, params, typed, renumber[old])
         stage = Stage(
             index=renumber[old],
             device=device,
@@ -280,8 +303,9 @@ def plan(model: Model) -> Partition:
             parameters=tuple(name for name, _ in params),
             depends_on=tuple(depends),
             model=stage_model,
+            load_time_ops=tuple(n.name or "" for n in body if n in extra),
         )
-        stage.fingerprint = _fingerprint(stage, nodes, params)
+        stage.fingerprint = _fingerprint(stage, body, params)
         stages.append(stage)
 
     input_devices = {name: model.blob_device(model.value(name)) for name in model.inputs}
@@ -330,9 +354,9 @@ def stage_graph(stages: Sequence[Stage]) -> nx.DiGraph:
 
 
 def _assign(
-    compute: list[ir.Node], copy_root: dict[ir.Value, ir.Value]
+    compute: list[ir.Node], copy_root: dict[ir.Value, ir.Value], consts: set[ir.Value]
 ) -> tuple[dict[ir.Node, int], dict[int, Device], dict[int, list[ir.Node]], nx.DiGraph]:
-    """Greedy stage assignment (module docstring, steps 1-3)."""
+    """Greedy stage assignment (module docstring, steps 1-3); load-time values make no edges."""
     stage_of_node: dict[ir.Node, int] = {}
     stage_device: dict[int, Device] = {}
     stage_nodes: dict[int, list[ir.Node]] = {}
@@ -344,7 +368,7 @@ def _assign(
         for value in _reads(node, node.graph):
             root = copy_root.get(value, value)
             producer = root.producer()
-            if producer is None:
+            if producer is None or value in consts:
                 continue
             sid = stage_of_node.get(producer)
             if sid is None:
@@ -364,6 +388,37 @@ def _assign(
         stage_of_node[node] = chosen
         sg.add_edges_from((p, chosen) for p in preds if p != chosen)
     return stage_of_node, stage_device, stage_nodes, sg
+
+
+#: Op types whose outputs are not load-time values even when every input is.
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
+
+
+def _load_time_values(graph: ir.Graph) -> set[ir.Value]:
+    """Blobs computable from parameters and constants alone (module docstring: load-time values).
+
+    Graph outputs, and the sources of copies that produce graph outputs, are left
+    out: they are produced by their stage like any other blob.
+    """
+    consts: set[ir.Value] = set(graph.initializers.values())
+    for node in graph:
+        if node.op_type in _NONDETERMINISTIC or node.domain not in ("", "ai.onnx"):
+            continue
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            continue
+        if all(v is None or v in consts for v in node.inputs):
+            consts.update(node.outputs)
+    keep = list(graph.outputs)
+    while keep:
+        value = keep.pop()
+        if value in consts and value.producer() is not None:
+            consts.discard(value)
+            producer = value.producer()
+            if producer is not None and is_copy_node(producer) and producer.inputs[0] is not None:
+                keep.append(producer.inputs[0])
+    return {v for v in consts if v.producer() is not None}
 
 
 def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:

@@ -99,6 +99,40 @@ def test_copies_become_transfers_and_static_copies_parameters():
         onnx.checker.check_model(stage.to_proto(), full_check=True)
 
 
+def test_load_time_values_are_rematerialised_not_transferred():
+    # w (parameter) -> transpose (cuda:0) -> matmul(x, w^T) (cuda:1): the transposed weight is the
+    # same on every run, so cuda:1's stage computes it at load time instead of receiving it.
+    x = ir.Value(name="x", type=ir.TensorType(FLOAT), shape=ir.Shape([2, 3]))
+    w = ir.Value(
+        name="w",
+        type=ir.TensorType(FLOAT),
+        shape=ir.Shape([4, 3]),
+        const_value=ir.tensor(np.arange(12, dtype=np.float32).reshape(4, 3), name="w"),
+    )
+    transpose = ir.Node("", "Transpose", [w], [ir.AttrInt64s("perm", [1, 0])], name="t", num_outputs=1)
+    transpose.outputs[0].name = "wT"
+    relu = ir.Node("", "Relu", [x], name="relu", num_outputs=1)
+    relu.outputs[0].name = "r"
+    matmul = ir.Node("", "MatMul", [relu.outputs[0], transpose.outputs[0]], name="mm", num_outputs=1)
+    matmul.outputs[0].name = "y"
+    for node, device in ((transpose, "cuda:0"), (relu, "cuda:0"), (matmul, "cuda:1")):
+        node.metadata_props["placement.device"] = device
+    graph = ir.Graph(
+        [x], matmul.outputs, nodes=[transpose, relu, matmul], initializers=[w], opset_imports={"": 20}
+    )
+    model = pl.Model(ir.Model(graph, ir_version=10))
+    pl.inject_cross_device_copies(model)
+    p = plan(model)
+    assert [t.target for t in p.transfers] == ["r_cuda_1"]  # wT_cuda_1 is not moved per run
+    first, second = p.stages
+    assert first.ops == ("t", "relu") and first.outputs == ("r",)
+    assert second.ops == ("mm",) and second.inputs == ("r_cuda_1",)
+    assert set(second.load_time_ops) == {"t", "copy_wT_cuda_1"} and second.parameters == ("w",)
+    session = ort.InferenceSession(second.to_proto().SerializeToString(), providers=["CPUExecutionProvider"])
+    r = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"r_cuda_1": r})[0], r @ w.const_value.numpy().T)
+
+
 def test_fingerprint_tracks_device_ops_and_boundaries():
     model = mlp_graph(3)
     model.set_device("fc2", 1)
@@ -212,6 +246,8 @@ def test_random_dag_stages_compose_to_the_model(n_ops, seed, n_devices):
     expected = whole.run(None, {"x": x})
     values = {"x": x}
     for stage in partition(model):
+        if not stage.outputs:  # only load-time ops: nothing to run
+            continue
         session = ort.InferenceSession(
             stage.to_proto().SerializeToString(), providers=["CPUExecutionProvider"]
         )
