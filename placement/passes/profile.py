@@ -72,6 +72,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CACHE_KEY = "placement.profile"
+_SHAPES_KEY = "placement.inferred_shapes"
 COST_KINDS = ("time", "size", "flops")
 
 
@@ -165,7 +166,7 @@ class GraphInfo:
         #: dims found by ONNX shape inference for values the exporter left unshaped
         self.inferred_dims: dict[str, list[int]] = {}
         if self.unknown_size:
-            inferred = _infer_shapes(model, set(self.unknown_size))
+            inferred = _cached_inferred_shapes(model, set(self.unknown_size))
             for b, name in enumerate(self.blob_names):
                 if name in inferred:
                     dims, itemsize = inferred[name]
@@ -311,6 +312,17 @@ class GraphInfo:
                     out[home] += size
                     into[p] += size
         return out, into
+
+
+def _cached_inferred_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], float]]:
+    """:func:`_infer_shapes`, cached on the model per structure fingerprint."""
+    meta = model.ir_model.meta
+    fp = fingerprint(model)
+    cached = meta.get(_SHAPES_KEY)
+    if not (isinstance(cached, tuple) and cached[0] == fp and names <= cached[1]):
+        cached = (fp, set(names), _infer_shapes(model, names))
+        meta[_SHAPES_KEY] = cached
+    return {k: v for k, v in cached[2].items() if k in names}
 
 
 def _infer_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], float]]:
