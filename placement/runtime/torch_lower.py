@@ -70,12 +70,16 @@ import numpy as np
 import onnx_ir as ir
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.torch_ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
+
+#: A rule that inlines nothing (for arguments of fused calls).
+_NO_INLINE = Rule("<fused>", lambda *a: None)
 
 __all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
@@ -268,6 +272,9 @@ class _Lowering:
         self.prefixes: set[str] = set()
         self.cache: dict[tuple[str, str], fx.Node] = {}  # (blob, physical) -> node there
         self.pending_params: dict[str, torch.Tensor] = {}  # registered on first use
+        self.linear_pending: dict[int, tuple[_Val, _Val, int]] = {}  # Add id -> MatMul inputs
+        self.meta: dict[str, torch.Tensor] = {}  # blob -> meta tensor (static shape and dtype)
+        self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
         self.default_device = next(iter(model.devices), Device("cuda", 0))
 
     # -- driver -----------------------------------------------------------------------------
@@ -279,6 +286,7 @@ class _Lowering:
         for node in model.graph:
             self._lower(node)
         self._outputs()
+        self.graph.eliminate_dead_code()  # e.g. transposes absorbed by fused linears
         self.graph.lint()
         module = fx.GraphModule(self.root, self.graph, class_name="PlacedModule")
         module.input_names = list(model.inputs)
@@ -397,7 +405,7 @@ class _Lowering:
     # -- reading values ----------------------------------------------------------------
 
     def _value(self, value: ir.Value | None, op: ir.Node) -> _Val | None:
-        if value is None or not value.name:
+        if value is None or not value.name or value.name in self.fused:
             return None
         val = self.values.get(value.name)
         if val is None:
@@ -464,33 +472,137 @@ class _Lowering:
             attrs["device"] = phys
         if self._fold(node, rule, ins, attrs, outs):
             return
+        if self._fuse_linear(node, ins, phys):
+            self._propagate(rule, ins, attrs, outs)
+            return
         args = [self._argument(val, i, rule, phys) for i, val in enumerate(ins)]
         while args and args[-1] is None:
             args.pop()
         kwargs = self._kwargs(rule, attrs, phys)
         fx_op, target = "call_function", rule.fn
-        if rule.direct is not None and len(outs) == 1:
-            shapes = [_static_shape(v) if v is not None else None for v in node.inputs]
+        if rule.direct is not None:
+            shapes = [self._shape(v) for v in node.inputs]
             emitted = rule.direct(tuple(args), kwargs, shapes)
             if emitted is not None:
                 fx_op, target, args, kwargs = emitted
+        self._propagate(rule, ins, attrs, outs)
         if len(outs) == 1:
             name = outs[0].name or node.name or node.op_type
             call = self._create(fx_op, target, tuple(args), kwargs, name)
             self.values[outs[0].name or ""] = _Val(outs[0].name or "", node=call, device=device)
             return
-        call = self._create("call_function", rule.fn, tuple(args), kwargs, node.name or node.op_type)
+        call = self._create(fx_op, target, tuple(args), kwargs, _op_label(node))
         for i, out in enumerate(outs):
             if out.name:
                 item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
                 self.values[out.name] = _Val(out.name, node=item, device=device)
 
+    # -- static shapes ------------------------------------------------------------------------
+
+    def _shape(self, value: ir.Value | None) -> tuple[int, ...] | None:
+        """The static shape of a blob: from the IR, else from meta propagation."""
+        if value is None:
+            return None
+        shape = _static_shape(value)
+        if shape is not None:
+            return shape
+        val = self.values.get(value.name or "")
+        if val is not None and val.is_const:
+            assert val.const is not None
+            return tuple(val.const.shape)
+        meta = self.meta.get(value.name or "")
+        return tuple(meta.shape) if meta is not None else None
+
+    def _meta_input(self, value: ir.Value | None, val: _Val | None, index: int, rule: Rule) -> Any:
+        if val is None or value is None:
+            return None
+        if val.is_const:
+            data = val.const
+            assert data is not None
+            if index in rule.shape_inputs and data.dim() <= 1 and data.numel() <= _MAX_INLINE_NUMEL:
+                return data.tolist()
+            if index in rule.scalar_inputs and data.dim() == 0:
+                return data.item()
+            return data.to("meta")
+        meta = self.meta.get(val.name)
+        if meta is None:
+            shape = self._shape(value)
+            if shape is None or value.dtype is None:
+                raise LookupError(val.name)
+            meta = torch.empty(shape, dtype=torch_dtype(int(value.dtype)), device="meta")
+            self.meta[val.name] = meta
+        return meta
+
+    def _propagate(
+        self, rule: Rule, ins: list[_Val | None], attrs: dict[str, Any], outs: list[ir.Value]
+    ) -> None:
+        """Record the outputs' shapes when the IR lacks them, by running the rule on meta tensors."""
+        if all(_static_shape(out) is not None or not out.name for out in outs):
+            return
+        node_inputs = outs[0].producer().inputs if outs and outs[0].producer() is not None else ()
+        try:
+            args = [self._meta_input(v, val, i, rule) for i, (v, val) in enumerate(zip(node_inputs, ins))]
+            if "device" in attrs:
+                attrs = {**attrs, "device": "meta"}
+            result = rule.fn(*args, **attrs)
+        except Exception:  # unknown input shapes, or a rule that reads data: shapes stay unknown
+            return
+        results = result if len(outs) > 1 else (result,)
+        for out, tensor in zip(outs, results):
+            if out.name and isinstance(tensor, torch.Tensor):
+                self.meta[out.name] = tensor if tensor.device.type == "meta" else tensor.to("meta")
+
+    def _fuse_linear(self, node: ir.Node, ins: list[_Val | None], phys: str) -> bool:
+        """``MatMul(A, B)`` + ``Add(bias)`` -> ``F.linear(A, B.t(), bias)``, as eager ``nn.Linear``.
+
+        The exporter splits a Linear on n-D inputs into MatMul and Add; fusing them
+        back gives eager's single ``addmm`` (same kernel, same numbers). Only when
+        the MatMul feeds nothing but that Add on the same device, ``B`` is 2-D and
+        the bias is 1-D of ``B``'s width. True when ``node`` was handled.
+        """
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Add"):
+            return False
+        if node.op_type == "Add":
+            pending = self.linear_pending.pop(id(node), None)
+            if pending is None:
+                return False
+            a, b, position = pending
+            bias = ins[1 - position]
+            assert bias is not None
+            b_node = self._on(b, phys)
+            if b_node.op == "call_method" and b_node.target == "permute" and b_node.args[1:] == (1, 0):
+                weight = b_node.args[0]  # B = W.permute(1, 0): use W itself, like nn.Linear
+            else:
+                weight = self._create("call_method", "t", (b_node,), {}, f"{b.name}_t")
+            args = (self._on(a, phys), weight, self._argument(bias, 1, _NO_INLINE, phys))
+            out = node.outputs[0].name or ""
+            call = self._create("call_function", F.linear, args, {}, out or node.name or "linear")
+            self.values[out] = _Val(out, node=call, device=node_device(node))
+            return True
+        out = node.outputs[0]
+        uses = list(out.uses())
+        if len(uses) != 1 or out.is_graph_output() or any(v is None for v in ins):
+            return False
+        add, position = uses[0].node, uses[0].idx
+        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+            return False
+        if node_device(add) != node_device(node) or is_copy_node(add):
+            return False
+        b_shape = self._shape(node.inputs[1])
+        other = add.inputs[1 - position]
+        bias_shape = self._shape(other)
+        if b_shape is None or len(b_shape) != 2 or bias_shape != (b_shape[1],):
+            return False
+        self.linear_pending[id(add)] = (ins[0], ins[1], position)
+        self.fused.add(out.name or "")
+        return True
+
     def _lower_identity(self, node: ir.Node, src: _Val | None, device: Device, phys: str) -> None:
         out = node.outputs[0].name or ""
         if src is None:
             raise LoweringError(f"op {node.name!r} ({node.op_type}) has no input")
-        if src.is_const:
-            self.values[out] = _Val(out, const=src.const)
+        if src.is_const:  # a constant is materialized once per physical device, whatever copies it
+            self.values[out] = src
             return
         if not is_copy_node(node):
             # a plain Identity: alias the value (moved if it crosses devices)
@@ -513,7 +625,7 @@ class _Lowering:
         if not rule.foldable:
             return False
         if node.op_type in ("Shape", "Size") and ins and ins[0] is not None and not ins[0].is_const:
-            dims = _static_shape(node.inputs[0])
+            dims = self._shape(node.inputs[0])
             if dims is None:
                 return False
             args: list[Any] = [torch.empty(dims, device="meta")]
@@ -571,6 +683,12 @@ class _Lowering:
                 target = self._phys(self.model.blob_device(value))
             results.append(self._on(val, target))
         self.graph.output(results[0] if len(results) == 1 else tuple(results))
+
+
+def _op_label(node: ir.Node) -> str:
+    """A readable name for a multi-output call: the op name without the exporter's ``node_``."""
+    name = node.name or node.op_type
+    return name[len("node_") :] if name.startswith("node_") and len(name) > 5 else name
 
 
 def _state_initializers(model: Model) -> set[str]:

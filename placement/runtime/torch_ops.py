@@ -1249,6 +1249,21 @@ def _ints_literal(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) for v in value)
 
 
+@direct("Split")
+def _direct_split(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
+    axis, parts = kwargs.get("axis", 0), kwargs.get("num_outputs", 1)
+    if set(kwargs) - {"axis", "num_outputs"} or parts == 1:
+        return None  # one output: the rule returns a tensor, torch.split a tuple
+    if len(args) > 1 and args[1] is not None:
+        return (
+            ("call_function", torch.split, (args[0], args[1], axis), {}) if _ints_literal(args[1]) else None
+        )
+    shape = shapes[0] if shapes else None
+    if shape is None:
+        return None
+    return "call_function", torch.split, (args[0], -(-shape[axis] // parts), axis), {}
+
+
 @direct("Transpose")
 def _direct_transpose(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
     perm = kwargs.get("perm")
@@ -1278,6 +1293,16 @@ def _direct_log_softmax(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: S
 
 @direct("Where")
 def _direct_where(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
+    condition, x, y = args
+    cond_shape, _, y_shape = (list(shapes) + [None] * 3)[:3]
+    if (
+        isinstance(x, (int, float))
+        and isinstance(y, torch.fx.Node)
+        and cond_shape is not None
+        and y_shape is not None
+        and tuple(torch.broadcast_shapes(cond_shape, y_shape)) == tuple(y_shape)
+    ):  # the masked_fill idiom (attention masks)
+        return "call_method", "masked_fill", (y, condition, x), {}
     return "call_function", torch.where, tuple(args), {}
 
 
