@@ -15,9 +15,9 @@ a static copy there) plus the liveness-based peak of its activations (see
 :meth:`GraphInfo.segment_peak_activation`). Both can only shrink when a part shrinks.
 
 A cut never falls right after an op that depends on no graph input (a weight
-transpose, shape arithmetic): such an op runs with the op after it, so plans do not
-ship parameter-sized results every step (:func:`constant_glue`). All results below
-are exact over the partitions that remain.
+transpose, shape arithmetic): its result is a load-time value that runtimes fold where
+it is read, so the op stays with the op after it, which reads it
+(:func:`constant_glue`). All results below are exact over the partitions that remain.
 
 Objectives:
 
@@ -37,7 +37,9 @@ Objectives:
   on the first device, which is the fastest way to run one request.
 
 Bytes copied per step count one copy per (blob, reading device), as
-``inject_cross_device_copies`` makes them; graph inputs are fed where first read.
+``inject_cross_device_copies`` makes them; graph inputs are fed where first read;
+blobs computed from parameters alone are load-time values the runtimes
+rematerialise where they are read, so they move nothing per step.
 The dynamic programme is O(N * sum of part lengths) in the worst case, fine for
 graphs of a few thousand ops.
 
@@ -307,7 +309,7 @@ class PartitionProblem:
                             first = producer if producer >= 0 else info.blob_consumers[b][0]
                             if first < i:
                                 seen.add(b)
-                                in_bytes += info.blob_bytes[b]
+                                in_bytes += info.step_bytes[b]
                     if not self.allowed[j]:
                         continue
                     cand = (base[0] + in_bytes, max(base[1], self.cost(i, j)))
@@ -357,8 +359,9 @@ def constant_glue(info: GraphInfo) -> list[bool]:
     """Allowed cut points: never right after an op that depends on no graph input.
 
     Such ops (weight transposes, shape arithmetic, masks) compute from parameters
-    alone; cutting right after one would ship a parameter-sized result every step
-    instead of the activations around it, so each runs with the op after it.
+    alone: load-time values, folded where they are read. The exporter emits each right
+    before its reader, so a cut right after one would split it from its reader (and
+    count its cost on the wrong device); each stays with the op after it.
     """
     return [True] + [info.data_dependent[pos] for pos in range(len(info))]
 
@@ -734,7 +737,7 @@ def _cut_bytes(info: GraphInfo, c: int) -> int:
         producer = info.blob_producer[b]
         first = producer if producer >= 0 else consumers[0]
         if first < c:
-            total += info.blob_bytes[b]
+            total += info.step_bytes[b]
     return total
 
 

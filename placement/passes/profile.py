@@ -173,6 +173,12 @@ class GraphInfo:
                     self.blob_bytes[b] = int(math.ceil(math.prod(dims) * itemsize))
                     self.inferred_dims[name] = dims
             self.unknown_size = [n for n in self.unknown_size if n not in inferred]
+        #: per blob, bytes a copy moves per step: 0 for load-time values (blobs computed
+        #: from parameters alone), which runtimes rematerialise where read, never transfer
+        self.step_bytes: list[int] = [
+            size if producer < 0 or self.data_dependent[producer] else 0
+            for size, producer in zip(self.blob_bytes, self.blob_producer)
+        ]
         if self.unknown_size:
             log.info(
                 "%d blobs have no static shape and count as 0 bytes (first: %r)",
@@ -234,7 +240,8 @@ class GraphInfo:
         """Bytes copied into a device running ops ``i..j-1`` from earlier ones (per step).
 
         Counts each distinct activation read there and produced before ``i``; a graph
-        input counts when its first reader lies before ``i`` (it is fed where first used).
+        input counts when its first reader lies before ``i`` (it is fed where first used);
+        load-time values (computed from parameters alone) count 0.
         """
         seen: set[int] = set()
         total = 0
@@ -246,7 +253,7 @@ class GraphInfo:
                 first = producer if producer >= 0 else self.blob_consumers[b][0]
                 if first < i:
                     seen.add(b)
-                    total += self.blob_bytes[b]
+                    total += self.step_bytes[b]
         return total
 
     # -- memory of an arbitrary placement --------------------------------------------
@@ -297,14 +304,15 @@ class GraphInfo:
     def transfers(self, part: Sequence[int], num_parts: int) -> tuple[list[int], list[int]]:
         """Per-step bytes sent and received per part: one copy per (blob, reading part).
 
-        A graph input is fed on the part of its first reader and copied to the others.
+        A graph input is fed on the part of its first reader and copied to the others;
+        load-time values (computed from parameters alone) move nothing per step.
         """
         out = [0] * num_parts
         into = [0] * num_parts
-        for b, size in enumerate(self.blob_bytes):
+        for b, size in enumerate(self.step_bytes):
             producer = self.blob_producer[b]
             consumers = self.blob_consumers[b]
-            if not consumers:
+            if not consumers or not size:
                 continue
             home = part[producer] if producer >= 0 else part[consumers[0]]
             for p in {part[c] for c in consumers}:
