@@ -1,0 +1,257 @@
+"""Benchmark: the cost of placement in both runtimes, side by side in one run.
+
+For each model (bench size by default) the network is imported, split across
+``devices`` logical devices Caffe2 style (activations shifted in equal runs,
+``inject_cross_device_copies``), and timed:
+
+* **ONNX Runtime**: ``pl.Runner`` (one session per stage, IOBinding between
+  stages) against *one* ``InferenceSession`` of the unplaced model with the same
+  session options. Target: placed / single <= 1.05.
+* **torch**: ``pl.to_torch`` against the original eager module, measured by
+  ``benchmarks/torch_lowering.py: measure`` (imported, so both tables come from
+  one process and one invocation). Target: lowered / eager <= 1.10.
+
+The two contenders of each pair alternate run by run (the order flips every
+iteration), so drift and other load on the machine hit both; latencies are
+medians. Without GPUs every logical device is emulated on the CPU with its own
+sessions, so the ONNX Runtime ratio measures what placement itself costs:
+extra sessions, lost fusions at the cut, transfers, Python glue.
+
+Usage::
+
+    python benchmarks/runtime.py                       # gpt and resnet, bench, 2 devices
+    python benchmarks/runtime.py --models gpt mlp resnet unet --devices 2 4 --repeats 50
+
+Writes ``benchmarks/results/runtime.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import models  # noqa: E402
+import placement as pl  # noqa: E402
+from placement.demo import place_evenly  # noqa: E402
+from placement.graph.serialize import to_proto  # noqa: E402
+from placement.runtime.ort import session_options  # noqa: E402
+
+__all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
+
+log = logging.getLogger("benchmarks.runtime")
+
+RESULTS = _ROOT / "benchmarks" / "results" / "runtime.json"
+ORT_TARGET = 1.05
+TORCH_TARGET = 1.10
+
+
+def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Time each function ``repeats`` times, alternating them (order flips every round)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    items = list(fns.items())
+    for i in range(repeats):
+        for name, fn in items if i % 2 == 0 else reversed(items):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_ort(
+    model_name: str,
+    size: str = "bench",
+    devices: int = 2,
+    repeats: int = 30,
+    *,
+    warmup: int = 5,
+    device_map: Any = "auto",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time ``pl.Runner`` on the placed model against one session of the unplaced model.
+
+    Returns:
+        A dict with ``model``, ``size``, ``devices``, ``ops``, ``copies``,
+        ``stages``, ``transfers`` (per run), ``device_map``, ``single_ms`` /
+        ``placed_ms`` (medians), ``ratio`` (placed / single), ``ratio_min``
+        (fastest run over fastest run, less sensitive to load) and
+        ``max_abs_diff`` (placed vs single outputs).
+
+    Example:
+        >>> row = measure_ort("mlp", "tiny", repeats=3, warmup=1)
+        >>> row["stages"], row["max_abs_diff"] < 1e-4
+        (2, True)
+    """
+    net, args = models.build(model_name, size, seed=seed)
+    model = pl.from_torch(net, args)
+    placed = place_evenly(model.copy(), devices)
+    runner = pl.Runner(placed, device_map=device_map)
+    physical = runner.device_map[min(runner.device_map)]
+    provider, options = physical.ort_provider
+    providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
+    single = ort.InferenceSession(
+        to_proto(model).SerializeToString(), session_options(physical), providers=providers
+    )
+    feeds = {name: a.numpy() for name, a in zip(model.inputs, args)}
+    got = runner.run(feeds)
+    want = single.run(None, feeds)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+    times = _alternate(
+        {"single": lambda: single.run(None, feeds), "placed": lambda: runner.run(feeds)}, repeats, warmup
+    )
+    single_ms = statistics.median(times["single"]) * 1e3
+    placed_ms = statistics.median(times["placed"]) * 1e3
+    return {
+        "model": model_name,
+        "size": size,
+        "devices": devices,
+        "ops": len(placed.ops),
+        "copies": sum(op.is_copy for op in placed.ops),
+        "stages": len(runner.stages),
+        "transfers": runner.stats.transfers,
+        "device_map": {str(k): str(v) for k, v in sorted(runner.device_map.items())},
+        "emulated": any(p.emulated for p in runner.device_map.values()),
+        "single_ms": round(single_ms, 4),
+        "placed_ms": round(placed_ms, 4),
+        "ratio": round(placed_ms / single_ms, 4),
+        "ratio_min": round(min(times["placed"]) / min(times["single"]), 4),
+        "max_abs_diff": diff,
+        "repeats": repeats,
+    }
+
+
+def _torch_measure() -> Callable[..., dict[str, Any]] | None:
+    try:
+        from benchmarks.torch_lowering import measure
+    except Exception as err:  # the torch-lowering benchmark is optional here
+        log.warning("benchmarks/torch_lowering.py unavailable (%s); torch columns left empty", err)
+        return None
+    return measure
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"placement runtimes: placed ORT / single ORT session (target <= {ORT_TARGET:.2f}), "
+            f"lowered torch / eager torch (target <= {TORCH_TARGET:.2f}); medians"
+        )
+    )
+    columns = [
+        "model",
+        "size",
+        "dev",
+        "stages",
+        "transfers",
+        "ORT single ms",
+        "ORT placed ms",
+        "ORT ratio",
+        "torch eager ms",
+        "torch lowered ms",
+        "torch ratio",
+        "physical",
+    ]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "size", "physical") else "right")
+
+    def ratio(value: float | None, target: float) -> str:
+        if value is None:
+            return "-"
+        return f"[{'green' if value <= target else 'red'}]{value:.3f}[/]"
+
+    for row in rows:
+        t = row.get("torch") or {}
+        physical = sorted(set(row["device_map"].values()))
+        table.add_row(
+            row["model"],
+            row["size"],
+            str(row["devices"]),
+            str(row["stages"]),
+            str(row["transfers"]),
+            f"{row['single_ms']:.2f}",
+            f"{row['placed_ms']:.2f}",
+            ratio(row["ratio"], ORT_TARGET),
+            f"{t['eager_ms']:.2f}" if t else "-",
+            f"{t['lowered_ms']:.2f}" if t else "-",
+            ratio(t.get("ratio"), TORCH_TARGET),
+            ",".join(physical) + (" (emulated)" if row["emulated"] else ""),
+        )
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print a table and write the JSON results."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt", "resnet"])
+    parser.add_argument("--size", default="bench", choices=list(models.SIZES))
+    parser.add_argument("--devices", nargs="+", type=int, default=[2])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch lowering columns")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    torch_measure = None if ns.no_torch else _torch_measure()
+    rows = []
+    for name in ns.models:
+        for n in ns.devices:
+            with console.status(f"{name} ({ns.size}) on {n} devices: ONNX Runtime..."):
+                row = measure_ort(name, ns.size, n, ns.repeats, device_map=ns.device_map)
+            if torch_measure is not None:
+                with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
+                    row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
+            rows.append(row)
+    console.print(_table(rows))
+    ns.output.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "runtime",
+        "targets": {"ort_placed_over_single": ORT_TARGET, "torch_lowered_over_eager": TORCH_TARGET},
+        "environment": _environment(),
+        "results": rows,
+    }
+    tmp = ns.output.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(ns.output)
+    console.print(f"wrote {ns.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
