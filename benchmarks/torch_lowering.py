@@ -204,8 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", nargs="+", type=int, default=[2])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--output", type=Path, default=RESULTS)
     ns = parser.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from rich.console import Console

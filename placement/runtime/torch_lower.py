@@ -78,6 +78,9 @@ from placement.graph.model import Model, is_copy_node, node_device
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.torch_ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 
+#: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
+_PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+
 #: A rule that inlines nothing (for arguments of fused calls).
 _NO_INLINE = Rule("<fused>", lambda *a: None)
 
@@ -275,6 +278,8 @@ class _Lowering:
         self.linear_pending: dict[int, tuple[_Val, _Val, int]] = {}  # Add id -> MatMul inputs
         self.meta: dict[str, torch.Tensor] = {}  # blob -> meta tensor (static shape and dtype)
         self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
+        self.const_homes: dict[str, str] = {}  # constant blob -> its first buffer path
+        self.transient: set[str] = set()  # buffer paths left out of the state_dict
         self.default_device = next(iter(model.devices), Device("cuda", 0))
 
     # -- driver -----------------------------------------------------------------------------
@@ -289,10 +294,19 @@ class _Lowering:
         self.graph.eliminate_dead_code()  # e.g. transposes absorbed by fused linears
         self.graph.lint()
         module = fx.GraphModule(self.root, self.graph, class_name="PlacedModule")
-        module.input_names = list(model.inputs)
-        module.output_names = list(model.outputs)
-        module.device_map = {str(k): str(v) for k, v in sorted(self.dmap.items())}
-        module.initializer_paths = dict(self.paths)
+        present = {name for name, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        for path in self.transient & present:
+            owner, _, leaf = path.rpartition(".")
+            module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+        extras = {
+            "input_names": list(model.inputs),
+            "output_names": list(model.outputs),
+            "device_map": {str(k): str(v) for k, v in sorted(self.dmap.items())},
+            "initializer_paths": {k: v for k, v in self.paths.items() if v in present},
+        }
+        for name, value in extras.items():
+            setattr(module, name, value)
+        module.meta.setdefault(_PRESERVED, {}).update(extras)  # survive copy.deepcopy
         return module
 
     def _phys(self, device: Device) -> str:
@@ -393,11 +407,15 @@ class _Lowering:
         node = self.cache.get(key)
         if node is None:
             assert val.const is not None
-            first = not any(k[0] == val.name for k in self.cache)
+            first = val.name not in self.const_homes
             path = self._attr_path(val.name if first else f"{val.name}__{phys.replace(':', '_')}")
             self._register(path, val.const.to(phys), parameter=False)
             if first:
+                self.const_homes[val.name] = path
+            if first and val.name in self.model.graph.initializers:
                 self.paths[val.name] = path
+            else:  # folded or per-device constants are rebuilt by lowering, not state
+                self.transient.add(path)
             node = self.graph.get_attr(path)
             self.cache[key] = node
         return node

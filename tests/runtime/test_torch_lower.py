@@ -124,6 +124,27 @@ def test_batchnorm_statistics_are_buffers_and_shape_arithmetic_is_folded(exporte
     assert "reshape(" in module.code  # Reshape with a constant shape, inlined
 
 
+def test_state_dict_deepcopy_and_pickle(exported):
+    import copy
+    import io
+
+    model, net, args = exported("gpt")
+    place(model, "shift", 2)
+    module = pl.to_torch(model, device_map="cpu")
+    # the state is the model's initializers; folded constants are rebuilt by lowering
+    assert set(module.state_dict()) <= set(model.parameters)
+    tied = {"wte.weight"}  # shared with lm_head.weight, which names it in ONNX
+    assert set(module.state_dict()) >= {name for name, _ in net.named_parameters()} - tied
+    clone = copy.deepcopy(module)
+    assert clone.initializer_paths == module.initializer_paths and clone.device_map == module.device_map
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (clone, loaded):
+        torch.testing.assert_close(run(other, args), run(module, args), rtol=0, atol=0)
+
+
 def test_outputs_on_output_device_and_inputs_moved(exported):
     model, net, args = exported("mlp")
     place(model, "shift", 2)
