@@ -16,6 +16,7 @@ Usage::
 
     python benchmarks/torch_lowering.py                 # gpt and resnet, 2 devices
     python benchmarks/torch_lowering.py --models gpt mlp resnet unet --devices 2 4
+    python benchmarks/torch_lowering.py --threads 0 1    # torch's default threads, then 1
 
 Writes ``benchmarks/results/torch_lowering.json``. Another script can call
 :func:`measure` directly.
@@ -168,6 +169,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
         "model",
         "size",
         "devices",
+        "threads",
         "ops",
         "copies",
         "physical",
@@ -184,6 +186,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
             row["model"],
             row["size"],
             str(row["devices"]),
+            str(row.get("threads", torch.get_num_threads())),
             str(row["ops"]),
             str(row["copies"]),
             ",".join(sorted(set(row["device_map"].values()))),
@@ -204,19 +207,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", nargs="+", type=int, default=[2])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[0], help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     ns = parser.parse_args(argv)
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from rich.console import Console
 
     rows = []
-    for name in ns.models:
-        for n in ns.devices:
-            rows.append(measure(name, ns.size, n, ns.repeats, device_map=ns.device_map))
+    default_threads = torch.get_num_threads()
+    for threads in ns.threads:
+        torch.set_num_threads(threads or default_threads)
+        for name in ns.models:
+            for n in ns.devices:
+                row = measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
+                rows.append({**row, "threads": torch.get_num_threads()})
+    torch.set_num_threads(default_threads)
     Console().print(_table(rows))
     ns.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -7,6 +7,15 @@ constants, one ``call_function`` per op to its rule in
 for copies. The result is an ordinary ``torch.nn.Module`` with readable ``.code``
 that supports autograd.
 
+Where a rule offers a *direct* form and the instance allows it, the plain torch
+call is emitted instead of the rule (``x.permute(0, 2, 1, 3)``,
+``w[idx]``, ``F.layer_norm(x, (768,), w, b, 1e-05)``, ``x.masked_fill(mask, -inf)``),
+so the code reads like hand-written torch and costs no wrapper call. The
+exporter's split of ``nn.Linear`` into ``MatMul`` + ``Add`` (bias) is fused back
+into ``F.linear`` (eager's single ``addmm``), using the weight itself when the
+MatMul reads ``W.permute(1, 0)``. Static shapes come from the IR or, where the
+exporter left a value without one, from running the rules on meta tensors.
+
 Design choices:
 
 * **Devices.** Every logical device goes through
@@ -109,8 +118,9 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
-        ``module.input_names`` order, or by those names) to get the output tensor,
-        or a tuple of tensors when the graph has several outputs. It also carries
+        ``module.input_names`` order, or by keyword with those names made valid
+        identifiers) to get the output tensor, or a tuple of tensors when the
+        graph has several outputs. It also carries
         ``input_names``, ``output_names``, ``device_map`` (logical -> physical
         device strings) and ``initializer_paths``.
 

@@ -154,6 +154,17 @@ def test_outputs_on_output_device_and_inputs_moved(exported):
     assert "input_on_cpu" in module.code or "_on_cpu" in module.code
 
 
+def test_logical_cpu_output_device(exported):
+    model, net, args = exported("resnet")
+    place(model, "shift", 2)
+    pl.inject_cross_device_copies(model, output_device="cpu")
+    assert pl.Device("cpu") in model.devices
+    module = pl.to_torch(model, device_map={"cpu": "cpu", 0: SHARED, 1: SHARED})
+    out = module(*args)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out.detach(), expected_outputs(net, args), **TOL)
+
+
 def _two_output_model() -> pl.Model:
     class TwoHeads(torch.nn.Module):
         def __init__(self) -> None:
