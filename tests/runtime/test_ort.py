@@ -296,3 +296,11 @@ def test_intermediate_values_are_freed_after_last_use(exported):
     for step in program.steps:
         produced |= set(step[3]) if step[0] == "stage" else {step[3]}
     assert produced - kept == freed
+
+
+def test_runtime_benchmark_smoke():
+    from benchmarks.runtime import measure_ort
+
+    row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
+    assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
+    assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
