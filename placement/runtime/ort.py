@@ -42,7 +42,9 @@ reference to the model. Before each run (or on :meth:`Runner.update`) it compare
 the model's device state with the one it was built for; when ops moved it
 re-partitions and builds sessions only for stages whose fingerprint (device,
 ops, boundary blobs, carried parameters) is new, reusing every other session.
-:attr:`Runner.stats` counts sessions built and reused.
+:attr:`Runner.stats` counts sessions built and reused. With
+``keep_sessions=True`` sessions of stages that went out of use are kept too, so
+switching back to an earlier placement builds nothing (``enable_clone``).
 
 Example:
     >>> import numpy as np
@@ -163,6 +165,9 @@ class Runner:
         threads: intra-op threads per session (default: ONNX Runtime's choice).
         auto_update: check for re-placement before every run (cheap: one pass
             over the ops' device labels). With False, call :meth:`update` yourself.
+        keep_sessions: keep the sessions of stages that a re-placement made
+            unused, so that switching back to an earlier placement costs nothing
+            (modelsplit's ``enable_clone``: memory for speed). Default: release them.
 
     Raises:
         DeviceError: the device map is malformed or names a missing GPU.
@@ -185,12 +190,14 @@ class Runner:
         device_map: DeviceMapLike = "auto",
         threads: int | None = None,
         auto_update: bool = True,
+        keep_sessions: bool = False,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
         self.model = model
         self.stats = RunnerStats()
         self.auto_update = auto_update
+        self.keep_sessions = keep_sessions
         self._device_map_arg = device_map
         self._threads = threads
         self._lock = threading.Lock()
@@ -314,7 +321,10 @@ class Runner:
                 reused += 1
             sessions[key] = session
             execs[stage.index] = _StageExec(stage, physical, session)
-        self._sessions = sessions  # sessions of stages that no longer exist are released
+        if self.keep_sessions:
+            self._sessions.update(sessions)
+        else:
+            self._sessions = sessions  # sessions of stages that no longer exist are released
         self.stats.sessions_built += built
         if self.stats.partitions:
             self.stats.sessions_reused += reused

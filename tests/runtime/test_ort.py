@@ -225,6 +225,20 @@ def test_replacement_with_stale_copies_and_explicit_update(exported):
     assert runner.stats.sessions_reused == 1 + 3
 
 
+def test_keep_sessions_makes_switching_back_free(exported):
+    model, _, args = exported("mlp")
+    place_shift(model, 2)
+    state = model.device_state()
+    runner = pl.Runner(model, keep_sessions=True)
+    last = [op for op in model.ops if not op.is_copy][-1]
+    model.set_device(last.name, 2)
+    runner.run(args)
+    built = runner.stats.sessions_built
+    model.restore_device_state(state)  # back to the first placement
+    _check("mlp", runner.run(args))
+    assert runner.stats.sessions_built == built  # every stage session was kept
+
+
 # --- inputs -----------------------------------------------------------------------------
 
 
