@@ -19,6 +19,14 @@ feed it constants:
   never syncs a GPU to read a shape. Rules accept tensors there too.
 * ``scalar_inputs``: positions where a 0-d constant may be passed as a Python
   number (``x * 0.125`` instead of a 0-d buffer).
+* ``buffer_inputs``: positions holding state rather than weights (BatchNorm's
+  running statistics): initializers fed there become buffers, not parameters.
+
+and, optionally, a ``direct`` emitter: for instances where plain torch has the
+same semantics (``Transpose`` with ``perm`` -> ``x.permute(...)``, ``Gather`` on
+axis 0 -> ``w[idx]``, ``Where(c, scalar, y)`` -> ``y.masked_fill(c, scalar)``),
+the lowering emits that call instead of the rule. Rules are the reference; the
+direct forms are checked against them by the same tests.
 
 Example:
     >>> import torch
