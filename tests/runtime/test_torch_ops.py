@@ -178,6 +178,8 @@ CASES: list[tuple[str, list[Any], dict[str, Any], int]] = [
     ("Or", [np.array([True, False, False]), np.array([True, True, False])], {}, 1),
     ("Xor", [np.array([True, False, False]), np.array([True, True, False])], {}, 1),
     ("Where", [f32(2, 3) > 0, f32(2, 3), scalar(-np.inf)], {}, 1),
+    ("Where", [f32(3) > 0, scalar(-np.inf), f32(2, 3)], {}, 1),  # masked_fill form
+    ("Where", [f32(2, 1) > 0, scalar(1.0), f32(3)], {}, 1),  # broadcast: torch.where form
     ("IsNaN", [np.array([1.0, np.nan], np.float32)], {}, 1),
     ("IsInf", [np.array([1.0, np.inf, -np.inf], np.float32)], {"detect_negative": 0}, 1),
     ("Cast", [f32(2, 3) * 10], {"to": onnx.TensorProto.INT64}, 1),
