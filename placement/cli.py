@@ -187,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(show_path=False)])
     console = Console()
+    if not console.is_terminal:  # pipes and CI logs: do not squeeze tables into 80 columns
+        console = Console(width=max(console.width, 140))
     if getattr(args, "model", "") is None:
         import models
 
