@@ -85,8 +85,12 @@ def measure_ort(
     warmup: int = 5,
     device_map: Any = "auto",
     seed: int = 0,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Time ``pl.Runner`` on the placed model against one session of the unplaced model.
+
+    Both use :func:`placement.runtime.ort.session_options` with ``threads``
+    intra-op threads (None: ONNX Runtime's default).
 
     Returns:
         A dict with ``model``, ``size``, ``devices``, ``ops``, ``copies``,
@@ -103,12 +107,12 @@ def measure_ort(
     net, args = models.build(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
     placed = place_evenly(model.copy(), devices)
-    runner = pl.Runner(placed, device_map=device_map)
+    runner = pl.Runner(placed, device_map=device_map, threads=threads, auto_update=False)
     physical = runner.device_map[min(runner.device_map)]
     provider, options = physical.ort_provider
     providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
     single = ort.InferenceSession(
-        to_proto(model).SerializeToString(), session_options(physical), providers=providers
+        to_proto(model).SerializeToString(), session_options(physical, threads=threads), providers=providers
     )
     feeds = {name: a.numpy() for name, a in zip(model.inputs, args)}
     got = runner.run(feeds)
@@ -135,6 +139,7 @@ def measure_ort(
         "ratio_min": round(min(times["placed"]) / min(times["single"]), 4),
         "max_abs_diff": diff,
         "repeats": repeats,
+        "threads": threads,
     }
 
 
@@ -221,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch lowering columns")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="ORT intra-op threads per session (default: ORT's choice)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -233,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ns.models:
         for n in ns.devices:
             with console.status(f"{name} ({ns.size}) on {n} devices: ONNX Runtime..."):
-                row = measure_ort(name, ns.size, n, ns.repeats, device_map=ns.device_map)
+                row = measure_ort(name, ns.size, n, ns.repeats, device_map=ns.device_map, threads=ns.threads)
             if torch_measure is not None:
                 with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
                     row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
