@@ -107,7 +107,7 @@ def measure_ort(
     net, args = models.build(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
     placed = place_evenly(model.copy(), devices)
-    runner = pl.Runner(placed, device_map=device_map, threads=threads, auto_update=False)
+    runner = pl.Runner(placed, device_map=device_map, threads=threads)
     physical = runner.device_map[min(runner.device_map)]
     provider, options = physical.ort_provider
     providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
