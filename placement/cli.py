@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args, console))
     except PlacementError as err:
-        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {err}", highlight=False)
         return 2
 
 
