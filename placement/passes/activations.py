@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from placement.graph.model import COPY_KEY, Model
-from placement.passes.base import as_ir_model
+from placement.passes.base import as_ir_model, no_gc
 
 __all__ = ["get_activation_blobs", "activation_values", "describe_non_activation"]
 
@@ -35,26 +35,26 @@ def activation_values(graph: ir.Graph) -> list[ir.Value]:
     """The activation values of ``graph`` in producer (graph) order, without duplicates.
 
     The fast form of :func:`get_activation_blobs` for passes: no name lookups, no
-    views, one pass over the nodes.
+    views, one pass over the nodes (values are hashed by identity).
     """
-    dependent: set[int] = {id(v) for v in graph.inputs if not v.is_initializer()}
-    acts: list[ir.Value] = []
-    append = acts.append
+    dependent: set[ir.Value | None] = {v for v in graph.inputs if not v.is_initializer()}
+    consumed: set[ir.Value] = set()
+    candidates: list[ir.Value] = []
+    is_dependent, depend, consume = dependent.__contains__, dependent.add, consumed.add
+    extend = candidates.extend
     for node in graph:
+        hit = False
         for value in node.inputs:
-            if value is not None and id(value) in dependent:
-                break
-        else:
-            continue
-        outputs = node.outputs
-        if COPY_KEY in node.metadata_props:
-            dependent.update(id(v) for v in outputs)
-            continue
-        for value in outputs:
-            dependent.add(id(value))
-            if value.uses() or value.is_graph_output():
-                append(value)
-    return acts
+            if is_dependent(value):
+                hit = True
+                consume(value)  # type: ignore[arg-type]
+        if hit:
+            outputs = node.outputs
+            for value in outputs:
+                depend(value)
+            if COPY_KEY not in node.metadata_props:
+                extend(outputs)
+    return [v for v in candidates if v in consumed or v.is_graph_output()]
 
 
 def get_activation_blobs(model: Model) -> list[str]:
@@ -77,7 +77,8 @@ def get_activation_blobs(model: Model) -> list[str]:
         >>> acts[-1] == model.outputs[0]
         True
     """
-    return [value.name or "" for value in activation_values(as_ir_model(model).graph)]
+    with no_gc():
+        return [value.name or "" for value in activation_values(as_ir_model(model).graph)]
 
 
 def describe_non_activation(graph: ir.Graph, value: ir.Value) -> str:
@@ -93,6 +94,6 @@ def describe_non_activation(graph: ir.Graph, value: ir.Value) -> str:
         source = producer.inputs[0] if producer.inputs else None
         name = source.name if source is not None else "?"
         return f"the output of cross-device copy {producer.name!r}; shift its source blob {name!r}"
-    if not value.uses() and not value.is_graph_output():
+    if not any(use.node.graph is graph for use in value.uses()) and not value.is_graph_output():
         return f"an output of op {producer.name!r} that no op consumes"
     return f"produced by op {producer.name!r} from parameters/constants only (it depends on no graph input)"

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import re
+from collections.abc import Iterable
 from typing import cast
 
 import onnx_ir as ir
@@ -52,7 +54,7 @@ from onnx_ir.passes import PassResult
 from placement.errors import VerificationError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY
-from placement.passes.base import DeviceReader, ModelLike, PlacementPass
+from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
 __all__ = [
     "inject_cross_device_copies",
@@ -63,6 +65,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_NAME = operator.attrgetter("name")
+_COPY_LIKE = re.compile(r"_(?:cuda|cpu)_\d").search  # what every name made here contains
 
 #: The ONNX op type of a copy.
 COPY_OP_TYPE = "Identity"
@@ -80,6 +85,7 @@ class CopyResult(PassResult):
     copies: int = 0
     input_device: Device | None = None
     output_device: Device | None = None
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per phase
 
     def __str__(self) -> str:
         return (
@@ -155,113 +161,125 @@ class _Injection:
         self.result = CopyResult(model, False)
         self._value_names: set[str] | None = None
         self._node_names: set[str] | None = None
-        self._bases: dict[int, str] = {}
+        self._bases: dict[ir.Value, str] = {}
+        self._produced: Iterable[ir.Value] = ()
+        self._copy_nodes: list[ir.Node] = []
 
     # -- scan ----------------------------------------------------------------------------
 
     def run(self) -> CopyResult:
+        watch = Stopwatch()
         graph = self.graph
-        input_ids = {id(v) for v in graph.inputs if not v.is_initializer()}
-        in_dev = self.input_device or self._default_input_device(input_ids)
+        watch.start("scan")
+        inputs_ = {v for v in graph.inputs if not v.is_initializer()}
+        in_dev = self.input_device or self._default_input_device(inputs_)
 
-        origin: dict[int, ir.Value] = {}  # copy output -> the blob it copies (chains resolved)
-        dev_of: dict[int, Device] = {}  # blob -> device it lives on
-        home_pos: dict[int, int] = {}  # parameter -> position of its first (non-copy) reader
+        origin: dict[ir.Value, ir.Value] = {}  # copy output -> the blob it copies (chains resolved)
+        dev_of: dict[ir.Value, Device] = {}  # blob -> the device it lives on
+        home_pos: dict[ir.Value, int] = {}  # parameter -> position of its first (non-copy) reader
         copies: list[tuple[ir.Node, int, ir.Value, Device]] = []
-        uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device, int]] = []
-        of = self.reader.of
+        uses: list[tuple[ir.Node, ir.Value, ir.Value, Device, int]] = []  # reads to check/rewire
+        spec_device: dict[str | None, Device] = {}
+        dev_get, origin_get, record = dev_of.get, origin.get, uses.append
         for pos, node in enumerate(graph):
-            device = of(node)
-            if COPY_KEY in node.metadata_props:
+            props = node.metadata_props
+            spec = props.get(DEVICE_KEY)
+            device = spec_device.get(spec)
+            if device is None:
+                device = spec_device[spec] = self.reader.of(node)  # raises naming the op
+            if COPY_KEY in props:
                 inputs, outputs = node.inputs, node.outputs
                 if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
-                    raise VerificationError(
-                        f"copy {node.name!r} must have exactly one input and one output"
-                    )
-                source = origin.get(id(inputs[0]), inputs[0])
-                origin[id(outputs[0])] = source
+                    raise VerificationError(f"copy {node.name!r} must have exactly one input and one output")
+                source = origin_get(inputs[0], inputs[0])
+                origin[outputs[0]] = source
                 copies.append((node, pos, source, device))
                 continue
-            for index, value in enumerate(node.inputs):
+            for value in node.inputs:
                 if value is None:
                     continue
-                source = origin.get(id(value), value)
-                where = dev_of.get(id(source))
+                source = origin_get(value, value) if origin else value
+                where = dev_get(source)
                 if where is None:  # a graph input or a parameter, read for the first time
-                    if id(source) in input_ids:
+                    if source in inputs_:
                         where = in_dev
-                    elif source.is_initializer():
+                    else:  # a parameter lives where its first reader runs
+                        if not source.is_initializer():
+                            self._not_topological(node, source)
                         where = device
-                        home_pos[id(source)] = pos
-                    else:
-                        raise VerificationError(
-                            f"op {node.name!r} reads blob {source.name!r} before it is produced "
-                            "(ops are not in topological order, or the blob has no producer)"
-                        )
-                    dev_of[id(source)] = where
+                        home_pos[source] = pos
+                    dev_of[source] = where
                 if where is not device or source is not value:
-                    uses.append((node, index, value, source, device, pos))
+                    record((node, value, source, device, pos))
             for value in node.outputs:
-                dev_of[id(value)] = device
+                dev_of[value] = device
 
+        self._produced = dev_of.keys()  # every blob read or produced by a non-copy op
+        self._copy_nodes = [node for node, _, _, _ in copies]
+
+        watch.start("plan")
         # -- plan ------------------------------------------------------------------------
         outputs, protected = self._plan_outputs(origin)
-        self._bases = {id(source): name for _, _, source, name in outputs}  # copies of y: y_cuda_2
+        self._bases = {source: name for _, _, source, name in outputs}  # copies of y: y_cuda_2
         out_dev = self.output_device or self._default_output_device(outputs) or in_dev
-        needs: dict[tuple[int, Device], _Need] = {}
-        for node, _, _, source, device, pos in uses:
-            if dev_of[id(source)] is device:
+        needs: dict[tuple[ir.Value, Device], _Need] = {}
+        for node, _, source, device, pos in uses:
+            if dev_of[source] is device:
                 continue
-            key = (id(source), device)
+            key = (source, device)
             need = needs.get(key)
             if need is None:
                 needs[key] = _Need(source, device, pos, node)
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, node
         for slot, _, source, name in outputs:
-            if dev_of.get(id(source)) is not out_dev:
-                need = needs.setdefault((id(source), out_dev), _Need(source, out_dev))
+            if dev_of.get(source) is not out_dev:
+                need = needs.setdefault((source, out_dev), _Need(source, out_dev))
                 need.output_slot, need.output_name = slot, name
 
-        keep: dict[tuple[int, Device], ir.Node] = {}
+        keep: dict[tuple[ir.Value, Device], ir.Node] = {}
         for need in needs.values():  # prefer the copy that already is the graph output
             if need.output_slot >= 0:
                 producer = graph.outputs[need.output_slot].producer()
                 if producer is not None and COPY_KEY in producer.metadata_props:
-                    if origin.get(id(producer.outputs[0])) is need.origin and of(producer) is need.device:
-                        keep[(id(need.origin), need.device)] = producer
-        kept_ids = {id(node) for node in keep.values()}
+                    same = origin.get(producer.outputs[0]) is need.origin
+                    if same and self.reader.of(producer) == need.device:
+                        keep[(need.origin, need.device)] = producer
+        kept = set(keep.values())
         remove: list[ir.Node] = []
         misplaced: list[tuple[ir.Node, _Need]] = []
         for node, pos, source, device in copies:
-            if id(node) in protected:
+            if node in protected:
                 continue
-            key = (id(source), device)
+            key = (source, device)
             need = needs.get(key)
-            if need is None or (key in keep and id(node) not in kept_ids):
+            if need is None or (key in keep and node not in kept):
                 remove.append(node)
                 continue
             keep[key] = node
-            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(id(source), -1):
+            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(source, -1):
                 misplaced.append((node, need))
 
+        watch.start("mutate")
         # -- mutate (everything above only read the graph) ---------------------------------
         result = self.result
         for node in remove:
             self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
         self._apply_outputs(outputs, needs, keep, dev_of)
-        created: dict[tuple[int, Device], ir.Node] = {}
+        created: dict[tuple[ir.Value, Device], ir.Node] = {}
         for key, need in needs.items():
             if key not in keep:
                 created[key] = node = self._new_copy(need)
                 if need.output_slot >= 0:
                     graph.outputs[need.output_slot] = node.outputs[0]
         targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
-        for node, index, value, source, device, _ in uses:
-            want = source if dev_of[id(source)] is device else targets[(id(source), device)]
+        for node, value, source, device, _ in uses:
+            want = source if dev_of[source] is device else targets[(source, device)]
             if want is not value:
-                node.replace_input_with(index, want)
-                result.rewired += 1
+                for index, current in enumerate(node.inputs):
+                    if current is value:
+                        node.replace_input_with(index, want)
+                        result.rewired += 1
         for key, node in keep.items():
             source = needs[key].origin
             if node.inputs[0] is not source:
@@ -287,22 +305,33 @@ class _Injection:
             result.added or result.removed or result.rewired or result.renamed or result.moved
         )
         result.input_device, result.output_device = in_dev, out_dev
+        watch.stop()
+        result.seconds = watch.seconds
+        log.debug("inject_cross_device_copies timings: %s", watch)
         if result.modified:
             log.info("inject_cross_device_copies: %s", result)
         else:
             log.debug("inject_cross_device_copies: nothing to do (%d copies)", result.copies)
         return result
 
-    def _default_input_device(self, input_ids: set[int]) -> Device:
+    @staticmethod
+    def _not_topological(node: ir.Node, source: ir.Value) -> None:
+        """A blob read before any op produced it, and not a parameter or graph input."""
+        raise VerificationError(
+            f"op {node.name!r} reads blob {source.name!r} before it is produced "
+            "(ops are not in topological order, or the blob has no producer)"
+        )
+
+    def _default_input_device(self, inputs: set[ir.Value]) -> Device:
         """The device of the first non-copy op reading a graph input (directly or via copies)."""
-        reaching = set(input_ids)
+        reaching: set[ir.Value | None] = set(inputs)
         for node in self.graph:
             if COPY_KEY in node.metadata_props:
-                if node.inputs and node.inputs[0] is not None and id(node.inputs[0]) in reaching:
-                    reaching.add(id(node.outputs[0]))
+                if node.inputs and node.inputs[0] in reaching:
+                    reaching.update(node.outputs)
                 continue
             for value in node.inputs:
-                if value is not None and id(value) in reaching:
+                if value in reaching:
                     return self.reader.of(node)
         for node in self.graph:
             if COPY_KEY not in node.metadata_props:
@@ -310,34 +339,34 @@ class _Injection:
         return self.reader.canonical(Device("cuda", 0))
 
     def _plan_outputs(
-        self, origin: dict[int, ir.Value]
-    ) -> tuple[list[tuple[int, ir.Value, ir.Value, str]], set[int]]:
+        self, origin: dict[ir.Value, ir.Value]
+    ) -> tuple[list[tuple[int, ir.Value, ir.Value, str]], set[ir.Node]]:
         """(slot, graph output value, the blob it is, output name) for outputs produced by ops,
         once per blob;
         and the copies that pass a graph input or parameter straight to an output (left alone)."""
         planned: list[tuple[int, ir.Value, ir.Value, str]] = []
-        protected: set[int] = set()
-        seen: set[int] = set()
+        protected: set[ir.Node] = set()
+        seen: set[ir.Value] = set()
         for slot, value in enumerate(self.graph.outputs):
-            source = origin.get(id(value), value)
+            source = origin.get(value, value)
             producer = source.producer()
             if producer is None or producer.graph is not self.graph:
                 if value.producer() is not None:
-                    protected.add(id(value.producer()))
+                    protected.add(value.producer())
                 continue
-            if id(source) in seen:
+            if source in seen:
                 continue  # a second slot for the same blob
-            seen.add(id(source))
+            seen.add(source)
             planned.append((slot, value, source, value.name or ""))
         return planned, protected
 
     def _default_output_device(self, outputs: list[tuple[int, ir.Value, ir.Value, str]]) -> Device | None:
         """The device of the last op (graph order) producing a graph output."""
-        producers = {id(source.producer()) for _, _, source, _ in outputs}
+        producers = {source.producer() for _, _, source, _ in outputs}
         if not producers:
             return None
         for node in reversed(self.graph):
-            if id(node) in producers:
+            if node in producers:
                 return self.reader.of(node)
         return None
 
@@ -346,9 +375,9 @@ class _Injection:
     def _apply_outputs(
         self,
         outputs: list[tuple[int, ir.Value, ir.Value, str]],
-        needs: dict[tuple[int, Device], _Need],
-        keep: dict[tuple[int, Device], ir.Node],
-        dev_of: dict[int, Device],
+        needs: dict[tuple[ir.Value, Device], _Need],
+        keep: dict[tuple[ir.Value, Device], ir.Node],
+        dev_of: dict[ir.Value, Device],
     ) -> None:
         """Keep every graph output's name on the output device; rename the blobs behind them.
 
@@ -360,7 +389,7 @@ class _Injection:
         by_slot = {need.output_slot: need for need in needs.values() if need.output_slot >= 0}
         for slot, value, source, name in outputs:
             need = by_slot.get(slot)
-            copy = keep.get((id(need.origin), need.device)) if need is not None else None
+            copy = keep.get((need.origin, need.device)) if need is not None else None
             if value is not source and value.name is not None and value.producer() is not copy:
                 # an old output copy that stays as an internal copy: give it a copy's name
                 device = self.reader.of(cast(ir.Node, value.producer()))
@@ -370,7 +399,7 @@ class _Injection:
                     graph.outputs[slot] = source
                 self._set_name(source, name)
                 continue
-            want = f"{name}_{dev_of[id(source)].slug}"
+            want = f"{name}_{dev_of[source].slug}"
             if source.name != want and not _is_numbered(source.name, want):
                 self._set_name(source, self._unique_value(want))
             if copy is not None:  # otherwise the copy created next takes the name
@@ -397,7 +426,7 @@ class _Injection:
             name = need.output_name
             self._names().add(name)
         else:
-            base = self._bases.get(id(source)) or source.name or "blob"
+            base = self._bases.get(source) or source.name or "blob"
             name = self._unique_value(f"{base}_{device.slug}")
         out = ir.Value(
             name=name,
@@ -409,7 +438,7 @@ class _Injection:
             COPY_OP_TYPE,
             [source],
             outputs=[out],
-            name=self._unique_node(f"copy_{name}"),
+            name=self._unique_node(f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{device.slug}"),
             metadata_props={DEVICE_KEY: str(device), COPY_KEY: copy_kind(source)},
         )
         return node
@@ -430,12 +459,18 @@ class _Injection:
     # -- names -------------------------------------------------------------------------------
 
     def _names(self) -> set[str]:
+        """The blob names a copy's name could collide with (built on first use).
+
+        Every name this pass makes ends in ``_<type>_<index>`` (optionally ``_<k>``),
+        so only existing names containing such a part can collide; filtering in C
+        keeps the set small on big graphs.
+        """
         if self._value_names is None:
             graph = self.graph
-            names = {v.name for v in graph.inputs if v.name}
-            names.update(graph.initializers)
-            for node in graph:
-                names.update(v.name for v in node.outputs if v.name)
+            names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self._produced))))  # non-copy ops'
+            names.update(filter(_COPY_LIKE, filter(None, map(_NAME, graph.inputs))))
+            names.update(filter(_COPY_LIKE, filter(None, graph.initializers)))
+            names.update(filter(_COPY_LIKE, filter(None, (n.outputs[0].name for n in self._copy_nodes))))
             self._value_names = names
         return self._value_names
 
@@ -450,7 +485,7 @@ class _Injection:
 
     def _unique_node(self, base: str) -> str:
         if self._node_names is None:
-            self._node_names = {n.name for n in self.graph if n.name}
+            self._node_names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self.graph))))
         name, k = base, 0
         while name in self._node_names:
             k += 1
@@ -495,7 +530,7 @@ def inject_cross_device_copies(
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> result = pl.inject_cross_device_copies(model, output_device="cpu")
         >>> model.outputs, [op.name for op in model.ops if op.is_copy]
-        (['linear_2'], ['copy_linear_2'])
+        (['linear_2'], ['copy_linear_2_cpu_0'])
         >>> str(model.output_device), pl.inject_cross_device_copies(model).modified
         ('cpu', True)
     """

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from typing import cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import compress
+from typing import Any, cast
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
@@ -49,14 +51,16 @@ from onnx_ir.passes import PassResult
 from placement.errors import DeviceError, NotAnActivationError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, DEVICE_KEY
-from placement.passes.activations import activation_values, describe_non_activation
-from placement.passes.base import DeviceReader, ModelLike, PlacementPass
+from placement.passes.activations import describe_non_activation
+from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
 __all__ = ["shift_activation_devices", "ShiftActivationDevicesPass", "ShiftResult", "parse_shifts"]
 
 log = logging.getLogger(__name__)
 
 _MAX_NAMED = 5  # offenders quoted in one error message
+_UNSEEN = object()
+_NAME = operator.attrgetter("name")
 
 
 @dataclasses.dataclass
@@ -64,6 +68,7 @@ class ShiftResult(PassResult):
     """What a shift did: ``moved[(source, target)]`` = number of ops moved."""
 
     moved: dict[tuple[Device, Device], int] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per phase
 
     @property
     def total(self) -> int:
@@ -125,17 +130,56 @@ class ShiftActivationDevicesPass(PlacementPass):
         self.shifts = parse_shifts(shifts)
 
     def call(self, model: ir.Model) -> ShiftResult:
+        watch = Stopwatch()
         graph = model.graph
         reader = DeviceReader()
         sources = {reader.canonical(s): reader.canonical(t) for s, t in self.shifts.items()}
 
-        # -- validate (read only) ------------------------------------------------------
-        acts = activation_values(graph)
-        act_ids = {id(v) for v in acts}
-        shifted = _resolve_names(graph, acts, self.activations)
-        nodes = list(graph)
-        devices = [reader.of(node) for node in nodes]
-        in_use = set(devices)
+        watch.start("scan")
+        # -- one read-only scan: devices, copies, activations ---------------------------
+        device_of: dict[str | None, Device] = {}  # device annotation -> device
+        target_of: dict[str | None, Device | None] = {}  # annotation -> its target, None: not a source
+        dependent: set[ir.Value | None] = {v for v in graph.inputs if not v.is_initializer()}
+        consumed: set[ir.Value] = set()
+        candidates: list[ir.Value] = []  # dependent op outputs, producer order
+        origin: dict[ir.Value, ir.Value] = {}  # copy output -> copied blob
+        unfed = 0  # ops on source devices that read no activation (rules 2-3 may apply)
+        is_dependent, depend, consume = dependent.__contains__, dependent.add, consumed.add
+        target_get = target_of.get
+        for node in graph:
+            props = node.metadata_props
+            spec = props.get(DEVICE_KEY)
+            target = target_get(spec, _UNSEEN)
+            if target is _UNSEEN:
+                device = reader.of(node)  # raises DeviceError naming the op
+                device_of[spec] = device
+                target = target_of[spec] = sources.get(device)
+            inputs = node.inputs
+            hit = False
+            for value in inputs:
+                if is_dependent(value):
+                    hit = True
+                    consume(value)  # type: ignore[arg-type]
+            outputs = node.outputs
+            if COPY_KEY in props:
+                if hit:
+                    dependent.update(outputs)
+                if inputs and inputs[0] is not None:
+                    origin[outputs[0]] = origin.get(inputs[0], inputs[0])
+                continue
+            if hit:
+                for value in outputs:
+                    depend(value)
+                candidates.extend(outputs)
+            elif target is not None:
+                unfed += 1
+        acts = [v for v in candidates if v in consumed or v.is_graph_output()]
+
+        watch.start("validate")
+        # -- validate -------------------------------------------------------------------
+        listed = _resolve_names(graph, acts, self.activations)  # in producer order
+        shifted = set(listed)
+        in_use = set(device_of.values())
         for source in sources:
             if source not in in_use:
                 known = ", ".join(str(d) for d in sorted(in_use)) or "none"
@@ -143,69 +187,44 @@ class ShiftActivationDevicesPass(PlacementPass):
                     f"shift source device {source} is not used by any op (model devices: {known})"
                 )
 
-        # -- label propagation (read only) --------------------------------------------
-        origin: dict[int, ir.Value] = {}  # copy output -> copied blob
-        labels: dict[int, Device] = {}
-        moves: list[tuple[ir.Node, Device, Device]] = []
-        listed_elsewhere = 0
-        for node, device in zip(nodes, devices):
-            if COPY_KEY in node.metadata_props:
-                source_value = node.inputs[0] if node.inputs else None
-                if source_value is not None:
-                    origin[id(node.outputs[0])] = origin.get(id(source_value), source_value)
-                continue
-            target = sources.get(device)
-            if target is None:
-                for out in node.outputs:
-                    if id(out) in shifted:
-                        listed_elsewhere += 1
-                continue
-            new, outputs = None, node.outputs
-            for out in outputs:  # rule 1: output activations, a listed one first
-                if id(out) in act_ids:
-                    if id(out) in shifted:
-                        new = target
-                        break
-                    if new is None:
-                        new = device
-            inputs = [origin.get(id(v), v) for v in node.inputs if v is not None]
-            if new is None:  # rule 2: labelled input activations (labels it may take)
-                new = next(
-                    (
-                        labels[id(v)]
-                        for v in inputs
-                        if id(v) in act_ids and labels.get(id(v)) in (device, target)
-                    ),
-                    None,
-                )
-            if new is None:  # rule 3: any labelled blob
-                new = next((labels[id(v)] for v in inputs if labels.get(id(v)) in (device, target)), device)
-            for v in inputs:  # parameters and temporaries; activations carry their own label
-                if id(v) not in act_ids:
-                    labels.setdefault(id(v), new)
-            for out in outputs:
-                if id(out) in act_ids:
-                    labels[id(out)] = target if id(out) in shifted else device
-                else:
-                    labels.setdefault(id(out), new)
-            if new is not device:
-                moves.append((node, device, new))
+        watch.start("propagate")
+        # -- label propagation over the ops on source devices (read only) -----------------
+        act_set = set(acts)
+        if unfed or _has_op_without_activations(candidates, act_set, target_of):
+            # some op on a source device has no output activation: rules 2-3 read labels
+            moves, seen = _propagate(graph, origin, act_set, shifted, device_of, target_of)
+        else:  # fast path: rule 1 decides every op: the producers of listed activations move
+            found: dict[ir.Node, str | None] = {}
+            seen = 0
+            for value in listed:  # producer order: walks memory in order on big graphs
+                producer = cast(ir.Node, value.producer())
+                spec = producer.metadata_props.get(DEVICE_KEY)
+                if target_of[spec] is not None:
+                    seen += 1
+                    if target_of[spec] is not device_of[spec]:
+                        found[producer] = spec
+            moves = list(found.items())
+        listed_elsewhere = len(shifted) - seen
 
+        watch.start("apply")
         # -- apply (all or nothing) ----------------------------------------------------
-        done: list[tuple[ir.Node, str | None]] = []
+        spelled = {spec: str(target) for spec, target in target_of.items() if target is not None}
+        done = 0
         try:
-            for node, _, new in moves:
-                props = node.metadata_props
-                done.append((node, props.get(DEVICE_KEY)))
-                props[DEVICE_KEY] = str(new)
+            for node, spec in moves:
+                node.metadata_props[DEVICE_KEY] = spelled[spec]
+                done += 1
         except BaseException:
-            for node, spec in done:
+            for node, spec in moves[:done]:
                 if spec is None:
                     node.metadata_props.pop(DEVICE_KEY, None)
                 else:
                     node.metadata_props[DEVICE_KEY] = spec
             raise
-        moved = dict(Counter((old, new) for _, old, new in moves))
+        moved: dict[tuple[Device, Device], int] = {}
+        for spec, count in Counter(spec for _, spec in moves).items():
+            pair = (device_of[spec], cast(Device, target_of[spec]))
+            moved[pair] = moved.get(pair, 0) + count
         pairs = ", ".join(f"{s}->{t}" for s, t in sources.items())
         if moved:
             log.info(
@@ -217,30 +236,104 @@ class ShiftActivationDevicesPass(PlacementPass):
             log.info("shift {%s}: no op moved", pairs)
         if listed_elsewhere:
             log.info("shift: %d listed activations are not on a source device and stay", listed_elsewhere)
+        watch.stop()
         if log.isEnabledFor(logging.DEBUG):
-            for node, old, new in moves:
-                log.debug("  %s (%s): %s -> %s", node.name, node.op_type, old, new)
-        return ShiftResult(model, bool(moves), moved)
+            log.debug("shift timings: %s", watch)
+            for node, spec in moves:
+                log.debug("  %s (%s): %s -> %s", node.name, node.op_type, device_of[spec], target_of[spec])
+        return ShiftResult(model, bool(moves), moved, watch.seconds)
 
     def __repr__(self) -> str:
         pairs = ", ".join(f"{s}: {t}" for s, t in self.shifts.items())
         return f"ShiftActivationDevicesPass({len(self.activations)} activations, {{{pairs}}})"
 
 
-def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> set[int]:
-    """Ids of the named activations; raise naming unknown names or non-activations."""
-    by_name = {v.name: v for v in acts}
-    ids: set[int] = set()
-    missing: list[str] = []
-    for name in names:
-        value = by_name.get(name)
-        if value is None:
-            missing.append(name)
-        else:
-            ids.add(id(value))
-    if missing:
-        _raise_for(graph, missing)
-    return ids
+def _propagate(
+    graph: ir.Graph,
+    origin: dict[ir.Value, ir.Value],
+    acts: set[ir.Value],
+    shifted: set[ir.Value],
+    device_of: dict[str | None, Device],
+    target_of: dict[str | None, Device | None],
+) -> tuple[list[tuple[ir.Node, str | None]], int]:
+    """Label propagation with all rules; returns the moves and the listed activations seen."""
+    is_act, is_shifted = acts.__contains__, shifted.__contains__
+    labels: dict[ir.Value, Device] = {}
+    moves: list[tuple[ir.Node, str | None]] = []
+    seen = 0
+    for node in graph:
+        props = node.metadata_props
+        spec = props.get(DEVICE_KEY)
+        if COPY_KEY in props or target_of[spec] is None:
+            continue
+        device, target = device_of[spec], cast(Device, target_of[spec])
+        inputs: Sequence[ir.Value | None] = node.inputs
+        outputs = node.outputs
+        new = None
+        for out in outputs:  # rule 1: output activations, a listed one first
+            if is_act(out):
+                if is_shifted(out):
+                    new = target
+                    seen += 1
+                elif new is None:
+                    new = device
+        if origin:
+            inputs = [origin.get(v, v) for v in inputs]  # type: ignore[arg-type]
+        if new is None:
+            new = _follow(inputs, labels, is_act, device, target)
+        for value in inputs:  # parameters and temporaries take the op's device
+            if value is not None and not is_act(value) and value not in labels:
+                labels[value] = new
+        for out in outputs:
+            if is_act(out):
+                labels[out] = target if is_shifted(out) else device
+            elif out not in labels:
+                labels[out] = new
+        if new is not device:
+            moves.append((node, spec))
+    return moves, seen
+
+
+def _has_op_without_activations(
+    candidates: list[ir.Value], acts: set[ir.Value], target_of: dict[str | None, Device | None]
+) -> bool:
+    """True if an op on a source device has outputs of which none is an activation."""
+    for value in candidates:
+        if value in acts:
+            continue
+        producer = cast(ir.Node, value.producer())  # an op with a dead output: any activation?
+        if target_of.get(producer.metadata_props.get(DEVICE_KEY)) is not None:
+            if not any(out in acts for out in producer.outputs):
+                return True
+    return False
+
+
+def _follow(
+    inputs: Sequence[ir.Value | None],
+    labels: dict[ir.Value, Device],
+    is_act: Callable[[Any], bool],
+    device: Device,
+    target: Device,
+) -> Device:
+    """Rules 2 and 3 for an op without output activations: follow a labelled input."""
+    allowed = (device, target)
+    for value in inputs:  # rule 2: a labelled input activation
+        if is_act(value) and labels.get(value) in allowed:  # type: ignore[arg-type]
+            return labels[value]  # type: ignore[index]
+    for value in inputs:  # rule 3: any labelled blob
+        if value is not None and labels.get(value) in allowed:
+            return labels[value]
+    return device
+
+
+def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> list[ir.Value]:
+    """The named activations in producer order; raise naming unknown names or non-activations."""
+    wanted = set(names)
+    found = list(compress(acts, map(wanted.__contains__, map(_NAME, acts))))
+    if len(found) < len(wanted):
+        have = {v.name for v in found}
+        _raise_for(graph, [name for name in names if name not in have])
+    return found
 
 
 def _raise_for(graph: ir.Graph, missing: list[str]) -> None:

@@ -138,11 +138,13 @@ def random_dag(
     max_ops: int = 12,
     devices: Sequence[str] = DEVICES,
     num_devices: int | None = None,
+    dead_ends: bool = False,
 ) -> pl.Model:
     """A random DAG of unary/binary elementwise ops over inputs, parameters and earlier blobs.
 
     Some ops read parameters only (data-independent blobs), some blobs feed several
-    ops, some ops are graph outputs and also read inside; devices are random.
+    ops, some ops are graph outputs and also read inside; devices are random. With
+    ``dead_ends`` some unread blobs are left out of the graph outputs (dead ops).
     """
     pool = list(devices[: num_devices or len(devices)])
     b = GraphBuilder(seed=rng.randrange(2**31))
@@ -159,6 +161,8 @@ def random_dag(
         values.append(out)
         produced.append(out)
     unread = [v for v in produced if not any(v in node.inputs for node in b.nodes)]
+    if dead_ends:
+        unread = [v for v in unread if rng.random() < 0.5]
     extra = rng.sample(produced, k=min(len(produced), rng.randint(0, 2)))
     outputs = list(dict.fromkeys([produced[-1], *unread, *extra]))
     b.output(*outputs)

@@ -126,7 +126,7 @@ def test_graph_input_and_output_on_other_devices() -> None:
     assert reads(model, "op0") == ("x_cuda_1", "w0")
     assert str(model.input_device) == "cpu" and str(model.output_device) == "cuda:0"
     assert (result.input_device, result.output_device) == (pl.Device("cpu"), pl.Device("cuda", 0))
-    assert op_order(model)[-1] == "copy_h3"  # an output-only copy goes last
+    assert op_order(model)[-1] == "copy_h3_cuda_0"  # an output-only copy goes last
     assert_same_outputs(run_ort(model, feeds), expected)
 
 

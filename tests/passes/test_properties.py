@@ -113,3 +113,58 @@ def test_swap_exchanges_every_activation_producer(seed: int) -> None:
             assert op.device == other[before[op.name]]
         else:  # ops without activations (constants, dead ends) stay or follow a label
             assert op.device in (before[op.name], other[before[op.name]])
+
+
+def reference_shift(model: pl.Model, names: list[str], shifts: dict) -> dict[str, pl.Device]:
+    """The shift rules of ARCHITECTURE.md, written plainly over op views (the oracle)."""
+    shifts = {pl.Device.parse(k): pl.Device.parse(v) for k, v in shifts.items()}
+    acts, listed = set(pl.get_activation_blobs(model)), set(names)
+    origin: dict[str, str] = {}
+    labels: dict[str, pl.Device] = {}
+    placed = {}
+    for op in model.ops:
+        if op.is_copy:
+            origin[op.outputs[0]] = origin.get(op.inputs[0], op.inputs[0])
+            continue
+        device = op.device
+        placed[op.name] = device
+        if device not in shifts:
+            continue
+        target = shifts[device]
+        inputs = [origin.get(b, b) for b in op.inputs if b]
+        outs = [b for b in op.outputs if b in acts]
+        if any(b in listed for b in outs):
+            new = target
+        elif outs:
+            new = device
+        else:
+            allowed = (device, target)
+            new = next((labels[b] for b in inputs if b in acts and labels.get(b) in allowed), None)
+            if new is None:
+                new = next((labels[b] for b in inputs if labels.get(b) in allowed), device)
+        for b in inputs:
+            if b not in acts:
+                labels.setdefault(b, new)
+        for b in op.outputs:
+            if b in acts:
+                labels[b] = target if b in listed else device
+            else:
+                labels.setdefault(b, new)
+        placed[op.name] = new
+    return placed
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_shift_matches_the_reference_rules(seed: int, data) -> None:
+    model = random_dag(random.Random(seed), num_devices=3, dead_ends=True)
+    if data.draw(st.booleans(), label="inject first"):
+        pl.inject_cross_device_copies(model)
+    acts = pl.get_activation_blobs(model)
+    chosen = data.draw(st.lists(st.sampled_from(acts), unique=True) if acts else st.just([]), label="acts")
+    sources = data.draw(st.lists(st.sampled_from(sorted(model.devices)), min_size=1, unique=True))
+    targets = data.draw(st.lists(st.sampled_from(DEVICES), min_size=len(sources), max_size=len(sources)))
+    shifts = dict(zip(sources, targets))
+    expected = reference_shift(model, chosen, shifts)
+    pl.shift_activation_devices(model, chosen, shifts)
+    assert {op.name: op.device for op in model.ops if not op.is_copy} == expected
