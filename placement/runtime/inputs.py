@@ -151,22 +151,25 @@ def _is_array(value: Any) -> bool:
 
 
 def _check(spec: InputSpec, array: np.ndarray) -> None:
-    got = f"{array.dtype}[{', '.join(map(str, array.shape))}]"
     if spec.dtype is not None and array.dtype != spec.dtype:
         raise InputError(
             f"input {spec.name!r} has dtype {array.dtype}, expected {spec.dtype} "
-            f"(expected {spec.describe()}, got {got})"
+            f"(expected {spec.describe()}, got {_describe(array)})"
         )
     if spec.shape is None:
         return
     if array.ndim != len(spec.shape):
         raise InputError(
             f"input {spec.name!r} has rank {array.ndim}, expected {len(spec.shape)} "
-            f"(expected {spec.describe()}, got {got})"
+            f"(expected {spec.describe()}, got {_describe(array)})"
         )
     for axis, (want, have) in enumerate(zip(spec.shape, array.shape)):
         if isinstance(want, int) and want != have:
             raise InputError(
                 f"input {spec.name!r} has size {have} in dimension {axis}, expected {want} "
-                f"(expected {spec.describe()}, got {got})"
+                f"(expected {spec.describe()}, got {_describe(array)})"
             )
+
+
+def _describe(array: np.ndarray) -> str:
+    return f"{array.dtype}[{', '.join(map(str, array.shape))}]"

@@ -73,7 +73,7 @@ import onnxruntime as ort
 
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import Model
+from placement.graph.model import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, Model
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.stages import Partition, Stage, plan
@@ -203,6 +203,7 @@ class Runner:
         self._lock = threading.Lock()
         self._sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         self._state: tuple[Any, ...] | None = None
+        self._watched: list[dict[str, str]] = []
         self._program: _Program | None = None
         self._specs: list[InputSpec] = []
         self._device_map: dict[Device, PhysicalDevice] = {}
@@ -240,17 +241,18 @@ class Runner:
         unchanged stages are reused.
 
         Args:
-            force: re-partition even if nothing seems to have changed (use after
-                editing the graph in ways other than moving ops).
+            force: re-partition even if nothing seems to have changed. Moving ops
+                (``set_device``, the passes), adding or removing ops (copy
+                injection) and changing graph outputs are detected; use ``force``
+                after other edits (e.g. replacing an op by another).
 
         Returns:
             True if the model was re-partitioned.
         """
-        state = self._snapshot()
-        if not force and state == self._state:
+        if not force and self._state is not None and self._snapshot() == self._state:
             return False
         with self._lock:
-            self._rebuild(state)
+            self._rebuild()
         return True
 
     def run(self, inputs: InputsLike) -> list[np.ndarray]:
@@ -289,17 +291,21 @@ class Runner:
     # -- building ----------------------------------------------------------------------
 
     def _snapshot(self) -> tuple[Any, ...]:
-        model = self.model
-        props = model.ir_model.metadata_props
+        """A cheap fingerprint of the model's placement: every op's device label (read
+        through metadata dicts cached at the last build), the op and parameter counts,
+        the graph outputs and the input/output devices."""
+        graph = self.model.graph
+        props = self.model.ir_model.metadata_props
         return (
-            tuple(model.device_state().items()),
-            props.get("placement.input_device"),
-            props.get("placement.output_device"),
-            len(model.graph.initializers),
-            tuple(model.outputs),
+            len(graph),
+            len(graph.initializers),
+            tuple(id(v) for v in graph.outputs),
+            props.get(INPUT_DEVICE_KEY),
+            props.get(OUTPUT_DEVICE_KEY),
+            tuple([md.get(DEVICE_KEY) for md in self._watched]),
         )
 
-    def _rebuild(self, state: tuple[Any, ...]) -> None:
+    def _rebuild(self) -> None:
         model = self.model
         part = plan(model)
         logical = set(model.devices) | set(part.input_devices.values())
@@ -332,7 +338,8 @@ class Runner:
         self._specs = input_specs(model.graph)
         self._program = self._compile(part, execs)
         self.stats.transfers = self._program.n_transfers
-        self._state = state
+        self._watched = [node.metadata_props for node in model.graph]
+        self._state = self._snapshot()
         log.info(
             "runner: %d stages on %s (%d sessions built, %d reused, %d transfers per run)",
             len(part.stages),
