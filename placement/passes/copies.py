@@ -192,6 +192,8 @@ class _Injection:
                 if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
                     raise VerificationError(f"copy {node.name!r} must have exactly one input and one output")
                 source = origin_get(inputs[0], inputs[0])
+                if source not in dev_of and source not in inputs_ and not source.is_initializer():
+                    self._not_topological(node, source)
                 origin[outputs[0]] = source
                 copies.append((node, pos, source, device))
                 continue
@@ -219,7 +221,7 @@ class _Injection:
 
         watch.start("plan")
         # -- plan ------------------------------------------------------------------------
-        outputs, protected = self._plan_outputs(origin)
+        outputs, protected, repeated = self._plan_outputs(origin)
         self._bases = {source: name for _, _, source, name in outputs}  # copies of y: y_cuda_2
         out_dev = self.output_device or self._default_output_device(outputs) or in_dev
         needs: dict[tuple[ir.Value, Device], _Need] = {}
@@ -272,6 +274,10 @@ class _Injection:
                 created[key] = node = self._new_copy(need)
                 if need.output_slot >= 0:
                     graph.outputs[need.output_slot] = node.outputs[0]
+        for slot, first in repeated:  # a blob listed twice as a graph output stays so
+            if graph.outputs[slot] is not graph.outputs[first]:
+                graph.outputs[slot] = graph.outputs[first]
+                result.modified = True
         targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
         for node, value, source, device, _ in uses:
             want = source if dev_of[source] is device else targets[(source, device)]
@@ -340,13 +346,14 @@ class _Injection:
 
     def _plan_outputs(
         self, origin: dict[ir.Value, ir.Value]
-    ) -> tuple[list[tuple[int, ir.Value, ir.Value, str]], set[ir.Node]]:
-        """(slot, graph output value, the blob it is, output name) for outputs produced by ops,
-        once per blob;
-        and the copies that pass a graph input or parameter straight to an output (left alone)."""
+    ) -> tuple[list[tuple[int, ir.Value, ir.Value, str]], set[ir.Node], list[tuple[int, int]]]:
+        """Graph outputs to handle: ``(slot, output value, the blob it is, output name)`` for
+        outputs produced by ops, once per blob; the copies passing a graph input or parameter
+        straight to an output (left alone); and ``(slot, first slot)`` for a value listed twice."""
         planned: list[tuple[int, ir.Value, ir.Value, str]] = []
         protected: set[ir.Node] = set()
-        seen: set[ir.Value] = set()
+        first_slot: dict[ir.Value, int] = {}
+        repeated: list[tuple[int, int]] = []
         for slot, value in enumerate(self.graph.outputs):
             source = origin.get(value, value)
             producer = source.producer()
@@ -354,11 +361,14 @@ class _Injection:
                 if value.producer() is not None:
                     protected.add(value.producer())
                 continue
-            if source in seen:
-                continue  # a second slot for the same blob
-            seen.add(source)
+            if source in first_slot:  # a second slot for the same blob
+                first = first_slot[source]
+                if self.graph.outputs[first] is value:
+                    repeated.append((slot, first))
+                continue
+            first_slot[source] = slot
             planned.append((slot, value, source, value.name or ""))
-        return planned, protected
+        return planned, protected, repeated
 
     def _default_output_device(self, outputs: list[tuple[int, ir.Value, ir.Value, str]]) -> Device | None:
         """The device of the last op (graph order) producing a graph output."""

@@ -143,7 +143,7 @@ class ShiftActivationDevicesPass(PlacementPass):
         consumed: set[ir.Value] = set()
         candidates: list[ir.Value] = []  # dependent op outputs, producer order
         origin: dict[ir.Value, ir.Value] = {}  # copy output -> copied blob
-        unfed = 0  # ops on source devices that read no activation (rules 2-3 may apply)
+        unfed = 0  # ops on source devices that read no activation or write nothing: rules 2-3
         is_dependent, depend, consume = dependent.__contains__, dependent.add, consumed.add
         target_get = target_of.get
         for node in graph:
@@ -167,7 +167,7 @@ class ShiftActivationDevicesPass(PlacementPass):
                 if inputs and inputs[0] is not None:
                     origin[outputs[0]] = origin.get(inputs[0], inputs[0])
                 continue
-            if hit:
+            if hit and outputs:
                 for value in outputs:
                     depend(value)
                 candidates.extend(outputs)
@@ -298,6 +298,8 @@ def _has_op_without_activations(
     candidates: list[ir.Value], acts: set[ir.Value], target_of: dict[str | None, Device | None]
 ) -> bool:
     """True if an op on a source device has outputs of which none is an activation."""
+    if len(acts) == len(candidates):  # no dead output anywhere
+        return False
     for value in candidates:
         if value in acts:
             continue

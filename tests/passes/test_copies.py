@@ -388,3 +388,27 @@ def test_zoo_second_half_on_device_1_runs_in_one_ort_session(name: str, exported
     loaded = pl.load(path)
     check_copies(loaded)
     assert not pl.inject_cross_device_copies(loaded, output_device=0).modified
+
+
+def test_blob_listed_twice_as_output_stays_listed_twice() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    y = b.op("Tanh", [x], "y", device=1)
+    b.output(y, y)
+    model = b.build()
+    inject_twice(model, output_device=0)
+    assert model.outputs == ["y", "y"]
+    assert model.graph.outputs[0] is model.graph.outputs[1]
+    assert copy_ops(model) == [("y_cuda_1", "y", "cuda:0", "dynamic")]
+
+
+def test_copy_reading_a_later_blob_is_an_error() -> None:
+    model = chain(4, devices=[0, 0, 1, 1])
+    pl.inject_cross_device_copies(model)
+    copy = model.op("copy_h1_cuda_1").node
+    model.graph.remove(copy)
+    model.graph.insert_before(model.op("op0").node, copy)  # before h1's producer
+    before = snapshot(model)
+    with pytest.raises(pl.VerificationError, match="copy_h1_cuda_1.*h1"):
+        pl.inject_cross_device_copies(model)
+    assert snapshot(model) == before
