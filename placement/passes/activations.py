@@ -35,25 +35,25 @@ def activation_values(graph: ir.Graph) -> list[ir.Value]:
     """The activation values of ``graph`` in producer (graph) order, without duplicates.
 
     The fast form of :func:`get_activation_blobs` for passes: no name lookups, no
-    views, one pass over the nodes (values are hashed by identity).
+    views, one pass over the nodes (values are hashed by identity). It tracks the
+    few *independent* blobs (outputs of ops reading only parameters and constants)
+    rather than the many dependent ones: a blob depends on a graph input unless it
+    is a parameter or independent.
     """
-    dependent: set[ir.Value | None] = {v for v in graph.inputs if not v.is_initializer()}
+    independent: set[ir.Value] = set()
     consumed: set[ir.Value] = set()
     candidates: list[ir.Value] = []
-    is_dependent, depend, consume = dependent.__contains__, dependent.add, consumed.add
-    extend = candidates.extend
+    is_independent, consume, extend = independent.__contains__, consumed.add, candidates.extend
     for node in graph:
         hit = False
         for value in node.inputs:
-            if is_dependent(value):
+            if value is not None and not is_independent(value) and not value.is_initializer():
                 hit = True
-                consume(value)  # type: ignore[arg-type]
-        if hit:
-            outputs = node.outputs
-            for value in outputs:
-                depend(value)
-            if COPY_KEY not in node.metadata_props:
-                extend(outputs)
+                consume(value)
+        if not hit:
+            independent.update(node.outputs)
+        elif COPY_KEY not in node.metadata_props:
+            extend(node.outputs)
     return [v for v in candidates if v in consumed or v.is_graph_output()]
 
 

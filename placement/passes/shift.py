@@ -139,12 +139,14 @@ class ShiftActivationDevicesPass(PlacementPass):
         # -- one read-only scan: devices, copies, activations ---------------------------
         device_of: dict[str | None, Device] = {}  # device annotation -> device
         target_of: dict[str | None, Device | None] = {}  # annotation -> its target, None: not a source
-        dependent: set[ir.Value | None] = {v for v in graph.inputs if not v.is_initializer()}
+        independent: set[ir.Value] = set()  # outputs of ops reading no graph input (see activations)
         consumed: set[ir.Value] = set()
         candidates: list[ir.Value] = []  # dependent op outputs, producer order
+        owners: list[ir.Node] = []  # the op of each candidate
+        owner_specs: list[str | None] = []  # its device annotation
         origin: dict[ir.Value, ir.Value] = {}  # copy output -> copied blob
         unfed = 0  # ops on source devices that read no activation or write nothing: rules 2-3
-        is_dependent, depend, consume = dependent.__contains__, dependent.add, consumed.add
+        is_independent, consume = independent.__contains__, consumed.add
         target_get = target_of.get
         for node in graph:
             props = node.metadata_props
@@ -157,20 +159,24 @@ class ShiftActivationDevicesPass(PlacementPass):
             inputs = node.inputs
             hit = False
             for value in inputs:
-                if is_dependent(value):
+                if value is not None and not is_independent(value) and not value.is_initializer():
                     hit = True
-                    consume(value)  # type: ignore[arg-type]
+                    consume(value)
             outputs = node.outputs
+            if not hit:
+                independent.update(outputs)
             if COPY_KEY in props:
-                if hit:
-                    dependent.update(outputs)
                 if inputs and inputs[0] is not None:
                     origin[outputs[0]] = origin.get(inputs[0], inputs[0])
                 continue
             if hit and outputs:
-                for value in outputs:
-                    depend(value)
                 candidates.extend(outputs)
+                if len(outputs) == 1:
+                    owners.append(node)
+                    owner_specs.append(spec)
+                else:
+                    owners.extend([node] * len(outputs))
+                    owner_specs.extend([spec] * len(outputs))
             elif target is not None:
                 unfed += 1
         acts = [v for v in candidates if v in consumed or v.is_graph_output()]
@@ -189,20 +195,20 @@ class ShiftActivationDevicesPass(PlacementPass):
 
         watch.start("propagate")
         # -- label propagation over the ops on source devices (read only) -----------------
-        act_set = set(acts)
-        if unfed or _has_op_without_activations(candidates, act_set, target_of):
+        dead_outputs = len(acts) < len(candidates)
+        act_set = set(acts) if unfed or dead_outputs else set()
+        if unfed or (dead_outputs and _has_op_without_activations(candidates, act_set, target_of)):
             # some op on a source device has no output activation: rules 2-3 read labels
             moves, seen = _propagate(graph, origin, act_set, shifted, device_of, target_of)
         else:  # fast path: rule 1 decides every op: the producers of listed activations move
             found: dict[ir.Node, str | None] = {}
             seen = 0
-            for value in listed:  # producer order: walks memory in order on big graphs
-                producer = cast(ir.Node, value.producer())
-                spec = producer.metadata_props.get(DEVICE_KEY)
-                if target_of[spec] is not None:
+            for node, spec in compress(zip(owners, owner_specs), map(shifted.__contains__, candidates)):
+                target = target_of[spec]
+                if target is not None:
                     seen += 1
-                    if target_of[spec] is not device_of[spec]:
-                        found[producer] = spec
+                    if target is not device_of[spec]:
+                        found[node] = spec
             moves = list(found.items())
         listed_elsewhere = len(shifted) - seen
 
@@ -298,8 +304,6 @@ def _has_op_without_activations(
     candidates: list[ir.Value], acts: set[ir.Value], target_of: dict[str | None, Device | None]
 ) -> bool:
     """True if an op on a source device has outputs of which none is an activation."""
-    if len(acts) == len(candidates):  # no dead output anywhere
-        return False
     for value in candidates:
         if value in acts:
             continue
@@ -330,9 +334,23 @@ def _follow(
 
 def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> list[ir.Value]:
     """The named activations in producer order; raise naming unknown names or non-activations."""
-    wanted = set(names)
-    found = list(compress(acts, map(wanted.__contains__, map(_NAME, acts))))
-    if len(found) < len(wanted):
+    found: list[ir.Value] = []
+    if not names:
+        return found
+    # fast path: names in producer order (a slice of get_activation_blobs): a merge, no hashing
+    keep, count, wanted = found.append, 0, names[0]
+    for value in acts:
+        name = value.name
+        if name is wanted or name == wanted:
+            keep(value)
+            count += 1
+            if count == len(names):
+                return found
+            wanted = names[count]
+    # any order, duplicates, or bad names
+    names_set = set(names)
+    found = list(compress(acts, map(names_set.__contains__, map(_NAME, acts))))
+    if len(found) < len(names_set):
         have = {v.name for v in found}
         _raise_for(graph, [name for name in names if name not in have])
     return found
