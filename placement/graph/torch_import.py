@@ -105,9 +105,10 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     The exporter's default optimizer also folds parameters (BatchNorm into Conv,
     pre-transposed Linear weights), which renames or duplicates them; we keep
     every parameter under its module name instead, and let ONNX Runtime fuse at
-    session creation.
+    session creation. ONNX shape inference then fills the shapes the exporter
+    left out, so reports and planners know every blob's size.
     """
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
     from onnxscript.optimizer import fold_constants
 
     params = set(ir_model.graph.initializers)
@@ -121,6 +122,10 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
         warnings.simplefilter("ignore")
         fold_constants(ir_model, should_fold=should_fold)
     RemoveUnusedNodesPass()(ir_model)
+    try:  # fill the shapes the exporter left out (sizes in reports, planners)
+        ShapeInferencePass()(ir_model)
+    except Exception as err:  # inference is a convenience; never fail an import over it
+        log.debug("ONNX shape inference failed: %s", err)
 
 
 @contextlib.contextmanager

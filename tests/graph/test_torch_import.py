@@ -61,3 +61,12 @@ def test_parameter_names_are_the_module_names(name, exported):
         id(net.get_parameter(n)) for n in params if n in dict(net.named_parameters(remove_duplicate=False))
     }
     assert graph_tensors == set(tensors)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "unet"])
+def test_every_blob_has_a_static_size(name, exported):
+    from placement.graph.model import value_nbytes
+
+    model, _, _ = exported(name)
+    unknown = [v.name for node in model.graph for v in node.outputs if value_nbytes(v) is None]
+    assert unknown == []
