@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 _NAME = operator.attrgetter("name")
 _COPY_LIKE = re.compile(r"_(?:cuda|cpu)_\d").search  # what every name made here contains
 
+#: A required copy: (the blob, ``id`` of its interned destination device; hashing ids is cheap).
+_Key = tuple[ir.Value, int]
+
 #: The ONNX op type of a copy.
 COPY_OP_TYPE = "Identity"
 
@@ -224,11 +227,11 @@ class _Injection:
         outputs, protected, repeated = self._plan_outputs(origin)
         self._bases = {source: name for _, _, source, name in outputs}  # copies of y: y_cuda_2
         out_dev = self.output_device or self._default_output_device(outputs) or in_dev
-        needs: dict[tuple[ir.Value, Device], _Need] = {}
+        needs: dict[_Key, _Need] = {}
         for node, _, source, device, pos in uses:
             if dev_of[source] is device:
                 continue
-            key = (source, device)
+            key = (source, id(device))
             need = needs.get(key)
             if need is None:
                 needs[key] = _Need(source, device, pos, node)
@@ -236,24 +239,24 @@ class _Injection:
                 need.first_pos, need.first_node = pos, node
         for slot, _, source, name in outputs:
             if dev_of.get(source) is not out_dev:
-                need = needs.setdefault((source, out_dev), _Need(source, out_dev))
+                need = needs.setdefault((source, id(out_dev)), _Need(source, out_dev))
                 need.output_slot, need.output_name = slot, name
 
-        keep: dict[tuple[ir.Value, Device], ir.Node] = {}
+        keep: dict[_Key, ir.Node] = {}
         for need in needs.values():  # prefer the copy that already is the graph output
             if need.output_slot >= 0:
                 producer = graph.outputs[need.output_slot].producer()
                 if producer is not None and COPY_KEY in producer.metadata_props:
                     same = origin.get(producer.outputs[0]) is need.origin
                     if same and self.reader.of(producer) == need.device:
-                        keep[(need.origin, need.device)] = producer
+                        keep[(need.origin, id(need.device))] = producer
         kept = set(keep.values())
         remove: list[ir.Node] = []
         misplaced: list[tuple[ir.Node, _Need]] = []
         for node, pos, source, device in copies:
             if node in protected:
                 continue
-            key = (source, device)
+            key = (source, id(device))
             need = needs.get(key)
             if need is None or (key in keep and node not in kept):
                 remove.append(node)
@@ -268,7 +271,7 @@ class _Injection:
         for node in remove:
             self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
         self._apply_outputs(outputs, needs, keep, dev_of)
-        created: dict[tuple[ir.Value, Device], ir.Node] = {}
+        created: dict[_Key, ir.Node] = {}
         for key, need in needs.items():
             if key not in keep:
                 created[key] = node = self._new_copy(need)
@@ -280,7 +283,7 @@ class _Injection:
                 result.modified = True
         targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
         for node, value, source, device, _ in uses:
-            want = source if dev_of[source] is device else targets[(source, device)]
+            want = source if dev_of[source] is device else targets[(source, id(device))]
             if want is not value:
                 for index, current in enumerate(node.inputs):
                     if current is value:
@@ -385,8 +388,8 @@ class _Injection:
     def _apply_outputs(
         self,
         outputs: list[tuple[int, ir.Value, ir.Value, str]],
-        needs: dict[tuple[ir.Value, Device], _Need],
-        keep: dict[tuple[ir.Value, Device], ir.Node],
+        needs: dict[_Key, _Need],
+        keep: dict[_Key, ir.Node],
         dev_of: dict[ir.Value, Device],
     ) -> None:
         """Keep every graph output's name on the output device; rename the blobs behind them.
@@ -399,7 +402,7 @@ class _Injection:
         by_slot = {need.output_slot: need for need in needs.values() if need.output_slot >= 0}
         for slot, value, source, name in outputs:
             need = by_slot.get(slot)
-            copy = keep.get((need.origin, need.device)) if need is not None else None
+            copy = keep.get((need.origin, id(need.device))) if need is not None else None
             if value is not source and value.name is not None and value.producer() is not copy:
                 # an old output copy that stays as an internal copy: give it a copy's name
                 device = self.reader.of(cast(ir.Node, value.producer()))
