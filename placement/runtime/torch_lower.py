@@ -474,12 +474,9 @@ class _Lowering:
         if val is None:
             return None
         if val.is_const:
-            data = val.const
-            assert data is not None
-            if index in rule.shape_inputs and data.dim() <= 1 and data.numel() <= _MAX_INLINE_NUMEL:
-                return data.tolist()
-            if index in rule.scalar_inputs and data.dim() == 0:
-                return data.item()
+            literal = _literal(val, index, rule)
+            if literal is not _NOT_LITERAL:
+                return literal
         return self._on(val, phys)
 
     # -- ops -------------------------------------------------------------------------------
@@ -545,13 +542,11 @@ class _Lowering:
         if val is None or value is None:
             return None
         if val.is_const:
-            data = val.const
-            assert data is not None
-            if index in rule.shape_inputs and data.dim() <= 1 and data.numel() <= _MAX_INLINE_NUMEL:
-                return data.tolist()
-            if index in rule.scalar_inputs and data.dim() == 0:
-                return data.item()
-            return data.to("meta")
+            literal = _literal(val, index, rule)
+            if literal is not _NOT_LITERAL:
+                return literal
+            assert val.const is not None
+            return val.const.to("meta")
         meta = self.meta.get(val.name)
         if meta is None:
             shape = self._shape(value)
@@ -751,3 +746,18 @@ def _static_shape(value: ir.Value) -> tuple[int, ...] | None:
             return None
         dims.append(int(dim))
     return tuple(dims)
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(val: _Val, index: int, rule: Rule) -> Any:
+    """A constant input written into the code as a Python literal (a shape list or a
+    scalar), or ``_NOT_LITERAL`` when it stays a tensor."""
+    data = val.const
+    assert data is not None
+    if index in rule.shape_inputs and data.dim() <= 1 and data.numel() <= _MAX_INLINE_NUMEL:
+        return data.tolist()
+    if index in rule.scalar_inputs and data.dim() == 0:
+        return data.item()
+    return _NOT_LITERAL
