@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models._sizes import lookup_size
+
 __all__ = ["MLP", "SIZES", "Size", "build"]
 
 
@@ -103,7 +105,4 @@ def build(size: str = "tiny", *, seed: int = 0) -> tuple[nn.Module, tuple[torch.
 
 
 def _size(size: str) -> Size:
-    try:
-        return SIZES[size]
-    except KeyError:
-        raise ValueError(f"unknown MLP size {size!r}; known sizes: {sorted(SIZES)}") from None
+    return lookup_size(SIZES, size, "MLP")

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models._sizes import lookup_size
+
 __all__ = ["SIZES", "BasicBlock", "ResNet", "Size", "build", "calibrate_batchnorm"]
 
 
@@ -209,7 +211,4 @@ def build(size: str = "tiny", *, seed: int = 0) -> tuple[nn.Module, tuple[torch.
 
 
 def _size(size: str) -> Size:
-    try:
-        return SIZES[size]
-    except KeyError:
-        raise ValueError(f"unknown ResNet size {size!r}; known sizes: {sorted(SIZES)}") from None
+    return lookup_size(SIZES, size, "ResNet")

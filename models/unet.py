@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from models._sizes import lookup_size
+
 __all__ = ["SIZES", "DoubleConv", "Size", "UNet", "Up", "build"]
 
 Upsample = Literal["transpose", "nearest"]
@@ -204,7 +206,4 @@ def build(size: str = "tiny", *, seed: int = 0) -> tuple[nn.Module, tuple[torch.
 
 
 def _size(size: str) -> Size:
-    try:
-        return SIZES[size]
-    except KeyError:
-        raise ValueError(f"unknown U-Net size {size!r}; known sizes: {sorted(SIZES)}") from None
+    return lookup_size(SIZES, size, "U-Net")
