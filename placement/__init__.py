@@ -54,6 +54,10 @@ from placement.runtime.ort import Runner, run
 # torch lowering (issue 4)
 from placement.runtime.torch_lower import to_torch
 
+# pictures and the HTML report
+from placement.report.draw import draw  # noqa: E402
+from placement.report.html import write_report  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -99,3 +103,4 @@ __all__ += [
 __all__ += ["Runner", "run"]
 __all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
 __all__ += ["to_torch"]
+__all__ += ["draw", "write_report"]

@@ -3,26 +3,40 @@
 Subcommands::
 
     placement models                         list the built-in models
-    placement inspect MODEL                  per-device table of a model (.onnx file or built-in name)
-    placement place MODEL -o OUT.onnx        place a model on N devices and save it
+    placement inspect MODEL                  per-device table, scopes, parameters of a model
+    placement plan MODEL -o PLAN.json        plan a placement (devices, memory budgets) without placing
+    placement place MODEL -o OUT.onnx        place a model (equal split, --auto, or --plan) and save it
+    placement run PLACED.onnx --input x=x.npy --output out.npz
+                                             run a placed model, print latency and where stages ran
+    placement draw MODEL -o placed.svg       picture of the graph coloured by device (svg/png/pdf/dot)
+    placement report MODEL -o report.html    one self-contained HTML page: tables, charts, the graph
     placement demo                           the main job: place the default model on 2 devices,
                                              run it through ONNX Runtime and torch, check outputs
 
-Every subcommand has ``--help``. Errors print one line naming the problem and exit with status 2.
+Every subcommand has ``--help``. Errors print one line naming the problem, write
+nothing, and exit with status 2. Steps that can take seconds (export, profiling,
+planning, session builds) show a spinner on a terminal and stay quiet otherwise.
 
 Example:
     $ placement inspect gpt --size tiny
-    $ placement place resnet --devices 2 -o resnet_2gpu.onnx
+    $ placement place resnet --auto --max-memory 0=2GiB,1=6GiB -o resnet_2gpu.onnx
+    $ placement run resnet_2gpu.onnx --input x=x.npy --output out.npz --repeat 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import logging
+import os
+import statistics
 import sys
-from collections.abc import Sequence
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from placement.errors import PlacementError
 
@@ -31,7 +45,34 @@ __all__ = ["main", "build_parser", "load_model_spec"]
 log = logging.getLogger(__name__)
 
 
-def load_model_spec(spec: str, *, size: str = "tiny", seed: int = 0) -> tuple[Any, Any, tuple]:
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (like every other error of the command)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+@contextlib.contextmanager
+def _step(console: Any, description: str) -> Iterator[None]:
+    """A spinner with elapsed time while a slow step runs (only on a terminal)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as progress:
+        progress.add_task(description, total=None)
+        yield
+    log.info("%s: done", description)
+
+
+def load_model_spec(
+    spec: str, *, size: str = "tiny", seed: int = 0, console: Any = None
+) -> tuple[Any, Any, tuple]:
     """Load MODEL as the CLI understands it: an ONNX file or a built-in model name.
 
     Returns ``(model, torch_module_or_None, example_args_or_None)``.
@@ -41,9 +82,11 @@ def load_model_spec(spec: str, *, size: str = "tiny", seed: int = 0) -> tuple[An
     """
     import placement as pl
 
+    step = (lambda text: _step(console, text)) if console is not None else (lambda text: _nothing())
     path = Path(spec)
     if path.suffix == ".onnx" or path.exists():
-        return pl.load(path), None, ()
+        with step(f"loading {spec}"):
+            return pl.load(path), None, ()
     import models
 
     if spec not in models.MODELS:
@@ -52,7 +95,95 @@ def load_model_spec(spec: str, *, size: str = "tiny", seed: int = 0) -> tuple[An
     if size not in models.SIZES:
         raise pl.PlanError(f"unknown size {size!r}; choose from {', '.join(models.SIZES)}")
     net, args = models.build(spec, size, seed=seed)
-    return pl.from_torch(net, args), net, args
+    with step(f"exporting {spec} ({size}) to ONNX"):
+        return pl.from_torch(net, args), net, args
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _parse_max_memory(text: str | None) -> dict[str, str] | None:
+    """``"0=2GiB,1=6GiB"`` -> ``{"0": "2GiB", "1": "6GiB"}`` (sizes checked by the planner)."""
+    import placement as pl
+
+    if text is None:
+        return None
+    budgets: dict[str, str] = {}
+    for item in text.split(","):
+        device, sep, size = item.partition("=")
+        if not sep or not device.strip() or not size.strip():
+            raise pl.PlanError(f"bad --max-memory item {item!r}: use DEVICE=SIZE, e.g. 0=2GiB,1=6GiB")
+        budgets[device.strip()] = size.strip()
+    return budgets
+
+
+def _check_output(path: str, suffixes: Sequence[str], what: str) -> Path:
+    """Refuse an output path before any work: wrong suffix or missing folder."""
+    from placement.errors import ModelSaveError
+
+    target = Path(path)
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ModelSaveError(f"{what} {path!r} must end in {' or '.join(suffixes)}")
+    if not target.parent.is_dir():
+        raise ModelSaveError(f"cannot write {path!r}: no directory {str(target.parent)!r}")
+    return target
+
+
+def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
+    """Run the planner on ``model`` (in place) from --devices / --max-memory / --cost / --objective."""
+    import placement as pl
+
+    budgets = _parse_max_memory(getattr(args, "max_memory", None))
+    devices = args.devices if args.devices is not None or budgets is None else None
+    if devices is None and budgets is None:
+        devices = 2
+    if isinstance(devices, int) and devices < 1:
+        raise pl.PlanError(f"--devices must be at least 1, got {devices}")
+    what = "profiling and planning" if args.cost == "time" else "planning"
+    with _step(console, f"{what} ({args.cost} cost, {args.objective})"):
+        return pl.auto_place(model, devices, budgets, cost=args.cost, objective=args.objective)
+
+
+def _split_equally(model: Any, n: int) -> None:
+    """Caffe2-style: shift the k-th of n equal runs of activations to device k."""
+    import placement as pl
+
+    if n < 1:
+        raise pl.PlanError(f"--devices must be at least 1, got {n}")
+    acts = pl.get_activation_blobs(model)
+    for k in range(n - 1, 0, -1):
+        start = len(acts) * k // n
+        if start < len(acts):
+            pl.shift_activation_devices(model, acts[start:], {model.device_of(acts[start]): k})
+
+
+def _is_placed(model: Any) -> bool:
+    return len(model.devices) > 1 or any(op.is_copy for op in model.iter_ops())
+
+
+def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split: int | None) -> Any:
+    """Place ``model`` as the options say; returns the plan (or None). Copies are injected."""
+    import placement as pl
+
+    plan = None
+    if getattr(args, "plan", None):
+        if args.auto or args.max_memory:
+            raise pl.PlanError("--plan applies a saved plan: leave out --auto and --max-memory")
+        plan = pl.Plan.load(args.plan)
+        plan.apply(model)
+    elif args.auto or args.max_memory:
+        plan = _auto_plan(model, args, console)
+    elif args.devices is not None or default_split is not None:
+        _split_equally(model, args.devices if args.devices is not None else default_split)
+    with _step(console, "injecting copies"):
+        pl.inject_cross_device_copies(model)
+        pl.verify(model)
+    return plan
+
+
+# --- sub-commands -------------------------------------------------------------------
 
 
 def _cmd_models(args: argparse.Namespace, console: Any) -> int:
@@ -71,36 +202,308 @@ def _cmd_models(args: argparse.Namespace, console: Any) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
-    model, _, _ = load_model_spec(args.model, size=args.size)
-    console.print(f"[bold]{args.model}[/bold]: {model!r}")
+    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     summary = model.summary()
     if args.json:
-        console.print_json(data=summary.to_dict())
-    else:
-        console.print(summary.to_table())
+        data = summary.to_dict()
+        data["scopes"] = [
+            {"scope": scope, "ops": counts} for scope, counts in _scope_counts(model, args.depth).items()
+        ]
+        data["parameters"] = [
+            {"name": p.name, "device": str(p.device), "shape": list(p.shape), "bytes": p.nbytes}
+            for p in model.parameters.values()
+        ]
+        console.print_json(data=data)
+        return 0
+    console.print(f"[bold]{args.model}[/bold]: {model!r}", highlight=False)
+    console.print(summary.to_table())
+    console.print(_scope_table(model, args.depth))
+    console.print(_parameter_table(model, args.top))
+    return 0
+
+
+def _scope_counts(model: Any, depth: int) -> dict[str, dict[str, int]]:
+    from placement.report.draw import scope_of
+
+    counts: dict[str, dict[str, int]] = {}
+    for op in model.iter_ops():
+        if op.is_copy:
+            continue
+        scope = scope_of(op.node)
+        key = ".".join(scope.split(".")[:depth]) if scope else "(top level)"
+        per_device = counts.setdefault(key, {})
+        per_device[str(op.device)] = per_device.get(str(op.device), 0) + 1
+    return counts
+
+
+def _scope_table(model: Any, depth: int) -> Any:
+    from rich.table import Table
+
+    counts = _scope_counts(model, depth)
+    devices = [str(d) for d in model.devices]
+    if list(counts) == ["(top level)"]:
+        return "no module scopes in this model (its exporter recorded none): ops by device above"
+    table = Table(title=f"ops per module scope (depth {depth}) and device")
+    table.add_column("scope")
+    for device in devices:
+        table.add_column(device, justify="right")
+    for scope, per_device in counts.items():
+        table.add_row(scope, *(str(per_device.get(d, "")) for d in devices))
+    return table
+
+
+def _parameter_table(model: Any, top: int) -> Any:
+    from rich.table import Table
+
+    from placement.passes.report import format_bytes
+
+    params = sorted(model.parameters.values(), key=lambda p: -p.nbytes)
+    if not params:
+        return "no parameters"
+    table = Table(title=f"where parameters live ({min(top, len(params))} largest of {len(params)})")
+    for column in ("parameter", "device", "shape", "dtype", "size"):
+        table.add_column(column, justify="right" if column == "size" else "left")
+    for p in params[:top]:
+        table.add_row(p.name, str(p.device), "x".join(map(str, p.shape)) or "scalar", p.dtype, format_bytes(p.nbytes))
+    return table
+
+
+def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
+    import placement as pl
+
+    target = _check_output(args.output, [".json"], "the plan file")
+    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
+    if any(op.is_copy for op in model.iter_ops()):
+        raise pl.PlanError(f"{args.model} already has copies (it is placed): plan the unplaced model")
+    plan = _auto_plan(model, args, console)
+    console.print(plan.table())
+    _write_text(target, plan.to_json())
+    console.print(f"saved {target}")
     return 0
 
 
 def _cmd_place(args: argparse.Namespace, console: Any) -> int:
+    target = _check_output(args.output, [".onnx"], "the placed model")
+    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
+    plan = _place(model, args, console, default_split=2)
+    if plan is not None:
+        console.print(plan.table())
+    with _step(console, f"saving {target}"):
+        model.save(target)
+    console.print(model.summary().to_table())
+    console.print(f"saved {target}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, console: Any) -> int:
+    import numpy as np
+
     import placement as pl
 
-    model, _, _ = load_model_spec(args.model, size=args.size)
-    if args.devices < 1:
-        raise pl.PlanError(f"--devices must be at least 1, got {args.devices}")
-    if args.auto:
-        plan = pl.auto_place(model, devices=args.devices, cost=args.cost)
-        console.print(plan.to_table() if hasattr(plan, "to_table") else plan)
+    target = _check_output(args.output, [".npz"], "the output file") if args.output else None
+    if args.repeat < 1:
+        raise pl.InputError(f"--repeat must be at least 1, got {args.repeat}")
+    options: dict[str, Any] = {"device_map": _parse_device_map(args.device_map)}
+    if args.threads is not None:
+        options["threads"] = args.threads
+    if args.chunks is not None:
+        if "chunks" not in inspect.signature(pl.Runner).parameters:
+            raise pl.PlanError("--chunks needs a Runner with pipelining (chunks=k); this version has none")
+        if args.chunks < 1:
+            raise pl.InputError(f"--chunks must be at least 1, got {args.chunks}")
+        options["chunks"] = args.chunks
+    model = pl.load(args.model)
+    inputs = _read_inputs(args.input, model.inputs)
+    with _step(console, "building ONNX Runtime sessions"):
+        runner = pl.Runner(model, **options)
+    with _step(console, "first run (warm-up)"):
+        outputs = runner.run(inputs)
+    times = _timed_runs(runner, inputs, args.repeat, console)
+    _print_stages(runner, console)
+    median = statistics.median(times)
+    batch = next((int(a.shape[0]) for a in inputs.values() if a.ndim > 0), 1)
+    console.print(
+        f"latency: median {median * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms over {len(times)} run(s); "
+        f"throughput {batch / median:.1f} samples/s (batch {batch})"
+    )
+    if target is not None:
+        buffer = _npz_bytes(dict(zip(runner.output_names, outputs)))
+        _write_bytes(target, buffer)
+        console.print(f"saved {len(outputs)} output(s) to {target}: {', '.join(runner.output_names)}")
     else:
-        acts = pl.get_activation_blobs(model)
-        n = args.devices
-        for k in range(n - 1, 0, -1):  # shift the k-th fraction onward to device k
-            start = len(acts) * k // n
-            pl.shift_activation_devices(model, acts[start:], {model.device_of(acts[start]): k})
-    pl.inject_cross_device_copies(model)
-    pl.verify(model)
-    model.save(args.output)
-    console.print(model.summary().to_table())
-    console.print(f"saved {args.output}")
+        for name, array in zip(runner.output_names, outputs):
+            console.print(f"{name}: {array.dtype}{list(array.shape)} mean {float(np.mean(array)):.6g}")
+    return 0
+
+
+def _timed_runs(runner: Any, inputs: dict[str, Any], repeat: int, console: Any) -> list[float]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    times: list[float] = []
+    with Progress(
+        TextColumn("timed runs"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as progress:
+        task = progress.add_task("runs", total=repeat)
+        for _ in range(repeat):
+            start = time.perf_counter()
+            runner.run(inputs)
+            times.append(time.perf_counter() - start)
+            progress.advance(task)
+    return times
+
+
+def _print_stages(runner: Any, console: Any) -> None:
+    from rich.table import Table
+
+    device_map = runner.device_map
+    table = Table(title="where each stage ran")
+    for column in ("stage", "logical device", "ran on", "ops", "inputs", "outputs"):
+        table.add_column(column, justify="right" if column in ("stage", "ops") else "left")
+    for stage in runner.stages:
+        physical = device_map.get(stage.device)
+        where = str(physical) + (" (emulated)" if physical is not None and physical.emulated else "")
+        table.add_row(
+            str(stage.index),
+            str(stage.device),
+            where,
+            str(len(stage.ops)),
+            _clip(", ".join(stage.inputs)),
+            _clip(", ".join(stage.outputs)),
+        )
+    console.print(table)
+
+
+def _clip(text: str, limit: int = 48) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _parse_device_map(text: str) -> Any:
+    """``auto`` | ``cpu`` | ``cuda:0`` | ``0=cuda:0,1=cpu`` -> what ``pl.Runner`` accepts."""
+    import placement as pl
+
+    if "=" not in text:
+        return text
+    mapping: dict[str, str] = {}
+    for item in text.split(","):
+        logical, sep, physical = item.partition("=")
+        if not sep or not logical.strip() or not physical.strip():
+            raise pl.DeviceError(f"bad --device-map item {item!r}: use LOGICAL=PHYSICAL, e.g. 0=cuda:0,1=cpu")
+        mapping[logical.strip()] = physical.strip()
+    return mapping
+
+
+def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str, Any]:
+    """``["x=x.npy"]`` -> ``{"x": array}``; a single input may be given as ``x.npy``."""
+    import numpy as np
+
+    import placement as pl
+
+    if not specs:
+        raise pl.InputError(f"give the model's inputs with --input NAME=FILE.npy (it reads {', '.join(names)})")
+    arrays: dict[str, Any] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            if len(names) != 1:
+                raise pl.InputError(f"--input {spec!r}: name the input (NAME=FILE.npy); inputs are {names}")
+            name, path = names[0], spec
+        if name not in names:
+            raise pl.InputError(f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})")
+        try:
+            arrays[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise pl.InputError(f"cannot read input {name!r} from {path!r}: {err}") from err
+        if not isinstance(arrays[name], np.ndarray):
+            raise pl.InputError(f"input file {path!r} holds several arrays; give one .npy per input")
+    return arrays
+
+
+def _npz_bytes(arrays: dict[str, Any]) -> bytes:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _write_text(target: Path, text: str) -> None:
+    _write_bytes(target, text.encode("utf-8"))
+
+
+def _write_bytes(target: Path, data: bytes) -> None:
+    """Write atomically: a failure never leaves a half-written file or clobbers an old one."""
+    from placement.errors import ModelSaveError
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as err:
+        raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
+
+
+def _collapse_option(text: str) -> bool | str:
+    return {"auto": "auto", "yes": True, "no": False}[text]
+
+
+def _cmd_draw(args: argparse.Namespace, console: Any) -> int:
+    import placement as pl
+    from placement.report.draw import FORMATS
+
+    target = _check_output(args.output, list(FORMATS), "the picture")
+    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
+    if args.devices is not None or args.auto or args.max_memory or args.plan:
+        _place(model, args, console, default_split=None)
+    with _step(console, f"drawing {len(model.ops)} ops with Graphviz"):
+        drawing = pl.draw(model, target, collapse=_collapse_option(args.collapse), max_nodes=args.max_nodes)
+    per_device = ", ".join(f"{d}: {n} ops" for d, n in drawing.ops_per_device.items())
+    kind = "collapsed to " if drawing.collapsed else ""
+    console.print(f"{per_device}; {kind}{drawing.boxes} boxes, {drawing.copy_edges} copy edges")
+    if drawing.note:
+        console.print(f"[yellow]note:[/yellow] {drawing.note}", highlight=False)
+    console.print(f"saved {drawing.path}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, console: Any) -> int:
+    import placement as pl
+
+    target = _check_output(args.output, [".html", ".htm"], "the report")
+    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
+    plan = None
+    wants_plan = args.devices is not None or args.max_memory or args.auto or args.plan
+    if wants_plan or not _is_placed(model):
+        if any(op.is_copy for op in model.iter_ops()):
+            raise pl.PlanError(f"{args.model} is already placed: report it as it is (leave out --devices)")
+        if args.plan:
+            plan = pl.Plan.load(args.plan)
+            plan.apply(model)
+        else:
+            plan = _auto_plan(model, args, console)
+        pl.inject_cross_device_copies(model)
+    with _step(console, "writing the report (charts, graph picture)"):
+        report = pl.write_report(model, target, plan=plan)
+    if plan is not None:
+        console.print(plan.table())
+    if report.drawing.note:
+        console.print(f"[yellow]note:[/yellow] {report.drawing.note}", highlight=False)
+    console.print(f"saved {target}")
     return 0
 
 
@@ -111,55 +514,184 @@ def _cmd_demo(args: argparse.Namespace, console: Any) -> int:
     return 0 if result.ok else 1
 
 
+# --- the parser ---------------------------------------------------------------------
+
+_SIZE_HELP = "size of a built-in model: tiny (tests) or bench (benchmarks); default tiny"
+_MODEL_HELP = "an .onnx file or a built-in model name (see 'placement models')"
+
+
+def _add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | None) -> None:
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=devices_default,
+        help="number of logical GPUs" + (f" (default {devices_default})" if devices_default else ""),
+    )
+    p.add_argument(
+        "--max-memory",
+        metavar="DEV=SIZE,...",
+        help="memory budget per device for the planner, e.g. 0=2GiB,1=6GiB (implies --auto)",
+    )
+    p.add_argument(
+        "--cost",
+        default="size",
+        choices=["time", "size", "flops"],
+        help="planner cost: measured time, parameter+output bytes, or FLOPs (default size)",
+    )
+    p.add_argument(
+        "--objective",
+        default="throughput",
+        choices=["throughput", "latency"],
+        help="planner objective (default throughput: smallest bottleneck)",
+    )
+
+
+def _add_place_options(p: argparse.ArgumentParser) -> None:
+    _add_planner_options(p, devices_default=None)
+    p.add_argument("--auto", action="store_true", help="place with the automatic planner (pl.auto_place)")
+    p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by 'placement plan'")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``placement`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="placement",
         description="Split neural networks across devices at the operator-graph level.",
         epilog="Run 'placement COMMAND --help' for the options of each command.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     p = sub.add_parser(
         "models",
         help="list the built-in models",
-        description="List the built-in models (usable as MODEL in 'inspect' and 'place', and in 'demo').",
+        description="List the built-in models (usable as MODEL in every command, and in 'demo').",
         epilog="Example: placement models",
     )
     p.set_defaults(func=_cmd_models)
 
-    size_help = "size of a built-in model: tiny (tests) or bench (benchmarks); default tiny"
     p = sub.add_parser(
         "inspect",
-        help="per-device table of a model",
-        description="Print a per-device table (ops, parameter bytes, activations, copies) of MODEL.",
+        help="per-device table, module scopes and parameters of a model",
+        description=(
+            "Print a per-device table (ops, parameter bytes, activations, copies) of MODEL, its ops per "
+            "module scope and device (scopes recorded by the exporter, or read from '/a/b/Op' op names "
+            "of other exporters), and where its largest parameters live."
+        ),
         epilog="Example: placement inspect gpt   |   placement inspect placed.onnx --json",
     )
-    p.add_argument("model", metavar="MODEL", help="an .onnx file or a built-in model name (see 'models')")
-    p.add_argument("--size", default="tiny", help=size_help)
-    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
+    p.add_argument("--depth", type=int, default=2, help="module scope depth of the scope table (default 2)")
+    p.add_argument("--top", type=int, default=10, help="largest parameters listed (default 10)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "plan",
+        help="plan a placement and save it as JSON (the model is not written)",
+        description=(
+            "Run the automatic planner on MODEL for N devices and/or memory budgets, print the plan "
+            "(per-device cost, memory, bytes copied, bottleneck against the lower bound) and save it. "
+            "Apply it later with 'placement place MODEL --plan PLAN.json'."
+        ),
+        epilog="Example: placement plan gpt --devices 2 -o plan.json",
+    )
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("-o", "--output", required=True, help="path of the plan .json file to write")
+    _add_planner_options(p, devices_default=None)
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
         "place",
         help="place a model on N devices and save it as ONNX",
         description=(
-            "Place MODEL on N logical GPUs and save the placed ONNX (with explicit copies). By default "
-            "the activations are split into N equal consecutive runs (Caffe2-style shifts); --auto uses "
-            "the automatic planner."
+            "Place MODEL and save the placed ONNX (with explicit copies). By default the activations "
+            "are split into N equal consecutive runs (Caffe2-style shifts); --auto (or --max-memory) "
+            "uses the automatic planner and prints its plan; --plan applies a saved plan."
         ),
-        epilog="Example: placement place resnet --devices 2 -o resnet_2gpu.onnx",
+        epilog=(
+            "Examples: placement place resnet --devices 2 -o r.onnx   |   "
+            "placement place gpt --auto --max-memory 0=2GiB,1=6GiB -o g.onnx   |   "
+            "placement place gpt --plan plan.json -o g.onnx"
+        ),
     )
-    p.add_argument("model", metavar="MODEL", help="an .onnx file or a built-in model name")
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     p.add_argument("-o", "--output", required=True, help="path of the placed .onnx file to write")
-    p.add_argument("--devices", type=int, default=2, help="number of logical GPUs (default 2)")
-    p.add_argument("--auto", action="store_true", help="use the automatic planner (pl.auto_place)")
-    p.add_argument(
-        "--cost", default="size", choices=["time", "size", "flops"], help="planner cost (with --auto)"
-    )
-    p.add_argument("--size", default="tiny", help=size_help)
+    _add_place_options(p)
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.set_defaults(func=_cmd_place)
+
+    p = sub.add_parser(
+        "run",
+        help="run a placed .onnx file, print latency and where each stage ran",
+        description=(
+            "Run PLACED.onnx through one ONNX Runtime session per stage on inputs read from .npy files; "
+            "print the latency (median and min over --repeat timed runs after one warm-up), the "
+            "throughput, and the physical device of every stage; save the outputs as .npz."
+        ),
+        epilog="Example: placement run placed.onnx --input x=x.npy --output out.npz --repeat 20",
+    )
+    p.add_argument("model", metavar="PLACED.onnx", help="a placed model saved by 'placement place'")
+    p.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=FILE.npy",
+        help="an input array (repeat for each input; FILE.npy alone for a one-input model)",
+    )
+    p.add_argument("--output", metavar="OUT.npz", help="write the outputs (by output name) to this .npz")
+    p.add_argument(
+        "--device-map",
+        default="auto",
+        help="logical -> physical devices: auto (GPUs if present, else emulated), cpu, cuda:0, "
+        "or 0=cuda:0,1=cpu (default auto)",
+    )
+    p.add_argument("--chunks", type=int, help="split the batch into K micro-batches (pipelined Runner)")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs after the warm-up (default 10)")
+    p.add_argument("--threads", type=int, help="intra-op threads per session (default: ORT's choice)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "draw",
+        help="draw the operator graph coloured by device (svg, png, pdf or dot)",
+        description=(
+            "Draw MODEL's operator graph with Graphviz: ops coloured by device, copies as red dashed "
+            "edges labelled with their bytes, module scopes as clusters; big graphs collapse to one box "
+            "per module and device. Place it first with --devices/--auto/--max-memory/--plan (as in "
+            "'place'), or draw a placed .onnx as it is. Without Graphviz's dot, a .dot file is written."
+        ),
+        epilog="Example: placement draw gpt --devices 2 -o placed.svg   |   placement draw placed.onnx -o p.png",
+    )
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")
+    _add_place_options(p)
+    p.add_argument(
+        "--collapse",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="one box per module scope and device (auto: when the graph has more than --max-nodes ops)",
+    )
+    p.add_argument("--max-nodes", type=int, default=120, help="most boxes when collapsed (default 120)")
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
+    p.set_defaults(func=_cmd_draw)
+
+    p = sub.add_parser(
+        "report",
+        help="write one self-contained HTML report (tables, charts, graph picture)",
+        description=(
+            "Plan MODEL for --devices N (and --max-memory budgets) with the automatic planner, or take "
+            "a placed .onnx as it is, and write one HTML page without external resources: the "
+            "per-device table, time and memory per device against the budgets, bytes copied per cut, "
+            "the planner's bottleneck against its lower bound, and the graph picture."
+        ),
+        epilog="Example: placement report gpt --devices 2 --max-memory 0=1MiB,1=1MiB -o report.html",
+    )
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("-o", "--output", required=True, help="the .html file to write")
+    _add_place_options(p)
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser(
         "demo",
@@ -171,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--model", default=None, help="built-in model name (default: the zoo's default)")
-    p.add_argument("--size", default="tiny", help=size_help)
+    p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.add_argument("--devices", type=int, default=2, help="number of logical GPUs (default 2)")
     p.set_defaults(func=_cmd_demo)
     return parser
@@ -196,7 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args, console))
     except PlacementError as err:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {err}", highlight=False)
+        message = " ".join(str(err).split())  # one line, whatever the message holds
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
         return 2
 
 

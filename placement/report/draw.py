@@ -56,7 +56,7 @@ from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_scope, value_nbytes
 from placement.passes.report import format_bytes
 
-__all__ = ["draw", "Drawing", "device_colour", "DEVICE_PALETTE", "CPU_COLOUR", "FORMATS"]
+__all__ = ["draw", "Drawing", "device_colour", "scope_of", "DEVICE_PALETTE", "CPU_COLOUR", "FORMATS"]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,38 @@ def draw(
     return drawing
 
 
+def scope_of(node: ir.Node) -> str | None:
+    """The module path of an op: its recorded scope, else one read from a path-like op name.
+
+    ``placement`` and the dynamo exporter record scopes in metadata
+    (:func:`placement.graph.model.node_scope`); the TorchScript exporter
+    (``dynamo=False``) and tools following it name ops ``/layer1/layer1.0/conv1/Conv``,
+    which reads as ``layer1.0.conv1``.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> scope_of(ir.Node("", "Conv", [], name="/layer2/layer2.0/downsample/downsample.0/Conv"))
+        'layer2.0.downsample.0'
+        >>> scope_of(ir.Node("", "Relu", [], name="relu_3")) is None
+        True
+    """
+    recorded = node_scope(node)
+    if recorded is not None:
+        return recorded
+    name = node.name or ""
+    if not name.startswith("/") or name.count("/") < 2:
+        return None
+    parts: list[str] = []
+    for component in name.strip("/").split("/")[:-1]:
+        if not component:
+            continue
+        if parts and component.startswith(parts[-1] + "."):  # "layer1" then "layer1.0"
+            parts.append(component[len(parts[-1]) + 1 :])
+        else:
+            parts.append(component)
+    return ".".join(parts) or None
+
+
 def dot_available() -> bool:
     """True if Graphviz's ``dot`` program is on ``PATH``."""
     return shutil.which("dot") is not None
@@ -258,6 +290,9 @@ def _write_atomic(target: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -342,12 +377,12 @@ class _Builder:
                 if src is None:
                     continue
                 cut = crossed or (src_device is not None and src_device != my_device and src.startswith("op"))
-                self._add(src, me, "copy" if cut else "data", root.name or "?", value_nbytes(root) or 0)
+                self._add(src, me, "copy" if cut else "data", root.name or "?", int(value_nbytes(root) or 0))
         for i, value in enumerate(self.model.graph.outputs):
             src, _, crossed, _ = self._source(value)
             if src is not None:
                 root, _ = self._root(value)
-                self._add(src, f"out{i}", "copy" if crossed else "io", root.name or "?", value_nbytes(root) or 0)
+                self._add(src, f"out{i}", "copy" if crossed else "io", root.name or "?", int(value_nbytes(root) or 0))
 
     # -- DOT ------------------------------------------------------------------------
 
@@ -490,7 +525,7 @@ class _Builder:
 
     def _groups(self, collapsed: bool, max_nodes: int) -> dict[int, tuple[str, Device, str, str]]:
         """Op -> (scope of its cluster, device, box key, box title)."""
-        scopes = {id(n): node_scope(n) or "" for n in self.ops}
+        scopes = {id(n): scope_of(n) or "" for n in self.ops}
         if not collapsed:
             return {
                 id(n): (scopes[id(n)], self.device[id(n)], f"op{self.index[id(n)]}", "") for n in self.ops
