@@ -48,15 +48,15 @@ from placement.passes.stage_assignment import (
     summary,
 )
 
+# pictures and the HTML report
+from placement.report.draw import draw  # noqa: E402
+from placement.report.html import write_report  # noqa: E402
+
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run
 
 # torch lowering (issue 4)
 from placement.runtime.torch_lower import to_torch
-
-# pictures and the HTML report
-from placement.report.draw import draw  # noqa: E402
-from placement.report.html import write_report  # noqa: E402
 
 __version__ = "0.1.0"
 

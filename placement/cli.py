@@ -264,7 +264,9 @@ def _parameter_table(model: Any, top: int) -> Any:
     for column in ("parameter", "device", "shape", "dtype", "size"):
         table.add_column(column, justify="right" if column == "size" else "left")
     for p in params[:top]:
-        table.add_row(p.name, str(p.device), "x".join(map(str, p.shape)) or "scalar", p.dtype, format_bytes(p.nbytes))
+        table.add_row(
+            p.name, str(p.device), "x".join(map(str, p.shape)) or "scalar", p.dtype, format_bytes(p.nbytes)
+        )
     return table
 
 
@@ -405,7 +407,9 @@ def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str,
     import placement as pl
 
     if not specs:
-        raise pl.InputError(f"give the model's inputs with --input NAME=FILE.npy (it reads {', '.join(names)})")
+        raise pl.InputError(
+            f"give the model's inputs with --input NAME=FILE.npy (it reads {', '.join(names)})"
+        )
     arrays: dict[str, Any] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -414,7 +418,9 @@ def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str,
                 raise pl.InputError(f"--input {spec!r}: name the input (NAME=FILE.npy); inputs are {names}")
             name, path = names[0], spec
         if name not in names:
-            raise pl.InputError(f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})")
+            raise pl.InputError(
+                f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})"
+            )
         try:
             arrays[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
@@ -661,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
             "per module and device. Place it first with --devices/--auto/--max-memory/--plan (as in "
             "'place'), or draw a placed .onnx as it is. Without Graphviz's dot, a .dot file is written."
         ),
-        epilog="Example: placement draw gpt --devices 2 -o placed.svg   |   placement draw placed.onnx -o p.png",
+        epilog="Example: placement draw gpt --devices 2 -o placed.svg | placement draw placed.onnx -o p.png",
     )
     p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     p.add_argument("-o", "--output", required=True, help="picture to write: .svg, .png, .pdf or .dot")

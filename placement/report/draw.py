@@ -382,7 +382,13 @@ class _Builder:
             src, _, crossed, _ = self._source(value)
             if src is not None:
                 root, _ = self._root(value)
-                self._add(src, f"out{i}", "copy" if crossed else "io", root.name or "?", int(value_nbytes(root) or 0))
+                self._add(
+                    src,
+                    f"out{i}",
+                    "copy" if crossed else "io",
+                    root.name or "?",
+                    int(value_nbytes(root) or 0),
+                )
 
     # -- DOT ------------------------------------------------------------------------
 
@@ -412,7 +418,7 @@ class _Builder:
             tree.setdefault(info["scope"], []).append(box)
         self._emit_tree(g, tree, boxes, collapsed, stages)
 
-        for i, value in enumerate(self.inputs):
+        for value in self.inputs:
             key = self.input_ids[value.name or ""]
             g.node(key, label=_label(value.name or "", _shape_text(value)), shape="ellipse", style="", id=key)
             box_of[key] = key
@@ -552,7 +558,9 @@ class _Builder:
         head = title or f"{len(self.ops)} ops on {len(self.per_device)} device(s), {n_copies} copies"
         rows = [f'<TR><TD COLSPAN="3" ALIGN="LEFT"><B>{html.escape(head)}</B></TD></TR>']
         for device in sorted(self.per_device):
-            ids = sorted({stages[n.name] for n in self.ops if self.device[id(n)] == device and n.name in stages})
+            ids = sorted(
+                {stages[n.name] for n in self.ops if self.device[id(n)] == device and n.name in stages}
+            )
             where = f"stage {', '.join(map(str, ids))}" if ids else ""
             rows.append(
                 f'<TR><TD BGCOLOR="{device_colour(device)}" WIDTH="24"> </TD>'

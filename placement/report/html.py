@@ -224,7 +224,8 @@ def _plan_section(plan: Any) -> str:
     if not plan.fits:
         lines.append('<p class="bad">Some device exceeds its memory budget.</p>')
     head = "".join(
-        f"<th>{h}</th>" for h in ("device", "ops", "first op", "last op", "cost", "memory", "budget", "in", "out")
+        f"<th>{h}</th>"
+        for h in ("device", "ops", "first op", "last op", "cost", "memory", "budget", "in", "out")
     )
     rows = []
     for d in plan.devices:
