@@ -49,8 +49,8 @@ from placement.passes.stage_assignment import (
 )
 
 # pictures and the HTML report
-from placement.report.draw import draw  # noqa: E402
-from placement.report.html import write_report  # noqa: E402
+from placement.report.draw import draw
+from placement.report.html import write_report
 
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run

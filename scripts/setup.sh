@@ -12,3 +12,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
     .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
     touch "$stamp"
 fi
+
+# System programs for pictures and their browser test: Graphviz's `dot` (pl.draw, `placement draw`,
+# `placement report`) and Chromium (headless, tests/report/test_browser.py). Debian packages, installed
+# when missing and apt-get can run (root, as in CI); set PLACEMENT_NO_APT=1 to skip. Without them,
+# pictures fall back to .dot files and the browser test is skipped with its reason.
+need=()
+command -v dot >/dev/null 2>&1 || need+=(graphviz)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+if [ ${#need[@]} -gt 0 ] && [ -z "${PLACEMENT_NO_APT:-}" ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null 2>&1; then
+        apt-get update -qq >/dev/null 2>&1 || true
+        apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null 2>&1 \
+            || echo "setup: could not install ${need[*]} (pictures fall back to .dot files)" >&2
+    fi
+fi
