@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import placement as pl
 from placement.errors import PlacementError
 
 __all__ = ["main", "build_parser", "load_model_spec"]
@@ -80,14 +81,12 @@ def load_model_spec(
     Raises:
         PlacementError: neither a readable file nor a known model name.
     """
-    import placement as pl
-
     step = (lambda text: _step(console, text)) if console is not None else (lambda text: _nothing())
     path = Path(spec)
     if path.suffix == ".onnx" or path.exists():
         with step(f"loading {spec}"):
             return pl.load(path), None, ()
-    import models
+    from placement import models
 
     if spec not in models.MODELS:
         known = ", ".join(sorted(models.MODELS))
@@ -106,8 +105,6 @@ def _nothing() -> Iterator[None]:
 
 def _parse_max_memory(text: str | None) -> dict[str, str] | None:
     """``"0=2GiB,1=6GiB"`` -> ``{"0": "2GiB", "1": "6GiB"}`` (sizes checked by the planner)."""
-    import placement as pl
-
     if text is None:
         return None
     budgets: dict[str, str] = {}
@@ -133,8 +130,6 @@ def _check_output(path: str, suffixes: Sequence[str], what: str) -> Path:
 
 def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
     """Run the planner on ``model`` (in place) from --devices / --max-memory / --cost / --objective."""
-    import placement as pl
-
     budgets = _parse_max_memory(getattr(args, "max_memory", None))
     devices = args.devices if args.devices is not None or budgets is None else None
     if devices is None and budgets is None:
@@ -148,8 +143,6 @@ def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
 
 def _split_equally(model: Any, n: int) -> None:
     """Caffe2-style: shift the k-th of n equal runs of activations to device k."""
-    import placement as pl
-
     if n < 1:
         raise pl.PlanError(f"--devices must be at least 1, got {n}")
     acts = pl.get_activation_blobs(model)
@@ -165,8 +158,6 @@ def _is_placed(model: Any) -> bool:
 
 def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split: int | None) -> Any:
     """Place ``model`` as the options say; returns the plan (or None). Copies are injected."""
-    import placement as pl
-
     plan = None
     if getattr(args, "plan", None):
         if args.auto or args.max_memory:
@@ -189,7 +180,7 @@ def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split:
 def _cmd_models(args: argparse.Namespace, console: Any) -> int:
     from rich.table import Table
 
-    import models
+    from placement import models
 
     table = Table(title="built-in models")
     table.add_column("name")
@@ -203,7 +194,7 @@ def _cmd_models(args: argparse.Namespace, console: Any) -> int:
 
 def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
-    summary = model.summary()
+    summary = pl.summary(model)
     if args.json:
         data = summary.to_dict()
         data["scopes"] = [
@@ -255,7 +246,7 @@ def _scope_table(model: Any, depth: int) -> Any:
 def _parameter_table(model: Any, top: int) -> Any:
     from rich.table import Table
 
-    from placement.passes.report import format_bytes
+    from placement.report.summary import format_bytes
 
     params = sorted(model.parameters.values(), key=lambda p: -p.nbytes)
     if not params:
@@ -271,8 +262,6 @@ def _parameter_table(model: Any, top: int) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
-    import placement as pl
-
     target = _check_output(args.output, [".json"], "the plan file")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     if any(op.is_copy for op in model.iter_ops()):
@@ -292,15 +281,13 @@ def _cmd_place(args: argparse.Namespace, console: Any) -> int:
         console.print(plan.table())
     with _step(console, f"saving {target}"):
         model.save(target)
-    console.print(model.summary().to_table())
+    console.print(pl.summary(model).to_table())
     console.print(f"saved {target}")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace, console: Any) -> int:
     import numpy as np
-
-    import placement as pl
 
     target = _check_output(args.output, [".npz"], "the output file") if args.output else None
     if args.repeat < 1:
@@ -387,8 +374,6 @@ def _clip(text: str, limit: int = 48) -> str:
 
 def _parse_device_map(text: str) -> Any:
     """``auto`` | ``cpu`` | ``cuda:0`` | ``0=cuda:0,1=cpu`` -> what ``pl.Runner`` accepts."""
-    import placement as pl
-
     if "=" not in text:
         return text
     mapping: dict[str, str] = {}
@@ -403,8 +388,6 @@ def _parse_device_map(text: str) -> Any:
 def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str, Any]:
     """``["x=x.npy"]`` -> ``{"x": array}``; a single input may be given as ``x.npy``."""
     import numpy as np
-
-    import placement as pl
 
     if not specs:
         raise pl.InputError(
@@ -469,7 +452,6 @@ def _collapse_option(text: str) -> bool | str:
 
 
 def _cmd_draw(args: argparse.Namespace, console: Any) -> int:
-    import placement as pl
     from placement.report.draw import FORMATS
 
     target = _check_output(args.output, list(FORMATS), "the picture")
@@ -488,8 +470,6 @@ def _cmd_draw(args: argparse.Namespace, console: Any) -> int:
 
 
 def _cmd_report(args: argparse.Namespace, console: Any) -> int:
-    import placement as pl
-
     target = _check_output(args.output, [".html", ".htm"], "the report")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     plan = None
@@ -728,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # pipes and CI logs: do not squeeze tables into 80 columns
         console = Console(width=max(console.width, 140))
     if getattr(args, "model", "") is None:
-        import models
+        from placement import models
 
         args.model = models.DEFAULT_MODEL
     try:

@@ -25,7 +25,7 @@ requested file (``placed.dot``) and :attr:`Drawing.note` says how to render it.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
     >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
@@ -54,7 +54,7 @@ import onnx_ir as ir
 from placement.errors import ModelSaveError, PlacementError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_scope, value_nbytes
-from placement.passes.report import format_bytes
+from placement.report.summary import format_bytes
 
 __all__ = ["draw", "Drawing", "device_colour", "scope_of", "DEVICE_PALETTE", "CPU_COLOUR", "FORMATS"]
 
@@ -164,7 +164,7 @@ def draw(
 
     Example:
         >>> import placement as pl
-        >>> from models import gpt
+        >>> from placement.models import gpt
         >>> model = pl.from_torch(*gpt.build("tiny"))
         >>> d = pl.draw(model, None, collapse=True, max_nodes=10)
         >>> d.collapsed, d.boxes <= 10, d.ops == len(model.ops)

@@ -2,7 +2,7 @@
 
 :func:`write_report` writes:
 
-* the per-device table of :func:`placement.passes.report.summary` (ops, parameters,
+* the per-device table of :func:`placement.report.summary.summary` (ops, parameters,
   activations, copies, bytes sent and received, peak activations, estimated time);
 * bar charts (matplotlib, embedded as PNG ``data:`` images) of time and memory per
   device, memory against each device's budget when a plan has budgets;
@@ -15,7 +15,7 @@
 Example:
     >>> import tempfile, pathlib
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> plan = pl.auto_place(model, devices=2, cost="size")
     >>> _ = pl.inject_cross_device_copies(model)
@@ -42,7 +42,7 @@ from typing import Any
 from placement.errors import ModelSaveError
 from placement.graph.device import Device
 from placement.graph.model import COPY_KEY, Model, node_device, value_nbytes
-from placement.passes.report import Summary, format_bytes
+from placement.report.summary import Summary, format_bytes, summary
 from placement.report.draw import Drawing, _write_atomic, device_colour, draw
 
 __all__ = ["write_report", "Report", "copy_traffic"]
@@ -83,7 +83,7 @@ def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> acts = pl.get_activation_blobs(model)
         >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
@@ -130,7 +130,7 @@ def write_report(
     target = Path(path)
     if not target.parent.is_dir():
         raise ModelSaveError(f"cannot write {str(target)!r}: no directory {str(target.parent)!r}")
-    report = model.summary()
+    report = summary(model)
     drawing = draw(model, None, collapse=collapse, max_nodes=max_nodes)
     traffic = copy_traffic(model)
     from placement.report.draw import render_svg
@@ -210,7 +210,7 @@ def _traffic_section(traffic: dict[tuple[str, str], int]) -> str:
 
 
 def _plan_section(plan: Any) -> str:
-    from placement.passes.planner import _format_cost
+    from placement.planning.planner import _format_cost
 
     kind = plan.cost_kind
     verdict = "optimal (equals the bound)" if plan.bottleneck <= plan.lower_bound else f"{plan.ratio:.3f} x"

@@ -22,7 +22,7 @@ def test_svg_has_one_box_per_op_in_its_device_colour(tmp_path, name, exported):
     assert drawing.rendered and drawing.path == tmp_path / "placed.svg" and not drawing.collapsed
     svg = drawing.path.read_text()
     boxes = svg_boxes(svg)
-    expected = {f"dev_cuda_{r.device.index}": r.ops for r in model.summary().rows}
+    expected = {f"dev_cuda_{r.device.index}": r.ops for r in pl.summary(model).rows}
     assert Counter(cls for cls, _ in boxes) == expected
     for cls, fill in boxes:
         assert fill == device_colour(int(cls.rsplit("_", 1)[1]))

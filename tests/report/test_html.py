@@ -55,7 +55,7 @@ def test_report_without_a_plan_has_no_planner_section(tmp_path, exported):
 def test_copy_traffic_agrees_with_the_summary(name, exported):
     model = placed(exported(name)[0], 3)
     traffic = copy_traffic(model)
-    summary = model.summary()
+    summary = pl.summary(model)
     for row in summary.rows:
         device = str(row.device)
         assert sum(n for (s, _), n in traffic.items() if s == device) == row.sent_bytes
