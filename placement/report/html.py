@@ -42,8 +42,8 @@ from typing import Any
 from placement.errors import ModelSaveError
 from placement.graph.device import Device
 from placement.graph.model import COPY_KEY, Model, node_device, value_nbytes
-from placement.report.summary import Summary, format_bytes, summary
 from placement.report.draw import Drawing, _write_atomic, device_colour, draw
+from placement.report.summary import Summary, format_bytes, summary
 
 __all__ = ["write_report", "Report", "copy_traffic"]
 
