@@ -626,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE.npy",
         help="an input array (repeat for each input; FILE.npy alone for a one-input model)",
     )
-    p.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs (by output name) to this .npz")
+    p.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs (by name) to this .npz")
     p.add_argument(
         "--device-map",
         default="auto",

@@ -158,7 +158,7 @@ def test_another_exporters_file_places_runs_and_draws(work, files):
 def test_draw_and_report_a_zoo_model(work):
     out = _ok(
         cli(
-            "draw", "gpt", "--devices", "3", "--collapse", "yes", "--max-nodes", "20", "-o", "g.png", cwd=work
+            "draw", "mlp", "--devices", "3", "--collapse", "yes", "--max-nodes", "20", "-o", "g.png", cwd=work
         )
     )
     assert "cuda:2" in out and "collapsed to" in out
