@@ -569,7 +569,7 @@ class _Builder:
             )
         rows.append(
             f'<TR><TD COLSPAN="3" ALIGN="LEFT"><FONT COLOR="{COPY_EDGE_COLOUR}">- - -&gt;</FONT> '
-            f"copy between devices (blob, bytes per step); {static} parameter copies at load time</TD></TR>"
+            f"copy between devices (blob, bytes per step); parameter copies at load time: {static}</TD></TR>"
         )
         return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>>"
 

@@ -118,3 +118,12 @@ def test_device_colours_are_stable_and_distinct():
     assert len(set(colours)) == len(colours)
     assert device_colour("cuda:3") == device_colour(3) == DEVICE_PALETTE[3]
     assert np.all([c.startswith("#") and len(c) == 7 for c in colours])
+
+
+def test_the_readme_shows_a_picture_drawn_by_the_project():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert "](docs/placed_gpt.svg)" in (root / "README.md").read_text()
+    boxes = svg_boxes((root / "docs" / "placed_gpt.svg").read_text())
+    assert {fill for _, fill in boxes} == {device_colour(0), device_colour(1)}
