@@ -1,4 +1,4 @@
-"""Netron shows an ONNX node's ``metadata_props`` in its sidebar: each saved op must carry its device there."""
+"""Netron shows an ONNX node's ``metadata_props`` in its sidebar: each saved op carries its device there."""
 
 from __future__ import annotations
 
