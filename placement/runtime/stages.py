@@ -73,7 +73,7 @@ from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
 
-__all__ = ["Stage", "Transfer", "Partition", "partition", "plan", "stage_graph"]
+__all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def partition(model: Model) -> list[Stage]:
     """Cut ``model`` into stages: maximal same-device segments with an acyclic stage graph.
 
     See the module docstring for the algorithm. Copy ops become transfers
-    between stages (see :func:`plan` for those); every other op is in exactly
+    between stages (see :func:`split_stages` for those); every other op is in exactly
     one stage. The model is not modified.
 
     Args:
@@ -192,16 +192,16 @@ def partition(model: Model) -> list[Stage]:
         >>> [str(s.device) for s in partition(model)]
         ['cuda:0']
     """
-    return plan(model).stages
+    return split_stages(model).stages
 
 
-def plan(model: Model) -> Partition:
+def split_stages(model: Model) -> Partition:
     """Like :func:`partition`, also returning transfers and graph input/output devices.
 
     Example:
         >>> import placement as pl
         >>> from placement.models import mlp
-        >>> p = plan(pl.from_torch(*mlp.build("tiny")))
+        >>> p = split_stages(pl.from_torch(*mlp.build("tiny")))
         >>> len(p.stages), p.transfers, p.inputs
         (1, [], ['input'])
     """

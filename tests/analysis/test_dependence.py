@@ -14,7 +14,7 @@ import placement as pl
 from placement.analysis import activation_values, copy_origin, independent_values, load_time_values
 from placement.graph.model import value_nbytes
 from placement.planning.profile import GraphInfo
-from placement.runtime.stages import plan as stage_plan
+from placement.runtime.stages import split_stages
 from tests.conftest import MODEL_NAMES
 
 
@@ -31,7 +31,7 @@ def _planner_bytes(model: pl.Model, cut: int) -> int:
 
 
 def _runtime_bytes(model: pl.Model) -> int:
-    transfers = stage_plan(model).transfers
+    transfers = split_stages(model).transfers
     return sum(int(value_nbytes(model.value(t.source)) or 0) for t in transfers)
 
 
