@@ -295,6 +295,10 @@ class Pipeline(PlacementPass):
     pass, which declares nothing) by the structural checks.
     Errors from a pass propagate unchanged (a ``PlacementError`` stays one).
 
+    Why not ``onnx_ir.passes.Sequential``: it wraps every error from a pass in a generic
+    ``PassError``, so a user's ``UnknownBlobError`` would no longer be caught as one, and it
+    keeps no per-step results; this class is the thin loop that keeps both.
+
     Args:
         *passes: ``onnx_ir`` in-place passes, usually :class:`PlacementPass` objects.
         debug: verify after every pass (default: ``PLACEMENT_DEBUG``).
