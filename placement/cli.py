@@ -141,17 +141,6 @@ def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
         return pl.auto_place(model, devices, budgets, cost=args.cost, objective=args.objective)
 
 
-def _split_equally(model: Any, n: int) -> None:
-    """Caffe2-style: shift the k-th of n equal runs of activations to device k."""
-    if n < 1:
-        raise pl.PlanError(f"--devices must be at least 1, got {n}")
-    acts = pl.get_activation_blobs(model)
-    for k in range(n - 1, 0, -1):
-        start = len(acts) * k // n
-        if start < len(acts):
-            pl.shift_activation_devices(model, acts[start:], {model.device_of(acts[start]): k})
-
-
 def _is_placed(model: Any) -> bool:
     return len(model.devices) > 1 or any(op.is_copy for op in model.iter_ops())
 
@@ -167,7 +156,7 @@ def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split:
     elif args.auto or args.max_memory:
         plan = _auto_plan(model, args, console)
     elif args.devices is not None or default_split is not None:
-        _split_equally(model, args.devices if args.devices is not None else default_split)
+        pl.place_evenly(model, args.devices if args.devices is not None else default_split, copies=False)
     with _step(console, "injecting copies"):
         pl.inject_cross_device_copies(model)
         pl.verify(model)
@@ -267,7 +256,7 @@ def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
     if any(op.is_copy for op in model.iter_ops()):
         raise pl.PlanError(f"{args.model} already has copies (it is placed): plan the unplaced model")
     plan = _auto_plan(model, args, console)
-    console.print(plan.table())
+    console.print(plan.to_table())
     _write_text(target, plan.to_json())
     console.print(f"saved {target}")
     return 0
@@ -278,7 +267,7 @@ def _cmd_place(args: argparse.Namespace, console: Any) -> int:
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     plan = _place(model, args, console, default_split=2)
     if plan is not None:
-        console.print(plan.table())
+        console.print(plan.to_table())
     with _step(console, f"saving {target}"):
         model.save(target)
     console.print(pl.summary(model).to_table())
@@ -486,7 +475,7 @@ def _cmd_report(args: argparse.Namespace, console: Any) -> int:
     with _step(console, "writing the report (charts, graph picture)"):
         report = pl.write_report(model, target, plan=plan)
     if plan is not None:
-        console.print(plan.table())
+        console.print(plan.to_table())
     if report.drawing.note:
         console.print(f"[yellow]note:[/yellow] {report.drawing.note}", highlight=False)
     console.print(f"saved {target}")
