@@ -156,7 +156,10 @@ def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split:
     elif args.auto or args.max_memory:
         plan = _auto_plan(model, args, console)
     elif args.devices is not None or default_split is not None:
-        pl.place_evenly(model, args.devices if args.devices is not None else default_split, copies=False)
+        count = args.devices if args.devices is not None else default_split
+        if count < 1:
+            raise pl.PlanError(f"--devices must be at least 1, got {count}")
+        pl.place_evenly(model, count, copies=False)
     with _step(console, "injecting copies"):
         pl.inject_cross_device_copies(model)
         pl.verify(model)

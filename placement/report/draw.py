@@ -11,6 +11,8 @@ with the ``dot`` program (SVG, PNG or PDF, chosen by the file suffix):
   stage to the next. In a model without injected copies the same edges mark
   every cross-device edge. Copies of parameters (static, done once at load time)
   move nothing per step and are listed in the tooltip of the op reading them;
+  values computed from parameters alone (a transposed weight) are recomputed where
+  they are read, at load time: their cross-device edges are dotted, without bytes;
 * module scopes (``blocks.0.attn``) become nested clusters;
 * graph inputs and outputs are ellipses; a legend (the graph's label) gives each
   device's colour, op count and stages.
@@ -81,6 +83,7 @@ COPY_EDGE_COLOUR = "#d62728"
 FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf", ".dot": "dot", ".gv": "dot"}
 
 _ROOT = ""
+_RANK = {"load": 0, "io": 1, "data": 1, "copy": 2}  # which edge wins when two join the same boxes
 
 
 def device_colour(device: DeviceLike) -> str:
@@ -330,6 +333,9 @@ class _Builder:
         self.inputs = [v for v in graph.inputs if v.name and v.name not in graph.initializers]
         self.boxes = 0
         self.copy_edges = 0
+        from placement.analysis.dependence import load_time_values
+
+        self.fixed = load_time_values(graph)
         self._read_edges()
 
     def _root(self, value: ir.Value) -> tuple[ir.Value, bool]:
@@ -355,10 +361,10 @@ class _Builder:
 
     def _add(self, src: str, dst: str, kind: str, blob: str, nbytes: int) -> None:
         edge = self.edges.get((src, dst))
-        if edge is None:
+        if edge is None or _RANK[kind] > _RANK[edge.kind]:
             edge = self.edges[(src, dst)] = _Edge(kind, {})
-        elif kind == "copy":
-            edge.kind = "copy"
+        elif _RANK[kind] < _RANK[edge.kind]:
+            return
         edge.blobs[blob] = nbytes
 
     def _read_edges(self) -> None:
@@ -377,6 +383,10 @@ class _Builder:
                 if src is None:
                     continue
                 cut = crossed or (src_device is not None and src_device != my_device and src.startswith("op"))
+                if cut and root in self.fixed:  # a load-time value: recomputed where read, never moved
+                    self.static.setdefault(id(node), []).append(root.name or "?")
+                    self._add(src, me, "load", root.name or "?", 0)
+                    continue
                 self._add(src, me, "copy" if cut else "data", root.name or "?", int(value_nbytes(root) or 0))
         for i, value in enumerate(self.model.graph.outputs):
             src, _, crossed, _ = self._source(value)
@@ -434,10 +444,10 @@ class _Builder:
             found = merged.get((a, b))
             if found is None:
                 merged[(a, b)] = _Edge(edge.kind, dict(edge.blobs))
-            else:
+            elif _RANK[edge.kind] > _RANK[found.kind]:  # a copy edge keeps only copied blobs
+                merged[(a, b)] = _Edge(edge.kind, dict(edge.blobs))
+            elif edge.kind == found.kind:
                 found.blobs.update(edge.blobs)
-                if edge.kind == "copy":
-                    found.kind = "copy"
         for (a, b), edge in merged.items():
             if edge.kind == "copy":
                 self.copy_edges += 1
@@ -454,6 +464,8 @@ class _Builder:
                     tooltip="copy: " + ", ".join(names[:20]),
                     **{"class": "copy"},
                 )
+            elif edge.kind == "load":
+                g.edge(a, b, style="dotted", tooltip="load-time value: " + ", ".join(list(edge.blobs)[:20]))
             else:
                 g.edge(a, b)
         g.attr(label=self._legend(title, stages), labeljust="l")
@@ -554,7 +566,15 @@ class _Builder:
 
     def _legend(self, title: str | None, stages: dict[str, int]) -> str:
         n_copies = sum(1 for n in self.model.graph if is_copy_node(n))
-        static = sum(1 for n in self.model.graph if n.metadata_props.get(COPY_KEY) == "static")
+        static = sum(
+            1
+            for n in self.model.graph
+            if is_copy_node(n)
+            and (
+                n.metadata_props.get(COPY_KEY) == "static"
+                or (n.inputs and n.inputs[0] is not None and self._root(n.inputs[0])[0] in self.fixed)
+            )
+        )
         head = title or f"{len(self.ops)} ops on {len(self.per_device)} device(s), {n_copies} copies"
         rows = [f'<TR><TD COLSPAN="3" ALIGN="LEFT"><B>{html.escape(head)}</B></TD></TR>']
         for device in sorted(self.per_device):
@@ -569,7 +589,8 @@ class _Builder:
             )
         rows.append(
             f'<TR><TD COLSPAN="3" ALIGN="LEFT"><FONT COLOR="{COPY_EDGE_COLOUR}">- - -&gt;</FONT> '
-            f"copy between devices (blob, bytes per step); parameter copies at load time: {static}</TD></TR>"
+            f"copy between devices (blob, bytes per step); dotted: load-time values; "
+            f"copies done once at load time: {static}</TD></TR>"
         )
         return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>>"
 

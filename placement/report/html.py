@@ -81,6 +81,9 @@ class Report:
 def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
     """Bytes the model's dynamic copies move per step, by (source device, target device).
 
+    Copies of parameters and of load-time values (computed from parameters alone) move
+    nothing per step: runtimes place or recompute them once, at load time.
+
     Example:
         >>> import placement as pl
         >>> from placement.models import mlp
@@ -91,12 +94,17 @@ def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
         >>> copy_traffic(model)
         {('cuda:0', 'cuda:1'): 512, ('cuda:1', 'cuda:0'): 128}
     """
+    from placement.analysis.dependence import copy_origin, load_time_values
+
+    fixed = load_time_values(model.graph)  # rematerialised where read, never moved per step
     traffic: dict[tuple[str, str], int] = {}
     for node in model.graph:
         kind = node.metadata_props.get(COPY_KEY)
         if kind is None or kind == "static" or not node.inputs or node.inputs[0] is None:
             continue
         source = node.inputs[0]
+        if copy_origin(source) in fixed:
+            continue
         key = (str(model.blob_device(source)), str(node_device(node)))
         traffic[key] = traffic.get(key, 0) + int(value_nbytes(source) or 0)
     return dict(sorted(traffic.items()))
