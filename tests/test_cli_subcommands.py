@@ -113,6 +113,7 @@ def test_run_a_placed_file_matches_torch(work, files):
         )
     )
     assert "where each stage ran" in out and "latency: median" in out and "samples/s" in out
+    assert "\r" not in out and "\x1b[" not in out  # no progress bars or colours in a pipe
     with np.load(work / "out.npz") as saved:
         (name,) = saved.files
         np.testing.assert_allclose(saved[name], np.load(files / "mlp_expected.npy"), rtol=1e-5, atol=1e-5)
