@@ -14,10 +14,14 @@ from placement.distributed import free_port
 def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout: float = 90.0) -> dict[int, int | None]:
     """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh processes; their exit codes.
 
-    Fails the test (AssertionError) if they are not all done within ``timeout`` seconds;
-    every process is killed on the way out.
+    This process hosts the rendezvous store on ``port`` (as torchrun's agent does), so
+    it outlives any rank. Fails the test (AssertionError) if the ranks are not all done
+    within ``timeout`` seconds; every process is killed on the way out.
     """
+    import torch.distributed as dist
+
     port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=fn, args=(rank, nprocs, port, *args), daemon=True) for rank in range(nprocs)]
     for proc in procs:
@@ -34,10 +38,11 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout: float = 90.
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+        del store
 
 
 def init(rank: int, world_size: int, port: int, *, timeout: float = 30.0) -> None:
-    """Join a gloo process group on 127.0.0.1 (inside a spawned rank)."""
+    """Join a gloo process group on 127.0.0.1 (inside a spawned rank; the store is the parent's)."""
     from datetime import timedelta
 
     import torch
@@ -47,10 +52,7 @@ def init(rank: int, world_size: int, port: int, *, timeout: float = 30.0) -> Non
 
     faulthandler.dump_traceback_later(timeout * 2, exit=True)  # a hung rank shows where, then ends
     torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ def killed(rank: int, world_size: int, port: int, path: str, inputs: str, victim
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     message = "no error"
+    start = time.monotonic()
     try:
         for _ in range(3):
             pipe.run(arrays)
@@ -88,5 +90,5 @@ def killed(rank: int, world_size: int, port: int, path: str, inputs: str, victim
         message = f"RankFailedError ranks={err.ranks}: {err}"
     except Exception as err:  # recorded for the test to show
         message = f"{type(err).__name__}: {err}"
-    (Path(outdir) / f"rank{rank}.txt").write_text(message)
+    (Path(outdir) / f"rank{rank}.txt").write_text(f"{time.monotonic() - start:.1f}\n{message}")
     os._exit(0)  # the group is broken; do not wait for it on the way out
