@@ -2,8 +2,8 @@
 
 Example:
     >>> from placement.distributed.errors import WorldSizeError
-    >>> str(WorldSizeError(world_size=3, expected=2, groups=["cuda:0", "cuda:1"]))
-    'world size 3 does not match the placement: it has 2 rank(s) (cuda:0 | cuda:1); launch 2 processes or pass ranks=...'
+    >>> print(WorldSizeError(world_size=3, expected=2, groups=["cuda:0", "cuda:1"]))
+    world size 3 does not match the placement: it has 2 rank(s) (cuda:0 | cuda:1); launch 2 ...
 """
 
 from __future__ import annotations

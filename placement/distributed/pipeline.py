@@ -69,7 +69,8 @@ log = logging.getLogger(__name__)
 #: Schedule names accepted by ``schedule=`` (torch.distributed.pipelining classes).
 SCHEDULES = ("gpipe", "1f1b")
 
-_instances = itertools.count()
+#: pipelines built so far per group (by global ranks): every rank of a group counts alike
+_instances: dict[tuple[int, ...], itertools.count[int]] = {}
 
 
 def rank_device(backend: str | None = None) -> torch.device:
@@ -167,8 +168,11 @@ class DistributedPipeline:
         self.stage = PipelineStage(self.module, self.rank, self.world_size, self.device, group=group)
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._shared = self._shared_parameters(module)
-        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)] if group else None
-        instance = next(_instances)
+        self._global_ranks = (
+            [dist.get_global_rank(group, r) for r in range(self.world_size)] if group else None
+        )
+        members = tuple(self._global_ranks or range(self.world_size))
+        instance = next(_instances.setdefault(members, itertools.count()))
         store = _default_store()
         self._dog = (
             Watchdog(
@@ -176,7 +180,7 @@ class DistributedPipeline:
                 rank=self.rank,
                 world_size=self.world_size,
                 interval=heartbeat,
-                namespace=f"pipe{instance}/",
+                namespace=f"pipe{'-'.join(map(str, members))}.{instance}/",
             )
             if store is not None
             else None
@@ -266,6 +270,11 @@ class DistributedPipeline:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
 
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank fails with ``exc`` (they name it in their error)."""
+        if self._dog is not None:
+            self._dog.report(exc, own=True)
+
     def barrier(self) -> None:
         """Wait for every rank of the pipeline (raises RankFailedError naming a failed rank)."""
         with self._guard("barrier"):
@@ -297,7 +306,9 @@ class DistributedPipeline:
         if inputs is None:
             raise InputError(f"rank 0 needs the graph inputs ({', '.join(map(repr, self.input_names))})")
         # any number of rows: the batch dimension is checked against the micro-batch below
-        specs = [InputSpec(s.name, s.dtype, (None, *s.shape[1:]) if s.shape else s.shape) for s in self._specs]
+        specs = [
+            InputSpec(s.name, s.dtype, (None, *s.shape[1:]) if s.shape else s.shape) for s in self._specs
+        ]
         arrays = normalize_inputs(inputs, specs)
         if self.micro_batch is not None:
             for spec, array in zip(self._specs, arrays):
@@ -398,4 +409,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-

@@ -113,7 +113,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval > 0:
-            self._thread = threading.Thread(target=self._beat, name=f"placement-heartbeat-{rank}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._beat, name=f"placement-heartbeat-{rank}", daemon=True
+            )
             self._thread.start()
             _running.add(self)
 
@@ -183,7 +185,10 @@ class Watchdog:
             try:
                 errors = self._errors()
             except Exception as err:
-                return [], f"the rendezvous store is unreachable (its host, torchrun or rank 0, is gone): {err}"
+                return (
+                    [],
+                    f"the rendezvous store is unreachable (its host, torchrun or rank 0, is gone): {err}",
+                )
             own = {r: text for r, text in errors.items() if text.startswith("own|")}
             if own:
                 ranks = sorted(own)

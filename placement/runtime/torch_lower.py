@@ -24,9 +24,10 @@ Design choices:
   device. Explicit copies (``Copy`` ops from ``inject_cross_device_copies``)
   always become ``.to(...)``. A cross-device edge *without* a copy also gets a
   ``.to(...)`` when the physical devices differ (logged at debug level), so
-  unplaced-copy models lower correctly too. Each emitted node records its op's
-  logical device in ``node.meta["placement_device"]`` (for splits by device). ``non_blocking=True`` is used except
-  for GPU -> CPU copies, where it would let the CPU read unfinished data.
+  unplaced-copy models lower correctly too. ``non_blocking=True`` is used except
+  for GPU -> CPU copies, where it would let the CPU read unfinished data. Each
+  emitted node records its op's logical device in ``node.meta["placement_device"]``
+  (for splits by device).
 * **Inputs and outputs.** Graph inputs are moved to their device on entry (a
   no-op when already there); graph outputs are moved to the model's output
   device when one is set. One output is returned as a tensor, several as a tuple.

@@ -43,12 +43,11 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: Any, timeout: float = 90.
 
 def init(rank: int, world_size: int, port: int, *, timeout: float = 30.0) -> None:
     """Join a gloo process group on 127.0.0.1 (inside a spawned rank; the store is the parent's)."""
+    import faulthandler
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-
-    import faulthandler
 
     faulthandler.dump_traceback_later(timeout * 2, exit=True)  # a hung rank shows where, then ends
     torch.set_num_threads(1)

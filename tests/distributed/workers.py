@@ -56,29 +56,29 @@ def zoo(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], outd
             DistributedPipeline(cases[0]["path2"])
         except WorldSizeError as err:
             results[f"world_size_error/{rank}"] = str(err)
-        dist.barrier()
+        _killed(rank, cases[0]["kill"], results)
     except BaseException:
         results[f"error/{rank}"] = traceback.format_exc()
         raise
     finally:
         with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(results, f)
-        dist.destroy_process_group()
+    os._exit(0)  # the group is broken (a rank was killed): do not wait for it on the way out
 
 
-def killed(rank: int, world_size: int, port: int, path: str, inputs: str, victim: int, outdir: str) -> None:
-    """Run once, then ``victim`` kills itself; the others must raise RankFailedError naming it."""
+def _killed(rank: int, case: dict[str, Any], results: dict[str, Any]) -> None:
+    """Run once, then rank ``victim`` kills itself; the others must raise RankFailedError naming it."""
     import torch.distributed as dist
 
     from placement.distributed import DistributedPipeline, RankFailedError
-    from tests.distributed.harness import init
 
-    init(rank, world_size, port, timeout=30)
-    pipe = DistributedPipeline(path, heartbeat=0.1, grace=2.0)
-    arrays = list(np.load(inputs).values()) if pipe.is_first else None
+    pipe = DistributedPipeline(case["path"], heartbeat=0.1, grace=2.0)
+    arrays = list(np.load(case["inputs"]).values()) if pipe.is_first else None
     pipe.run(arrays)
     dist.barrier()
-    if rank == victim:
+    if rank == case["victim"]:
+        with open(Path(case["outdir"]) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(results, f)
         os.kill(os.getpid(), signal.SIGKILL)
     message = "no error"
     start = time.monotonic()
@@ -90,5 +90,4 @@ def killed(rank: int, world_size: int, port: int, path: str, inputs: str, victim
         message = f"RankFailedError ranks={err.ranks}: {err}"
     except Exception as err:  # recorded for the test to show
         message = f"{type(err).__name__}: {err}"
-    (Path(outdir) / f"rank{rank}.txt").write_text(f"{time.monotonic() - start:.1f}\n{message}")
-    os._exit(0)  # the group is broken; do not wait for it on the way out
+    results[f"killed/{rank}"] = (time.monotonic() - start, message)
