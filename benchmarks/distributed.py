@@ -60,8 +60,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import models  # noqa: E402
 import placement as pl  # noqa: E402
+from placement import models  # noqa: E402
 
 RESULTS = _ROOT / "benchmarks" / "results" / "distributed.json"
 TARGET = 1.6
@@ -80,9 +80,7 @@ def prepare(name: str, micro: int, chunks: int, folder: Path, *, split: str = "t
         pl.balance(model, pl.balance_by_time(model, 2, repeats=3))
         pl.inject_cross_device_copies(model)
     else:
-        from placement.demo import place_evenly
-
-        model = place_evenly(model, 2)
+        pl.place_evenly(model, 2)
     path = folder / f"{name}_m{micro}.onnx"
     model.save(path)
     rng = np.random.default_rng(0)

@@ -29,14 +29,15 @@ Example (one process, a 1-rank pipeline)::
 
     >>> import os, numpy as np, torch, torch.distributed as dist
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> from placement.distributed import DistributedPipeline, free_port
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     >>> with DistributedPipeline(model) as pipe:
     ...     (out,) = pipe.run([np.concatenate([x.numpy()] * 3)])  # 3 micro-batches
-    >>> bool(np.allclose(out[: len(x)], pl.run(model, [x.numpy()])[0], atol=1e-5)), out.shape[0] // len(x)
+    >>> (ref,) = pl.run(model, [x.numpy()], device_map="cpu")
+    >>> bool(np.allclose(out[: len(x)], ref, atol=1e-5)), out.shape[0] // len(x)
     (True, 3)
     >>> dist.destroy_process_group()
 """

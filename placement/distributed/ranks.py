@@ -8,7 +8,7 @@ two, rank 1 the third), e.g. to fit a placement made for 4 GPUs on 2 hosts.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> from placement.distributed.ranks import rank_groups
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> model.set_device(model.ops[-1].name, 1)
@@ -38,7 +38,7 @@ def pipeline_devices(model: Model) -> list[Device]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> [str(d) for d in pipeline_devices(model)]
         ['cuda:0']
@@ -73,7 +73,7 @@ def rank_groups(model: Model, *, ranks: RanksLike = None) -> list[list[Device]]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> rank_groups(model, ranks="cuda:0")
         [[Device('cuda:0')]]

@@ -26,7 +26,7 @@ rank are dropped (a rank runs all its devices on one physical device).
 Example:
     >>> import torch
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> from placement.distributed.ranks import rank_groups
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))

@@ -18,19 +18,16 @@ TRAIN = [("gpt", 3, "gpipe"), ("resnet", 2, "1f1b")]
 
 
 def _build(name: str, seed: int):
-    import models
+    from placement import models
 
     return models.build(name, "tiny", seed=seed)
 
 
 def place(name: str, n: int) -> tuple[pl.Model, list[np.ndarray]]:
-    """``name`` on ``n`` logical GPUs (Caffe2 style: shift the later activations) and 2 micro-batches."""
+    """``name`` on ``n`` logical GPUs and a batch of 2 micro-batches."""
     model, _, args = _exported(name)  # exported once per test session
     model = model.copy()
-    acts = pl.get_activation_blobs(model)
-    for k in range(1, n):
-        pl.shift_activation_devices(model, acts[k * len(acts) // n :], {k - 1: k})
-    pl.inject_cross_device_copies(model)
+    pl.place_evenly(model, n)  # Caffe2 style: equal runs of activations, shifted, with copies
     _, more = _build(name, 1)
     batch = [np.concatenate([a.numpy(), b.numpy()]) for a, b in zip(args, more)]
     return model, batch
