@@ -20,6 +20,8 @@ The command-line entry point is ``torchrun --nproc-per-node N -m placement.launc
 Importing this package imports ``torch`` (and ``torch.distributed``); ``import placement``
 does not import it.
 
+May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``, ``runtime``.
+
 Example:
     >>> from placement.distributed import DistributedPipeline, rank_groups
     >>> DistributedPipeline.__name__

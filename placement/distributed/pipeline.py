@@ -130,7 +130,7 @@ class DistributedPipeline:
         from torch.distributed.pipelining import PipelineStage
 
         from placement.runtime.inputs import input_specs
-        from placement.runtime.torch_lower import to_torch
+        from placement.runtime import to_torch  # wherever the lowering module lives
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
