@@ -129,8 +129,8 @@ class DistributedPipeline:
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        from placement.runtime.inputs import input_specs
         from placement.runtime import to_torch  # wherever the lowering module lives
+        from placement.runtime.inputs import input_specs
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
