@@ -12,6 +12,7 @@ Subcommands::
     placement report MODEL -o report.html    one self-contained HTML page: tables, charts, the graph
     placement demo                           the main job: place the default model on 2 devices,
                                              run it through ONNX Runtime and torch, check outputs
+    placement launch PLACED.onnx ...         run a placed model as torch.distributed ranks (torchrun)
 
 Every subcommand has ``--help``. Errors print one line naming the problem, write
 nothing, and exit with status 2. Steps that can take seconds (export, profiling,
@@ -492,6 +493,38 @@ def _cmd_demo(args: argparse.Namespace, console: Any) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
+    import shlex
+    import subprocess
+
+    import placement as pl
+    from placement.distributed.ranks import rank_groups
+
+    model = pl.load(args.model)
+    nproc = args.nproc_per_node or len(rank_groups(model, ranks=args.ranks))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if args.nnodes and args.nnodes != "1":
+        if not args.rdzv_endpoint:
+            raise pl.PlanError(
+                f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)"
+            )
+        command += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        command += [f"--rdzv-id={args.rdzv_id}"]
+    else:
+        command += ["--standalone"]
+    command += ["-m", "placement.launch", str(args.model)]
+    for spec in args.input:
+        command += ["--input", spec]
+    for flag in ("output", "ranks", "schedule", "chunks", "backend", "timeout", "threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            command += [f"--{flag}", str(value)]
+    console.print(" ".join(shlex.quote(part) for part in command), highlight=False, soft_wrap=True)
+    if args.dry_run:
+        return 0
+    return subprocess.run(command, check=False).returncode
+
+
 # --- the parser ---------------------------------------------------------------------
 
 _SIZE_HELP = "size of a built-in model: tiny (tests) or bench (benchmarks); default tiny"
@@ -684,6 +717,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.add_argument("--devices", type=int, default=2, help="number of logical GPUs (default 2)")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "launch",
+        help="run a placed model as torch.distributed ranks (runs torchrun)",
+        description=(
+            "Run torchrun with one process per rank of PLACED.onnx (by default one per logical device, "
+            "in pipeline order) on 'python -m placement.launch'. Rank 0 reads the inputs, the last rank "
+            "writes the outputs. On several hosts, run the same command on each with --nnodes and "
+            "--rdzv-endpoint."
+        ),
+        epilog="Example: placement launch placed.onnx --input input=x.npy --output out.npz",
+    )
+    p.add_argument("model", metavar="PLACED.onnx", help="a placed model (see 'place')")
+    p.add_argument(
+        "--input", action="append", default=[], metavar="NAME=FILE.npy", help="a graph input (repeat)"
+    )
+    p.add_argument("--output", metavar="OUT.npz", help="where the last rank writes the outputs")
+    p.add_argument(
+        "--ranks", default=None, help="devices per rank, e.g. cuda:0,cuda:1 or cuda:0+cuda:1,cuda:2"
+    )
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="ranks on this host (default: all ranks)"
+    )
+    p.add_argument("--nnodes", default=None, help="hosts (torchrun's --nnodes); needs --rdzv-endpoint")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (same on every host)")
+    p.add_argument("--rdzv-id", default="placement", help="job id shared by the hosts (default placement)")
+    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument("--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds a rank waits for a peer (default 300)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
+    p.set_defaults(func=_cmd_launch)
     return parser
 
 

@@ -25,7 +25,9 @@ Design choices:
   always become ``.to(...)``. A cross-device edge *without* a copy also gets a
   ``.to(...)`` when the physical devices differ (logged at debug level), so
   unplaced-copy models lower correctly too. ``non_blocking=True`` is used except
-  for GPU -> CPU copies, where it would let the CPU read unfinished data.
+  for GPU -> CPU copies, where it would let the CPU read unfinished data. Each
+  emitted node records its op's logical device in ``node.meta["placement_device"]``
+  (for splits by device).
 * **Inputs and outputs.** Graph inputs are moved to their device on entry (a
   no-op when already there); graph outputs are moved to the model's output
   device when one is set. One output is returned as a tensor, several as a tuple.
@@ -291,6 +293,7 @@ class _Lowering:
         self.const_homes: dict[str, str] = {}  # constant blob -> its first buffer path
         self.transient: set[str] = set()  # buffer paths left out of the state_dict
         self.default_device = next(iter(model.devices), Device("cuda", 0))
+        self.current_device: Device | None = None  # logical device of the op being lowered
 
     # -- driver -----------------------------------------------------------------------------
 
@@ -333,6 +336,7 @@ class _Lowering:
             placeholder = self.graph.placeholder(_identifier(name, "input"))
             device = self.model.blob_device(value)
             phys = self._phys(device)
+            self.current_device = device
             moved = self._create(
                 "call_method",
                 "to",
@@ -468,7 +472,10 @@ class _Lowering:
     def _create(
         self, op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str
     ) -> fx.Node:
-        return self.graph.create_node(op, target, args, kwargs, name=_identifier(name))
+        node = self.graph.create_node(op, target, args, kwargs, name=_identifier(name))
+        if self.current_device is not None:  # lets a split by device find each node's device
+            node.meta["placement_device"] = str(self.current_device)
+        return node
 
     def _argument(self, val: _Val | None, index: int, rule: Rule, phys: str) -> Any:
         if val is None:
@@ -486,6 +493,7 @@ class _Lowering:
         outs = list(node.outputs)
         device = node_device(node)
         phys = self._phys(device)
+        self.current_device = device
         if is_copy_node(node) or (node.op_type == "Identity" and node.domain in ("", "ai.onnx")):
             self._lower_identity(node, ins[0], device, phys)
             return
@@ -698,6 +706,7 @@ class _Lowering:
             val = self.values.get(value.name or "")
             if val is None:
                 raise LoweringError(f"graph output {value.name!r} is never produced")
+            self.current_device = out_device or val.device
             if out_device is not None:
                 target = self._phys(out_device)
             elif val.device is not None:

@@ -1,0 +1,51 @@
+"""Run a placed model's stages as ``torch.distributed`` ranks (``torch.distributed.pipelining``).
+
+What this package holds:
+
+* :mod:`~placement.distributed.ranks`: which logical devices each rank runs
+  (default one per rank, in pipeline order; ``ranks="cuda:0+cuda:1,cuda:2"`` groups them).
+* :mod:`~placement.distributed.split`: the lowered model (:func:`placement.to_torch`)
+  cut into a chain of ``torch.fx`` stage modules, one per rank.
+* :mod:`~placement.distributed.pipeline`: :class:`DistributedPipeline`, this rank's
+  stage as a ``torch.distributed.pipelining.PipelineStage`` run by ``ScheduleGPipe`` or
+  ``Schedule1F1B`` for inference and training.
+* :mod:`~placement.distributed.watchdog`: heartbeats and error reports in the rendezvous
+  store, so that the surviving ranks name the rank that failed.
+* :mod:`~placement.distributed.errors`: :class:`WorldSizeError`, :class:`RankFailedError`,
+  :class:`NotAPipelineError` (all :class:`placement.PlacementError`).
+
+The command-line entry point is ``torchrun --nproc-per-node N -m placement.launch placed.onnx``
+(:mod:`placement.launch`), or ``placement launch`` which runs torchrun for you.
+
+Importing this package imports ``torch`` (and ``torch.distributed``); ``import placement``
+does not import it.
+
+May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``, ``runtime``.
+
+Example:
+    >>> from placement.distributed import DistributedPipeline, rank_groups
+    >>> DistributedPipeline.__name__
+    'DistributedPipeline'
+"""
+
+from __future__ import annotations
+
+from placement.distributed.errors import NotAPipelineError, RankFailedError, WorldSizeError
+from placement.distributed.pipeline import SCHEDULES, DistributedPipeline, free_port, rank_device
+from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
+from placement.distributed.split import RankSplit, split_by_rank
+
+__all__ = [
+    "DistributedPipeline",
+    "SCHEDULES",
+    "rank_device",
+    "free_port",
+    "rank_groups",
+    "pipeline_devices",
+    "format_groups",
+    "split_by_rank",
+    "RankSplit",
+    "WorldSizeError",
+    "RankFailedError",
+    "NotAPipelineError",
+]

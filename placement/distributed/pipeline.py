@@ -1,0 +1,412 @@
+"""Run a placed model as a pipeline of ``torch.distributed`` ranks.
+
+:class:`DistributedPipeline` is built on every rank of a process group. Each
+rank lowers the placed model with :func:`placement.to_torch` (all its logical
+devices on the rank's one physical device), keeps its own stage of the
+:func:`~placement.distributed.split.split_by_rank` chain, and wraps it in
+torch's :class:`~torch.distributed.pipelining.PipelineStage`. A schedule from
+``torch.distributed.pipelining`` (``ScheduleGPipe`` or ``Schedule1F1B``) runs
+the micro-batches; activations and gradients cross ranks with torch's own
+point-to-point ops (gloo on CPU, NCCL on GPUs). Nothing here moves tensors or
+orders work by itself.
+
+Micro-batches: the placed graph has static shapes, so its batch size *is* the
+micro-batch size. A call with ``k`` times that many rows runs ``k`` micro-batches.
+
+Training: give a ``loss_fn(output, target)`` (mean over the micro-batch);
+:meth:`DistributedPipeline.train_step` leaves in each rank's parameters the
+gradients of the mean loss over the micro-batches, equal to single-process
+training of the same placed model (tied parameters read on several ranks get
+the sum of their gradients from every rank). Each rank steps its own optimizer
+over :meth:`DistributedPipeline.parameters`.
+
+Failures: every rank runs a heartbeat in the process group's store. When a rank
+fails, its peers raise :class:`~placement.distributed.errors.RankFailedError`
+naming it (its own message when it could report one), within the process
+group's timeout at worst.
+
+Example (one process, a 1-rank pipeline)::
+
+    >>> import os, numpy as np, torch, torch.distributed as dist
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> from placement.distributed import DistributedPipeline, free_port
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.from_torch(net, (x,))
+    >>> dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    >>> with DistributedPipeline(model) as pipe:
+    ...     (out,) = pipe.run([np.concatenate([x.numpy()] * 3)])  # 3 micro-batches
+    >>> (ref,) = pl.run(model, [x.numpy()], device_map="cpu")
+    >>> bool(np.allclose(out[: len(x)], ref, atol=1e-5)), out.shape[0] // len(x)
+    (True, 3)
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from placement.distributed.errors import RankFailedError, WorldSizeError
+from placement.distributed.ranks import RanksLike, format_groups, rank_groups
+from placement.distributed.split import RankSplit, split_by_rank
+from placement.distributed.watchdog import Watchdog, is_comm_error
+from placement.errors import InputError, PlacementError
+from placement.graph.model import Model
+
+__all__ = ["DistributedPipeline", "SCHEDULES", "rank_device", "free_port"]
+
+log = logging.getLogger(__name__)
+
+#: Schedule names accepted by ``schedule=`` (torch.distributed.pipelining classes).
+SCHEDULES = ("gpipe", "1f1b")
+
+#: pipelines built so far per group (by global ranks): every rank of a group counts alike
+_instances: dict[tuple[int, ...], itertools.count[int]] = {}
+
+
+def rank_device(backend: str | None = None) -> torch.device:
+    """The physical device of this process: ``cuda:LOCAL_RANK`` under NCCL, else the CPU.
+
+    Example:
+        >>> rank_device("gloo")
+        device(type='cpu')
+    """
+    backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class DistributedPipeline:
+    """This rank's stage of a placed model, run with a ``torch.distributed.pipelining`` schedule.
+
+    Build it on every rank of ``group`` (collectively, in the same order on every rank).
+
+    Args:
+        model: the placed model, or the path of a placed ``.onnx`` file.
+        ranks: which logical devices each rank runs (see
+            :func:`~placement.distributed.ranks.rank_groups`); default one device per
+            rank in pipeline order.
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward;
+            less activation memory when training).
+        chunks: the number of micro-batches per call; default: the rows of rank 0's
+            inputs divided by the graph's batch size (sent to the other ranks each call).
+        loss_fn: ``loss_fn(output, target) -> scalar`` for :meth:`train_step`.
+        group: the process group (default: the world); its ranks are the stages.
+        device: this rank's physical device (default :func:`rank_device`).
+        heartbeat: seconds between heartbeats (0: none; failures are then named
+            only when the failing rank reports itself).
+        grace: seconds a rank waits, after a peer fails, for that peer's report.
+
+    Raises:
+        WorldSizeError: the group size differs from the number of ranks of the placement.
+        NotAPipelineError: a later rank feeds an earlier one.
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+
+    def __init__(
+        self,
+        model: Model | str | Path,
+        *,
+        ranks: RanksLike = None,
+        schedule: str = "gpipe",
+        chunks: int | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        group: Any = None,
+        device: str | torch.device | None = None,
+        heartbeat: float = 0.25,
+        grace: float = 3.0,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        from placement.runtime import to_torch  # wherever the lowering module lives
+        from placement.runtime.inputs import input_specs
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+        if not isinstance(model, Model):
+            from placement.graph.serialize import load
+
+            model = load(model)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.groups = rank_groups(model, ranks=ranks)
+        if self.world_size != len(self.groups):
+            raise WorldSizeError(
+                world_size=self.world_size, expected=len(self.groups), groups=format_groups(self.groups)
+            )
+        self.device = torch.device(device) if device is not None else rank_device()
+        self.schedule_name = schedule
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self.grace = grace
+        self.input_names = list(model.inputs)
+        self.output_names = list(model.outputs)
+        self._specs = input_specs(model.graph)
+        first = self._specs[0].shape if self._specs else ()
+        self.micro_batch: int | None = first[0] if first and isinstance(first[0], int) else None
+
+        phys = str(self.device)
+        module = to_torch(model, device_map={str(d): phys for group_ in self.groups for d in group_})
+        self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
+        self.split: RankSplit = split_by_rank(module, self.groups, rank=self.rank)
+        stage_module = self.split.stages[self.rank]
+        assert stage_module is not None
+        self.module: torch.fx.GraphModule = stage_module
+        self.stage = PipelineStage(self.module, self.rank, self.world_size, self.device, group=group)
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._shared = self._shared_parameters(module)
+        self._global_ranks = (
+            [dist.get_global_rank(group, r) for r in range(self.world_size)] if group else None
+        )
+        members = tuple(self._global_ranks or range(self.world_size))
+        instance = next(_instances.setdefault(members, itertools.count()))
+        store = _default_store()
+        self._dog = (
+            Watchdog(
+                store,
+                rank=self.rank,
+                world_size=self.world_size,
+                interval=heartbeat,
+                namespace=f"pipe{'-'.join(map(str, members))}.{instance}/",
+            )
+            if store is not None
+            else None
+        )
+        log.info(
+            "rank %d/%d runs %s on %s (%d nodes; %d values to the next rank)",
+            self.rank,
+            self.world_size,
+            format_groups([self.groups[self.rank]])[0],
+            self.device,
+            self.split.node_counts[self.rank],
+            len(self.split.boundaries[self.rank]) if self.rank < self.world_size - 1 else 0,
+        )
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank that takes the graph inputs."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank that produces the graph outputs (and the loss)."""
+        return self.rank == self.world_size - 1
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """This rank's parameters (give them to this rank's optimizer)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters by attribute path (as in ``pl.to_torch(model).named_parameters()``)."""
+        return self.module.named_parameters()
+
+    def run(self, inputs: Any = None, *, chunks: int | None = None) -> list[np.ndarray] | None:
+        """Run the placed model on a batch: graph outputs on the last rank, None elsewhere.
+
+        Args:
+            inputs: on rank 0, the graph inputs (a dict by name or a sequence in input
+                order; numpy arrays or tensors) with ``chunks`` times the graph's batch
+                size rows; ignored on the other ranks.
+            chunks: micro-batches (default: the constructor's, else from rank 0's rows).
+
+        Returns:
+            On the last rank, numpy arrays (owning their memory) in graph-output order.
+        """
+        args = self._inputs(inputs) if self.is_first else ()
+        n = self._chunks(chunks, args)
+        schedule = self._schedule(n, training=False)
+        with self._guard("run"), torch.no_grad():
+            out = schedule.eval(*args) if self.is_first else schedule.eval()
+        if not self.is_last:
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return [np.array(t.detach().cpu().numpy(), copy=True) for t in outs]
+
+    def train_step(
+        self, inputs: Any = None, target: Any = None, *, chunks: int | None = None
+    ) -> torch.Tensor | None:
+        """Forward and backward over one batch; gradients accumulate in :meth:`parameters`.
+
+        Args:
+            inputs: graph inputs on rank 0 (ignored elsewhere), as for :meth:`run`.
+            target: the loss target on the last rank (ignored elsewhere), split into
+                micro-batches like the inputs.
+            chunks: micro-batches (default as in :meth:`run`).
+
+        Returns:
+            The mean loss over the micro-batches on the last rank, None elsewhere.
+        """
+        if self.loss_fn is None:
+            raise PlacementError("train_step needs a loss_fn (DistributedPipeline(..., loss_fn=...))")
+        args = self._inputs(inputs) if self.is_first else ()
+        n = self._chunks(chunks, args)
+        schedule = self._schedule(n, training=True)
+        losses: list[torch.Tensor] = []
+        with self._guard("train_step"):
+            if self.is_last:
+                if target is None:
+                    raise InputError("train_step needs the loss target on the last rank")
+                target_t = torch.as_tensor(np.asarray(target)).to(self.device)
+                schedule.step(*args, target=target_t, losses=losses)
+            else:
+                schedule.step(*args)
+            self._sum_shared_gradients()
+        if not self.is_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank fails with ``exc`` (they name it in their error)."""
+        if self._dog is not None:
+            self._dog.report(exc, own=True)
+
+    def barrier(self) -> None:
+        """Wait for every rank of the pipeline (raises RankFailedError naming a failed rank)."""
+        with self._guard("barrier"):
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat (the process group stays; destroy it yourself)."""
+        if self._dog is not None:
+            self._dog.stop()
+            self._dog = None
+
+    def __enter__(self) -> DistributedPipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedPipeline(rank {self.rank}/{self.world_size}, "
+            f"devices {format_groups([self.groups[self.rank]])[0]}, {self.schedule_name}, on {self.device})"
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        from placement.runtime.inputs import InputSpec, normalize_inputs
+
+        if inputs is None:
+            raise InputError(f"rank 0 needs the graph inputs ({', '.join(map(repr, self.input_names))})")
+        # any number of rows: the batch dimension is checked against the micro-batch below
+        specs = [
+            InputSpec(s.name, s.dtype, (None, *s.shape[1:]) if s.shape else s.shape) for s in self._specs
+        ]
+        arrays = normalize_inputs(inputs, specs)
+        if self.micro_batch is not None:
+            for spec, array in zip(self._specs, arrays):
+                rows = array.shape[0] if array.ndim else 0
+                if rows % self.micro_batch or rows == 0:
+                    raise InputError(
+                        f"input {spec.name!r} has {rows} rows; the placed graph's batch is "
+                        f"{self.micro_batch}, so give a multiple of it (one micro-batch each)"
+                    )
+        return tuple(torch.from_numpy(a).to(self.device) for a in arrays)
+
+    def _chunks(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> int:
+        n = chunks or self.chunks
+        if n is not None:
+            return int(n)
+        if self.micro_batch is None:
+            raise InputError("the graph's batch dimension is not static: pass chunks=")
+        box = [args[0].shape[0] // self.micro_batch if self.is_first else None]
+        src = self._global_ranks[0] if self._global_ranks else 0
+        with self._guard("sending the number of micro-batches"):
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        return int(box[0])  # type: ignore[arg-type]
+
+    def _schedule(self, chunks: int, *, training: bool) -> Any:
+        schedule = self._schedules.get((chunks, training))
+        if schedule is None:
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+            cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            schedule = cls(self.stage, n_microbatches=chunks, loss_fn=self.loss_fn if training else None)
+            self._schedules[(chunks, training)] = schedule
+        return schedule
+
+    def _shared_parameters(self, module: torch.nn.Module) -> list[tuple[str, torch.Size]]:
+        """Parameters read on several ranks (tied weights), with their shapes (known on every rank)."""
+        return [(path, module.get_parameter(path).shape) for path in self.split.shared_parameters]
+
+    def _sum_shared_gradients(self) -> None:
+        """Sum the gradients of tied parameters over the ranks holding them: one all-reduce
+        over the pipeline's group (ranks without a parameter add zeros)."""
+        if not self._shared:
+            return
+        parts = []
+        for path, shape in self._shared:
+            if self.rank in self.split.shared_parameters[path]:
+                param = self.module.get_parameter(path)
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                parts.append(grad.reshape(-1))
+            else:
+                parts.append(torch.zeros(shape.numel(), device=self.device))
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for path, shape in self._shared:
+            n = shape.numel()
+            if self.rank in self.split.shared_parameters[path]:
+                param = self.module.get_parameter(path)
+                param.grad = flat[offset : offset + n].view(shape).clone()
+            offset += n
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            if self._dog is None:
+                raise
+            if not is_comm_error(exc):
+                self._dog.report(exc, own=True)
+                raise
+            self._dog.report(exc, own=False)
+            ranks, message = self._dog.diagnose(grace=self.grace)
+            raise RankFailedError(
+                f"{what} on rank {self.rank} stopped: {message} (rank {self.rank} saw: {exc})",
+                ranks=ranks,
+            ) from exc
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception as err:  # a process group without a store: failures are not diagnosed
+        log.debug("no store for failure reports: %s", err)
+        return None
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a local ``tcp://`` rendezvous).
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

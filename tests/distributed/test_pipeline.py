@@ -1,0 +1,142 @@
+"""A placed model run as 2 and 3 real gloo ranks equals ``pl.run`` / single-process training."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import placement as pl
+from tests.conftest import _exported
+from tests.distributed import workers
+from tests.distributed.harness import spawn
+
+MODELS = ["mlp", "resnet", "gpt", "unet"]
+TRAIN = [("gpt", 3, "gpipe"), ("resnet", 2, "1f1b")]
+
+
+def _build(name: str, seed: int):
+    from placement import models
+
+    return models.build(name, "tiny", seed=seed)
+
+
+def place(name: str, n: int) -> tuple[pl.Model, list[np.ndarray]]:
+    """``name`` on ``n`` logical GPUs and a batch of 2 micro-batches."""
+    model, _, args = _exported(name)  # exported once per test session
+    model = model.copy()
+    pl.place_evenly(model, n)  # Caffe2 style: equal runs of activations, shifted, with copies
+    _, more = _build(name, 1)
+    batch = [np.concatenate([a.numpy(), b.numpy()]) for a, b in zip(args, more)]
+    return model, batch
+
+
+@pytest.fixture(scope="module")
+def zoo_run(tmp_path_factory):
+    """One spawn of 3 ranks runs every case; returns (results, expected)."""
+    tmp = tmp_path_factory.mktemp("zoo")
+    cases, expected = [], {}
+    placed = {}
+    for name in MODELS:
+        for n in (2, 3):
+            model, batch = place(name, n)
+            path = tmp / f"{name}{n}.onnx"
+            model.save(path)
+            model = pl.load(path)
+            placed[name, n] = (path, model, batch)
+            np.savez(tmp / f"{name}{n}_in.npz", *batch)
+            rows = model.graph.inputs[0].shape[0]
+            chunks = [[a[i : i + rows] for a in batch] for i in range(0, len(batch[0]), rows)]
+            outs = [pl.run(model, c) for c in chunks]
+            expected[f"{name}{n}/out"] = [np.concatenate(parts) for parts in zip(*outs)]
+            cases.append(
+                {"key": f"{name}{n}", "ranks": n, "path": str(path), "inputs": str(tmp / f"{name}{n}_in.npz")}
+            )
+    for name, n, schedule in TRAIN:
+        path, model, batch = placed[name, n]
+        module = pl.to_torch(model, device_map="cpu")
+        rows = model.graph.inputs[0].shape[0]
+        out_shape = module(*[torch.from_numpy(a[:rows]) for a in batch]).shape
+        target = np.random.default_rng(0).standard_normal((len(batch[0]), *out_shape[1:])).astype(np.float32)
+        np.save(tmp / f"{name}{n}_target.npy", target)
+        losses = []
+        for i in range(0, len(batch[0]), rows):
+            out = module(*[torch.from_numpy(a[i : i + rows]) for a in batch])
+            losses.append(workers._mse(out, torch.from_numpy(target[i : i + rows])))
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        expected[f"train_{name}{n}/loss"] = float(loss.detach())
+        expected[f"train_{name}{n}/grads"] = {k: p.grad.numpy() for k, p in module.named_parameters()}
+        cases.append(
+            {
+                "key": f"train_{name}{n}",
+                "ranks": n,
+                "path": str(path),
+                "inputs": str(tmp / f"{name}{n}_in.npz"),
+                "target": str(tmp / f"{name}{n}_target.npy"),
+                "schedule": schedule,
+            }
+        )
+    cases[0]["path2"] = str(placed["mlp", 2][0])
+    gpt3 = placed["gpt", 3][0]
+    cases[0]["kill"] = {
+        "path": str(gpt3),
+        "inputs": str(tmp / "gpt3_in.npz"),
+        "victim": 1,
+        "outdir": str(tmp),
+    }
+    codes = spawn(workers.zoo, 3, cases, str(tmp), timeout=120)
+    results: dict = {}
+    for rank in range(3):
+        with open(tmp / f"rank{rank}.pkl", "rb") as f:
+            results.update(pickle.load(f))
+    errors = [v for k, v in results.items() if k.startswith("error/")]
+    assert not errors, errors[0]
+    assert codes[0] == codes[2] == 0 and codes[1] != 0  # rank 1 killed itself at the end
+    return results, expected
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", MODELS)
+def test_outputs_equal_pl_run(zoo_run, name, ranks):
+    results, expected = zoo_run
+    got, want = results[f"{name}{ranks}/out"], expected[f"{name}{ranks}/out"]
+    assert len(got) == len(want) and results[f"{name}{ranks}/owndata"]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,ranks,schedule", TRAIN)
+def test_training_gradients_equal_single_process(zoo_run, name, ranks, schedule):
+    results, expected = zoo_run
+    key = f"train_{name}{ranks}"
+    assert results[f"{key}/loss"] == pytest.approx(expected[f"{key}/loss"], rel=1e-5)
+    want = expected[f"{key}/grads"]
+    seen = set()
+    for rank in range(ranks):
+        for param, grad in results[f"{key}/grads/{rank}"].items():
+            np.testing.assert_allclose(
+                grad, want[param], rtol=1e-4, atol=1e-6, err_msg=f"{param} on rank {rank}"
+            )
+            seen.add(param)
+    assert seen == set(want)  # every parameter lives on some rank
+
+
+def test_world_size_mismatch_names_both_numbers(zoo_run):
+    results, _ = zoo_run
+    message = results["world_size_error/0"]
+    assert "world size 3" in message and "2 rank(s)" in message
+
+
+def test_killed_rank_is_named_by_the_others(zoo_run):
+    """After the cases above, rank 1 is killed (SIGKILL): ranks 0 and 2 fail fast, naming it."""
+    results, _ = zoo_run
+    for rank in (0, 2):
+        seconds, message = results[f"killed/{rank}"]
+        assert "RankFailedError ranks=[1]" in message and "rank 1 stopped without a report" in message, (
+            message
+        )
+        assert seconds < 15, f"rank {rank} took {seconds:.1f} s to notice"  # not the 30 s timeout
