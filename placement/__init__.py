@@ -52,7 +52,7 @@ from placement.passes.stage_assignment import (
 from placement.runtime.ort import Runner, run
 
 # torch lowering (issue 4)
-from placement.runtime.torch_lower import to_torch
+from placement.runtime.lowering import to_torch
 
 __version__ = "0.1.0"
 
