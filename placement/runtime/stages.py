@@ -390,21 +390,17 @@ def _assign(
     return stage_of_node, stage_device, stage_nodes, sg
 
 
-#: Op types whose outputs are not load-time values even when every input is.
-_NONDETERMINISTIC = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
-
-
 def _load_time_values(graph: ir.Graph) -> set[ir.Value]:
     """Blobs computable from parameters and constants alone (module docstring: load-time values).
 
     Graph outputs, and the sources of copies that produce graph outputs, are left
     out: they are produced by their stage like any other blob.
     """
+    from placement.runtime.lowering.ops import is_nondeterministic
+
     consts: set[ir.Value] = set(graph.initializers.values())
     for node in graph:
-        if node.op_type in _NONDETERMINISTIC or node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx") or is_nondeterministic(node.op_type):
             continue
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             continue

@@ -79,7 +79,6 @@ import numpy as np
 import onnx_ir as ir
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
@@ -89,9 +88,6 @@ from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_d
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
-
-#: A rule that inlines nothing (for arguments of fused calls).
-_NO_INLINE = Rule("<fused>", lambda *a: None)
 
 __all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
@@ -285,7 +281,7 @@ class _Lowering:
         self.prefixes: set[str] = set()
         self.cache: dict[tuple[str, str], fx.Node] = {}  # (blob, physical) -> node there
         self.pending_params: dict[str, torch.Tensor] = {}  # registered on first use
-        self.linear_pending: dict[int, tuple[_Val, _Val, int]] = {}  # Add id -> MatMul inputs
+        self.deferred: dict[int, Any] = {}  # consumer node id -> continuation of a fused producer
         self.meta: dict[str, torch.Tensor] = {}  # blob -> meta tensor (static shape and dtype)
         self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
         self.const_homes: dict[str, str] = {}  # constant blob -> its first buffer path
@@ -495,9 +491,14 @@ class _Lowering:
             attrs["num_outputs"] = len(outs)
         if "device" in (rule.params or ()):
             attrs["device"] = phys
+        continuation = self.deferred.pop(id(node), None)
+        if continuation is not None:
+            continuation(self, node, ins, phys)
+            self._propagate(rule, ins, attrs, outs)
+            return
         if self._fold(node, rule, ins, attrs, outs):
             return
-        if self._fuse_linear(node, ins, phys):
+        if rule.fuse is not None and rule.fuse(self, node, ins, phys):
             self._propagate(rule, ins, attrs, outs)
             return
         args = [self._argument(val, i, rule, phys) for i, val in enumerate(ins)]
@@ -521,6 +522,32 @@ class _Lowering:
             if out.name:
                 item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
                 self.values[out.name] = _Val(out.name, node=item, device=device)
+
+    # -- the interface of a rule's ``fuse`` ------------------------------------------------------
+
+    def shape(self, value: ir.Value | None) -> tuple[int, ...] | None:
+        """The static shape of a blob, or None."""
+        return self._shape(value)
+
+    def on(self, val: _Val, phys: str) -> fx.Node:
+        """The fx node of a value on physical device ``phys``."""
+        return self._on(val, phys)
+
+    def emit(self, op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> fx.Node:
+        """Append one fx node."""
+        return self._create(op, target, args, kwargs, name)
+
+    def define(self, blob: str, node: fx.Node, device: Device) -> None:
+        """Record ``node`` as the value of ``blob`` on logical ``device``."""
+        self.values[blob] = _Val(blob, node=node, device=device)
+
+    def defer(self, consumer: ir.Node, continuation: Any) -> None:
+        """Lower ``consumer`` with ``continuation(lowering, node, inputs, phys)`` instead of its rule."""
+        self.deferred[id(consumer)] = continuation
+
+    def mark_fused(self, blob: str) -> None:
+        """``blob`` is computed inside a fused call and never materialized."""
+        self.fused.add(blob)
 
     # -- static shapes ------------------------------------------------------------------------
 
@@ -574,51 +601,6 @@ class _Lowering:
         for out, tensor in zip(outs, results):
             if out.name and isinstance(tensor, torch.Tensor):
                 self.meta[out.name] = tensor if tensor.device.type == "meta" else tensor.to("meta")
-
-    def _fuse_linear(self, node: ir.Node, ins: list[_Val | None], phys: str) -> bool:
-        """``MatMul(A, B)`` + ``Add(bias)`` -> ``F.linear(A, B.t(), bias)``, as eager ``nn.Linear``.
-
-        The exporter splits a Linear on n-D inputs into MatMul and Add; fusing them
-        back gives eager's single ``addmm`` (same kernel, same numbers). Only when
-        the MatMul feeds nothing but that Add on the same device, ``B`` is 2-D and
-        the bias is 1-D of ``B``'s width. True when ``node`` was handled.
-        """
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Add"):
-            return False
-        if node.op_type == "Add":
-            pending = self.linear_pending.pop(id(node), None)
-            if pending is None:
-                return False
-            a, b, position = pending
-            bias = ins[1 - position]
-            assert bias is not None
-            b_node = self._on(b, phys)
-            if b_node.op == "call_method" and b_node.target == "permute" and b_node.args[1:] == (1, 0):
-                weight = b_node.args[0]  # B = W.permute(1, 0): use W itself, like nn.Linear
-            else:
-                weight = self._create("call_method", "t", (b_node,), {}, f"{b.name}_t")
-            args = (self._on(a, phys), weight, self._argument(bias, 1, _NO_INLINE, phys))
-            out = node.outputs[0].name or ""
-            call = self._create("call_function", F.linear, args, {}, out or node.name or "linear")
-            self.values[out] = _Val(out, node=call, device=node_device(node))
-            return True
-        out = node.outputs[0]
-        uses = list(out.uses())
-        if len(uses) != 1 or out.is_graph_output() or any(v is None for v in ins):
-            return False
-        add, position = uses[0].node, uses[0].idx
-        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
-            return False
-        if node_device(add) != node_device(node) or is_copy_node(add):
-            return False
-        b_shape = self._shape(node.inputs[1])
-        other = add.inputs[1 - position]
-        bias_shape = self._shape(other)
-        if b_shape is None or len(b_shape) != 2 or bias_shape != (b_shape[1],):
-            return False
-        self.linear_pending[id(add)] = (ins[0], ins[1], position)
-        self.fused.add(out.name or "")
-        return True
 
     def _lower_identity(self, node: ir.Node, src: _Val | None, device: Device, phys: str) -> None:
         out = node.outputs[0].name or ""

@@ -1,0 +1,471 @@
+"""Neural-network ops: normalisation, convolution, pooling, resizing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+
+from placement.errors import LoweringError
+from placement.runtime.lowering.ops._registry import (
+    FxCall,
+    ShapeLookup,
+    Shapes,
+    Tensor,
+    _axis,
+    _ints,
+    _torch_pads,
+    flops_scaled,
+    op,
+)
+
+# --- normalisation ---------------------------------------------------------------------
+
+
+def _direct_layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
+    scale = shapes[1] if len(shapes) > 1 else None
+    bias = shapes[2] if len(shapes) > 2 and len(args) > 2 and args[2] is not None else scale
+    if set(kwargs) - {"epsilon"} or scale is None or len(scale) != 1 or bias != scale:
+        return None  # axis=-1 (the default) with 1-D scale and bias only
+    eps = kwargs.get("epsilon", 1e-5)
+    bias_arg = args[2] if len(args) > 2 else None
+    return "call_function", F.layer_norm, (args[0], tuple(scale), args[1], bias_arg, eps), {}
+
+
+@op("LayerNormalization", direct=_direct_layer_norm, flops=flops_scaled(8))
+def layer_normalization(
+    X: Tensor,
+    Scale: Tensor,
+    B: Tensor | None = None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    stash_type: int = 1,
+    num_outputs: int = 1,
+) -> Any:
+    """ONNX LayerNormalization over the dims from ``axis`` on (``F.layer_norm``)."""
+    axis = _axis(axis, X.dim())
+    shape = tuple(X.shape[axis:])
+    if num_outputs == 1 and tuple(Scale.shape) == shape and (B is None or tuple(B.shape) == shape):
+        return F.layer_norm(X, shape, Scale, B, epsilon)
+    dims = tuple(range(axis, X.dim()))
+    compute = X.float() if stash_type == 1 and X.dtype in (torch.float16, torch.bfloat16) else X
+    mean_ = compute.mean(dims, keepdim=True)
+    inv_std = torch.rsqrt(compute.var(dims, unbiased=False, keepdim=True) + epsilon)
+    y = ((compute - mean_) * inv_std).to(X.dtype) * Scale
+    if B is not None:
+        y = y + B
+    return (y, mean_, inv_std)[:num_outputs] if num_outputs > 1 else y
+
+
+def _inference_only(attrs: dict[str, Any]) -> str | None:
+    return "training_mode=1 (only inference is lowered)" if attrs.get("training_mode") else None
+
+
+def _direct_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
+    if set(kwargs) - {"epsilon", "momentum"} or len(args) != 5:
+        return None
+    x, scale, bias, mean_, var = args
+    if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in (mean_, var)):
+        return None  # running statistics computed in the graph: the rule detaches them
+    eps = kwargs.get("epsilon", 1e-5)
+    return "call_function", F.batch_norm, (x, mean_, var, scale, bias, False, 0.0, eps), {}
+
+
+@op(
+    "BatchNormalization",
+    check=_inference_only,
+    buffer_inputs=(3, 4),
+    direct=_direct_batch_norm,
+    flops=flops_scaled(4),
+)
+def batch_normalization(
+    X: Tensor,
+    scale: Tensor,
+    B: Tensor,
+    input_mean: Tensor,
+    input_var: Tensor,
+    *,
+    epsilon: float = 1e-5,
+    momentum: float = 0.9,
+    training_mode: int = 0,
+) -> Tensor:
+    """ONNX BatchNormalization in inference mode (running statistics)."""
+    return F.batch_norm(X, input_mean.detach(), input_var.detach(), scale, B, False, 0.0, epsilon)
+
+
+@op("InstanceNormalization", flops=flops_scaled(8))
+def instance_normalization(input: Tensor, scale: Tensor, B: Tensor, *, epsilon: float = 1e-5) -> Tensor:  # noqa: A002
+    """ONNX InstanceNormalization (per sample and channel)."""
+    return F.instance_norm(input, weight=scale, bias=B, eps=epsilon)
+
+
+@op("GroupNormalization", flops=flops_scaled(8))
+def group_normalization(
+    X: Tensor, scale: Tensor, bias: Tensor, *, num_groups: int, epsilon: float = 1e-5, stash_type: int = 1
+) -> Tensor:
+    """ONNX GroupNormalization (opset 21 per-channel scale; opset 18 per-group scale too)."""
+    channels = X.shape[1]
+    if scale.numel() == num_groups and channels != num_groups:
+        scale = scale.repeat_interleave(channels // num_groups)
+        bias = bias.repeat_interleave(channels // num_groups)
+    return F.group_norm(X, num_groups, scale, bias, epsilon)
+
+
+@op("LpNormalization")
+def lp_normalization(input: Tensor, *, axis: int = -1, p: int = 2) -> Tensor:  # noqa: A002
+    """ONNX LpNormalization: ``x / ||x||_p`` along ``axis``."""
+    return input / torch.linalg.vector_norm(input, p, dim=axis, keepdim=True)
+
+
+@op("LRN")
+def lrn(X: Tensor, *, size: int, alpha: float = 1e-4, beta: float = 0.75, bias: float = 1.0) -> Tensor:
+    """ONNX LRN across channels."""
+    return F.local_response_norm(X, size, alpha, beta, bias)
+
+
+# --- convolution and pooling ---------------------------------------------------------
+
+
+def _spatial_pads(
+    in_shape: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int] | None,
+    auto_pad: str,
+) -> list[int]:
+    """ONNX begin/end pads ``[b_1..b_n, e_1..e_n]`` after resolving ``auto_pad``."""
+    n = len(kernel)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begins, ends = [], []
+        for size, k, s, d in zip(in_shape, kernel, strides, dilations):
+            total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            small, big = total // 2, total - total // 2
+            begins.append(small if auto_pad == "SAME_UPPER" else big)
+            ends.append(big if auto_pad == "SAME_UPPER" else small)
+        return begins + ends
+    if auto_pad == "VALID" or not pads:
+        return [0] * (2 * n)
+    return list(pads)
+
+
+def _symmetric(pads: Sequence[int]) -> bool:
+    n = len(pads) // 2
+    return list(pads[:n]) == list(pads[n:])
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _direct_conv(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
+    weight = shapes[1] if len(shapes) > 1 else None
+    if weight is None or not 3 <= len(weight) <= 5 or kwargs.get("auto_pad", "NOTSET") != "NOTSET":
+        return None
+    n = len(weight) - 2
+    pads = list(kwargs.get("pads") or [0] * (2 * n))
+    if not _symmetric(pads):
+        return None
+    bias = args[2] if len(args) > 2 else None
+    call_args = (
+        args[0],
+        args[1],
+        bias,
+        tuple(kwargs.get("strides") or [1] * n),
+        tuple(pads[:n]),
+        tuple(kwargs.get("dilations") or [1] * n),
+        kwargs.get("group", 1),
+    )
+    return "call_function", _CONV[n], call_args, {}
+
+
+def _flops_conv(node: ir.Node, shapes: ShapeLookup) -> int:
+    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
+    per_out = math.prod(w[1:]) if w else 1
+    return 2 * per_out * shapes.numel(node.outputs[0])
+
+
+def _flops_conv_transpose(node: ir.Node, shapes: ShapeLookup) -> int:
+    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
+    per_in = math.prod(w[1:]) if w else 1
+    return 2 * per_in * shapes.numel(node.inputs[0])
+
+
+@op("Conv", direct=_direct_conv, flops=_flops_conv)
+def conv(
+    X: Tensor,
+    W: Tensor,
+    B: Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX Conv (1-3 spatial dims, groups, dilations, ``auto_pad``, asymmetric pads)."""
+    n = W.dim() - 2
+    strides = list(strides or [1] * n)
+    dilations = list(dilations or [1] * n)
+    p = _spatial_pads(X.shape[2:], W.shape[2:], strides, dilations, pads, auto_pad)
+    if _symmetric(p):
+        padding: Any = p[:n]
+    else:
+        X, padding = F.pad(X, _torch_pads(p, X.dim())), 0
+    return _CONV[n](X, W, B, strides, padding, dilations, group)
+
+
+@op("ConvTranspose", flops=_flops_conv_transpose)
+def conv_transpose(
+    X: Tensor,
+    W: Tensor,
+    B: Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    output_padding: Sequence[int] | None = None,
+    output_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX ConvTranspose (``output_shape``, ``auto_pad``, asymmetric pads by cropping)."""
+    n = W.dim() - 2
+    strides = list(strides or [1] * n)
+    dilations = list(dilations or [1] * n)
+    out_pad = list(output_padding or [0] * n)
+    kernel = W.shape[2:]
+    full = [
+        s * (i - 1) + op + (k - 1) * d + 1
+        for i, k, s, d, op in zip(X.shape[2:], kernel, strides, dilations, out_pad)
+    ]
+    if output_shape:
+        target = list(output_shape)[-n:]
+        totals = [f - t for f, t in zip(full, target)]
+        if auto_pad == "SAME_UPPER":
+            p = [t // 2 for t in totals] + [t - t // 2 for t in totals]
+        else:
+            p = [t - t // 2 for t in totals] + [t // 2 for t in totals]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        totals = [f - i * s for f, i, s in zip(full, X.shape[2:], strides)]
+        if auto_pad == "SAME_UPPER":
+            p = [t // 2 for t in totals] + [t - t // 2 for t in totals]
+        else:
+            p = [t - t // 2 for t in totals] + [t // 2 for t in totals]
+    else:
+        p = list(pads) if pads and auto_pad != "VALID" else [0] * (2 * n)
+    fast = _symmetric(p) and min(p, default=0) >= 0
+    if fast and all(o < max(s, d) for o, s, d in zip(out_pad, strides, dilations)):
+        return _CONV_T[n](X, W, B, strides, p[:n], out_pad, group, dilations)
+    # general case: full transposed conv, zero rows for output_padding, crop the pads
+    y = _CONV_T[n](X, W, None, strides, 0, 0, group, dilations)
+    y = F.pad(y, _torch_pads([0] * n + out_pad, y.dim()))
+    y = F.pad(y, _torch_pads([-v for v in p], y.dim()))
+    return y if B is None else y + B.reshape(1, -1, *([1] * n))
+
+
+def _pool_check(attrs: dict[str, Any]) -> str | None:
+    if attrs.get("storage_order"):
+        return "storage_order=1"
+    return None
+
+
+@op("MaxPool", check=_pool_check)
+def max_pool(
+    X: Tensor,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int],
+    pads: Sequence[int] | None = None,
+    storage_order: int = 0,
+    strides: Sequence[int] | None = None,
+    num_outputs: int = 1,
+) -> Any:
+    """ONNX MaxPool (1-3 spatial dims); ``Indices`` are flat per (N, C) like ONNX."""
+    n = len(kernel_shape)
+    strides = list(strides or [1] * n)
+    dilations = list(dilations or [1] * n)
+    p = _spatial_pads(X.shape[2:], kernel_shape, strides, dilations, pads, auto_pad)
+    fits = _symmetric(p) and all(v <= k // 2 for v, k in zip(p[:n], kernel_shape))
+    if fits:
+        padding: Any = p[:n]
+    else:
+        X, padding = F.pad(X, _torch_pads(p, X.dim()), value=-math.inf), 0
+    out = _MAX_POOL[n](
+        X, list(kernel_shape), strides, padding, dilations, bool(ceil_mode), return_indices=num_outputs > 1
+    )
+    if num_outputs > 1:
+        values, indices = out
+        return values, indices
+    return out
+
+
+@op("AveragePool")
+def average_pool(
+    X: Tensor,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    count_include_pad: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int],
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX AveragePool (1-3 spatial dims, ``count_include_pad``, asymmetric pads)."""
+    n = len(kernel_shape)
+    strides = list(strides or [1] * n)
+    p = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
+    if _symmetric(p) and all(v <= k // 2 for v, k in zip(p[:n], kernel_shape)):
+        return _AVG_POOL[n](X, list(kernel_shape), strides, p[:n], bool(ceil_mode), bool(count_include_pad))
+    padded = F.pad(X, _torch_pads(p, X.dim()))
+    sums = _AVG_POOL[n](padded, list(kernel_shape), strides, 0, bool(ceil_mode), True)
+    if count_include_pad:
+        return sums
+    ones = F.pad(torch.ones_like(X[:1, :1]), _torch_pads(p, X.dim()))
+    counts = _AVG_POOL[n](ones, list(kernel_shape), strides, 0, bool(ceil_mode), True)
+    return sums / counts
+
+
+@op("GlobalAveragePool")
+def global_average_pool(X: Tensor) -> Tensor:
+    """ONNX GlobalAveragePool: mean over the spatial dims, kept."""
+    return X.mean(dim=tuple(range(2, X.dim())), keepdim=True)
+
+
+@op("GlobalMaxPool")
+def global_max_pool(X: Tensor) -> Tensor:
+    """ONNX GlobalMaxPool: max over the spatial dims, kept."""
+    return X.amax(dim=tuple(range(2, X.dim())), keepdim=True)
+
+
+_LINEAR_MODES = {"half_pixel", "pytorch_half_pixel", "align_corners"}
+
+
+def _resize_check(attrs: dict[str, Any]) -> str | None:
+    mode = attrs.get("mode", "nearest")
+    ctm = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return f"keep_aspect_ratio_policy={attrs['keep_aspect_ratio_policy']!r}"
+    if mode == "nearest":
+        if ctm == "tf_crop_and_resize":
+            return "coordinate_transformation_mode='tf_crop_and_resize'"
+        return None
+    if mode not in ("linear", "cubic"):
+        return f"mode={mode!r}"
+    if ctm not in _LINEAR_MODES:
+        return f"mode={mode!r} with coordinate_transformation_mode={ctm!r}"
+    if mode == "cubic" and (attrs.get("exclude_outside") or attrs.get("cubic_coeff_a", -0.75) != -0.75):
+        return "cubic with exclude_outside or cubic_coeff_a != -0.75"
+    return None
+
+
+@op("Resize", shape_inputs=(1, 2, 3), check=_resize_check)
+def resize(
+    X: Tensor,
+    roi: Any = None,
+    scales: Any = None,
+    sizes: Any = None,
+    *,
+    antialias: int = 0,
+    axes: Sequence[int] | None = None,
+    coordinate_transformation_mode: str = "half_pixel",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: int = 0,
+    extrapolation_value: float = 0.0,
+    keep_aspect_ratio_policy: str = "stretch",
+    mode: str = "nearest",
+    nearest_mode: str = "round_prefer_floor",
+) -> Tensor:
+    """ONNX Resize: ``nearest`` (every coordinate mode and rounding), ``linear`` and
+    ``cubic`` (through ``F.interpolate``) over the spatial dims."""
+    rank = X.dim()
+    axes_ = [_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
+    scale_list = [
+        float(s) for s in (scales.reshape(-1).tolist() if isinstance(scales, Tensor) else scales or [])
+    ]
+    size_list = _ints(sizes) if sizes is not None else []
+    full_scales = [1.0] * rank
+    full_sizes = list(X.shape)
+    if size_list:
+        for a, s in zip(axes_, size_list):
+            full_sizes[a] = s
+            full_scales[a] = s / X.shape[a]
+    else:
+        for a, s in zip(axes_, scale_list):
+            full_scales[a] = s
+            full_sizes[a] = int(math.floor(X.shape[a] * s))
+    if mode == "nearest":
+        out = X
+        for a in range(rank):
+            if full_sizes[a] != X.shape[a] or full_scales[a] != 1.0:
+                index = _nearest_index(
+                    X.shape[a],
+                    full_sizes[a],
+                    full_scales[a],
+                    coordinate_transformation_mode,
+                    nearest_mode,
+                    X.device,
+                )
+                out = out.index_select(a, index)
+        return out
+    if full_sizes[:2] != list(X.shape[:2]):
+        raise LoweringError("Resize: linear/cubic modes only resize the spatial dims")
+    spatial = rank - 2
+    torch_mode = {
+        ("linear", 1): "linear",
+        ("linear", 2): "bilinear",
+        ("linear", 3): "trilinear",
+        ("cubic", 2): "bicubic",
+    }.get((mode, spatial))
+    if torch_mode is None:
+        raise LoweringError(f"Resize: mode {mode!r} over {spatial} spatial dims is not supported")
+    align = coordinate_transformation_mode == "align_corners"
+    if size_list:
+        return F.interpolate(
+            X, size=full_sizes[2:], mode=torch_mode, align_corners=align, antialias=bool(antialias)
+        )
+    return F.interpolate(
+        X,
+        scale_factor=full_scales[2:],
+        mode=torch_mode,
+        align_corners=align,
+        recompute_scale_factor=False,
+        antialias=bool(antialias),
+    )
+
+
+def _nearest_index(
+    in_size: int, out_size: int, scale: float, ctm: str, nearest_mode: str, device: Any
+) -> Tensor:
+    out = torch.arange(out_size, dtype=torch.float64)
+    if ctm == "asymmetric":
+        x = out / scale
+    elif ctm == "align_corners":
+        x = out * ((in_size - 1) / (out_size - 1)) if out_size > 1 else torch.zeros_like(out)
+    elif ctm == "pytorch_half_pixel":
+        x = (out + 0.5) / scale - 0.5 if out_size > 1 else torch.zeros_like(out)
+    elif ctm == "tf_half_pixel_for_nn":
+        x = (out + 0.5) / scale
+    else:  # half_pixel
+        x = (out + 0.5) / scale - 0.5
+    if nearest_mode == "floor":
+        idx = torch.floor(x)
+    elif nearest_mode == "ceil":
+        idx = torch.ceil(x)
+    elif nearest_mode == "round_prefer_ceil":
+        idx = torch.floor(x + 0.5)
+    else:  # round_prefer_floor
+        idx = torch.ceil(x - 0.5)
+    return idx.clamp(0, in_size - 1).long().to(device)
