@@ -82,7 +82,7 @@ import torch.fx as fx
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device
+from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 
@@ -93,7 +93,8 @@ __all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
 log = logging.getLogger(__name__)
 
-#: Oldest default-domain opset the rules implement (Softmax / Split semantics).
+#: Oldest default-domain opset the rules implement (Softmax / Split semantics); older
+#: models are converted to it with ``onnx.version_converter``.
 MIN_OPSET = 13
 
 #: Constants folded at lowering time larger than this many elements stay runtime ops.
@@ -122,7 +123,8 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
 
     Raises:
         LoweringError: op types without a rule (all of them, named with an
-            example op each), unsupported attributes, or an opset older than 13.
+            example op each), unsupported attributes, or an opset older than 13 that
+            ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map``.
 
     Example:
@@ -135,7 +137,8 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
     """
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
-    check_supported(model)
+    model, problems = _upgraded(model)
+    check_supported(model, problems=problems)
     devices = _logical_devices(model)
     dmap = resolve_device_map(devices, device_map, runtime="torch")
     module = _Lowering(model, dmap).build()
@@ -147,8 +150,10 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
     return module
 
 
-def check_supported(model: Model) -> None:
-    """Raise one ``LoweringError`` naming every op type the lowering cannot handle.
+def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
+    """Raise one ``LoweringError`` naming every op type and attribute the lowering cannot handle.
+
+    ``problems`` are earlier findings (an opset conversion that failed) listed first.
 
     Example:
         >>> import torch
@@ -156,10 +161,7 @@ def check_supported(model: Model) -> None:
         >>> model = pl.from_torch(torch.nn.ReLU(), (torch.randn(2),))
         >>> check_supported(model)  # fine: Relu has a rule
     """
-    opset = model.graph.opset_imports.get("", model.graph.opset_imports.get("ai.onnx"))
-    problems: list[str] = []
-    if opset is not None and opset < MIN_OPSET:
-        problems.append(f"default-domain opset {opset} is older than {MIN_OPSET}")
+    problems = list(problems or ())
     missing: dict[str, tuple[str, int]] = {}
     bad_attrs: dict[str, str] = {}
     for node in model.graph:
@@ -188,6 +190,51 @@ def check_supported(model: Model) -> None:
         problems.append(f"unsupported attributes: {listed}")
     if problems:
         raise LoweringError("cannot lower to torch: " + " | ".join(problems))
+
+
+def _default_opset(model: Model) -> int | None:
+    imports = model.graph.opset_imports
+    return imports.get("", imports.get("ai.onnx"))
+
+
+def _upgraded(model: Model) -> tuple[Model, list[str]]:
+    """The model itself, or a copy converted to opset :data:`MIN_OPSET` by ``onnx.version_converter``.
+
+    Node names survive the conversion; devices, copy marks and scopes are copied
+    back by name, and a node the converter added takes the device of a neighbour.
+    Returns the model and the problems found (a failed conversion).
+    """
+    opset = _default_opset(model)
+    if opset is None or opset >= MIN_OPSET:
+        return model, []
+    import onnx
+    from onnx import version_converter
+
+    proto = ir.serde.serialize_model(model.ir_model)
+    try:
+        converted = version_converter.convert_version(proto, MIN_OPSET)
+        onnx.checker.check_model(converted)
+    except Exception as err:  # the converter raises plain RuntimeErrors from C++
+        reason = " ".join(str(err).split())[:200]
+        return model, [f"default-domain opset {opset} could not be converted to {MIN_OPSET}: {reason}"]
+    ir_model = ir.serde.deserialize_model(converted)
+    ir_model.metadata_props.update(model.ir_model.metadata_props)
+    by_name = {node.name: node for node in model.graph if node.name}
+    unplaced: list[ir.Node] = []
+    for node in ir_model.graph:
+        source = by_name.get(node.name or "")
+        if source is not None:
+            node.metadata_props.update(source.metadata_props)
+        else:
+            unplaced.append(node)
+    for node in unplaced:
+        neighbours = [u.node for out in node.outputs for u in out.uses()]
+        neighbours += [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+        placed = next((n for n in neighbours if n is not None and DEVICE_KEY in n.metadata_props), None)
+        if placed is not None:
+            node.metadata_props[DEVICE_KEY] = placed.metadata_props[DEVICE_KEY]
+    log.info("converted the model from opset %d to %d for the torch lowering", opset, MIN_OPSET)
+    return Model(ir_model, device=_logical_devices(model)[0]), []
 
 
 # --- internals -------------------------------------------------------------------------
@@ -506,6 +553,9 @@ class _Lowering:
             args.pop()
         kwargs = self._kwargs(rule, attrs, phys)
         fx_op, target = "call_function", rule.fn
+        if rule.widen_unsigned and any(v is not None and v.dtype in _WIDE_UNSIGNED for v in node.inputs):
+            self._lower_widened(node, rule, args, kwargs, device)
+            return
         if rule.direct is not None:
             shapes = [self._shape(v) for v in node.inputs]
             emitted = rule.direct(tuple(args), kwargs, shapes)
@@ -522,6 +572,24 @@ class _Lowering:
             if out.name:
                 item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
                 self.values[out.name] = _Val(out.name, node=item, device=device)
+
+    def _lower_widened(
+        self, node: ir.Node, rule: Rule, args: list[Any], kwargs: dict[str, Any], device: Device
+    ) -> None:
+        """Compute in int64 where torch has no uint16/32/64 kernel, then cast back."""
+        label = _op_label(node)
+        wide = [
+            self._create("call_method", "to", (a, torch.int64), {}, f"{label}_in{i}_i64")
+            if isinstance(a, fx.Node)
+            else a
+            for i, a in enumerate(args)
+        ]
+        out = node.outputs[0]
+        name = out.name or label
+        call = self._create("call_function", rule.fn, tuple(wide), kwargs, name)
+        if out.dtype in _WIDE_UNSIGNED:
+            call = self._create("call_method", "to", (call, torch_dtype(int(out.dtype))), {}, f"{name}_cast")
+        self.values[out.name or ""] = _Val(out.name or "", node=call, device=device)
 
     # -- the interface of a rule's ``fuse`` ------------------------------------------------------
 
@@ -731,6 +799,9 @@ def _static_shape(value: ir.Value) -> tuple[int, ...] | None:
 
 
 _NOT_LITERAL = object()
+
+#: Unsigned types without most torch kernels: rules flagged ``widen_unsigned`` compute them in int64.
+_WIDE_UNSIGNED = frozenset({ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64})
 
 
 def _literal(val: _Val, index: int, rule: Rule) -> Any:

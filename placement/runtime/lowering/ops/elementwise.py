@@ -27,7 +27,7 @@ op("Sub", operator.sub, scalar_inputs=(0, 1), widen_unsigned=True)
 op("Mul", operator.mul, scalar_inputs=(0, 1), widen_unsigned=True)
 
 
-@op("Div", scalar_inputs=(0, 1))
+@op("Div", scalar_inputs=(0, 1), widen_unsigned=True)
 def div(A: Any, B: Any) -> Tensor:
     """ONNX Div: true division for floats, truncating division for integers."""
     if _is_int(A) and _is_int(B):
@@ -42,19 +42,19 @@ def pow_(X: Tensor, Y: Any) -> Tensor:
     return out if out.dtype == X.dtype else out.to(X.dtype)
 
 
-@op("Mod", scalar_inputs=(1,))
+@op("Mod", scalar_inputs=(1,), widen_unsigned=True)
 def mod(A: Tensor, B: Any, *, fmod: int = 0) -> Tensor:
     """ONNX Mod: the sign of the divisor (``fmod=0``) or of the dividend (``fmod=1``)."""
     return torch.fmod(A, B) if fmod else torch.remainder(A, B)
 
 
-@op("Max")
+@op("Max", widen_unsigned=True)
 def max_(*data_0: Tensor) -> Tensor:
     """ONNX Max: elementwise maximum of all inputs, broadcasting."""
     return functools.reduce(torch.maximum, data_0)
 
 
-@op("Min")
+@op("Min", widen_unsigned=True)
 def min_(*data_0: Tensor) -> Tensor:
     """ONNX Min: elementwise minimum of all inputs, broadcasting."""
     return functools.reduce(torch.minimum, data_0)
@@ -109,7 +109,7 @@ op("Xor", torch.logical_xor)
 op("BitwiseAnd", torch.bitwise_and)
 op("BitwiseOr", torch.bitwise_or)
 op("BitwiseXor", torch.bitwise_xor)
-op("BitwiseNot", torch.bitwise_not)
+op("BitwiseNot", torch.bitwise_not, widen_unsigned=True)
 
 op("Equal", operator.eq, scalar_inputs=(0, 1), widen_unsigned=True)
 op("Less", operator.lt, scalar_inputs=(0, 1), widen_unsigned=True)
