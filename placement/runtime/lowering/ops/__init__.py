@@ -51,7 +51,7 @@ Example:
 
 from __future__ import annotations
 
-from placement.runtime.lowering.ops import elementwise, linalg, nn, random, reduction, shape
+from placement.runtime.lowering.ops import attention, elementwise, linalg, nn, random, reduction, shape
 from placement.runtime.lowering.ops._registry import (
     DEFAULT_RULE,
     RULES,
@@ -80,6 +80,7 @@ __all__ = [
     "op_flops",
     "supported_op_types",
     "torch_dtype",
+    "attention",
     "elementwise",
     "linalg",
     "nn",
