@@ -273,3 +273,26 @@ def dropout(
     if num_outputs == 1:
         return data
     return data, torch.ones_like(data, dtype=torch.bool)
+
+
+@op("BitShift", widen_unsigned=True)
+def bit_shift(X: Tensor, Y: Tensor, *, direction: str) -> Tensor:
+    """ONNX BitShift on unsigned integers (``LEFT`` or ``RIGHT``)."""
+    if direction == "LEFT":
+        return torch.bitwise_left_shift(X, Y)
+    return torch.bitwise_right_shift(X, Y)
+
+
+@op("Swish")
+def swish(X: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """ONNX Swish: ``x * sigmoid(alpha * x)``."""
+    return X * torch.sigmoid(alpha * X)
+
+
+@op("Shrink")
+def shrink(input: Tensor, *, bias: float = 0.0, lambd: float = 0.5) -> Tensor:  # noqa: A002
+    """ONNX Shrink: ``x + bias`` below ``-lambd``, ``x - bias`` above ``lambd``, else 0."""
+    zero = torch.zeros((), dtype=input.dtype, device=input.device)
+    return torch.where(input < -lambd, input + bias, torch.where(input > lambd, input - bias, zero)).to(
+        input.dtype
+    )

@@ -126,3 +126,9 @@ def _is_vector(value: Any) -> bool:
 def einsum(*Inputs: Tensor, equation: str) -> Tensor:
     """ONNX Einsum."""
     return torch.einsum(equation, *Inputs)
+
+
+@op("Det")
+def det(X: Tensor) -> Tensor:
+    """ONNX Det: determinants of the trailing square matrices."""
+    return torch.linalg.det(X)

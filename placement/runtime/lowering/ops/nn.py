@@ -21,6 +21,7 @@ from placement.runtime.lowering.ops._registry import (
     _torch_pads,
     flops_scaled,
     op,
+    torch_dtype,
 )
 
 # --- normalisation ---------------------------------------------------------------------
@@ -469,3 +470,194 @@ def _nearest_index(
     else:  # round_prefer_floor
         idx = torch.ceil(x - 0.5)
     return idx.clamp(0, in_size - 1).long().to(device)
+
+
+# --- more normalisation, sampling, losses ---------------------------------------------------
+
+
+@op("RMSNormalization", flops=flops_scaled(6))
+def rms_normalization(
+    X: Tensor, scale: Tensor, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1
+) -> Tensor:
+    """ONNX RMSNormalization: ``x / sqrt(mean(x^2) + eps) * scale`` over the dims from ``axis``."""
+    dims = tuple(range(_axis(axis, X.dim()), X.dim()))
+    compute = X.to(torch_dtype(stash_type))
+    rms = torch.sqrt((compute * compute).mean(dims, keepdim=True) + epsilon)
+    return (compute / rms).to(X.dtype) * scale
+
+
+@op("MeanVarianceNormalization")
+def mean_variance_normalization(X: Tensor, *, axes: Sequence[int] = (0, 2, 3)) -> Tensor:
+    """ONNX MeanVarianceNormalization: ``(x - mean) / sqrt(var + 1e-9)`` over ``axes``."""
+    dims = tuple(axes)
+    mean_ = X.mean(dims, keepdim=True)
+    var = (X * X).mean(dims, keepdim=True) - mean_ * mean_
+    return (X - mean_) / torch.sqrt(var + 1e-9)
+
+
+_GRID_MODES = {
+    "linear": "bilinear",
+    "bilinear": "bilinear",
+    "nearest": "nearest",
+    "cubic": "bicubic",
+    "bicubic": "bicubic",
+}
+
+
+def _grid_sample_check(attrs: dict[str, Any]) -> str | None:
+    mode = attrs.get("mode", "linear")
+    return None if mode in _GRID_MODES else f"mode={mode!r}"
+
+
+@op("GridSample", check=_grid_sample_check)
+def grid_sample(
+    X: Tensor, grid: Tensor, *, align_corners: int = 0, mode: str = "linear", padding_mode: str = "zeros"
+) -> Tensor:
+    """ONNX GridSample (``F.grid_sample``: 4-D all modes, 5-D linear and nearest)."""
+    torch_mode = _GRID_MODES[mode]
+    if torch_mode == "nearest":  # ONNX rounds half to even, like torch.round
+        return _grid_sample_nearest(X, grid, bool(align_corners), padding_mode)
+    return F.grid_sample(X, grid, torch_mode, padding_mode, bool(align_corners))
+
+
+def _grid_sample_nearest(X: Tensor, grid: Tensor, align: bool, padding_mode: str) -> Tensor:
+    spatial = X.shape[2:]
+    coords = []
+    for i, size in enumerate(reversed(spatial)):  # grid's last dim is (x, y[, z])
+        g = grid[..., i].to(torch.float64)
+        pos = (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+        if padding_mode == "border":
+            pos = pos.clamp(0, size - 1)
+        elif padding_mode == "reflection":
+            pos = _reflect(pos, size, align)
+        coords.append(torch.round(pos))
+    coords = coords[::-1]  # (.., z, y, x) order
+    inside = torch.ones_like(coords[0], dtype=torch.bool)
+    for c, size in zip(coords, spatial):
+        inside &= (c >= 0) & (c <= size - 1)
+    n, ch = X.shape[:2]
+    flat = torch.zeros_like(coords[0], dtype=torch.long)
+    for c, size in zip(coords, spatial):
+        flat = flat * size + c.clamp(0, size - 1).long()
+    out_spatial = flat.shape[1:]
+    gathered = X.reshape(n, ch, -1).gather(2, flat.reshape(n, 1, -1).expand(n, ch, -1))
+    gathered = gathered.reshape(n, ch, *out_spatial)
+    return torch.where(inside.unsqueeze(1), gathered, torch.zeros((), dtype=X.dtype, device=X.device))
+
+
+def _reflect(pos: Tensor, size: int, align: bool) -> Tensor:
+    lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+    span = hi - lo
+    if span <= 0:
+        return torch.zeros_like(pos)
+    x = (pos - lo).abs() % (2 * span)
+    x = torch.where(x > span, 2 * span - x, x)
+    return (x + lo).clamp(0, size - 1)
+
+
+def _lp_pool_check(attrs: dict[str, Any]) -> str | None:
+    dil = attrs.get("dilations")
+    return "dilations != 1" if dil and any(d != 1 for d in dil) else None
+
+
+@op("LpPool", check=_lp_pool_check)
+def lp_pool(
+    X: Tensor,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int],
+    p: int = 2,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX LpPool: ``(sum |x|^p)^(1/p)`` per window, zero padding."""
+    n = len(kernel_shape)
+    strides = list(strides or [1] * n)
+    pad = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
+    padded = F.pad(X.abs() ** p, _torch_pads(pad, X.dim()))
+    window = math.prod(kernel_shape)
+    sums = _AVG_POOL[n](padded, list(kernel_shape), strides, 0, bool(ceil_mode), True) * window
+    return sums ** (1.0 / p)
+
+
+@op("GlobalLpPool")
+def global_lp_pool(X: Tensor, *, p: int = 2) -> Tensor:
+    """ONNX GlobalLpPool: the p-norm over the spatial dims, kept."""
+    dims = tuple(range(2, X.dim()))
+    return (X.abs() ** p).sum(dims, keepdim=True) ** (1.0 / p)
+
+
+def _reduce_loss(loss: Tensor, weight: Tensor | None, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if weight is None:
+        return loss.mean()
+    return loss.sum() / weight.sum()
+
+
+def _nll(
+    log_prob: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int | None, reduction: str
+) -> Tensor:
+    target = target.long()
+    keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
+    safe = torch.where(keep, target, torch.zeros_like(target))
+    picked = -log_prob.gather(1, safe.unsqueeze(1)).squeeze(1)
+    w = weight[safe] if weight is not None else torch.ones_like(picked)
+    w = torch.where(keep, w, torch.zeros_like(w))
+    loss = picked * w
+    if reduction == "mean" and (weight is not None or ignore_index is not None):
+        return loss.sum() / w.sum()
+    return _reduce_loss(loss, None, reduction)
+
+
+@op("NegativeLogLikelihoodLoss")
+def negative_log_likelihood_loss(
+    input: Tensor,  # noqa: A002
+    target: Tensor,
+    weight: Tensor | None = None,
+    *,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """ONNX NegativeLogLikelihoodLoss (class weights, ``ignore_index``, none/sum/mean)."""
+    return _nll(input, target, weight, ignore_index, reduction)
+
+
+@op("SoftmaxCrossEntropyLoss")
+def softmax_cross_entropy_loss(
+    scores: Tensor,
+    labels: Tensor,
+    weights: Tensor | None = None,
+    *,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+    num_outputs: int = 1,
+) -> Any:
+    """ONNX SoftmaxCrossEntropyLoss: ``(loss, log_prob)``."""
+    log_prob = torch.log_softmax(scores, 1)
+    loss = _nll(log_prob, labels, weights, ignore_index, reduction)
+    return (loss, log_prob) if num_outputs > 1 else loss
+
+
+@op("DepthToSpace")
+def depth_to_space(input: Tensor, *, blocksize: int, mode: str = "DCR") -> Tensor:  # noqa: A002
+    """ONNX DepthToSpace (``DCR`` or ``CRD`` order)."""
+    b, c, h, w = input.shape
+    bs = blocksize
+    if mode == "CRD":
+        return F.pixel_shuffle(input, bs)
+    x = input.reshape(b, bs, bs, c // (bs * bs), h, w).permute(0, 3, 4, 1, 5, 2)
+    return x.reshape(b, c // (bs * bs), h * bs, w * bs)
+
+
+@op("SpaceToDepth")
+def space_to_depth(input: Tensor, *, blocksize: int) -> Tensor:  # noqa: A002
+    """ONNX SpaceToDepth."""
+    b, c, h, w = input.shape
+    bs = blocksize
+    x = input.reshape(b, c, h // bs, bs, w // bs, bs).permute(0, 3, 5, 1, 2, 4)
+    return x.reshape(b, c * bs * bs, h // bs, w // bs)

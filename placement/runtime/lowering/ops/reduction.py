@@ -118,9 +118,10 @@ arg_min = op("ArgMin", _arg_reduce("arg_min", False))
 
 @op("TopK", shape_inputs=(1,))
 def top_k(X: Tensor, K: Any, *, axis: int = -1, largest: int = 1, sorted: int = 1) -> tuple[Tensor, Tensor]:  # noqa: A002
-    """ONNX TopK: ``(values, int64 indices)``."""
-    values, indices = torch.topk(X, int(_scalar(K)), axis, bool(largest), bool(sorted))
-    return values, indices
+    """ONNX TopK: ``(values, int64 indices)``; among equal values the lower index comes first."""
+    k = int(_scalar(K))
+    values, indices = torch.sort(X, dim=axis, descending=bool(largest), stable=True)
+    return values.narrow(axis, 0, k), indices.narrow(axis, 0, k)
 
 
 @op("OneHot", shape_inputs=(1,))
@@ -140,3 +141,24 @@ def one_hot(indices: Tensor, depth: Any, values: Tensor, *, axis: int = -1) -> T
 def non_zero(X: Tensor) -> Tensor:
     """ONNX NonZero: indices of non-zero elements, shape ``(rank, count)``."""
     return torch.nonzero(X).t()
+
+
+@op("Hardmax")
+def hardmax(input: Tensor, *, axis: int = -1) -> Tensor:  # noqa: A002
+    """ONNX Hardmax: 1 at the first maximum along ``axis``, 0 elsewhere."""
+    dim = _axis(axis, input.dim())
+    index = input.argmax(dim, keepdim=True)
+    return torch.zeros_like(input).scatter(dim, index, 1)
+
+
+@op("CumProd", shape_inputs=(1,))
+def cumprod(x: Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> Tensor:
+    """ONNX CumProd (``exclusive`` and ``reverse`` supported)."""
+    dim = _axis(int(_scalar(axis)), x.dim())
+    if reverse:
+        x = x.flip(dim)
+    if exclusive:
+        ones = torch.ones_like(x.narrow(dim, 0, 1))
+        x = torch.cat([ones, x.narrow(dim, 0, x.shape[dim] - 1)], dim)
+    out = torch.cumprod(x, dim)
+    return out.flip(dim) if reverse else out

@@ -23,6 +23,7 @@ from placement.runtime.lowering.ops._registry import (
     _torch_pads,
     flops_zero,
     op,
+    torch_dtype,
 )
 
 # --- shape and data movement ------------------------------------------------------------
@@ -319,3 +320,95 @@ def cumsum(x: Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> Ten
     if exclusive:
         out = out - x
     return out.flip(dim) if reverse else out
+
+
+# --- scatter, compress, sequences -----------------------------------------------------------
+
+
+def _positive(indices: Tensor, size: int) -> Tensor:
+    indices = indices.long()
+    return torch.where(indices < 0, indices + size, indices)
+
+
+_SCATTER_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+@op("ScatterElements")
+def scatter_elements(
+    data: Tensor, indices: Tensor, updates: Tensor, *, axis: int = 0, reduction: str = "none"
+) -> Tensor:
+    """ONNX ScatterElements (negative indices; reductions add/mul/max/min)."""
+    dim = _axis(axis, data.dim())
+    idx = _positive(indices, data.shape[dim])
+    if reduction == "none":
+        return data.scatter(dim, idx, updates)
+    return data.scatter_reduce(dim, idx, updates, _SCATTER_REDUCE[reduction], include_self=True)
+
+
+@op("Scatter")
+def scatter(data: Tensor, indices: Tensor, updates: Tensor, *, axis: int = 0) -> Tensor:
+    """ONNX Scatter (opset 9-10): ScatterElements without reduction."""
+    return scatter_elements(data, indices, updates, axis=axis)
+
+
+@op("ScatterND")
+def scatter_nd(data: Tensor, indices: Tensor, updates: Tensor, *, reduction: str = "none") -> Tensor:
+    """ONNX ScatterND (reductions add/mul/max/min)."""
+    k = indices.shape[-1]
+    idx = indices.long().reshape(-1, k)
+    for i in range(k):
+        idx[:, i] = torch.where(idx[:, i] < 0, idx[:, i] + data.shape[i], idx[:, i])
+    rows = updates.reshape(-1, *data.shape[k:])
+    flat_index = torch.zeros(idx.shape[0], dtype=torch.long, device=data.device)
+    for i in range(k):
+        flat_index = flat_index * data.shape[i] + idx[:, i]
+    flat = data.reshape(-1, *data.shape[k:])
+    if reduction == "none":
+        return flat.index_copy(0, flat_index, rows).reshape(data.shape)
+    view = flat_index.reshape(-1, *([1] * (rows.dim() - 1))).expand_as(rows)
+    return flat.scatter_reduce(0, view, rows, _SCATTER_REDUCE[reduction], include_self=True).reshape(
+        data.shape
+    )
+
+
+@op("Compress")
+def compress(input: Tensor, condition: Tensor, *, axis: int | None = None) -> Tensor:  # noqa: A002
+    """ONNX Compress: the slices along ``axis`` (or of the flattened input) where ``condition``."""
+    if axis is None:
+        input = input.reshape(-1)
+        axis = 0
+    dim = _axis(axis, input.dim())
+    keep = torch.nonzero(condition.reshape(-1).bool()).reshape(-1)
+    keep = keep[keep < input.shape[dim]]
+    return input.index_select(dim, keep)
+
+
+@op("ReverseSequence")
+def reverse_sequence(
+    input: Tensor,
+    sequence_lens: Tensor,
+    *,
+    batch_axis: int = 1,
+    time_axis: int = 0,  # noqa: A002
+) -> Tensor:
+    """ONNX ReverseSequence: reverse the first ``sequence_lens[b]`` steps of each batch entry."""
+    steps = input.shape[time_axis]
+    t = torch.arange(steps, device=input.device).reshape(-1, 1)
+    lens = sequence_lens.long().to(input.device).reshape(1, -1)
+    source = torch.where(t < lens, lens - 1 - t, t)  # (time, batch)
+    if time_axis > batch_axis:
+        source = source.t()
+    shape = [1] * input.dim()
+    shape[time_axis], shape[batch_axis] = input.shape[time_axis], input.shape[batch_axis]
+    source = source.reshape(shape).expand(input.shape)
+    return input.gather(time_axis, source)
+
+
+@op("EyeLike")
+def eye_like(input: Tensor, *, dtype: int | None = None, k: int = 0) -> Tensor:  # noqa: A002
+    """ONNX EyeLike: ones on the ``k``-th diagonal of a 2-D tensor shaped like ``input``."""
+    rows, cols = input.shape
+    i = torch.arange(rows, device=input.device).reshape(-1, 1)
+    j = torch.arange(cols, device=input.device).reshape(1, -1)
+    out_dtype = input.dtype if dtype is None else torch_dtype(dtype)
+    return (j - i == k).to(out_dtype)
