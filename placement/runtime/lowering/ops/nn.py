@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from placement.errors import LoweringError
 from placement.runtime.lowering.ops._registry import (
     FxCall,
+    IntsLike,
     ShapeLookup,
     Shapes,
     Tensor,
@@ -119,8 +120,9 @@ def group_normalization(
 
 @op("LpNormalization")
 def lp_normalization(input: Tensor, *, axis: int = -1, p: int = 2) -> Tensor:  # noqa: A002
-    """ONNX LpNormalization: ``x / ||x||_p`` along ``axis``."""
-    return input / torch.linalg.vector_norm(input, p, dim=axis, keepdim=True)
+    """ONNX LpNormalization: ``x / ||x||_p`` along ``axis`` (0 where the norm is 0)."""
+    norm = torch.linalg.vector_norm(input, p, dim=axis, keepdim=True)
+    return torch.where(norm == 0, torch.zeros((), dtype=input.dtype, device=input.device), input / norm)
 
 
 @op("LRN")
@@ -655,9 +657,72 @@ def depth_to_space(input: Tensor, *, blocksize: int, mode: str = "DCR") -> Tenso
 
 
 @op("SpaceToDepth")
-def space_to_depth(input: Tensor, *, blocksize: int) -> Tensor:  # noqa: A002
-    """ONNX SpaceToDepth."""
+def space_to_depth(input: Tensor, *, blocksize: int, mode: str = "DCR") -> Tensor:  # noqa: A002
+    """ONNX SpaceToDepth (``DCR`` or ``CRD`` order)."""
     b, c, h, w = input.shape
     bs = blocksize
+    if mode == "CRD":
+        return F.pixel_unshuffle(input, bs)
     x = input.reshape(b, c, h // bs, bs, w // bs, bs).permute(0, 3, 5, 1, 2, 4)
     return x.reshape(b, c * bs * bs, h // bs, w // bs)
+
+
+@op("Col2Im", shape_inputs=(1, 2))
+def col2im(
+    input: Tensor,  # noqa: A002
+    image_shape: IntsLike,
+    block_shape: IntsLike,
+    *,
+    dilations: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX Col2Im for 2-D images (``F.fold``)."""
+    image, block = _ints(image_shape), _ints(block_shape)
+    if len(image) != 2:
+        raise LoweringError(f"Col2Im: only 2-D images are lowered, got {len(image)}-D")
+    pad = list(pads or [0, 0, 0, 0])
+    padded = [image[0] + pad[0] + pad[2], image[1] + pad[1] + pad[3]]
+    out = F.fold(input, padded, block, list(dilations or [1, 1]), 0, list(strides or [1, 1]))
+    return out[..., pad[0] : pad[0] + image[0], pad[1] : pad[1] + image[1]]
+
+
+@op("AffineGrid", shape_inputs=(1,))
+def affine_grid(theta: Tensor, size: IntsLike, *, align_corners: int = 0) -> Tensor:
+    """ONNX AffineGrid (``F.affine_grid``, 2-D and 3-D)."""
+    return F.affine_grid(theta, _ints(size), align_corners=bool(align_corners))
+
+
+@op("MaxUnpool", shape_inputs=(2,))
+def max_unpool(
+    X: Tensor,
+    I: Tensor,  # noqa: E741
+    output_shape: IntsLike = None,
+    *,
+    kernel_shape: Sequence[int],
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX MaxUnpool: scatter ``X`` to the flat positions ``I`` of the output."""
+    n = len(kernel_shape)
+    strides = list(strides or [1] * n)
+    pad = list(pads or [0] * (2 * n))
+    if output_shape is not None:
+        shape = _ints(output_shape)
+    else:
+        spatial = [
+            (size - 1) * s - pad[i] - pad[i + n] + k
+            for i, (size, s, k) in enumerate(zip(X.shape[2:], strides, kernel_shape))
+        ]
+        shape = [*X.shape[:2], *spatial]
+    out = torch.zeros(shape[0], shape[1], math.prod(shape[2:]), dtype=X.dtype, device=X.device)
+    plane = math.prod(shape[2:])
+    index = (I.long() % plane).reshape(X.shape[0], X.shape[1], -1)
+    out = out.scatter(2, index, X.reshape(X.shape[0], X.shape[1], -1))
+    return out.reshape(shape)
+
+
+@op("SwiGLU")
+def swiglu(A: Tensor, B: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """ONNX SwiGLU: ``A * sigmoid(alpha * A) * B``."""
+    return A * torch.sigmoid(alpha * A) * B

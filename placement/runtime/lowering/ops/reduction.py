@@ -51,6 +51,8 @@ def _extreme(largest: bool) -> Callable[[Tensor, tuple[int, ...], bool], Tensor]
             shape = [1 if (i in dims or i - x.dim() in dims) else n for i, n in enumerate(x.shape)]
             if not keep:
                 shape = [n for i, n in enumerate(x.shape) if not (i in dims or i - x.dim() in dims)]
+            if x.dtype == torch.bool:
+                return torch.full(shape, not largest, dtype=torch.bool, device=x.device)
             info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
             fill = (
                 (-math.inf if largest else math.inf)
@@ -160,5 +162,5 @@ def cumprod(x: Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> Te
     if exclusive:
         ones = torch.ones_like(x.narrow(dim, 0, 1))
         x = torch.cat([ones, x.narrow(dim, 0, x.shape[dim] - 1)], dim)
-    out = torch.cumprod(x, dim)
+    out = torch.cumprod(x, dim).to(x.dtype)
     return out.flip(dim) if reverse else out

@@ -316,7 +316,7 @@ def cumsum(x: Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> Ten
     dim = _axis(int(_scalar(axis)), x.dim())
     if reverse:
         x = x.flip(dim)
-    out = torch.cumsum(x, dim)
+    out = torch.cumsum(x, dim).to(x.dtype)
     if exclusive:
         out = out - x
     return out.flip(dim) if reverse else out
@@ -412,3 +412,28 @@ def eye_like(input: Tensor, *, dtype: int | None = None, k: int = 0) -> Tensor: 
     j = torch.arange(cols, device=input.device).reshape(1, -1)
     out_dtype = input.dtype if dtype is None else torch_dtype(dtype)
     return (j - i == k).to(out_dtype)
+
+
+@op("CenterCropPad", shape_inputs=(1,))
+def center_crop_pad(input_data: Tensor, shape: IntsLike, *, axes: Sequence[int] | None = None) -> Tensor:
+    """ONNX CenterCropPad: crop or zero-pad each of ``axes`` to ``shape``, centred."""
+    rank = input_data.dim()
+    dims = [_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
+    out = input_data
+    for a, size in zip(dims, _ints(shape)):
+        have = out.shape[a]
+        if size < have:
+            start = (have - size) // 2
+            out = out.narrow(a, start, size)
+        elif size > have:
+            before = (size - have) // 2
+            widths = [0] * (2 * (rank - a))  # F.pad order: last dim first
+            widths[-2], widths[-1] = before, size - have - before
+            out = F.pad(out, widths)
+    return out
+
+
+@op("BitCast")
+def bit_cast(input: Tensor, *, to: int) -> Tensor:  # noqa: A002
+    """ONNX BitCast: reinterpret the bits as another type of the same width."""
+    return input.view(torch_dtype(to))
