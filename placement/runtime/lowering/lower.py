@@ -328,6 +328,7 @@ class _Lowering:
         self.prefixes: set[str] = set()
         self.cache: dict[tuple[str, str], fx.Node] = {}  # (blob, physical) -> node there
         self.pending_params: dict[str, torch.Tensor] = {}  # registered on first use
+        self.device_override: Device | None = None  # the device of an inlined subgraph's ops
         self.deferred: dict[int, Any] = {}  # consumer node id -> continuation of a fused producer
         self.meta: dict[str, torch.Tensor] = {}  # blob -> meta tensor (static shape and dtype)
         self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
@@ -527,7 +528,7 @@ class _Lowering:
     def _lower(self, node: ir.Node) -> None:
         ins = [self._value(v, node) for v in node.inputs]
         outs = list(node.outputs)
-        device = node_device(node)
+        device = self.device_override or node_device(node)
         phys = self._phys(device)
         if is_copy_node(node) or (node.op_type == "Identity" and node.domain in ("", "ai.onnx")):
             self._lower_identity(node, ins[0], device, phys)
@@ -545,7 +546,7 @@ class _Lowering:
             return
         if self._fold(node, rule, ins, attrs, outs):
             return
-        if rule.fuse is not None and rule.fuse(self, node, ins, phys):
+        if rule.emit is not None and rule.emit(self, node, ins, phys):
             self._propagate(rule, ins, attrs, outs)
             return
         args = [self._argument(val, i, rule, phys) for i, val in enumerate(ins)]
@@ -591,7 +592,7 @@ class _Lowering:
             call = self._create("call_method", "to", (call, torch_dtype(int(out.dtype))), {}, f"{name}_cast")
         self.values[out.name or ""] = _Val(out.name or "", node=call, device=device)
 
-    # -- the interface of a rule's ``fuse`` ------------------------------------------------------
+    # -- the interface of a rule's ``emit`` ------------------------------------------------------
 
     def shape(self, value: ir.Value | None) -> tuple[int, ...] | None:
         """The static shape of a blob, or None."""
@@ -612,6 +613,27 @@ class _Lowering:
     def defer(self, consumer: ir.Node, continuation: Any) -> None:
         """Lower ``consumer`` with ``continuation(lowering, node, inputs, phys)`` instead of its rule."""
         self.deferred[id(consumer)] = continuation
+
+    def constant(self, val: _Val | None) -> torch.Tensor | None:
+        """The lowering-time value of an input, or None when it is computed at run time."""
+        return None if val is None else val.const
+
+    def inline(self, graph: ir.Graph, device: Device, outputs: list[ir.Value]) -> None:
+        """Lower ``graph``'s ops in place on logical ``device``; its outputs become ``outputs``."""
+        saved, self.device_override = self.device_override, device
+        try:
+            for initializer in graph.initializers.values():
+                tensor = initializer.const_value
+                if initializer.name and tensor is not None:
+                    self.values[initializer.name] = _Val(initializer.name, const=_to_torch_tensor(tensor))
+            for inner in graph:
+                self._lower(inner)
+        finally:
+            self.device_override = saved
+        for out, result in zip(outputs, graph.outputs):
+            val = self._value(result, result.producer() or outputs[0].producer())
+            if out.name and val is not None:
+                self.values[out.name] = val
 
     def mark_fused(self, blob: str) -> None:
         """``blob`` is computed inside a fused call and never materialized."""

@@ -16,7 +16,8 @@ type: its analytic FLOP cost (``flops``, used by the profiler and the planner:
 :func:`op_flops`), whether it is ``nondeterministic`` (random ops: never folded,
 never a load-time value: :func:`is_nondeterministic`), whether torch lacks its
 unsigned kernels (``widen_unsigned``), and an optional fusion with its consumer
-(``fuse``: ``MatMul`` + bias ``Add`` -> ``F.linear``).
+(``emit``: ``MatMul`` + bias ``Add`` -> ``F.linear``, or the taken branch
+of an ``If`` whose condition is known when lowering).
 
 A rule also declares how the lowering may feed it constants:
 
@@ -36,7 +37,7 @@ the lowering emits that call instead of the rule. Rules are the reference; the
 direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.shape`,
-:mod:`.reduction`, :mod:`.random`.
+:mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.control`.
 
 Example:
     >>> import torch
@@ -51,7 +52,16 @@ Example:
 
 from __future__ import annotations
 
-from placement.runtime.lowering.ops import attention, elementwise, linalg, nn, random, reduction, shape
+from placement.runtime.lowering.ops import (
+    attention,
+    control,
+    elementwise,
+    linalg,
+    nn,
+    random,
+    reduction,
+    shape,
+)
 from placement.runtime.lowering.ops._registry import (
     DEFAULT_RULE,
     RULES,
@@ -81,6 +91,7 @@ __all__ = [
     "supported_op_types",
     "torch_dtype",
     "attention",
+    "control",
     "elementwise",
     "linalg",
     "nn",

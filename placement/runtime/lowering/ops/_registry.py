@@ -5,7 +5,8 @@ Every op family module (``elementwise``, ``linalg``, ``nn``, ``shape``,
 decorator :func:`op`, which keeps everything the library knows about an op type
 in one place: the torch lowering, how constants may be fed to it, the optional
 direct (plain torch) form, its analytic FLOP cost and its flags
-(nondeterministic, unsigned widening, fusion with a consumer).
+(nondeterministic, unsigned widening) and an optional custom emitter (fusion
+with a consumer, inlined control flow).
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ class Rule:
             (random ops): never folded, never a load-time value.
         widen_unsigned: torch lacks kernels for uint16/32/64 here; the lowering
             computes in int64 and casts back.
-        fuse: optional ``fuse(lowering, node, inputs, physical_device) -> bool``
-            that lowers this op together with its consumer (``MatMul`` + bias
-            ``Add`` -> ``F.linear``); True when it took the op.
+        emit: optional ``emit(lowering, node, inputs, physical_device) -> bool``
+            that lowers this instance itself instead of a call to ``fn``: fusing
+            it with its consumer (``MatMul`` + bias ``Add`` -> ``F.linear``) or
+            inlining the branch an ``If`` takes; True when it took the op.
         params: the attribute names ``fn`` accepts (derived).
     """
 
@@ -106,7 +108,7 @@ class Rule:
     flops: FlopRule = default_flops
     nondeterministic: bool = False
     widen_unsigned: bool = False
-    fuse: Callable[..., bool] | None = None
+    emit: Callable[..., bool] | None = None
     params: frozenset[str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,7 +162,7 @@ def op(
     flops: FlopRule = default_flops,
     nondeterministic: bool = False,
     widen_unsigned: bool = False,
-    fuse: Callable[..., bool] | None = None,
+    emit: Callable[..., bool] | None = None,
 ) -> Any:
     """Register the rule for ``op_type`` in :data:`RULES` (see :class:`Rule`).
 
@@ -185,7 +187,7 @@ def op(
             flops=flops,
             nondeterministic=nondeterministic,
             widen_unsigned=widen_unsigned,
-            fuse=fuse,
+            emit=emit,
         )
         return impl
 

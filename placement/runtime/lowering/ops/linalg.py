@@ -79,7 +79,7 @@ def _fuse_linear(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> boo
     return True
 
 
-op("MatMul", torch.matmul, flops=_flops_matmul, fuse=_fuse_linear)
+op("MatMul", torch.matmul, flops=_flops_matmul, emit=_fuse_linear)
 
 
 def _direct_gemm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
