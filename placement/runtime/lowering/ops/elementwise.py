@@ -38,6 +38,8 @@ def div(A: Any, B: Any) -> Tensor:
 @op("Pow", scalar_inputs=(1,))
 def pow_(X: Tensor, Y: Any) -> Tensor:
     """ONNX Pow: the result keeps the base's dtype."""
+    if isinstance(Y, Tensor) and Y.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        Y = Y.to(torch.int64)  # torch has no unsigned kernels for pow's backward
     out = X**Y
     return out if out.dtype == X.dtype else out.to(X.dtype)
 

@@ -707,17 +707,19 @@ def max_unpool(
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
     pad = list(pads or [0] * (2 * n))
-    if output_shape is not None:
-        shape = _ints(output_shape)
-    else:
-        spatial = [
-            (size - 1) * s - pad[i] - pad[i + n] + k
-            for i, (size, s, k) in enumerate(zip(X.shape[2:], strides, kernel_shape))
-        ]
-        shape = [*X.shape[:2], *spatial]
+    default = [
+        (size - 1) * s - pad[i] - pad[i + n] + k
+        for i, (size, s, k) in enumerate(zip(X.shape[2:], strides, kernel_shape))
+    ]
+    shape = _ints(output_shape) if output_shape is not None else [*X.shape[:2], *default]
+    # indices address the default-shaped plane: re-address them in the requested one
+    flat = I.long().reshape(X.shape[0], X.shape[1], -1) % math.prod(default)
+    index = torch.zeros_like(flat)
+    stride_have, stride_want = 1, 1
+    for size, want in zip(reversed(default), reversed(shape[2:])):
+        index = index + (flat // stride_have % size) * stride_want
+        stride_have, stride_want = stride_have * size, stride_want * want
     out = torch.zeros(shape[0], shape[1], math.prod(shape[2:]), dtype=X.dtype, device=X.device)
-    plane = math.prod(shape[2:])
-    index = (I.long() % plane).reshape(X.shape[0], X.shape[1], -1)
     out = out.scatter(2, index, X.reshape(X.shape[0], X.shape[1], -1))
     return out.reshape(shape)
 
