@@ -11,13 +11,12 @@ inputs, so an attribute that became an input in a later opset (``Squeeze(axes)``
 Op types without a rule get :data:`DEFAULT_RULE`, which raises
 :class:`~placement.errors.LoweringError` naming the op.
 
-The same registration carries what the rest of the library knows about the op
-type: its analytic FLOP cost (``flops``, used by the profiler and the planner:
-:func:`op_flops`), whether it is ``nondeterministic`` (random ops: never folded,
-never a load-time value: :func:`is_nondeterministic`), whether torch lacks its
-unsigned kernels (``widen_unsigned``), and an optional fusion with its consumer
-(``emit``: ``MatMul`` + bias ``Add`` -> ``F.linear``, or the taken branch
-of an ``If`` whose condition is known when lowering).
+The same registration carries the op type's flags: ``nondeterministic`` (random
+ops, read from :data:`placement.analysis.NONDETERMINISTIC_OPS`: never folded),
+whether torch lacks its unsigned kernels (``widen_unsigned``), and an optional
+custom emitter (``emit``: ``MatMul`` + bias ``Add`` -> ``F.linear``, or the taken
+branch of an ``If`` whose condition is known when lowering). FLOP costs, which the
+planner needs below the runtime layer, are :mod:`placement.analysis.costs`.
 
 A rule also declares how the lowering may feed it constants:
 
@@ -65,14 +64,9 @@ from placement.runtime.lowering.ops import (
 from placement.runtime.lowering.ops._registry import (
     DEFAULT_RULE,
     RULES,
-    FlopRule,
     Rule,
-    ShapeLookup,
-    default_flops,
     get_rule,
-    is_nondeterministic,
     op,
-    op_flops,
     supported_op_types,
     torch_dtype,
 )
@@ -81,13 +75,8 @@ __all__ = [
     "Rule",
     "RULES",
     "DEFAULT_RULE",
-    "FlopRule",
-    "ShapeLookup",
-    "default_flops",
     "get_rule",
-    "is_nondeterministic",
     "op",
-    "op_flops",
     "supported_op_types",
     "torch_dtype",
     "attention",

@@ -15,12 +15,13 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from typing import Any, Union
 
 import onnx_ir as ir
 import torch
 from onnx_ir import tensor_adapters
 
+from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 
 Tensor = torch.Tensor
@@ -29,39 +30,6 @@ Shapes = Sequence[Union[tuple[int, ...], None]]
 #: ``(fx op, target, args, kwargs)``: one FX node equivalent to a rule call.
 FxCall = tuple[str, Any, tuple[Any, ...], dict[str, Any]]
 Direct = Callable[[tuple[Any, ...], dict[str, Any], Shapes], Union[FxCall, None]]
-
-
-class ShapeLookup(Protocol):
-    """Static shapes as a FLOP rule sees them (``placement``'s profiler provides one)."""
-
-    def dims(self, value: ir.Value | None) -> tuple[int, ...] | None: ...
-
-    def numel(self, value: ir.Value | None) -> int: ...
-
-    def out_numel(self, node: ir.Node) -> int: ...
-
-
-#: ``flops(node, shapes) -> int``: the analytic FLOPs of one op.
-FlopRule = Callable[[ir.Node, ShapeLookup], int]
-
-
-def default_flops(node: ir.Node, shapes: ShapeLookup) -> int:
-    """The default FLOP rule: one FLOP per output element."""
-    return shapes.out_numel(node)
-
-
-def flops_scaled(factor: int) -> FlopRule:
-    """A FLOP rule of ``factor`` FLOPs per output element."""
-
-    def rule(node: ir.Node, shapes: ShapeLookup) -> int:
-        return factor * shapes.out_numel(node)
-
-    return rule
-
-
-def flops_zero(node: ir.Node, shapes: ShapeLookup) -> int:
-    """The FLOP rule of ops that only move or describe data (Reshape, Shape, ...)."""
-    return 0
 
 
 @dataclass(frozen=True)
@@ -85,9 +53,8 @@ class Rule:
         buffer_inputs: inputs that are state, not weights (BatchNormalization's
             running statistics): initializers fed there become buffers, not
             trainable parameters.
-        flops: the analytic FLOP rule (default: one per output element).
         nondeterministic: outputs differ between runs with the same inputs
-            (random ops): never folded, never a load-time value.
+            (random ops, :data:`placement.analysis.NONDETERMINISTIC_OPS`): never folded.
         widen_unsigned: torch lacks kernels for uint16/32/64 here; the lowering
             computes in int64 and casts back.
         emit: optional ``emit(lowering, node, inputs, physical_device) -> bool``
@@ -105,7 +72,6 @@ class Rule:
     check: Callable[[dict[str, Any]], str | None] | None = None
     direct: Direct | None = None
     buffer_inputs: tuple[int, ...] = ()
-    flops: FlopRule = default_flops
     nondeterministic: bool = False
     widen_unsigned: bool = False
     emit: Callable[..., bool] | None = None
@@ -159,8 +125,6 @@ def op(
     check: Callable[[dict[str, Any]], str | None] | None = None,
     direct: Direct | None = None,
     buffer_inputs: tuple[int, ...] = (),
-    flops: FlopRule = default_flops,
-    nondeterministic: bool = False,
     widen_unsigned: bool = False,
     emit: Callable[..., bool] | None = None,
 ) -> Any:
@@ -169,8 +133,11 @@ def op(
     Used as a decorator on the torch implementation (``@op("Div")``), or called
     with an existing torch function whose semantics match ONNX
     (``op("Abs", torch.abs)``). Returns the function. ``foldable`` defaults to
-    ``not nondeterministic``.
+    ``not nondeterministic`` (whether the op type is in
+    :data:`placement.analysis.NONDETERMINISTIC_OPS`).
     """
+
+    nondeterministic = op_type in NONDETERMINISTIC_OPS
 
     def register(impl: Callable[..., Any]) -> Callable[..., Any]:
         if op_type in RULES:
@@ -184,7 +151,6 @@ def op(
             check=check,
             direct=direct,
             buffer_inputs=buffer_inputs,
-            flops=flops,
             nondeterministic=nondeterministic,
             widen_unsigned=widen_unsigned,
             emit=emit,
@@ -204,17 +170,6 @@ def get_rule(op_type: str, domain: str = "") -> Rule:
 def supported_op_types() -> list[str]:
     """Sorted ONNX op types with a rule."""
     return sorted(RULES)
-
-
-def op_flops(node: ir.Node, shapes: ShapeLookup) -> int:
-    """Analytic FLOPs of one op from its rule's ``flops`` (default: output elements)."""
-    rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-    return int((rule.flops if rule is not None else default_flops)(node, shapes))
-
-
-def is_nondeterministic(op_type: str, domain: str = "") -> bool:
-    """True for op types whose outputs differ between runs (random ops)."""
-    return get_rule(op_type, domain).nondeterministic
 
 
 # --- helpers shared by the op families --------------------------------------------------

@@ -10,14 +10,6 @@ import torch
 from placement.runtime.lowering.ops._registry import Tensor, op, torch_dtype
 
 
-def _flops_attention(node: Any, shapes: Any) -> int:
-    q = shapes.dims(node.inputs[0])
-    k = shapes.dims(node.inputs[1])
-    if not q or not k:
-        return shapes.out_numel(node)
-    return 4 * math.prod(q) * (k[-2] if len(k) == 4 else k[1])
-
-
 def _heads(x: Tensor, heads: int) -> Tensor:
     """``(batch, seq, heads * size)`` -> ``(batch, heads, seq, size)``."""
     b, s, hidden = x.shape
@@ -55,7 +47,7 @@ def _window_bias(base: Tensor, left: int, right: int, offset: Any) -> Tensor:
     return base + window
 
 
-@op("Attention", flops=_flops_attention)
+@op("Attention")
 def attention(
     Q: Tensor,
     K: Tensor,

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from placement.errors import LoweringError
 from placement.graph.model import node_device
-from placement.runtime.lowering.ops._registry import flops_zero, op
+from placement.runtime.lowering.ops._registry import op
 
 
 def _inline_branch(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> bool:
@@ -31,4 +31,4 @@ def _never_called(cond: Any, *, then_branch: Any = None, else_branch: Any = None
     raise LoweringError("If is lowered by inlining its taken branch")
 
 
-op("If", _never_called, foldable=False, emit=_inline_branch, flops=flops_zero)
+op("If", _never_called, foldable=False, emit=_inline_branch)

@@ -14,8 +14,6 @@ from placement.runtime.lowering.ops._registry import (
     Shapes,
     Tensor,
     _is_int,
-    flops_scaled,
-    flops_zero,
     op,
     torch_dtype,
 )
@@ -78,7 +76,7 @@ def mean(*data_0: Tensor) -> Tensor:
 
 op("Abs", torch.abs)
 op("Neg", torch.neg)
-op("Exp", torch.exp, flops=flops_scaled(4))
+op("Exp", torch.exp)
 op("Log", torch.log)
 op("Sqrt", torch.sqrt)
 op("Reciprocal", torch.reciprocal)
@@ -97,10 +95,10 @@ op("Cosh", torch.cosh)
 op("Asinh", torch.asinh)
 op("Acosh", torch.acosh)
 op("Atanh", torch.atanh)
-op("Tanh", torch.tanh, flops=flops_scaled(4))
-op("Erf", torch.erf, flops=flops_scaled(8))
+op("Tanh", torch.tanh)
+op("Erf", torch.erf)
 op("Relu", torch.relu)
-op("Sigmoid", torch.sigmoid, flops=flops_scaled(4))
+op("Sigmoid", torch.sigmoid)
 op("Softsign", F.softsign)
 op("Mish", F.mish)
 op("Not", torch.logical_not)
@@ -164,7 +162,7 @@ def _direct_gelu(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) 
     return "call_function", F.gelu, (args[0],), dict(kwargs)
 
 
-@op("Gelu", direct=_direct_gelu, flops=flops_scaled(8))
+@op("Gelu", direct=_direct_gelu)
 def gelu(X: Tensor, *, approximate: str = "none") -> Tensor:
     """ONNX Gelu (opset 20): exact or ``tanh`` approximation."""
     return F.gelu(X, approximate=approximate)
@@ -227,7 +225,7 @@ def _direct_softmax(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shape
     return "call_function", torch.softmax, (args[0], kwargs.get("axis", -1)), {}
 
 
-@op("Softmax", direct=_direct_softmax, flops=flops_scaled(5))
+@op("Softmax", direct=_direct_softmax)
 def softmax(input: Tensor, *, axis: int = -1) -> Tensor:  # noqa: A002
     """ONNX Softmax (opset 13+: along one axis)."""
     return torch.softmax(input, axis)
@@ -237,7 +235,7 @@ def _direct_log_softmax(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: S
     return "call_function", torch.log_softmax, (args[0], kwargs.get("axis", -1)), {}
 
 
-@op("LogSoftmax", direct=_direct_log_softmax, flops=flops_scaled(5))
+@op("LogSoftmax", direct=_direct_log_softmax)
 def log_softmax(input: Tensor, *, axis: int = -1) -> Tensor:  # noqa: A002
     """ONNX LogSoftmax (opset 13+: along one axis)."""
     return torch.log_softmax(input, axis)
@@ -261,7 +259,7 @@ def cast_like(input: Tensor, target_type: Tensor, *, saturate: int = 1, round_mo
     return input.to(target_type.dtype)
 
 
-@op("Identity", flops=flops_zero)
+@op("Identity")
 def identity(input: Tensor) -> Tensor:  # noqa: A002
     """ONNX Identity (the lowering aliases it instead of emitting code)."""
     return input

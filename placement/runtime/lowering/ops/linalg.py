@@ -11,27 +11,10 @@ import torch.nn.functional as F
 from placement.graph.model import is_copy_node, node_device
 from placement.runtime.lowering.ops._registry import (
     FxCall,
-    ShapeLookup,
     Shapes,
     Tensor,
     op,
 )
-
-
-def _flops_matmul(node: ir.Node, shapes: ShapeLookup) -> int:
-    a = shapes.dims(node.inputs[0])
-    k = a[-1] if a else 1
-    return 2 * k * shapes.numel(node.outputs[0])
-
-
-def _flops_gemm(node: ir.Node, shapes: ShapeLookup) -> int:
-    a = shapes.dims(node.inputs[0])
-    trans_a = node.attributes.get("transA")
-    k = 1
-    if a and len(a) == 2:
-        k = a[0] if trans_a is not None and trans_a.as_int() else a[1]
-    out = shapes.numel(node.outputs[0])
-    return 2 * k * out + (out if len(node.inputs) > 2 and node.inputs[2] is not None else 0)
 
 
 def _fuse_linear(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> bool:
@@ -79,7 +62,7 @@ def _fuse_linear(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> boo
     return True
 
 
-op("MatMul", torch.matmul, flops=_flops_matmul, emit=_fuse_linear)
+op("MatMul", torch.matmul, emit=_fuse_linear)
 
 
 def _direct_gemm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
@@ -94,7 +77,7 @@ def _direct_gemm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) 
     return "call_function", F.linear, tuple(args), {}
 
 
-@op("Gemm", scalar_inputs=(2,), direct=_direct_gemm, flops=_flops_gemm)
+@op("Gemm", scalar_inputs=(2,), direct=_direct_gemm)
 def gemm(
     A: Tensor,
     B: Tensor,

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
@@ -14,13 +13,11 @@ from placement.errors import LoweringError
 from placement.runtime.lowering.ops._registry import (
     FxCall,
     IntsLike,
-    ShapeLookup,
     Shapes,
     Tensor,
     _axis,
     _ints,
     _torch_pads,
-    flops_scaled,
     op,
     torch_dtype,
 )
@@ -38,7 +35,7 @@ def _direct_layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Sh
     return "call_function", F.layer_norm, (args[0], tuple(scale), args[1], bias_arg, eps), {}
 
 
-@op("LayerNormalization", direct=_direct_layer_norm, flops=flops_scaled(8))
+@op("LayerNormalization", direct=_direct_layer_norm)
 def layer_normalization(
     X: Tensor,
     Scale: Tensor,
@@ -83,7 +80,6 @@ def _direct_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Sh
     check=_inference_only,
     buffer_inputs=(3, 4),
     direct=_direct_batch_norm,
-    flops=flops_scaled(4),
 )
 def batch_normalization(
     X: Tensor,
@@ -100,13 +96,13 @@ def batch_normalization(
     return F.batch_norm(X, input_mean.detach(), input_var.detach(), scale, B, False, 0.0, epsilon)
 
 
-@op("InstanceNormalization", flops=flops_scaled(8))
+@op("InstanceNormalization")
 def instance_normalization(input: Tensor, scale: Tensor, B: Tensor, *, epsilon: float = 1e-5) -> Tensor:  # noqa: A002
     """ONNX InstanceNormalization (per sample and channel)."""
     return F.instance_norm(input, weight=scale, bias=B, eps=epsilon)
 
 
-@op("GroupNormalization", flops=flops_scaled(8))
+@op("GroupNormalization")
 def group_normalization(
     X: Tensor, scale: Tensor, bias: Tensor, *, num_groups: int, epsilon: float = 1e-5, stash_type: int = 1
 ) -> Tensor:
@@ -189,19 +185,7 @@ def _direct_conv(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) 
     return "call_function", _CONV[n], call_args, {}
 
 
-def _flops_conv(node: ir.Node, shapes: ShapeLookup) -> int:
-    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
-    per_out = math.prod(w[1:]) if w else 1
-    return 2 * per_out * shapes.numel(node.outputs[0])
-
-
-def _flops_conv_transpose(node: ir.Node, shapes: ShapeLookup) -> int:
-    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
-    per_in = math.prod(w[1:]) if w else 1
-    return 2 * per_in * shapes.numel(node.inputs[0])
-
-
-@op("Conv", direct=_direct_conv, flops=_flops_conv)
+@op("Conv", direct=_direct_conv)
 def conv(
     X: Tensor,
     W: Tensor,
@@ -226,7 +210,7 @@ def conv(
     return _CONV[n](X, W, B, strides, padding, dilations, group)
 
 
-@op("ConvTranspose", flops=_flops_conv_transpose)
+@op("ConvTranspose")
 def conv_transpose(
     X: Tensor,
     W: Tensor,
@@ -477,7 +461,7 @@ def _nearest_index(
 # --- more normalisation, sampling, losses ---------------------------------------------------
 
 
-@op("RMSNormalization", flops=flops_scaled(6))
+@op("RMSNormalization")
 def rms_normalization(
     X: Tensor, scale: Tensor, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1
 ) -> Tensor:

@@ -22,7 +22,7 @@ def _generator(seed: float | None, device: Any) -> torch.Generator | None:
     return gen
 
 
-@op("RandomNormal", nondeterministic=True)
+@op("RandomNormal")
 def random_normal(
     *,
     shape: Sequence[int],
@@ -37,7 +37,7 @@ def random_normal(
     return out.normal_(mean, scale, generator=_generator(seed, device))
 
 
-@op("RandomUniform", nondeterministic=True)
+@op("RandomUniform")
 def random_uniform(
     *,
     shape: Sequence[int],
@@ -52,7 +52,7 @@ def random_uniform(
     return out.uniform_(low, high, generator=_generator(seed, device))
 
 
-@op("RandomNormalLike", nondeterministic=True)
+@op("RandomNormalLike")
 def random_normal_like(
     input: Tensor,  # noqa: A002
     *,
@@ -66,7 +66,7 @@ def random_normal_like(
     return out.normal_(mean, scale, generator=_generator(seed, input.device))
 
 
-@op("RandomUniformLike", nondeterministic=True)
+@op("RandomUniformLike")
 def random_uniform_like(
     input: Tensor,  # noqa: A002
     *,
@@ -80,14 +80,14 @@ def random_uniform_like(
     return out.uniform_(low, high, generator=_generator(seed, input.device))
 
 
-@op("Bernoulli", nondeterministic=True)
+@op("Bernoulli")
 def bernoulli(input: Tensor, *, dtype: int | None = None, seed: float | None = None) -> Tensor:  # noqa: A002
     """ONNX Bernoulli: 1 with probability ``input``, else 0."""
     out = torch.bernoulli(input, generator=_generator(seed, input.device))
     return out if dtype is None else out.to(torch_dtype(dtype))
 
 
-@op("Multinomial", nondeterministic=True)
+@op("Multinomial")
 def multinomial(input: Tensor, *, dtype: int = 6, sample_size: int = 1, seed: float | None = None) -> Tensor:  # noqa: A002
     """ONNX Multinomial: ``sample_size`` class draws per batch row from unnormalised log-probabilities."""
     probs = torch.softmax(input.double(), -1)

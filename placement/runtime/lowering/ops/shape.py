@@ -21,7 +21,6 @@ from placement.runtime.lowering.ops._registry import (
     _ints_literal,
     _scalar,
     _torch_pads,
-    flops_zero,
     op,
     torch_dtype,
 )
@@ -37,7 +36,7 @@ def _direct_reshape(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shape
     return "call_method", "reshape", (args[0], args[1]), {}
 
 
-@op("Reshape", shape_inputs=(1,), direct=_direct_reshape, flops=flops_zero)
+@op("Reshape", shape_inputs=(1,), direct=_direct_reshape)
 def reshape(data: Tensor, shape: IntsLike, *, allowzero: int = 0) -> Tensor:
     """ONNX Reshape: ``0`` copies the input dim (unless ``allowzero``), ``-1`` is inferred."""
     dims = _ints(shape)
@@ -46,7 +45,7 @@ def reshape(data: Tensor, shape: IntsLike, *, allowzero: int = 0) -> Tensor:
     return data.reshape(dims)
 
 
-@op("Flatten", flops=flops_zero)
+@op("Flatten")
 def flatten(input: Tensor, *, axis: int = 1) -> Tensor:  # noqa: A002
     """ONNX Flatten to 2-D at ``axis``."""
     axis = _axis(axis, input.dim())
@@ -72,7 +71,7 @@ def _direct_squeeze(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shape
     return None
 
 
-@op("Squeeze", shape_inputs=(1,), direct=_direct_squeeze, flops=flops_zero)
+@op("Squeeze", shape_inputs=(1,), direct=_direct_squeeze)
 def squeeze(data: Tensor, axes: IntsLike = None) -> Tensor:
     """ONNX Squeeze: the given axes, or every size-1 dim."""
     if axes is None:
@@ -86,7 +85,7 @@ def _direct_unsqueeze(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Sha
     return None
 
 
-@op("Unsqueeze", shape_inputs=(1,), direct=_direct_unsqueeze, flops=flops_zero)
+@op("Unsqueeze", shape_inputs=(1,), direct=_direct_unsqueeze)
 def unsqueeze(data: Tensor, axes: IntsLike) -> Tensor:
     """ONNX Unsqueeze: ``axes`` index the output's dims."""
     rank = data.dim() + len(_ints(axes))
@@ -248,20 +247,20 @@ def pad(
     return F.pad(data, torch_pads, mode={"reflect": "reflect", "edge": "replicate", "wrap": "circular"}[mode])
 
 
-@op("Shape", flops=flops_zero)
+@op("Shape")
 def shape(data: Tensor, *, start: int = 0, end: int | None = None, device: Any = None) -> Tensor:
     """ONNX Shape (the lowering folds it to a constant when the shape is static)."""
     dims = list(data.shape)[start:end] if end is not None else list(data.shape)[start:]
     return torch.tensor(dims, dtype=torch.int64, device=device)
 
 
-@op("Size", flops=flops_zero)
+@op("Size")
 def size(data: Tensor, *, device: Any = None) -> Tensor:
     """ONNX Size: the element count as a 0-d int64 tensor."""
     return torch.tensor(data.numel(), dtype=torch.int64, device=device)
 
 
-@op("ConstantOfShape", shape_inputs=(0,), flops=flops_zero)
+@op("ConstantOfShape", shape_inputs=(0,))
 def constant_of_shape(input: IntsLike, *, value: Tensor | None = None, device: Any = None) -> Tensor:  # noqa: A002
     """ONNX ConstantOfShape (default: float32 zeros)."""
     if value is None:
@@ -280,7 +279,7 @@ def range_(start: Any, limit: Any, delta: Any, *, device: Any = None) -> Tensor:
     return torch.arange(_scalar(start), _scalar(limit), _scalar(delta), dtype=dtype, device=device)
 
 
-@op("Constant", flops=flops_zero)
+@op("Constant")
 def constant(
     *,
     value: Tensor | None = None,
