@@ -498,7 +498,7 @@ class Runner:
                 values[dst] = _move(values[src], kind, physical)
             for key in free:
                 del values[key]
-        return [values[key].numpy() if const is None else const.copy() for key, const in program.outputs]
+        return [_to_numpy(values[key]) if const is None else const.copy() for key, const in program.outputs]
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
@@ -546,6 +546,30 @@ def _transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: bo
     if src.emulated or dst.emulated:
         return _HOST_COPY
     return _ALIAS
+
+
+class _KeepAlive:
+    """The base of an array viewing an ``OrtValue``'s memory: holds the ``OrtValue``."""
+
+    def __init__(self, value: ort.OrtValue, view: np.ndarray) -> None:
+        self.value = value
+        self.__array_interface__ = view.__array_interface__
+
+
+def _to_numpy(value: ort.OrtValue) -> np.ndarray:
+    """A host array of ``value`` that stays valid after ``value`` is dropped.
+
+    ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
+    whose base (a capsule) does not keep that buffer alive: once the ``OrtValue``
+    (or the numpy array it was made from) is released, the next allocation can
+    overwrite the view. The returned array keeps the ``OrtValue`` alive instead
+    (no copy); arrays that own their data (GPU values copied to the host) are
+    returned as they are.
+    """
+    array = value.numpy()
+    if not isinstance(array, np.ndarray) or array.flags.owndata:
+        return array
+    return np.asarray(_KeepAlive(value, array))
 
 
 def _ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:

@@ -418,6 +418,11 @@ def _load_time_values(graph: ir.Graph) -> set[ir.Value]:
             producer = value.producer()
             if producer is not None and is_copy_node(producer) and producer.inputs[0] is not None:
                 keep.append(producer.inputs[0])
+    # What reads a value left out is not load-time either (a copy of it, an op on that copy).
+    for node in graph:
+        if node.outputs and node.outputs[0] in consts:
+            if any(v is not None and v not in consts for v in node.inputs):
+                consts.difference_update(node.outputs)
     return {v for v in consts if v.producer() is not None}
 
 
