@@ -49,7 +49,7 @@ switching back to an earlier placement builds nothing (``enable_clone``).
 Example:
     >>> import numpy as np
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> model.set_device(model.ops[-1].name, 1)
@@ -76,7 +76,7 @@ from placement.graph.device import Device
 from placement.graph.model import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, Model
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.stages import Partition, Stage, plan
+from placement.runtime.stages import Partition, Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "run", "session_options"]
 
@@ -175,7 +175,7 @@ class Runner:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> model = pl.from_torch(net, (x,))
         >>> runner = Runner(model, device_map="cpu")
@@ -307,7 +307,7 @@ class Runner:
 
     def _rebuild(self) -> None:
         model = self.model
-        part = plan(model)
+        part = split_stages(model)
         logical = set(model.devices) | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
@@ -518,7 +518,7 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> run(pl.from_torch(net, (x,)), [x], device_map="cpu")[0].shape
         (4, 8)
