@@ -147,7 +147,7 @@ def test_a_parameter_only_value_that_is_also_a_graph_output_is_produced_not_rema
     b.output(y, sq)
     model = b.build()
     pl.inject_cross_device_copies(model, output_device="cpu")
-    p_ = plan(model)
+    p_ = split_stages(model)
     assert {t.target for t in p_.transfers} >= {"square_cuda_2"}
     assert [s.ops for s in p_.stages] == [("square",), ("neg",), ("add",)]
     feeds = {"x": np.ones((2, 3), np.float32)}
