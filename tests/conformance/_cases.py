@@ -299,6 +299,16 @@ def check(case: Case, runtime_name: str) -> None:
     compare(case, list(outputs))
 
 
+def run_case(name: str, runtime_name: str) -> None:
+    """The body of a conformance test: fail with the one-line reason (no traceback:
+    rendering tracebacks of hundreds of expected failures would cost more than running them)."""
+    import pytest
+
+    reason = outcome(cases()[name], runtime_name)
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)
+
+
 def outcome(case: Case, runtime_name: str) -> str | None:
     """None when the case passes on the runtime, else a one-line reason."""
     try:

@@ -16,4 +16,4 @@ from tests.conformance import _cases
 
 @pytest.mark.parametrize("name", _cases.params("ort"))
 def test_case(name: str) -> None:
-    _cases.check(_cases.cases()[name], "ort")
+    _cases.run_case(name, "ort")

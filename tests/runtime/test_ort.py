@@ -375,3 +375,62 @@ def test_runtime_benchmark_smoke():
     row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
     assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
     assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
+
+
+# --- values that are not numeric tensors -------------------------------------------------
+
+
+def test_sequences_optionals_and_strings_cross_devices_as_ort_takes_them():
+    """A sequence built on device 0 is read on device 1; a string tensor and an optional
+    go in and out; placed outputs equal one plain session's."""
+    from onnx import TensorProto, helper
+
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [2]))
+    nodes = [
+        helper.make_node("SequenceConstruct", ["x", "x"], ["seq"], name="construct"),
+        helper.make_node("SequenceInsert", ["seq", "x"], ["seq3"], name="insert"),
+        helper.make_node("ConcatFromSequence", ["seq3"], ["cat"], name="concat", axis=0),
+        helper.make_node("StringConcat", ["s", "s"], ["ss"], name="strcat"),
+        helper.make_node("OptionalHasElement", ["opt"], ["has"], name="has"),
+        helper.make_node("Identity", ["opt"], ["opt_out"], name="opt_id"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "non_tensors",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("s", TensorProto.STRING, [2]),
+            helper.make_value_info("opt", opt_type),
+        ],
+        [
+            helper.make_value_info("seq3", seq_type),
+            helper.make_tensor_value_info("cat", TensorProto.FLOAT, [6]),
+            helper.make_tensor_value_info("ss", TensorProto.STRING, [2]),
+            helper.make_tensor_value_info("has", TensorProto.BOOL, []),
+            helper.make_value_info("opt_out", opt_type),
+        ],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    plain = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for how in ("every other op", "last op"):
+        model = pl.load(proto)
+        moved = model.ops[1::2] if how == "every other op" else model.ops[-1:]
+        for op in moved:
+            model.set_device(op.name, 1)
+        pl.inject_cross_device_copies(model)
+        for opt in (np.array([5.0, 6.0], np.float32), None):
+            feeds = {"x": np.array([1.0, 2.0], np.float32), "s": np.array(["a", "b"], dtype=object), "opt": opt}
+            got = pl.run(model, feeds)
+            churn()
+            want = plain.run(None, feeds)
+            assert isinstance(got[0], list) and len(got[0]) == 3
+            for g, w in zip(got[0], want[0]):
+                np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(got[1], want[1])
+            assert got[2].tolist() == ["aa", "bb"] == want[2].tolist()
+            assert bool(got[3]) == (opt is not None)
+            if opt is None:
+                assert got[4] is None and want[4] is None
+            else:
+                np.testing.assert_array_equal(got[4], opt)
