@@ -14,6 +14,7 @@ from placement.runtime.lowering.ops._registry import (
     Shapes,
     Tensor,
     _is_int,
+    _scalar,
     op,
     torch_dtype,
 )
@@ -267,12 +268,26 @@ def identity(input: Tensor) -> Tensor:  # noqa: A002
 
 @op("Dropout", scalar_inputs=(1,))
 def dropout(
-    data: Tensor, ratio: Any = None, training_mode: Any = None, *, seed: int = 0, num_outputs: int = 1
+    data: Tensor,
+    ratio: Any = None,
+    training_mode: Any = None,
+    *,
+    seed: int | None = None,
+    num_outputs: int = 1,
 ) -> Any:
-    """ONNX Dropout in inference: the identity (plus an all-true mask if asked)."""
-    if num_outputs == 1:
-        return data
-    return data, torch.ones_like(data, dtype=torch.bool)
+    """ONNX Dropout: the identity in inference (plus an all-true mask if asked); with a true
+    ``training_mode`` input, a random mask keeps each element with probability ``1 - ratio``."""
+    p = 0.5 if ratio is None else float(_scalar(ratio))
+    if training_mode is None or not bool(_scalar(training_mode)) or p == 0.0:
+        keep = torch.ones_like(data, dtype=torch.bool)
+        return data if num_outputs == 1 else (data, keep)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=data.device)
+        generator.manual_seed(int(seed))
+    keep = torch.rand(data.shape, generator=generator, device=data.device) >= p
+    out = data * keep / (1.0 - p)
+    return out if num_outputs == 1 else (out, keep)
 
 
 @op("BitShift", widen_unsigned=True)
