@@ -133,3 +133,36 @@ def attention(
         out = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
     results = (out, present_key, present_value, exposed.to(dtype))
     return results[0] if num_outputs == 1 else results[:num_outputs]
+
+
+@op("RotaryEmbedding")
+def rotary_embedding(
+    X: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    position_ids: Tensor | None = None,
+    *,
+    interleaved: int = 0,
+    num_heads: int = 0,
+    rotary_embedding_dim: int = 0,
+) -> Tensor:
+    """ONNX RotaryEmbedding (opset 23): rotate the first ``rotary_embedding_dim`` features of each head."""
+    shape = X.shape
+    x = X.transpose(1, 2) if X.dim() == 4 else X.reshape(shape[0], shape[1], num_heads, -1)
+    dim = rotary_embedding_dim or x.shape[3]
+    rotate, keep = x[..., :dim], x[..., dim:]
+    if position_ids is not None:
+        cos_cache, sin_cache = cos_cache[position_ids.long()], sin_cache[position_ids.long()]
+    cos, sin = cos_cache.unsqueeze(2), sin_cache.unsqueeze(2)
+    if interleaved:
+        x1, x2 = rotate[..., 0::2], rotate[..., 1::2]
+    else:
+        x1, x2 = rotate.chunk(2, dim=-1)
+    real = cos * x1 - sin * x2
+    imag = sin * x1 + cos * x2
+    if interleaved:
+        rotated = torch.stack((real, imag), -1).reshape(rotate.shape)
+    else:
+        rotated = torch.cat((real, imag), -1)
+    out = torch.cat((rotated, keep), -1)
+    return out.reshape(shape) if X.dim() == 3 else out.transpose(1, 2)
