@@ -164,3 +164,30 @@ def cumprod(x: Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> Te
         x = torch.cat([ones, x.narrow(dim, 0, x.shape[dim] - 1)], dim)
     out = torch.cumprod(x, dim).to(x.dtype)
     return out.flip(dim) if reverse else out
+
+
+@op("Unique")
+def unique(X: Tensor, *, axis: int | None = None, sorted: int = 1, num_outputs: int = 1) -> Any:  # noqa: A002
+    """ONNX Unique: ``(Y, indices, inverse_indices, counts)``, sorted or in first-occurrence order."""
+    if axis is None:
+        rows = X.reshape(-1, 1)
+    else:
+        axis = _axis(axis, X.dim())
+        rows = X.movedim(axis, 0).reshape(X.shape[axis], -1)
+    found, inverse, counts = torch.unique(rows.detach(), dim=0, return_inverse=True, return_counts=True)
+    positions = torch.arange(rows.shape[0], device=X.device)
+    first = torch.full((found.shape[0],), rows.shape[0], dtype=torch.long, device=X.device)
+    first = first.scatter_reduce(0, inverse, positions, "amin")
+    if not sorted:
+        order = torch.argsort(first)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=X.device)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    values = rows.index_select(0, first)  # the first occurrences themselves: differentiable
+    if axis is None:
+        y = values.reshape(-1)
+    else:
+        rest = [n for i, n in enumerate(X.shape) if i != axis]
+        y = values.reshape(values.shape[0], *rest).movedim(0, axis)
+    results = (y, first, inverse.reshape(-1), counts)
+    return results[0] if num_outputs == 1 else results[:num_outputs]
