@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from placement.report import summary
     from placement.report.draw import draw
     from placement.report.html import write_report
+    from placement.runtime.lowering import to_torch
     from placement.runtime.ort import Runner, run
-    from placement.runtime.torch_lower import to_torch
 
 __version__ = "0.1.0"
 
@@ -109,7 +109,7 @@ _LAZY = {
     "write_report": "placement.report.html",
     "Runner": "placement.runtime.ort",
     "run": "placement.runtime.ort",
-    "to_torch": "placement.runtime.torch_lower",
+    "to_torch": "placement.runtime.lowering",
 }
 
 __all__ = [

@@ -1,5 +1,6 @@
 """Facts about a graph that every layer above shares, each defined once.
 
+- :mod:`~placement.analysis.costs`: per-op-type FLOP rules (a table with a default).
 - :mod:`~placement.analysis.dependence`: data dependence (which blobs depend on a graph
   input, which are activations), copy origin (the blob a chain of copies carries) and
   load-time values (blobs computable from parameters and constants alone, which runtimes

@@ -134,8 +134,9 @@ def load_time_values(graph: ir.Graph) -> set[ir.Value]:
     """Op outputs that are the same on every run and never cross a device per run.
 
     See the module docstring: outputs of deterministic standard ONNX ops without subgraphs
-    whose inputs are all parameters or load-time values, minus graph outputs and the blobs
-    that copies carry to graph outputs. Parameters themselves are not included.
+    whose inputs are all parameters or load-time values, minus graph outputs, the blobs
+    that copies carry to graph outputs, and whatever reads those (they are produced by
+    their stage each run). Parameters themselves are not included.
 
     Example:
         >>> import placement as pl
@@ -160,4 +161,9 @@ def load_time_values(graph: ir.Graph) -> set[ir.Value]:
             fixed.discard(value)
             if COPY_KEY in producer.metadata_props and producer.inputs and producer.inputs[0] is not None:
                 keep.append(producer.inputs[0])
+    # What reads a value left out is not load-time either (a copy of it, an op on that copy).
+    for node in graph:
+        if node.outputs and node.outputs[0] in fixed:
+            if any(v is not None and v not in fixed for v in node.inputs):
+                fixed.difference_update(node.outputs)
     return {v for v in fixed if v.producer() is not None}

@@ -9,8 +9,8 @@ For every op (copies excluded) :func:`profile` records
 * ``output_bytes``: bytes of the blobs it produces (static shapes from the exporter);
 * ``param_bytes``: bytes of the parameters (initializers) it is the *first* consumer
   of, so that the per-op values add up to the model's parameter bytes;
-* ``flops``: an analytic count from a per-op-type rule table (:data:`FLOP_RULES`)
-  with a default rule (one FLOP per output element).
+* ``flops``: an analytic count from the per-op-type rule table
+  (:data:`placement.analysis.costs.FLOP_RULES`) with a default rule (one FLOP per output element).
 
 Results are cached on the model (``model.ir_model.meta``), keyed by a fingerprint of
 the graph's structure (op names, types and outputs; copies and devices ignored) and
@@ -44,13 +44,14 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from placement.analysis import costs
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.analysis.shapes import infer_shapes
 from placement.errors import InputError, PlanError
@@ -58,7 +59,6 @@ from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device, value_nbytes
 
 __all__ = [
-    "FLOP_RULES",
     "GraphInfo",
     "OpProfile",
     "Profile",
@@ -409,82 +409,10 @@ class Shapes:
         return sum(self.numel(v) for v in node.outputs)
 
 
-FlopRule = Callable[[ir.Node, Shapes], int]
-
-
-def _flops_matmul(node: ir.Node, shapes: Shapes) -> int:
-    a = shapes.dims(node.inputs[0])
-    k = a[-1] if a else 1
-    return 2 * k * shapes.numel(node.outputs[0])
-
-
-def _flops_gemm(node: ir.Node, shapes: Shapes) -> int:
-    a = shapes.dims(node.inputs[0])
-    trans_a = node.attributes.get("transA")
-    k = 1
-    if a and len(a) == 2:
-        k = a[0] if trans_a is not None and trans_a.as_int() else a[1]
-    out = shapes.numel(node.outputs[0])
-    return 2 * k * out + (out if len(node.inputs) > 2 and node.inputs[2] is not None else 0)
-
-
-def _flops_conv(node: ir.Node, shapes: Shapes) -> int:
-    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
-    per_out = math.prod(w[1:]) if w else 1
-    return 2 * per_out * shapes.numel(node.outputs[0])
-
-
-def _flops_conv_transpose(node: ir.Node, shapes: Shapes) -> int:
-    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
-    per_in = math.prod(w[1:]) if w else 1
-    return 2 * per_in * shapes.numel(node.inputs[0])
-
-
-def _flops_scaled(factor: int) -> FlopRule:
-    return lambda node, shapes: factor * shapes.out_numel(node)
-
-
-def _flops_zero(node: ir.Node, shapes: Shapes) -> int:
-    return 0
-
-
-#: Per-op-type FLOP rules (JAX-style rule table): ``rule(node, shapes) -> FLOPs``; op
-#: types not listed use :func:`_default_flops` (one FLOP per output element).
-FLOP_RULES: dict[str, FlopRule] = {
-    "MatMul": _flops_matmul,
-    "Gemm": _flops_gemm,
-    "Conv": _flops_conv,
-    "ConvTranspose": _flops_conv_transpose,
-    "Softmax": _flops_scaled(5),
-    "LogSoftmax": _flops_scaled(5),
-    "LayerNormalization": _flops_scaled(8),
-    "InstanceNormalization": _flops_scaled(8),
-    "BatchNormalization": _flops_scaled(4),
-    "GroupNormalization": _flops_scaled(8),
-    "Gelu": _flops_scaled(8),
-    "Erf": _flops_scaled(8),
-    "Tanh": _flops_scaled(4),
-    "Sigmoid": _flops_scaled(4),
-    "Exp": _flops_scaled(4),
-    "Reshape": _flops_zero,
-    "Flatten": _flops_zero,
-    "Squeeze": _flops_zero,
-    "Unsqueeze": _flops_zero,
-    "Shape": _flops_zero,
-    "Size": _flops_zero,
-    "Constant": _flops_zero,
-    "ConstantOfShape": _flops_zero,
-    "Identity": _flops_zero,
-}
-
-
-def _default_flops(node: ir.Node, shapes: Shapes) -> int:
-    return shapes.out_numel(node)
-
-
 def op_flops(node: ir.Node, shapes: Shapes | None = None) -> int:
-    """Analytic FLOPs of one op from :data:`FLOP_RULES` (default: output elements)."""
-    return int(FLOP_RULES.get(node.op_type, _default_flops)(node, shapes or Shapes()))
+    """Analytic FLOPs of one op from :data:`placement.analysis.costs.FLOP_RULES`
+    (default: one per output element)."""
+    return costs.op_flops(node, shapes or Shapes())
 
 
 # --- profiles -----------------------------------------------------------------------

@@ -3,7 +3,7 @@
 - :mod:`~placement.runtime.stages`: cut a placed graph into per-device stages (an acyclic
   stage graph), with the transfers between them.
 - :mod:`~placement.runtime.ort`: ``Runner``/``run``, one ONNX Runtime session per stage.
-- :mod:`~placement.runtime.torch_lower` and :mod:`~placement.runtime.torch_ops`: ``to_torch``,
+- :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 - :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).
 - :mod:`~placement.runtime.inputs`: checking and converting user inputs.
@@ -24,9 +24,9 @@ Example:
 from __future__ import annotations
 
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
+from placement.runtime.lowering import to_torch
 from placement.runtime.ort import Runner, RunnerStats, run
 from placement.runtime.stages import Partition, Stage, partition, split_stages
-from placement.runtime.torch_lower import to_torch
 
 __all__ = [
     "PhysicalDevice",

@@ -41,11 +41,18 @@ Dim = Union[int, str, None]
 
 @dataclass(frozen=True)
 class InputSpec:
-    """A graph input: name, numpy dtype (None if unknown) and dims (int, or str/None if symbolic)."""
+    """A graph input: name, numpy dtype (None if unknown) and dims (int, or str/None if symbolic).
+
+    ``kind`` is ``"tensor"``, ``"sequence"`` (a list of arrays), ``"optional"``
+    (``None`` or a value) or ``"other"``; non-tensor values are passed through
+    as ONNX Runtime takes them (lists of arrays, ``None``), their elements converted
+    to numpy.
+    """
 
     name: str
     dtype: np.dtype | None
     shape: tuple[Dim, ...] | None
+    kind: str = "tensor"
 
     def describe(self) -> str:
         """``float32[batch, 4]``-style text."""
@@ -73,8 +80,33 @@ def input_specs(graph: ir.Graph) -> list[InputSpec]:
             shape = tuple(
                 d if isinstance(d, int) else (d.value if hasattr(d, "value") else None) for d in value.shape
             )
-        specs.append(InputSpec(value.name or "", dtype, shape))
+        specs.append(InputSpec(value.name or "", dtype, shape, _kind(value.type)))
     return specs
+
+
+def _kind(type_: Any) -> str:
+    if type_ is None or isinstance(type_, ir.TensorType):
+        return "tensor"
+    if isinstance(type_, ir.SequenceType):
+        return "sequence"
+    if isinstance(type_, ir.OptionalType):
+        return "optional"
+    return "other"
+
+
+def _non_tensor(spec: InputSpec, value: Any) -> Any:
+    """A sequence, optional or other non-tensor input as ONNX Runtime takes it."""
+    if value is None and spec.kind == "optional":
+        return None
+    if isinstance(value, (list, tuple)) and spec.kind != "other":
+        return [_contiguous(to_numpy(spec.name, v)) for v in value]
+    if spec.kind == "sequence":
+        raise InputError(
+            f"input {spec.name!r} is a sequence: pass a list of arrays, got {type(value).__name__}"
+        )
+    if spec.kind == "optional" or isinstance(value, np.ndarray):
+        return _contiguous(to_numpy(spec.name, value))
+    return value
 
 
 def to_numpy(name: str, value: Any) -> np.ndarray:
@@ -93,8 +125,11 @@ def to_numpy(name: str, value: Any) -> np.ndarray:
     raise InputError(f"input {name!r}: expected a numpy array or torch tensor, got {type(value).__name__}")
 
 
-def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[np.ndarray]:
+def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[Any]:
     """Validated, contiguous numpy arrays in graph-input order.
+
+    Inputs that are not tensors (sequences, optionals) come back as lists of
+    arrays or ``None``.
 
     Args:
         inputs: a dict by input name, a sequence in input order, or one array
@@ -137,9 +172,12 @@ def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[np.
         raise InputError(f"inputs must be a dict by name or a sequence in order, got {type(inputs).__name__}")
     arrays = []
     for spec, value in zip(specs, values):
+        if spec.kind != "tensor":
+            arrays.append(_non_tensor(spec, value))
+            continue
         array = to_numpy(spec.name, value)
         _check(spec, array)
-        arrays.append(np.ascontiguousarray(array))
+        arrays.append(_contiguous(array))
     return arrays
 
 
@@ -151,7 +189,8 @@ def _is_array(value: Any) -> bool:
 
 
 def _check(spec: InputSpec, array: np.ndarray) -> None:
-    if spec.dtype is not None and array.dtype != spec.dtype:
+    strings = spec.dtype == np.dtype(object) and array.dtype.kind in "OUS"
+    if spec.dtype is not None and array.dtype != spec.dtype and not strings:
         raise InputError(
             f"input {spec.name!r} has dtype {array.dtype}, expected {spec.dtype} "
             f"(expected {spec.describe()}, got {_describe(array)})"
@@ -173,3 +212,8 @@ def _check(spec: InputSpec, array: np.ndarray) -> None:
 
 def _describe(array: np.ndarray) -> str:
     return f"{array.dtype}[{', '.join(map(str, array.shape))}]"
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (``np.ascontiguousarray`` makes them 1-d)."""
+    return np.asarray(array, order="C")

@@ -425,6 +425,14 @@ class Runner:
             # Transfers whose source became available are flushed after each stage; a stage
             # may also read a copy target produced by a transfer flushed just before it.
             bind = [(name, deliver(name, stage.device)) for name in stage.inputs]
+            if _host_values(ex.session):
+                steps.append(("host", ex, tuple(bind), stage.outputs))
+                reads.append([key for _, key in bind])
+                for out in stage.outputs:
+                    where[(out, stage.device)] = out
+                    home[out] = stage.device
+                flush_transfers()
+                continue
             binding = ex.session.io_binding()
             device_type, device_id = ("cuda", ex.physical.index) if ex.physical.is_cuda else ("cpu", 0)
             ex.binding = binding
@@ -475,13 +483,16 @@ class Runner:
         assert program is not None
         values: dict[str, Any] = {}
         for (name, physical), array in zip(program.feeds, arrays):
-            values[name] = _ortvalue(array, physical)
+            values[name] = _ortvalue(array, physical) if _is_tensor(array) else array
         for step in program.steps:
             if step[0] == "stage":
                 _, ex, bind, outs, free = step
                 binding = ex.binding
                 for name, key in bind:
-                    binding.bind_ortvalue_input(name, values[key])
+                    value = values[key]
+                    if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
+                        value = values[key] = _ortvalue(value, ex.physical)
+                    binding.bind_ortvalue_input(name, value)
                 ex.session.run_with_iobinding(binding)
                 results = binding.get_outputs()
                 for name, value in zip(outs, results):
@@ -493,12 +504,22 @@ class Runner:
                 device_type, device_id = ex.out_device
                 for name in outs:
                     binding.bind_output(name, device_type, device_id)
+            elif step[0] == "host":  # sequences, optionals or strings cross this stage's boundary
+                _, ex, bind, outs, free = step
+                feeds = {name: _host(values[key]) for name, key in bind}
+                for name, value in zip(outs, ex.session.run(list(outs), feeds)):
+                    values[name] = value
             else:
                 _, kind, src, dst, physical, free = step
-                values[dst] = _move(values[src], kind, physical)
+                value = values[src]
+                values[dst] = (
+                    _move(value, kind, physical)
+                    if isinstance(value, ort.OrtValue)
+                    else (value if kind == _ALIAS else _host_copy(value))
+                )
             for key in free:
                 del values[key]
-        return [values[key].numpy() if const is None else const.copy() for key, const in program.outputs]
+        return [_to_numpy(values[key]) if const is None else const.copy() for key, const in program.outputs]
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
@@ -546,6 +567,61 @@ def _transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: bo
     if src.emulated or dst.emulated:
         return _HOST_COPY
     return _ALIAS
+
+
+class _KeepAlive:
+    """The base of an array viewing an ``OrtValue``'s memory: holds the ``OrtValue``."""
+
+    def __init__(self, value: ort.OrtValue, view: np.ndarray) -> None:
+        self.value = value
+        self.__array_interface__ = view.__array_interface__
+
+
+def _to_numpy(value: ort.OrtValue) -> np.ndarray:
+    """A host array of ``value`` that stays valid after ``value`` is dropped.
+
+    ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
+    whose base (a capsule) does not keep that buffer alive: once the ``OrtValue``
+    (or the numpy array it was made from) is released, the next allocation can
+    overwrite the view. The returned array keeps the ``OrtValue`` alive instead
+    (no copy); arrays that own their data (GPU values copied to the host) are
+    returned as they are.
+    """
+    if not isinstance(value, ort.OrtValue):  # a host value (from a host-value stage)
+        return value
+    array = value.numpy()
+    if not isinstance(array, np.ndarray) or array.flags.owndata:
+        return array
+    return np.asarray(_KeepAlive(value, array))
+
+
+def _host_values(session: ort.InferenceSession) -> bool:
+    """Whether a stage session takes or returns values that ``OrtValue`` s from numpy
+    cannot hold (sequences, optionals, maps, string tensors): such a stage runs with
+    ``InferenceSession.run`` on host values, which takes and returns them as ONNX
+    Runtime's Python API does (lists of arrays, ``None``, object arrays)."""
+    for arg in (*session.get_inputs(), *session.get_outputs()):
+        if not arg.type.startswith("tensor(") or arg.type == "tensor(string)":
+            return True
+    return False
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.kind not in "OUS"
+
+
+def _host(value: Any) -> Any:
+    """A value as ``InferenceSession.run`` takes it (``OrtValue`` s become arrays)."""
+    return _to_numpy(value) if isinstance(value, ort.OrtValue) else value
+
+
+def _host_copy(value: Any) -> Any:
+    """A separate copy of a host value (arrays, lists of them, ``None``)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (list, tuple)):
+        return [_host_copy(v) for v in value]
+    return value
 
 
 def _ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:

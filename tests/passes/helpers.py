@@ -5,6 +5,8 @@
 * :func:`random_dag` / :func:`dags`: random DAGs with random devices, from a
   ``random.Random`` or as a hypothesis strategy (``st.data()`` free);
 * :func:`run_ort` / :func:`feeds_for`: run a model in one plain ONNX Runtime session;
+* :func:`run_placed` / :func:`churn`: run it placed (``pl.run``), then allocate
+  other memory, so outputs that alias released buffers are caught;
 * :func:`check_copies`: ``verify`` plus the exact copy invariants of the pass trio.
 
 All tensors are float32 of one shape (``SHAPE``) so any op can read any blob.
@@ -198,7 +200,26 @@ def run_ort(model: pl.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
+def churn() -> None:
+    """Allocate and free memory of many sizes, so an output array that aliases a
+    released buffer gets overwritten before it is compared (call it between a run
+    and the comparison of its outputs). Released ``OrtValue`` s go by reference
+    counting, so no garbage collection is needed (a full one costs ~0.2 s here)."""
+    junk = [np.full(n, 7.0, np.float32) for n in (1, 2, 3, 4, 6, 8, 16, 64, 256, 4096) for _ in range(20)]
+    junk += [np.full(n, 7, np.int64) for n in (1, 2, 3, 6, 64) for _ in range(20)]
+    del junk
+
+
+def run_placed(model: pl.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run ``model`` with :func:`placement.run` (one emulated session per stage, real
+    copies between logical devices), then :func:`churn`: compare the result afterwards."""
+    outputs = pl.run(model, feeds)
+    churn()
+    return outputs
+
+
 def assert_same_outputs(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
+    """Outputs equal within float tolerance (call after :func:`churn`, see :func:`run_placed`)."""
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)

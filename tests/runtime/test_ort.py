@@ -19,6 +19,7 @@ from placement.runtime import device_map as device_map_module
 from placement.runtime import ort as rort
 from placement.runtime.device_map import PhysicalDevice
 from tests.conftest import MODEL_NAMES
+from tests.passes.helpers import GraphBuilder, churn
 
 RTOL = ATOL = 1e-4
 
@@ -62,6 +63,7 @@ def _references(name: str):
 
 def _check(name: str, outputs: list[np.ndarray]) -> None:
     expected, single = _references(name)
+    churn()  # outputs that alias released memory get overwritten before the comparison
     assert len(outputs) == len(expected)
     for got, want, one in zip(outputs, expected, single):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
@@ -132,6 +134,61 @@ def test_random_placements_of_the_mlp(seed, n_devices, inject):
     if inject:
         pl.inject_cross_device_copies(model)
     _check("mlp", pl.run(model, args))
+
+
+# --- outputs own their memory ----------------------------------------------------------
+
+
+def test_output_copied_to_the_output_device_survives_later_allocations():
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["a"], name="relu"),
+            helper.make_node("Neg", ["a"], ["b"], name="neg"),
+        ],
+        "two_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [3]),
+        ],
+    )
+    model = pl.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    model.set_device("neg", 1)
+    pl.inject_cross_device_copies(model)
+    x = np.random.default_rng(0).random(3).astype(np.float32)
+    for device_map in ("cpu", "auto"):
+        a, b = pl.run(model, [x], device_map=device_map)
+        junk = [np.full(3, 7.0, np.float32) for _ in range(100)]
+        np.testing.assert_array_equal(a, np.maximum(x, 0))
+        np.testing.assert_array_equal(b, -np.maximum(x, 0))
+        del junk
+
+
+def test_outputs_on_several_devices_outlive_the_runner():
+    """Each graph output is produced on a different device (one is a graph input's
+    copy, one a session output, one moved by a copy); all stay valid after the
+    runner and its values are gone and memory is reused."""
+    b = GraphBuilder()
+    x = b.input("x")
+    h0 = b.op("Tanh", [x], "t0", device=0)
+    h1 = b.op("Relu", [h0], "r1", device=1)
+    h2 = b.op("Add", [h1, h0], "add2", device=2)
+    h3 = b.op("Neg", [h2], "neg3", device="cpu")
+    b.output(h0, h1, h2, h3, x)
+    model = b.build()
+    pl.inject_cross_device_copies(model)
+    feed = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+    runner = pl.Runner(model)
+    outputs = [runner.run({"x": feed}) for _ in range(3)]
+    del runner
+    churn()
+    t = np.tanh(feed)
+    want = [t, np.maximum(t, 0), np.maximum(t, 0) + t, -(np.maximum(t, 0) + t), feed]
+    for got in outputs:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
 # --- runner behaviour -------------------------------------------------------------------
@@ -320,3 +377,66 @@ def test_runtime_benchmark_smoke():
     row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
     assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
     assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
+
+
+# --- values that are not numeric tensors -------------------------------------------------
+
+
+def test_sequences_optionals_and_strings_cross_devices_as_ort_takes_them():
+    """A sequence built on device 0 is read on device 1; a string tensor and an optional
+    go in and out; placed outputs equal one plain session's."""
+    from onnx import TensorProto, helper
+
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [2]))
+    nodes = [
+        helper.make_node("SequenceConstruct", ["x", "x"], ["seq"], name="construct"),
+        helper.make_node("SequenceInsert", ["seq", "x"], ["seq3"], name="insert"),
+        helper.make_node("ConcatFromSequence", ["seq3"], ["cat"], name="concat", axis=0),
+        helper.make_node("StringConcat", ["s", "s"], ["ss"], name="strcat"),
+        helper.make_node("OptionalHasElement", ["opt"], ["has"], name="has"),
+        helper.make_node("Identity", ["opt"], ["opt_out"], name="opt_id"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "non_tensors",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("s", TensorProto.STRING, [2]),
+            helper.make_value_info("opt", opt_type),
+        ],
+        [
+            helper.make_value_info("seq3", seq_type),
+            helper.make_tensor_value_info("cat", TensorProto.FLOAT, [6]),
+            helper.make_tensor_value_info("ss", TensorProto.STRING, [2]),
+            helper.make_tensor_value_info("has", TensorProto.BOOL, []),
+            helper.make_value_info("opt_out", opt_type),
+        ],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    plain = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for how in ("every other op", "last op"):
+        model = pl.load(proto)
+        moved = model.ops[1::2] if how == "every other op" else model.ops[-1:]
+        for op in moved:
+            model.set_device(op.name, 1)
+        pl.inject_cross_device_copies(model)
+        for opt in (np.array([5.0, 6.0], np.float32), None):
+            feeds = {
+                "x": np.array([1.0, 2.0], np.float32),
+                "s": np.array(["a", "b"], dtype=object),
+                "opt": opt,
+            }
+            got = pl.run(model, feeds)
+            churn()
+            want = plain.run(None, feeds)
+            assert isinstance(got[0], list) and len(got[0]) == 3
+            for g, w in zip(got[0], want[0]):
+                np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(got[1], want[1])
+            assert got[2].tolist() == ["aa", "bb"] == want[2].tolist()
+            assert bool(got[3]) == (opt is not None)
+            if opt is None:
+                assert got[4] is None and want[4] is None
+            else:
+                np.testing.assert_array_equal(got[4], opt)

@@ -133,6 +133,28 @@ def test_load_time_values_are_rematerialised_not_transferred():
     np.testing.assert_allclose(session.run(None, {"r_cuda_1": r})[0], r @ w.const_value.numpy().T)
 
 
+def test_a_parameter_only_value_that_is_also_a_graph_output_is_produced_not_rematerialised():
+    # p -> square (cuda:1) -> graph output (copied to cpu) and -> neg (cuda:2): since the value
+    # is a graph output its stage produces it, so what reads it on cuda:2 receives a transfer.
+    from tests.passes.helpers import GraphBuilder, run_ort, run_placed
+
+    b = GraphBuilder()
+    x = b.input("x")
+    p = b.param("p")
+    sq = b.op("Mul", [p, p], "square", device=1)
+    neg = b.op("Neg", [sq], "neg", device=2)
+    y = b.op("Add", [neg, x], "add", device="cpu")
+    b.output(y, sq)
+    model = b.build()
+    pl.inject_cross_device_copies(model, output_device="cpu")
+    p_ = split_stages(model)
+    assert {t.target for t in p_.transfers} >= {"square_cuda_2"}
+    assert [s.ops for s in p_.stages] == [("square",), ("neg",), ("add",)]
+    feeds = {"x": np.ones((2, 3), np.float32)}
+    for got, want in zip(run_placed(model, feeds), run_ort(model, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_fingerprint_tracks_device_ops_and_boundaries():
     model = mlp_graph(3)
     model.set_device("fc2", 1)

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from onnx import helper
 
 import placement as pl
-from placement.runtime.torch_lower import check_supported
 
 MODEL_NAMES = ["mlp", "resnet", "gpt", "unet"]
 HAS_CUDA = torch.cuda.is_available()
@@ -225,37 +224,84 @@ def test_awkward_initializer_names_are_mapped():
 # --- errors ---------------------------------------------------------------------------------
 
 
-def test_unsupported_op_types_are_all_named():
+def test_unsupported_ops_and_attributes_are_named_in_one_error():
+    bn = helper.make_node(
+        "BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn_train", training_mode=1
+    )
     nodes = [
-        helper.make_node("Det", ["x"], ["d"], name="det_1"),
-        helper.make_node("Hardmax", ["x"], ["h"], name="hardmax_1"),
-        helper.make_node("Hardmax", ["h"], ["h2"], name="hardmax_2"),
+        bn,
+        helper.make_node("Unique", ["y"], ["u"], name="unique_1"),
+        helper.make_node("Unique", ["u"], ["u2"], name="unique_2"),
+        helper.make_node("MaxPool", ["y"], ["p"], name="pool_1", kernel_shape=[1], storage_order=1),
         helper.make_node("Foo", ["x"], ["f"], name="foo_1", domain="my.domain"),
     ]
+    inits = [onnx.numpy_helper.from_array(np.ones(3, np.float32), n) for n in "sbmv"]
     model = _model(
         nodes,
-        [_info("x", [3, 3])],
-        [_info("d", []), _info("h2", [3, 3]), _info("f", [3, 3])],
+        [_info("x", [2, 3])],
+        [_info("u2", [2, 3]), _info("p", [2, 3]), _info("f", [2, 3])],
+        inits,
         extra_opsets=[helper.make_opsetid("my.domain", 1)],
     )
     with pytest.raises(pl.LoweringError) as info:
         pl.to_torch(model, device_map="cpu")
     message = str(info.value)
-    for part in ("Det", "'det_1'", "Hardmax", "'hardmax_1'", "2 ops", "my.domain::Foo", "'foo_1'"):
+    expected = [
+        "Unique", "'unique_1'", "2 ops", "my.domain::Foo", "'foo_1'",
+        "BatchNormalization: training_mode=1", "'bn_train'", "MaxPool: storage_order=1", "'pool_1'",
+    ]  # fmt: skip
+    for part in expected:
         assert part in message
 
 
-def test_unsupported_attributes_and_old_opsets():
-    bn = helper.make_node(
-        "BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn_train", training_mode=1
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_old_opset_zoo_model_is_converted(name: str):
+    """An opset-9 file (TorchScript exporter, as older tools write them) is converted, not refused."""
+    import io
+
+    from placement.models import build
+
+    net, args = build(name, "tiny")
+    net.eval()
+    buffer = io.BytesIO()
+    torch.onnx.export(net, args, buffer, dynamo=False, opset_version=9)
+    proto = onnx.load_from_string(buffer.getvalue())
+    model = pl.load(proto)
+    assert model.graph.opset_imports[""] == 9
+    model.set_device(model.ops[-1].name, 1)
+    module = pl.to_torch(model, device_map="cpu")
+    assert model.graph.opset_imports[""] == 9  # the user's model is left as it was
+    assert model.ops[-1].device == pl.Device("cuda", 1)
+    torch.testing.assert_close(run(module, args), expected_outputs(net, args), **TOL)
+
+
+def test_unconvertible_old_opset_is_one_error():
+    old = _model(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Unique", ["y"], ["u"], name="uniq")],
+        [_info("x", [2])],
+        [_info("u", [2])],
+        opset=11,
     )
-    inits = [onnx.numpy_helper.from_array(np.ones(3, np.float32), n) for n in "sbmv"]
-    model = _model([bn], [_info("x", [2, 3])], [_info("y", [2, 3])], inits)
-    with pytest.raises(pl.LoweringError, match="training_mode.*bn_train"):
-        check_supported(model)
-    old = _model([helper.make_node("Relu", ["x"], ["y"])], [_info("x", [2])], [_info("y", [2])], opset=11)
-    with pytest.raises(pl.LoweringError, match="opset 11"):
+    old.graph.opset_imports[""] = 0  # no converter adapters from here
+    with pytest.raises(pl.LoweringError, match="opset 0 could not be converted.*Unique"):
         pl.to_torch(old, device_map="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_half_precision_zoo_models(name: str, dtype: torch.dtype):
+    from placement.models import build
+
+    net, args = build(name, "tiny")
+    net = net.to(dtype).eval()
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    model = pl.from_torch(net, args)
+    place(model, "shift", 2)
+    module = pl.to_torch(model, device_map="cpu")
+    got = run(module, args)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected_outputs(net, args), rtol=2e-2, atol=2e-2)
+    assert all(p.dtype == dtype for p in module.parameters())
 
 
 def test_bad_device_map(exported):

@@ -21,9 +21,8 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import placement as pl
-from placement.runtime import torch_ops
-from placement.runtime.torch_lower import to_torch
-from placement.runtime.torch_ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
+from placement.runtime.lowering import to_torch
+from placement.runtime.lowering.ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
 
 OPSET = 21
 RNG = np.random.default_rng(0)
@@ -390,14 +389,14 @@ def test_torch_dtype():
 def test_rules_are_differentiable():
     x = torch.randn(2, 3, 5, 5, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)
-    y = torch_ops.conv(x, w, None, pads=[0, 1, 2, 1])
-    y = torch_ops.max_pool(y, kernel_shape=[2, 2], pads=[0, 0, 1, 1])
+    y = RULES["Conv"].fn(x, w, None, pads=[0, 1, 2, 1])
+    y = RULES["MaxPool"].fn(y, kernel_shape=[2, 2], pads=[0, 0, 1, 1])
     y.sum().backward()
     assert x.grad is not None and w.grad is not None
 
 
 def test_half_precision_layer_norm_and_cast():
     x = torch.randn(2, 4, dtype=torch.float16)
-    y = torch_ops.layer_normalization(x, torch.ones(4, dtype=torch.float16), axis=-1)
+    y = RULES["LayerNormalization"].fn(x, torch.ones(4, dtype=torch.float16), axis=-1)
     assert y.dtype == torch.float16
-    assert torch_ops.cast(x, to=onnx.TensorProto.FLOAT).dtype == torch.float32
+    assert RULES["Cast"].fn(x, to=onnx.TensorProto.FLOAT).dtype == torch.float32

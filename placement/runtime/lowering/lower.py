@@ -3,7 +3,7 @@
 The ONNX graph is walked once in topological order and a ``torch.fx.Graph`` is
 built by hand: a placeholder per graph input, ``get_attr`` for parameters and
 constants, one ``call_function`` per op to its rule in
-:data:`placement.runtime.torch_ops.RULES`, and ``.to(device, non_blocking=True)``
+:data:`placement.runtime.lowering.ops.RULES`, and ``.to(device, non_blocking=True)``
 for copies. The result is an ordinary ``torch.nn.Module`` with readable ``.code``
 that supports autograd.
 
@@ -81,25 +81,22 @@ import numpy as np
 import onnx_ir as ir
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device
+from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
-from placement.runtime.torch_ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
+from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
-
-#: A rule that inlines nothing (for arguments of fused calls).
-_NO_INLINE = Rule("<fused>", lambda *a: None)
 
 __all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
 log = logging.getLogger(__name__)
 
-#: Oldest default-domain opset the rules implement (Softmax / Split semantics).
+#: Oldest default-domain opset the rules implement (Softmax / Split semantics); older
+#: models are converted to it with ``onnx.version_converter``.
 MIN_OPSET = 13
 
 #: Constants folded at lowering time larger than this many elements stay runtime ops.
@@ -128,7 +125,8 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
 
     Raises:
         LoweringError: op types without a rule (all of them, named with an
-            example op each), unsupported attributes, or an opset older than 13.
+            example op each), unsupported attributes, or an opset older than 13 that
+            ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map``.
 
     Example:
@@ -141,7 +139,8 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
     """
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
-    check_supported(model)
+    model, problems = _upgraded(model)
+    check_supported(model, problems=problems)
     devices = _logical_devices(model)
     dmap = resolve_device_map(devices, device_map, runtime="torch")
     module = _Lowering(model, dmap).build()
@@ -153,8 +152,10 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
     return module
 
 
-def check_supported(model: Model) -> None:
-    """Raise one ``LoweringError`` naming every op type the lowering cannot handle.
+def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
+    """Raise one ``LoweringError`` naming every op type and attribute the lowering cannot handle.
+
+    ``problems`` are earlier findings (an opset conversion that failed) listed first.
 
     Example:
         >>> import torch
@@ -162,10 +163,7 @@ def check_supported(model: Model) -> None:
         >>> model = pl.from_torch(torch.nn.ReLU(), (torch.randn(2),))
         >>> check_supported(model)  # fine: Relu has a rule
     """
-    opset = model.graph.opset_imports.get("", model.graph.opset_imports.get("ai.onnx"))
-    problems: list[str] = []
-    if opset is not None and opset < MIN_OPSET:
-        problems.append(f"default-domain opset {opset} is older than {MIN_OPSET}")
+    problems = list(problems or ())
     missing: dict[str, tuple[str, int]] = {}
     bad_attrs: dict[str, str] = {}
     for node in model.graph:
@@ -194,6 +192,51 @@ def check_supported(model: Model) -> None:
         problems.append(f"unsupported attributes: {listed}")
     if problems:
         raise LoweringError("cannot lower to torch: " + " | ".join(problems))
+
+
+def _default_opset(model: Model) -> int | None:
+    imports = model.graph.opset_imports
+    return imports.get("", imports.get("ai.onnx"))
+
+
+def _upgraded(model: Model) -> tuple[Model, list[str]]:
+    """The model itself, or a copy converted to opset :data:`MIN_OPSET` by ``onnx.version_converter``.
+
+    Node names survive the conversion; devices, copy marks and scopes are copied
+    back by name, and a node the converter added takes the device of a neighbour.
+    Returns the model and the problems found (a failed conversion).
+    """
+    opset = _default_opset(model)
+    if opset is None or opset >= MIN_OPSET:
+        return model, []
+    import onnx
+    from onnx import version_converter
+
+    proto = ir.serde.serialize_model(model.ir_model)
+    try:
+        converted = version_converter.convert_version(proto, MIN_OPSET)
+        onnx.checker.check_model(converted)
+    except Exception as err:  # the converter raises plain RuntimeErrors from C++
+        reason = " ".join(str(err).split())[:200]
+        return model, [f"default-domain opset {opset} could not be converted to {MIN_OPSET}: {reason}"]
+    ir_model = ir.serde.deserialize_model(converted)
+    ir_model.metadata_props.update(model.ir_model.metadata_props)
+    by_name = {node.name: node for node in model.graph if node.name}
+    unplaced: list[ir.Node] = []
+    for node in ir_model.graph:
+        source = by_name.get(node.name or "")
+        if source is not None:
+            node.metadata_props.update(source.metadata_props)
+        else:
+            unplaced.append(node)
+    for node in unplaced:
+        neighbours = [u.node for out in node.outputs for u in out.uses()]
+        neighbours += [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+        placed = next((n for n in neighbours if n is not None and DEVICE_KEY in n.metadata_props), None)
+        if placed is not None:
+            node.metadata_props[DEVICE_KEY] = placed.metadata_props[DEVICE_KEY]
+    log.info("converted the model from opset %d to %d for the torch lowering", opset, MIN_OPSET)
+    return Model(ir_model, device=_logical_devices(model)[0]), []
 
 
 # --- internals -------------------------------------------------------------------------
@@ -287,7 +330,8 @@ class _Lowering:
         self.prefixes: set[str] = set()
         self.cache: dict[tuple[str, str], fx.Node] = {}  # (blob, physical) -> node there
         self.pending_params: dict[str, torch.Tensor] = {}  # registered on first use
-        self.linear_pending: dict[int, tuple[_Val, _Val, int]] = {}  # Add id -> MatMul inputs
+        self.device_override: Device | None = None  # the device of an inlined subgraph's ops
+        self.deferred: dict[int, Any] = {}  # consumer node id -> continuation of a fused producer
         self.meta: dict[str, torch.Tensor] = {}  # blob -> meta tensor (static shape and dtype)
         self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
         self.const_homes: dict[str, str] = {}  # constant blob -> its first buffer path
@@ -491,7 +535,7 @@ class _Lowering:
     def _lower(self, node: ir.Node) -> None:
         ins = [self._value(v, node) for v in node.inputs]
         outs = list(node.outputs)
-        device = node_device(node)
+        device = self.device_override or node_device(node)
         phys = self._phys(device)
         self.current_device = device
         if is_copy_node(node) or (node.op_type == "Identity" and node.domain in ("", "ai.onnx")):
@@ -503,9 +547,14 @@ class _Lowering:
             attrs["num_outputs"] = len(outs)
         if "device" in (rule.params or ()):
             attrs["device"] = phys
+        continuation = self.deferred.pop(id(node), None)
+        if continuation is not None:
+            continuation(self, node, ins, phys)
+            self._propagate(rule, ins, attrs, outs)
+            return
         if self._fold(node, rule, ins, attrs, outs):
             return
-        if self._fuse_linear(node, ins, phys):
+        if rule.emit is not None and rule.emit(self, node, ins, phys):
             self._propagate(rule, ins, attrs, outs)
             return
         args = [self._argument(val, i, rule, phys) for i, val in enumerate(ins)]
@@ -513,6 +562,9 @@ class _Lowering:
             args.pop()
         kwargs = self._kwargs(rule, attrs, phys)
         fx_op, target = "call_function", rule.fn
+        if rule.widen_unsigned and any(v is not None and v.dtype in _WIDE_UNSIGNED for v in node.inputs):
+            self._lower_widened(node, rule, args, kwargs, device)
+            return
         if rule.direct is not None:
             shapes = [self._shape(v) for v in node.inputs]
             emitted = rule.direct(tuple(args), kwargs, shapes)
@@ -529,6 +581,71 @@ class _Lowering:
             if out.name:
                 item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
                 self.values[out.name] = _Val(out.name, node=item, device=device)
+
+    def _lower_widened(
+        self, node: ir.Node, rule: Rule, args: list[Any], kwargs: dict[str, Any], device: Device
+    ) -> None:
+        """Compute in int64 where torch has no uint16/32/64 kernel, then cast back."""
+        label = _op_label(node)
+        wide = [
+            self._create("call_method", "to", (a, torch.int64), {}, f"{label}_in{i}_i64")
+            if isinstance(a, fx.Node)
+            else a
+            for i, a in enumerate(args)
+        ]
+        out = node.outputs[0]
+        name = out.name or label
+        call = self._create("call_function", rule.fn, tuple(wide), kwargs, name)
+        if out.dtype in _WIDE_UNSIGNED:
+            call = self._create("call_method", "to", (call, torch_dtype(int(out.dtype))), {}, f"{name}_cast")
+        self.values[out.name or ""] = _Val(out.name or "", node=call, device=device)
+
+    # -- the interface of a rule's ``emit`` ------------------------------------------------------
+
+    def shape(self, value: ir.Value | None) -> tuple[int, ...] | None:
+        """The static shape of a blob, or None."""
+        return self._shape(value)
+
+    def on(self, val: _Val, phys: str) -> fx.Node:
+        """The fx node of a value on physical device ``phys``."""
+        return self._on(val, phys)
+
+    def emit(self, op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> fx.Node:
+        """Append one fx node."""
+        return self._create(op, target, args, kwargs, name)
+
+    def define(self, blob: str, node: fx.Node, device: Device) -> None:
+        """Record ``node`` as the value of ``blob`` on logical ``device``."""
+        self.values[blob] = _Val(blob, node=node, device=device)
+
+    def defer(self, consumer: ir.Node, continuation: Any) -> None:
+        """Lower ``consumer`` with ``continuation(lowering, node, inputs, phys)`` instead of its rule."""
+        self.deferred[id(consumer)] = continuation
+
+    def constant(self, val: _Val | None) -> torch.Tensor | None:
+        """The lowering-time value of an input, or None when it is computed at run time."""
+        return None if val is None else val.const
+
+    def inline(self, graph: ir.Graph, device: Device, outputs: list[ir.Value]) -> None:
+        """Lower ``graph``'s ops in place on logical ``device``; its outputs become ``outputs``."""
+        saved, self.device_override = self.device_override, device
+        try:
+            for initializer in graph.initializers.values():
+                tensor = initializer.const_value
+                if initializer.name and tensor is not None:
+                    self.values[initializer.name] = _Val(initializer.name, const=_to_torch_tensor(tensor))
+            for inner in graph:
+                self._lower(inner)
+        finally:
+            self.device_override = saved
+        for out, result in zip(outputs, graph.outputs):
+            val = self._value(result, result.producer() or outputs[0].producer())
+            if out.name and val is not None:
+                self.values[out.name] = val
+
+    def mark_fused(self, blob: str) -> None:
+        """``blob`` is computed inside a fused call and never materialized."""
+        self.fused.add(blob)
 
     # -- static shapes ------------------------------------------------------------------------
 
@@ -582,51 +699,6 @@ class _Lowering:
         for out, tensor in zip(outs, results):
             if out.name and isinstance(tensor, torch.Tensor):
                 self.meta[out.name] = tensor if tensor.device.type == "meta" else tensor.to("meta")
-
-    def _fuse_linear(self, node: ir.Node, ins: list[_Val | None], phys: str) -> bool:
-        """``MatMul(A, B)`` + ``Add(bias)`` -> ``F.linear(A, B.t(), bias)``, as eager ``nn.Linear``.
-
-        The exporter splits a Linear on n-D inputs into MatMul and Add; fusing them
-        back gives eager's single ``addmm`` (same kernel, same numbers). Only when
-        the MatMul feeds nothing but that Add on the same device, ``B`` is 2-D and
-        the bias is 1-D of ``B``'s width. True when ``node`` was handled.
-        """
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Add"):
-            return False
-        if node.op_type == "Add":
-            pending = self.linear_pending.pop(id(node), None)
-            if pending is None:
-                return False
-            a, b, position = pending
-            bias = ins[1 - position]
-            assert bias is not None
-            b_node = self._on(b, phys)
-            if b_node.op == "call_method" and b_node.target == "permute" and b_node.args[1:] == (1, 0):
-                weight = b_node.args[0]  # B = W.permute(1, 0): use W itself, like nn.Linear
-            else:
-                weight = self._create("call_method", "t", (b_node,), {}, f"{b.name}_t")
-            args = (self._on(a, phys), weight, self._argument(bias, 1, _NO_INLINE, phys))
-            out = node.outputs[0].name or ""
-            call = self._create("call_function", F.linear, args, {}, out or node.name or "linear")
-            self.values[out] = _Val(out, node=call, device=node_device(node))
-            return True
-        out = node.outputs[0]
-        uses = list(out.uses())
-        if len(uses) != 1 or out.is_graph_output() or any(v is None for v in ins):
-            return False
-        add, position = uses[0].node, uses[0].idx
-        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
-            return False
-        if node_device(add) != node_device(node) or is_copy_node(add):
-            return False
-        b_shape = self._shape(node.inputs[1])
-        other = add.inputs[1 - position]
-        bias_shape = self._shape(other)
-        if b_shape is None or len(b_shape) != 2 or bias_shape != (b_shape[1],):
-            return False
-        self.linear_pending[id(add)] = (ins[0], ins[1], position)
-        self.fused.add(out.name or "")
-        return True
 
     def _lower_identity(self, node: ir.Node, src: _Val | None, device: Device, phys: str) -> None:
         out = node.outputs[0].name or ""
@@ -758,6 +830,9 @@ def _static_shape(value: ir.Value) -> tuple[int, ...] | None:
 
 
 _NOT_LITERAL = object()
+
+#: Unsigned types without most torch kernels: rules flagged ``widen_unsigned`` compute them in int64.
+_WIDE_UNSIGNED = frozenset({ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64})
 
 
 def _literal(val: _Val, index: int, rule: Rule) -> Any:

@@ -1,0 +1,1 @@
+"""Conformance: ONNX's node test suite on every runtime (see ``_cases``)."""

@@ -1,0 +1,431 @@
+"""ONNX's node-level backend test suite as a conformance bar: load, run, compare.
+
+The onnx wheel generates its whole node suite (``onnx.backend.test.case.node``):
+each case is a one-op (sometimes a few ops) model with inputs and expected
+outputs and the suite's tolerances. Generating it takes seconds, so the cases are
+generated once and cached on disk (a pickle under the temp dir keyed by the onnx
+version; ``PLACEMENT_CONFORMANCE_CACHE`` chooses another file), guarded by a file
+lock so parallel pytest workers generate it only once.
+
+A *runtime* is a function ``case -> outputs`` (outputs in graph-output order, as
+ONNX Runtime returns them: numpy arrays, lists for sequences, ``None`` for an
+empty optional). :func:`check` runs one and compares with :func:`compare`, which
+follows ``onnx.backend.test.runner.Runner.assert_similar_outputs``.
+
+Expected failures live next to the test modules in ``xfail_<runtime>.txt``, one
+``case_name: reason`` a line (``#`` comments allowed). Test modules mark them
+strict xfail, so a case that starts passing fails the run until it is removed.
+Regenerate a list (it only shrinks unless ``--grow`` is given; reasons already
+written are kept)::
+
+    .venv/bin/python -m tests.conformance._cases ort placed_last placed_alternate
+    .venv/bin/python -m tests.conformance._cases --grow torch   # also add new failures
+
+Runtimes defined here: ``ort`` (one plain ``InferenceSession``), ``placed_last``
+(``pl.run``, the model on logical devices 0 and 1 with the last op moved to 1,
+copies injected), ``placed_alternate`` (every other op moved to device 1, so
+copies sit on many edges). A runtime module elsewhere (the torch lowering's test)
+registers its own with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import functools
+import os
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+Runtime = Callable[["Case"], list[Any]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One node test case: the model (serialised ONNX), inputs and expected outputs.
+
+    Attributes:
+        name: the suite's name (``test_abs``).
+        model_bytes: the serialised ``ModelProto``.
+        input_names / output_names: graph inputs and outputs, in order.
+        inputs: values in graph-input order (numpy arrays, lists for sequences,
+            ``None`` or a value for optionals).
+        outputs: expected values in graph-output order (same kinds).
+        rtol, atol: the suite's tolerances for this case.
+    """
+
+    name: str
+    model_bytes: bytes
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    rtol: float
+    atol: float
+
+    @property
+    def model(self) -> Any:
+        """A fresh ``onnx.ModelProto`` of the case."""
+        import onnx
+
+        return onnx.load_from_string(self.model_bytes)
+
+    @property
+    def feeds(self) -> dict[str, Any]:
+        """Inputs by graph-input name."""
+        return dict(zip(self.input_names, self.inputs))
+
+    @property
+    def tensors_only(self) -> bool:
+        """True when every input and expected output is a plain (non-string) numpy array."""
+        return all(isinstance(v, np.ndarray) and v.dtype != object for v in (*self.inputs, *self.outputs))
+
+
+# --- the suite --------------------------------------------------------------------------
+
+
+def _cache_path() -> Path:
+    import onnx
+
+    env = os.environ.get("PLACEMENT_CONFORMANCE_CACHE")
+    if env:
+        return Path(env)
+    return (
+        Path(tempfile.gettempdir())
+        / f"placement-conformance-v2-onnx{onnx.__version__}-py{sys.version_info[1]}.pkl"
+    )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    lock = path.with_suffix(path.suffix + ".lock")
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _generate() -> dict[str, Case]:
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        raw = collect_testcases(None)
+    cases: dict[str, Case] = {}
+    for tc in raw:
+        model = tc.model
+        ((inputs, outputs),) = tc.data_sets  # every node case has exactly one data set
+        graph_inputs = [v.name for v in model.graph.input]
+        init_names = {t.name for t in model.graph.initializer}
+        graph_inputs = [n for n in graph_inputs if n not in init_names]
+        cases[tc.name] = Case(
+            name=tc.name,
+            model_bytes=model.SerializeToString(),
+            input_names=tuple(graph_inputs[: len(inputs)]),
+            output_names=tuple(v.name for v in model.graph.output),
+            inputs=tuple(_as_arrays(v) for v in inputs),
+            outputs=tuple(_as_arrays(v) for v in outputs),
+            rtol=float(tc.rtol),
+            atol=float(tc.atol),
+        )
+    return cases
+
+
+def _as_arrays(value: Any) -> Any:
+    """Numpy scalars as 0-d arrays (as the suite's .pb files hold them), inside sequences too."""
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if isinstance(value, list):
+        return [_as_arrays(v) for v in value]
+    return value
+
+
+@functools.cache
+def cases() -> dict[str, Case]:
+    """Every node case by name (generated once, then read from the disk cache)."""
+    path = _cache_path()
+    with _locked(path):
+        if path.exists():
+            try:
+                with open(path, "rb") as handle:
+                    return pickle.load(handle)
+            except Exception:  # a stale or truncated cache: generate again
+                pass
+        found = _generate()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as handle:
+            pickle.dump(found, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        return found
+
+
+def case_names() -> list[str]:
+    """Every case name, sorted."""
+    return sorted(cases())
+
+
+# --- comparing --------------------------------------------------------------------------
+
+
+def compare(case: Case, actual: list[Any]) -> None:
+    """Assert ``actual`` equals the case's expected outputs within its tolerances.
+
+    Same rules as ONNX's backend runner: same number of outputs; sequences
+    element by element; an empty optional (``None``) only equals ``None``; same
+    shape; strings exactly; otherwise same dtype and ``assert_allclose`` with the
+    case's ``rtol``/``atol`` (NaNs equal; bfloat16 compared as float32 with two
+    bfloat16 ULPs of relative tolerance).
+    """
+    assert len(actual) == len(case.outputs), f"{len(actual)} outputs, expected {len(case.outputs)}"
+    for i, (got, want) in enumerate(zip(actual, case.outputs)):
+        _compare_value(got, want, case.rtol, case.atol, f"output {i} ({case.output_names[i]!r})")
+
+
+def _compare_value(got: Any, want: Any, rtol: float, atol: float, where: str) -> None:
+    if want is None:
+        assert got is None, f"{where}: expected an empty optional, got {type(got).__name__}"
+        return
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)), f"{where}: expected a sequence, got {type(got).__name__}"
+        assert len(got) == len(want), f"{where}: sequence of {len(got)}, expected {len(want)}"
+        for j, (g, w) in enumerate(zip(got, want)):
+            _compare_value(g, w, rtol, atol, f"{where}[{j}]")
+        return
+    want = np.asarray(want)
+    assert isinstance(got, np.ndarray), f"{where}: expected an array, got {type(got).__name__}"
+    assert got.shape == want.shape, f"{where}: shape {got.shape}, expected {want.shape}"
+    if want.dtype == object or want.dtype.kind in "US":
+        np.testing.assert_array_equal(got, want, err_msg=where)
+        return
+    assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, expected {want.dtype}"
+    if got.dtype.name == "bfloat16":
+        rtol = max(rtol, 2**-6)
+    if got.dtype.kind not in "biufc":  # float8 / int4 and other ml_dtypes: compare as float32
+        got, want = got.astype(np.float32), want.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=where)
+
+
+# --- runtimes ---------------------------------------------------------------------------
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def register(name: str, runtime: Runtime) -> Runtime:
+    """Register ``runtime`` under ``name`` (for :func:`check`, :func:`failures` and the CLI)."""
+    _RUNTIMES[name] = runtime
+    return runtime
+
+
+def runtime(name: str) -> Runtime:
+    """The runtime registered under ``name``."""
+    if name not in _RUNTIMES and name == "torch":
+        import importlib
+
+        with contextlib.suppress(ImportError):
+            importlib.import_module("tests.conformance.test_torch")
+    return _RUNTIMES[name]
+
+
+def _session_options() -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    return options
+
+
+def run_ort(case: Case) -> list[Any]:
+    """The case in one plain ONNX Runtime CPU session (the ceiling of this ORT build)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(case.model_bytes, _session_options(), providers=["CPUExecutionProvider"])
+    return session.run(None, case.feeds)
+
+
+def place(case: Case, how: str) -> Any:
+    """The case as a ``placement.Model`` on logical devices 0 and 1, copies injected.
+
+    ``how``: ``"last"`` moves the last op to device 1; ``"alternate"`` moves
+    every other op (the 2nd, 4th, ...), or the only op when there is one.
+    """
+    import placement as pl
+
+    model = pl.load(case.model, device=0)
+    ops = model.ops
+    if how == "last":
+        moved = ops[-1:]
+    elif how == "alternate":
+        moved = ops[1::2] if len(ops) > 1 else ops
+    else:
+        raise ValueError(f"unknown placement {how!r}")
+    for op in moved:
+        model.set_device(op.name, 1)
+    pl.inject_cross_device_copies(model)
+    return model
+
+
+def run_placed(case: Case, how: str) -> list[Any]:
+    """``pl.run`` on :func:`place` (``how``), each logical device emulated on the CPU."""
+    import placement as pl
+
+    model = place(case, how)
+    runner = pl.Runner(model, threads=1)
+    return runner.run(case.feeds)
+
+
+register("ort", run_ort)
+register("placed_last", functools.partial(run_placed, how="last"))
+register("placed_alternate", functools.partial(run_placed, how="alternate"))
+
+
+def check(case: Case, runtime_name: str) -> None:
+    """Run ``case`` on the named runtime and compare (raises on any difference or error)."""
+    outputs = _RUNTIMES[runtime_name](case) if runtime_name in _RUNTIMES else runtime(runtime_name)(case)
+    compare(case, list(outputs))
+
+
+def run_case(name: str, runtime_name: str) -> None:
+    """The body of a conformance test: fail with the one-line reason (no traceback:
+    rendering tracebacks of hundreds of expected failures would cost more than running them)."""
+    import pytest
+
+    reason = outcome(cases()[name], runtime_name)
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)
+
+
+def outcome(case: Case, runtime_name: str) -> str | None:
+    """None when the case passes on the runtime, else a one-line reason."""
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            check(case, runtime_name)
+    except Exception as err:  # any failure is a reason (AssertionError, ORT errors, ...)
+        return _reason(err)
+    return None
+
+
+def _reason(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    if isinstance(err, AssertionError):
+        text = text.replace("Not equal to tolerance", "values differ")
+        prefix = "wrong result"
+    else:
+        prefix = type(err).__name__
+    return f"{prefix}: {text}"[:200]
+
+
+# --- expected-failure lists -------------------------------------------------------------
+
+
+def xfail_path(runtime_name: str) -> Path:
+    """Where the expected failures of ``runtime_name`` are listed."""
+    return HERE / f"xfail_{runtime_name}.txt"
+
+
+def expected_failures(runtime_name: str) -> dict[str, str]:
+    """``case name -> reason`` from ``xfail_<runtime>.txt`` (empty when there is none)."""
+    path = xfail_path(runtime_name)
+    if not path.exists():
+        return {}
+    found: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, reason = line.partition(":")
+        found[name.strip()] = reason.strip()
+    return found
+
+
+def write_expected_failures(runtime_name: str, failures: dict[str, str], header: str) -> None:
+    """Write ``xfail_<runtime>.txt`` sorted by name, with ``header`` as ``#`` comments."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    lines += [f"{name}: {failures[name]}" for name in sorted(failures)]
+    xfail_path(runtime_name).write_text("\n".join(lines) + "\n")
+
+
+def params(runtime_name: str) -> list[Any]:
+    """``pytest.param`` per case, strict xfail (with its reason) where listed."""
+    import pytest
+
+    listed = expected_failures(runtime_name)
+    names = case_names()
+    unknown = sorted(set(listed) - set(names))
+    out = [
+        pytest.param(name, marks=pytest.mark.xfail(reason=listed[name], strict=True), id=name)
+        if name in listed
+        else pytest.param(name, id=name)
+        for name in names
+    ]
+    for name in unknown:  # a listed case the suite no longer has fails the run, so the list stays honest
+        out.append(pytest.param(name, id=name))
+    return out
+
+
+def failures(runtime_name: str, names: list[str] | None = None) -> dict[str, str]:
+    """Run the named cases (default: all) and return the failing ones with reasons."""
+    all_cases = cases()
+    result = {}
+    for name in names if names is not None else sorted(all_cases):
+        reason = outcome(all_cases[name], runtime_name) if name in all_cases else "not in the suite"
+        if reason is not None:
+            result[name] = reason
+    return result
+
+
+_HEADER = """Expected failures of the {runtime} runtime on ONNX's node test suite (onnx {onnx}).
+One `case: reason` a line; the test module runs these as strict xfail.
+Regenerate (only removes cases that now pass; --grow also adds new failures):
+    .venv/bin/python -m tests.conformance._cases {runtime}"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.conformance._cases", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, torch)"
+    )
+    parser.add_argument("--grow", action="store_true", help="also add cases that fail now (review them)")
+    args = parser.parse_args(argv)
+    import onnx
+
+    for name in args.runtimes:
+        start = time.perf_counter()
+        runtime(name)
+        now = failures(name)
+        old = expected_failures(name)
+        if args.grow or not xfail_path(name).exists():
+            keep = {n: old.get(n, r) for n, r in now.items()}
+        else:
+            keep = {n: r for n, r in old.items() if n in now}
+            new = sorted(set(now) - set(old))
+            if new:
+                print(f"{name}: {len(new)} failing cases are not listed (run with --grow to add): {new[:10]}")
+        write_expected_failures(name, keep, _HEADER.format(runtime=name, onnx=onnx.__version__))
+        total = len(cases())
+        print(
+            f"{name}: {total - len(now)}/{total} pass; {len(keep)} listed "
+            f"({len(old) - len(set(old) & set(keep))} removed) in {time.perf_counter() - start:.1f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

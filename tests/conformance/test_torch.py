@@ -1,0 +1,133 @@
+"""ONNX's own backend node suite through ``pl.to_torch``: outputs and gradients.
+
+Every case of ``onnx.backend.test.case.node`` (loaded by :mod:`tests.conformance._cases`)
+is lowered with :func:`placement.to_torch` on the CPU, run once, and compared with
+the suite's expected outputs at the suite's tolerances. Where an output is
+floating point and depends on a floating-point input or parameter, a backward
+pass must run and give a gradient; on a sample of smooth cases the gradient is
+compared with finite differences (``torch.autograd.gradcheck`` in float64).
+
+Cases the lowering does not pass are listed with their reviewed reasons in
+``xfail_torch.txt`` and run as strict xfail, so a case that starts passing fails
+the run until it is removed (the pass count can only go up)::
+
+    .venv/bin/python -m tests.conformance._cases torch
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import placement as pl
+from tests.conformance import _cases
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    array = np.array(array)  # writable and owning
+    if array.dtype.name == "bfloat16":  # ml_dtypes: reinterpret the bits
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _lower(case: _cases.Case) -> torch.nn.Module:
+    return pl.to_torch(pl.load(case.model), device_map="cpu")
+
+
+def run_torch(case: _cases.Case) -> list[np.ndarray]:
+    """The case through ``pl.to_torch``: outputs as numpy arrays, after checking a backward pass.
+
+    Floating-point inputs require gradients; when a floating-point output depends
+    on an input or parameter, a backward pass must run and reach one of them.
+    """
+    if not case.tensors_only:
+        raise TypeError("sequence, optional or string values: to_torch modules take and return tensors")
+    module = _lower(case)
+    args = [_tensor(x) for x in case.inputs]
+    for arg in args:
+        if arg.is_floating_point():
+            arg.requires_grad_(True)
+    got = module(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    _check_backward(module, args, got)
+    return [_numpy(t) for t in got]
+
+
+def _check_backward(module: torch.nn.Module, args: list[torch.Tensor], got: tuple) -> None:
+    leaves = [a for a in args if a.requires_grad] + list(module.parameters())
+    heads = [t for t in got if t.is_floating_point() and t.requires_grad]
+    if not leaves or not heads:
+        return  # nothing differentiable: integer, boolean or constant outputs
+    weights = [torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float32).reshape(t.shape) for t in heads]
+    loss = sum((t.float() * w).sum() for t, w in zip(heads, weights))
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    assert any(g is not None for g in grads), "backward: no input or parameter got a gradient"
+
+
+_cases.register("torch", run_torch)
+
+
+@pytest.mark.parametrize("name", _cases.params("torch"))
+def test_case(name: str) -> None:
+    _cases.run_case(name, "torch")
+
+
+#: Op types whose outputs are smooth in their floating-point inputs almost everywhere and
+#: that compute in their input's precision (LayerNormalization and RMSNormalization compute
+#: in their ``stash_type``, float32, which finite differences in float64 cannot check).
+_SMOOTH = frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Neg", "Exp", "Log", "Sqrt", "Tanh", "Sigmoid", "Sin", "Cos", "Erf",
+        "Softplus", "Softsign", "Elu", "Celu", "Selu", "Gelu", "Mish", "MatMul", "Gemm", "Einsum",
+        "Softmax", "LogSoftmax", "InstanceNormalization", "Conv", "ConvTranspose", "AveragePool",
+        "GlobalAveragePool", "ReduceMean",
+        "ReduceSum", "ReduceSumSquare", "ReduceLogSumExp", "Attention", "Transpose", "Reshape",
+        "Flatten", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice", "Expand", "Tile", "Pad", "Gather",
+        "Identity", "Constant", "Shape", "Size", "Swish", "SwiGLU",
+    }
+)  # fmt: skip
+
+
+def _smooth_sample(limit: int = 40) -> list[str]:
+    listed = _cases.expected_failures("torch")
+    names = []
+    for name, case in sorted(_cases.cases().items()):
+        graph = case.model.graph
+        inputs = case.inputs
+        if name in listed or not inputs or not case.tensors_only:
+            continue
+        if all(node.op_type in _SMOOTH for node in graph.node) and all(
+            x.dtype in (np.float32, np.float64) for x in inputs
+        ):
+            names.append(name)
+    return names[:: max(1, len(names) // limit)][:limit]
+
+
+@pytest.mark.parametrize("name", _smooth_sample())
+def test_gradients_match_finite_differences(name: str) -> None:
+    case = _cases.cases()[name]
+    inputs = [_tensor(x).double().requires_grad_(True) for x in case.inputs]
+    module = _lower(case).double()
+
+    def first_output(*args: torch.Tensor) -> torch.Tensor:
+        out = module(*args)
+        return out[0] if isinstance(out, tuple) else out
+
+    assert torch.autograd.gradcheck(
+        first_output, tuple(inputs), eps=1e-6, atol=1e-4, rtol=1e-3, fast_mode=True
+    )
+
+
+def test_pass_count_meets_the_bar() -> None:
+    """At least 1,200 suite cases pass (every case not listed as an expected failure)."""
+    assert len(_cases.cases()) - len(_cases.expected_failures("torch")) >= 1200
