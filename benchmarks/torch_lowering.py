@@ -47,7 +47,7 @@ import placement as pl  # noqa: E402
 from placement.passes.activations import get_activation_blobs  # noqa: E402
 from placement.passes.copies import inject_cross_device_copies  # noqa: E402
 from placement.passes.shift import shift_activation_devices  # noqa: E402
-from placement.runtime.torch_lower import to_torch  # noqa: E402
+from placement.runtime.lowering import to_torch  # noqa: E402
 
 __all__ = ["measure", "place_evenly", "main"]
 

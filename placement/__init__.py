@@ -48,11 +48,11 @@ from placement.passes.stage_assignment import (
     summary,
 )
 
+# torch lowering (issue 4)
+from placement.runtime.lowering import to_torch
+
 # ONNX Runtime executor (issue 4)
 from placement.runtime.ort import Runner, run
-
-# torch lowering (issue 4)
-from placement.runtime.torch_lower import to_torch
 
 __version__ = "0.1.0"
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
+from placement.runtime.lowering import to_torch
 from placement.runtime.ort import Runner, RunnerStats, run
 from placement.runtime.stages import Stage, partition
-from placement.runtime.torch_lower import to_torch
 
 __all__ = ["PhysicalDevice", "resolve_device_map"]
 

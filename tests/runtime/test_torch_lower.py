@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from onnx import helper
 
 import placement as pl
-from placement.runtime.torch_lower import check_supported
+from placement.runtime.lowering.lower import check_supported
 
 MODEL_NAMES = ["mlp", "resnet", "gpt", "unet"]
 HAS_CUDA = torch.cuda.is_available()

@@ -21,9 +21,9 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import placement as pl
-from placement.runtime import torch_ops
-from placement.runtime.torch_lower import to_torch
-from placement.runtime.torch_ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
+from placement.runtime.lowering import ops as torch_ops
+from placement.runtime.lowering import to_torch
+from placement.runtime.lowering.ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
 
 OPSET = 21
 RNG = np.random.default_rng(0)

@@ -10,7 +10,7 @@ opset (``Squeeze(axes)``, ``Split(split)``, ``Reduce*(axes)``, ``Clip(min, max)`
 works in both forms. Op types without a rule get :data:`DEFAULT_RULE`, which
 raises :class:`~placement.errors.LoweringError` naming the op.
 
-A rule also declares how the lowering (``placement.runtime.torch_lower``) may
+A rule also declares how the lowering (``placement.runtime.lowering.lower``) may
 feed it constants:
 
 * ``shape_inputs``: positions of shape-like inputs (shapes, axes, pads, sizes,
@@ -30,7 +30,7 @@ direct forms are checked against them by the same tests.
 
 Example:
     >>> import torch
-    >>> from placement.runtime.torch_ops import RULES
+    >>> from placement.runtime.lowering.ops import RULES
     >>> RULES["Gemm"].fn(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4), transB=1).shape
     torch.Size([2, 4])
     >>> RULES["Reshape"].fn(torch.zeros(2, 6), [0, -1, 3]).shape  # 0 copies the input dim

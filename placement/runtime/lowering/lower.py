@@ -3,7 +3,7 @@
 The ONNX graph is walked once in topological order and a ``torch.fx.Graph`` is
 built by hand: a placeholder per graph input, ``get_attr`` for parameters and
 constants, one ``call_function`` per op to its rule in
-:data:`placement.runtime.torch_ops.RULES`, and ``.to(device, non_blocking=True)``
+:data:`placement.runtime.lowering.ops.RULES`, and ``.to(device, non_blocking=True)``
 for copies. The result is an ordinary ``torch.nn.Module`` with readable ``.code``
 that supports autograd.
 
@@ -85,7 +85,7 @@ from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
-from placement.runtime.torch_ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
+from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")

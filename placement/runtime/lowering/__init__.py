@@ -1,0 +1,13 @@
+"""Lowering a placed model to PyTorch (``pl.to_torch``).
+
+``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule``; ``ops`` is
+the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
+module per op family). Imports: ``placement.graph``, ``placement.errors`` and
+``placement.runtime.device_map``.
+"""
+
+from __future__ import annotations
+
+from placement.runtime.lowering.lower import to_torch
+
+__all__ = ["to_torch"]
