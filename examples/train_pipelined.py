@@ -32,7 +32,9 @@ import placement as pl  # noqa: E402
 from models import gpt  # noqa: E402
 
 
-def train(*, size: str = "tiny", steps: int = 20, chunks: int = 4, out: Path | None = None) -> dict[str, float]:
+def train(
+    *, size: str = "tiny", steps: int = 20, chunks: int = 4, out: Path | None = None
+) -> dict[str, float]:
     """Train, save, reload and serve; returns the first and last loss and the ORT/torch difference."""
     torch.manual_seed(0)
     net, (idx,) = gpt.build(size)
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = train(size=args.size, steps=args.steps, chunks=args.chunks, out=args.out)
     print(f"loss {result['first_loss']:.4f} -> {result['last_loss']:.4f} over {args.steps} steps")
-    print(f"saved {result['path']}; ONNX Runtime vs trained module: max |diff| = {result['max_abs_diff']:.2e}")
+    print(
+        f"saved {result['path']}; ONNX Runtime vs trained module: max |diff| = {result['max_abs_diff']:.2e}"
+    )
     return 0
 
 

@@ -99,3 +99,6 @@ __all__ += [
 __all__ += ["Runner", "run"]
 __all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
 __all__ += ["to_torch"]
+from placement.errors import PipelineError  # noqa: E402  (pipelining; __all__ below)
+
+__all__ += ["PipelineError"]

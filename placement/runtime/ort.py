@@ -303,7 +303,9 @@ class Runner:
                 return ort_run_pipelined(self, arrays)
             return self._execute(arrays)
 
-    def stream(self, batches: Iterable[InputsLike], *, window: int | None = None) -> Iterator[list[np.ndarray]]:
+    def stream(
+        self, batches: Iterable[InputsLike], *, window: int | None = None
+    ) -> Iterator[list[np.ndarray]]:
         """Run a stream of input batches with every stage busy; yield their outputs in order.
 
         Each batch goes through the stages as one micro-batch (or ``chunks``

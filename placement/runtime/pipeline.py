@@ -172,11 +172,17 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
     if unknown:
         raise InputError(
             f"batch_axes names {', '.join(map(repr, unknown))}, which is not a graph input or output; "
-            f"inputs: {', '.join(repr(s.name) for s in specs)}; outputs: {', '.join(repr(n) for n, _ in outputs)}"
+            f"inputs: {', '.join(repr(s.name) for s in specs)}; "
+            f"outputs: {', '.join(repr(n) for n, _ in outputs)}"
         )
     symbol = None
     for spec in specs:
         if spec.name in overrides:
+            axis = overrides[spec.name]
+            dims = spec.shape or ()
+            if axis is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], str):
+                symbol = dims[axis]
+                break
             continue
         for dim in spec.shape or ():
             if isinstance(dim, str) and dim:

@@ -155,7 +155,9 @@ class PipelinedModule(torch.nn.Module):
         self._pl_inputs = env_inputs
         object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
         self._pl_outputs = outputs
-        log.info("pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint)
+        log.info(
+            "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
+        )
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -169,7 +171,8 @@ class PipelinedModule(torch.nn.Module):
             raise LoweringError("the pipelined module's outputs do not match the model's")
         params = [p for p in self.parameters() if p.requires_grad]
         needs_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in params) or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+            any(p.requires_grad for p in params)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         )
         if needs_grad:
             tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in inputs]
@@ -193,7 +196,9 @@ class PipelinedModule(torch.nn.Module):
         return values
 
 
-def _split(module: fx.GraphModule, stage_of_op: Mapping[str, int]) -> tuple[list[_Stage], list[str], list[str]]:
+def _split(
+    module: fx.GraphModule, stage_of_op: Mapping[str, int]
+) -> tuple[list[_Stage], list[str], list[str]]:
     """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
     the environment keys of the graph inputs and outputs."""
     graph = module.graph
@@ -410,7 +415,9 @@ class _PipelineFunction(torch.autograd.Function):
                 # Graph inputs need grad when the caller's do; every other value between
                 # stages is tracked (it depends on parameters).
                 args = [
-                    stage.consts[a] if a in stage.consts else _detach(env[a], a in grad_inputs or a not in placeholders)
+                    stage.consts[a]
+                    if a in stage.consts
+                    else _detach(env[a], a in grad_inputs or a not in placeholders)
                     for a in stage.args
                 ]
                 if keep(i):
@@ -427,7 +434,9 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        with StageWorkers([make(s) for s in stages], _names(stages), context=_stage_context(stages, True)) as w:
+        with StageWorkers(
+            [make(s) for s in stages], _names(stages), context=_stage_context(stages, True)
+        ) as w:
             for i, env in enumerate(envs):
                 w.submit(i, env)
             run.envs = [w.result() for _ in envs]
@@ -456,7 +465,9 @@ class _PipelineFunction(torch.autograd.Function):
 
         def make(stage: _Stage) -> Any:
             params = [
-                (n, t) for n, t in enumerate(stage.args) if t in stage.consts and stage.consts[t].requires_grad
+                (n, t)
+                for n, t in enumerate(stage.args)
+                if t in stage.consts and stage.consts[t].requires_grad
             ]
             param_slots = {n for n, _ in params}
 
@@ -519,10 +530,11 @@ class _PipelineFunction(torch.autograd.Function):
         for stage, acc in zip(stages, param_grads):
             for key, g in acc.items():
                 p = stage.consts[key]
-                by_param[id(p)] = g if id(p) not in by_param else by_param[id(p)] + g.to(by_param[id(p)].device)
+                by_param[id(p)] = (
+                    g if id(p) not in by_param else by_param[id(p)] + g.to(by_param[id(p)].device)
+                )
         return (None, *input_grads, *[by_param.get(id(p)) for p in run.params])
 
 
 def _accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:
     env[key] = grad if key not in env else env[key] + grad
-
