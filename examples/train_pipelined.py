@@ -29,7 +29,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
-from models import gpt  # noqa: E402
+from placement.models import gpt  # noqa: E402
 
 
 def train(

@@ -49,7 +49,7 @@ switching back to an earlier placement builds nothing (``enable_clone``).
 Example:
     >>> import numpy as np
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> model.set_device(model.ops[-1].name, 1)
@@ -186,7 +186,7 @@ class Runner:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> model = pl.from_torch(net, (x,))
         >>> runner = Runner(model, device_map="cpu")
@@ -328,7 +328,7 @@ class Runner:
 
         Example:
             >>> import placement as pl
-            >>> from models import mlp
+            >>> from placement.models import mlp
             >>> net, (x,) = mlp.build("tiny")
             >>> runner = Runner(pl.from_torch(net, (x,)), device_map="cpu")
             >>> [out[0].shape for out in runner.stream([x, x[:2]])]
@@ -606,7 +606,7 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> run(pl.from_torch(net, (x,)), [x], device_map="cpu")[0].shape
         (4, 8)

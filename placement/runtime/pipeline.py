@@ -158,7 +158,7 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
     Example:
         >>> import torch
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
         >>> batch_axes(model)

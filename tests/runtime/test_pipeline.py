@@ -162,7 +162,7 @@ def test_split_and_concat_round_trip():
 
 @functools.cache
 def _placed(name: str):
-    import models
+    from placement import models
 
     net, args = models.build(name, "tiny")
     batch = torch.export.Dim("batch")

@@ -39,7 +39,7 @@ optimizer over ``module.parameters()`` trains them and
 Example:
     >>> import torch
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
     >>> model.set_device(model.ops[-1].name, 1)
