@@ -331,8 +331,8 @@ class Runner:
             >>> from placement.models import mlp
             >>> net, (x,) = mlp.build("tiny")
             >>> runner = Runner(pl.from_torch(net, (x,)), device_map="cpu")
-            >>> [out[0].shape for out in runner.stream([x, x[:2]])]
-            [(4, 8), (2, 8)]
+            >>> [out[0].shape for out in runner.stream([x, 2 * x, 3 * x])]
+            [(4, 8), (4, 8), (4, 8)]
         """
         from placement.runtime.pipeline import ort_stream
 

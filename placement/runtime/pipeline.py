@@ -499,7 +499,7 @@ def stream_microbatches(
 # --- ONNX Runtime ---------------------------------------------------------------------------
 
 
-def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str], BatchAxes]:
+def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str]]:
     """The runner's program as pipeline stage functions (one per stage session).
 
     Each function runs one stage and the transfers that follow it on a
@@ -511,7 +511,6 @@ def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str], BatchAxes]:
 
     program = runner._program
     assert program is not None
-    axes = runner._pipeline_axes()
     groups: list[list[tuple[Any, ...]]] = [[]]
     for step in program.steps:
         if step[0] == "stage" and any(s[0] == "stage" for s in groups[-1]):
@@ -547,12 +546,13 @@ def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str], BatchAxes]:
 
         return fn
 
-    return [make(n, group) for n, group in enumerate(groups)], names, axes
+    return [make(n, group) for n, group in enumerate(groups)], names
 
 
 def ort_run_pipelined(runner: Any, arrays: list[Any]) -> list[Any]:
     """One :meth:`Runner.run` with ``chunks > 1``: split, pipeline, concatenate."""
-    fns, names, axes = _ort_stages(runner)
+    fns, names = _ort_stages(runner)
+    axes = runner._pipeline_axes()
     in_axes = [axes.inputs[name] for name in runner.input_names]
     parts = split_batch(arrays, in_axes, runner.chunks)
     parts = [[_contiguous(a) for a in part] for part in parts]
@@ -564,7 +564,7 @@ def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None
     """The generator behind :meth:`Runner.stream`."""
     from placement.runtime.inputs import normalize_inputs
 
-    fns, names, _ = _ort_stages(runner)
+    fns, names = _ort_stages(runner)
     chunks = runner.chunks
     if chunks > 1:
         axes = runner._pipeline_axes()
