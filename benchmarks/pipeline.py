@@ -33,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -53,8 +54,8 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
-from placement.models import gpt, resnet  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
+from placement.models import gpt, resnet  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
 from placement.runtime.pipeline import bubble_fraction  # noqa: E402
@@ -67,18 +68,31 @@ BATCH = 16  # samples per mini-batch (chunks up to 16 -> micro-batches of 1)
 STREAM_BATCH = 2  # samples per batch in the served stream
 
 
+#: Process CPU seconds per call of the last :func:`_alternate` (median), by contender.
+CPU_TIMES: dict[str, float] = {}
+
+
 def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, the calls alternating (order flips every round)."""
+    """Median seconds per call of each function, the calls alternating (order flips every round).
+
+    Also records the median process CPU time per call in :data:`CPU_TIMES` (all threads):
+    CPU time / wall time is the parallelism a contender got, which shows on a loaded machine
+    whether the stages overlapped even when other processes took the second core.
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     items = list(fns.items())
     for r in range(repeats):
         for name, fn in items if r % 2 == 0 else list(reversed(items)):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
+    CPU_TIMES.clear()
+    CPU_TIMES.update({k: statistics.median(v) for k, v in cpu.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -188,7 +202,9 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
     xs = x.numpy()
     cpu = PhysicalDevice("cpu")
     single = ort.InferenceSession(
-        to_proto(unplaced).SerializeToString(), session_options(cpu, threads=1), providers=["CPUExecutionProvider"]
+        to_proto(unplaced).SerializeToString(),
+        session_options(cpu, threads=1),
+        providers=["CPUExecutionProvider"],
     )
     feed_name = single.get_inputs()[0].name
     piped = pl.Runner(model, device_map="cpu", chunks=chunks, threads_per_stage=1)
@@ -212,6 +228,7 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
         },
         repeats,
     )
+    ort_cpu = dict(CPU_TIMES)
     rows: dict[str, Any] = {
         "model": name,
         "batch": BATCH,
@@ -225,6 +242,8 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
             "stream_single_s": ort_times["single_stream"],
             "stream_s": ort_times["stream"],
             "stream_ratio": ort_times["single_stream"] / ort_times["stream"],
+            "cpu_s": ort_cpu,
+            "parallelism": {k: ort_cpu[k] / ort_times[k] for k in ort_times},
         },
     }
 
@@ -255,20 +274,26 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
         fwd_fns["torchgpipe"] = fwd(gp[0])
         train_fns["torchgpipe"] = step(gp[0])
     fwd_times = _alternate(fwd_fns, repeats)
+    fwd_cpu = dict(CPU_TIMES)
     train_times = _alternate(train_fns, max(3, repeats // 2))
+    train_cpu = dict(CPU_TIMES)
     rows["torch"] = {
         "forward_s": fwd_times,
         "train_s": train_times,
         "forward_ratio": {k: fwd_times["eager"] / v for k, v in fwd_times.items()},
         "train_ratio": {k: train_times["eager"] / v for k, v in train_times.items()},
         "torchgpipe_balance": gp[1] if gp is not None else None,
+        "forward_parallelism": {k: fwd_cpu[k] / v for k, v in fwd_times.items()},
+        "train_parallelism": {k: train_cpu[k] / v for k, v in train_times.items()},
     }
 
     if sweep:
-        runners = {k: pl.Runner(model, device_map="cpu", chunks=k, threads_per_stage=1) for k in (1, 2, 4, 8, 16)}
+        runners = {
+            k: pl.Runner(model, device_map="cpu", chunks=k, threads_per_stage=1) for k in (1, 2, 4, 8, 16)
+        }
         fns: dict[str, Callable[[], Any]] = {"single": lambda: single.run(None, {feed_name: xs})}
         for k, r in runners.items():
-            fns[f"chunks{k}"] = (lambda r: lambda: r.run([xs]))(r)
+            fns[f"chunks{k}"] = functools.partial(r.run, [xs])
         times = _alternate(fns, repeats)
         t1 = times["chunks1"]
         rows["sweep"] = [
@@ -304,14 +329,32 @@ def _print(results: list[dict[str, Any]]) -> None:
 
     console = Console(width=140)
     table = Table(title="pipelined / baseline throughput (2 logical devices, 1 thread per stage)")
-    for col in ("model", "runtime", "contender", "ratio", "target"):
+    for col in ("model", "runtime", "contender", "ratio", "target", "cores used (cpu/wall)"):
         table.add_column(col)
     for res in results:
         o = res["ort"]
-        table.add_row(res["model"], "ORT", "run(chunks=8) / one session", f"{o['run_ratio']:.2f}", ">= 1.55")
-        table.add_row(res["model"], "ORT", "stream / one session", f"{o['stream_ratio']:.2f}", ">= 1.7")
+        par = o["parallelism"]
+        table.add_row(
+            res["model"],
+            "ORT",
+            "run(chunks=8) / one session",
+            f"{o['run_ratio']:.2f}",
+            ">= 1.55",
+            f"{par['run']:.2f} vs {par['single']:.2f}",
+        )
+        table.add_row(
+            res["model"],
+            "ORT",
+            "stream / one session",
+            f"{o['stream_ratio']:.2f}",
+            ">= 1.7",
+            f"{par['stream']:.2f} vs {par['single_stream']:.2f}",
+        )
         t = res["torch"]
-        for kind, key, target in (("forward", "forward_ratio", ">= 1.6"), ("train step", "train_ratio", ">= 1.5")):
+        for kind, key, target in (
+            ("forward", "forward_ratio", ">= 1.6"),
+            ("train step", "train_ratio", ">= 1.5"),
+        ):
             for contender in ("lowered", "pipelined", "torchgpipe"):
                 if contender in t[key]:
                     label = {
@@ -319,23 +362,33 @@ def _print(results: list[dict[str, Any]]) -> None:
                         "pipelined": "to_torch(chunks=8)",
                         "torchgpipe": f"torchgpipe GPipe{t['torchgpipe_balance']}",
                     }[contender]
+                    par = t["forward_parallelism" if kind == "forward" else "train_parallelism"]
                     table.add_row(
                         res["model"],
                         "torch",
                         f"{kind}: {label} / eager",
                         f"{t[key][contender]:.2f}",
                         target if contender == "pipelined" else "",
+                        f"{par[contender]:.2f} vs {par['eager']:.2f}",
                     )
     console.print(table)
     for res in results:
         if "sweep" not in res:
             continue
         sweep = Table(title=f"{res['model']}: ORT Runner.run throughput vs chunks ({res['stages']} stages)")
-        for col in ("chunks", "speedup vs one session", "idle share (measured)", "GPipe bubble (N-1)/(k+N-1)"):
+        for col in (
+            "chunks",
+            "speedup vs one session",
+            "idle share (measured)",
+            "GPipe bubble (N-1)/(k+N-1)",
+        ):
             sweep.add_column(col)
         for row in res["sweep"]:
             sweep.add_row(
-                str(row["chunks"]), f"{row['speedup']:.2f}", f"{row['idle']:.2f}", f"{row['gpipe_bubble']:.2f}"
+                str(row["chunks"]),
+                f"{row['speedup']:.2f}",
+                f"{row['idle']:.2f}",
+                f"{row['gpipe_bubble']:.2f}",
             )
         console.print(sweep)
 
@@ -357,7 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure(name, repeats=repeats, sweep=sweep))
     _print(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": env, "repeats": repeats, "quick": args.quick, "targets": TARGETS, "results": results}
+    payload = {
+        "environment": env,
+        "repeats": repeats,
+        "quick": args.quick,
+        "targets": TARGETS,
+        "results": results,
+    }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
