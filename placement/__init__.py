@@ -36,8 +36,8 @@ from placement.errors import (
     ModelLoadError,
     ModelSaveError,
     NotAnActivationError,
-    PlacementError,
     PipelineError,
+    PlacementError,
     PlanError,
     UnknownBlobError,
     UnknownOpError,
@@ -64,12 +64,13 @@ if TYPE_CHECKING:
         begin_block,
         get_stage_assignment,
         module_devices,
+        place_evenly,
         profile,
         set_stage_assignment,
     )
     from placement.report import summary
-    from placement.runtime.ort import Runner, run
     from placement.runtime.lowering import to_torch
+    from placement.runtime.ort import Runner, run
 
 __version__ = "0.1.0"
 
@@ -94,6 +95,7 @@ _LAZY = {
             "balance_by_size",
             "balance_by_time",
             "begin_block",
+            "place_evenly",
             "get_stage_assignment",
             "module_devices",
             "profile",
@@ -140,6 +142,7 @@ __all__ = [
     "module_devices",
     "assign_modules",
     "begin_block",
+    "place_evenly",
     "get_stage_assignment",
     "set_stage_assignment",
     "StageAssignment",

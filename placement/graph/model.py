@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
