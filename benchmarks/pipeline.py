@@ -3,8 +3,11 @@
 Bench-size ``gpt`` and ``resnet`` are exported with a dynamic batch and placed on
 two logical devices by ``pl.auto_place(devices=2)``. On CPU every logical device
 is emulated with its own session / worker thread, so two stages can use two
-cores at once. Every contender gets one intra-op thread per stage (the baseline
-one thread in all), and throughput (samples/s) is compared:
+cores at once. A mini-batch is 8 of the model's example batches (GPT: 16
+sequences of 128 tokens; ResNet: 64 images of 64x64), so ``chunks=8`` gives
+micro-batches of the example size; the stream serves the example batches.
+Every contender gets one intra-op thread per stage (the baseline one thread in
+all), and throughput is compared:
 
 * **ONNX Runtime**: one ``InferenceSession`` of the unplaced model vs
   ``Runner(chunks=8).run`` on the same mini-batch, and vs ``Runner.stream``
@@ -26,7 +29,7 @@ to ``benchmarks/results/pipeline.json``.
 
 Usage::
 
-    python benchmarks/pipeline.py --quick        # a few repeats, gpt only sweep (~3 min)
+    python benchmarks/pipeline.py --quick        # a few repeats, chunks sweep on gpt only
     python benchmarks/pipeline.py                # full: both models, more repeats
 """
 
@@ -64,8 +67,7 @@ log = logging.getLogger("benchmarks.pipeline")
 
 RESULTS = _ROOT / "benchmarks" / "results" / "pipeline.json"
 TARGETS = {"ort_stream": 1.7, "ort_run_chunks8": 1.55, "torch_forward": 1.6, "torch_train": 1.5}
-BATCH = 16  # samples per mini-batch (chunks up to 16 -> micro-batches of 1)
-STREAM_BATCH = 2  # samples per batch in the served stream
+CHUNKS = 8  # micro-batches per mini-batch; a micro-batch is the model's bench example batch
 
 
 #: Process CPU seconds per call of the last :func:`_alternate` (median), by contender.
@@ -96,18 +98,18 @@ def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
+    """The bench model, a mini-batch of ``CHUNKS`` example batches, and the example batch size."""
     module = {"gpt": gpt, "resnet": resnet}[name]
     net, (x,) = module.build("bench")
-    reps = -(-BATCH // x.shape[0])
-    return net.eval(), torch.cat([x] * reps)[:BATCH].contiguous()
+    return net.eval(), torch.cat([x] * CHUNKS).contiguous(), int(x.shape[0])
 
 
-def _place(net: torch.nn.Module, x: torch.Tensor) -> tuple[pl.Model, pl.Model, Any]:
+def _place(net: torch.nn.Module, x: torch.Tensor, sample: int) -> tuple[pl.Model, pl.Model, Any]:
     batch = torch.export.Dim("batch")
     model = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
     unplaced = model.copy()
-    plan = pl.auto_place(model, devices=2, sample_inputs=[x[:STREAM_BATCH]], repeats=3)
+    plan = pl.auto_place(model, devices=2, sample_inputs=[x[:sample]], repeats=3)
     pl.inject_cross_device_copies(model)
     return unplaced, model, plan
 
@@ -195,10 +197,10 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[str, Any]:
+def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> dict[str, Any]:
     torch.manual_seed(0)
-    net, x = _build(name)
-    unplaced, model, plan = _place(net, x)
+    net, x, sample = _build(name)
+    unplaced, model, plan = _place(net, x, sample)
     xs = x.numpy()
     cpu = PhysicalDevice("cpu")
     single = ort.InferenceSession(
@@ -209,7 +211,7 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
     feed_name = single.get_inputs()[0].name
     piped = pl.Runner(model, device_map="cpu", chunks=chunks, threads_per_stage=1)
     streamer = pl.Runner(model, device_map="cpu", threads_per_stage=1)
-    stream_batches = [xs[i : i + STREAM_BATCH] for i in range(0, BATCH, STREAM_BATCH)]
+    stream_batches = [xs[i : i + sample] for i in range(0, len(xs), sample)]
     n_stages = len(piped.stages)
 
     ref = single.run(None, {feed_name: xs})[0]
@@ -231,7 +233,8 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
     ort_cpu = dict(CPU_TIMES)
     rows: dict[str, Any] = {
         "model": name,
-        "batch": BATCH,
+        "batch": len(xs),
+        "stream_batch": sample,
         "chunks": chunks,
         "stages": n_stages,
         "plan_devices": [str(d) for d in model.devices],
@@ -243,6 +246,10 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = 8) -> dict[st
             "stream_s": ort_times["stream"],
             "stream_ratio": ort_times["single_stream"] / ort_times["stream"],
             "cpu_s": ort_cpu,
+            "work": {
+                "run": ort_cpu["run"] / ort_cpu["single"],
+                "stream": ort_cpu["stream"] / ort_cpu["single_stream"],
+            },
             "parallelism": {k: ort_cpu[k] / ort_times[k] for k in ort_times},
         },
     }
@@ -328,8 +335,20 @@ def _print(results: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     console = Console(width=140)
-    table = Table(title="pipelined / baseline throughput (2 logical devices, 1 thread per stage)")
-    for col in ("model", "runtime", "contender", "ratio", "target", "cores used (cpu/wall)"):
+    table = Table(
+        title="pipelined / baseline throughput (2 logical devices, 1 thread per stage); "
+        "CPU work / baseline: process CPU seconds per mini-batch over the baseline's "
+        "(load-independent; the speed-up on 2 free cores is at most 2 / work)"
+    )
+    for col in (
+        "model",
+        "runtime",
+        "contender",
+        "ratio",
+        "target",
+        "cores used (cpu/wall)",
+        "CPU work / baseline",
+    ):
         table.add_column(col)
     for res in results:
         o = res["ort"]
@@ -341,6 +360,7 @@ def _print(results: list[dict[str, Any]]) -> None:
             f"{o['run_ratio']:.2f}",
             ">= 1.55",
             f"{par['run']:.2f} vs {par['single']:.2f}",
+            f"{o['work']['run']:.2f}",
         )
         table.add_row(
             res["model"],
@@ -349,6 +369,7 @@ def _print(results: list[dict[str, Any]]) -> None:
             f"{o['stream_ratio']:.2f}",
             ">= 1.7",
             f"{par['stream']:.2f} vs {par['single_stream']:.2f}",
+            f"{o['work']['stream']:.2f}",
         )
         t = res["torch"]
         for kind, key, target in (
@@ -363,6 +384,8 @@ def _print(results: list[dict[str, Any]]) -> None:
                         "torchgpipe": f"torchgpipe GPipe{t['torchgpipe_balance']}",
                     }[contender]
                     par = t["forward_parallelism" if kind == "forward" else "train_parallelism"]
+                    secs = t["forward_s" if kind == "forward" else "train_s"]
+                    work = par[contender] * secs[contender] / (par["eager"] * secs["eager"])
                     table.add_row(
                         res["model"],
                         "torch",
@@ -370,6 +393,7 @@ def _print(results: list[dict[str, Any]]) -> None:
                         f"{t[key][contender]:.2f}",
                         target if contender == "pipelined" else "",
                         f"{par[contender]:.2f} vs {par['eager']:.2f}",
+                        f"{work:.2f}",
                     )
     console.print(table)
     for res in results:

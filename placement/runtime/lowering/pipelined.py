@@ -2,7 +2,7 @@
 
 ``pl.to_torch(model, chunks=k)`` lowers the model as usual, cuts the
 ``GraphModule`` into one submodule per stage (the stages of
-:func:`placement.runtime.stages.plan`, the same cut the ONNX Runtime executor
+:func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
 uses; ``torch.fx.passes.split_module``) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
 and runs them through the stages on the workers of
@@ -67,7 +67,7 @@ from placement.errors import LoweringError
 from placement.graph.model import Model
 from placement.runtime.lowering.lower import OP_META
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
-from placement.runtime.stages import plan
+from placement.runtime.stages import partition
 
 __all__ = ["PipelinedModule", "pipeline_module"]
 
@@ -109,7 +109,7 @@ def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> Bat
 
 def _stage_of_ops(model: Model) -> dict[str, int]:
     stage_of: dict[str, int] = {}
-    for stage in plan(model).stages:
+    for stage in partition(model):
         for op in stage.ops:
             stage_of[op] = stage.index
     return stage_of
