@@ -485,11 +485,17 @@ def stream_microbatches(
     """
     if window < 1:
         raise ValueError("window must be at least 1")
+    source = iter(payloads)
     with StageWorkers(stages, names, context=context) as workers:
         i = 0
-        for payload in payloads:
+        while True:
             if workers.in_flight >= window:
                 yield workers.result()
+                continue
+            try:
+                payload = next(source)
+            except StopIteration:
+                break
             workers.submit(i, payload)
             i += 1
         while workers.in_flight:
