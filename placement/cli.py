@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import logging
 import os
 import statistics
@@ -289,8 +288,6 @@ def _cmd_run(args: argparse.Namespace, console: Any) -> int:
     if args.threads is not None:
         options["threads"] = args.threads
     if args.chunks is not None:
-        if "chunks" not in inspect.signature(pl.Runner).parameters:
-            raise pl.PlanError("--chunks needs a Runner with pipelining (chunks=k); this version has none")
         if args.chunks < 1:
             raise pl.InputError(f"--chunks must be at least 1, got {args.chunks}")
         options["chunks"] = args.chunks

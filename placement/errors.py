@@ -29,6 +29,7 @@ __all__ = [
     "LoweringError",
     "InputError",
     "PlanError",
+    "PipelineError",
 ]
 
 
@@ -88,3 +89,15 @@ class InputError(PlacementError, ValueError):
 
 class PlanError(PlacementError, ValueError):
     """A placement plan or front-end request is malformed."""
+
+
+class PipelineError(PlacementError):
+    """A pipeline stage failed on a micro-batch; ``stage`` and ``microbatch`` say which.
+
+    The original exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, stage: int, microbatch: int) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.microbatch = microbatch

@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
@@ -424,6 +424,78 @@ class Model:
             spec = state.get(node.name or "")
             if spec:
                 node.metadata_props[DEVICE_KEY] = spec
+
+    def update_parameters(self, source: Any) -> list[str]:
+        """Write trained weights back into the model's initializers (in place).
+
+        ``source`` is a module lowered by ``pl.to_torch`` (plain or pipelined:
+        its ``initializer_paths`` say where each initializer lives), any
+        ``torch.nn.Module`` whose ``state_dict`` keys are initializer names
+        (the module ``pl.from_torch`` imported, since initializers keep its
+        parameter names), or a mapping ``initializer name -> array``. Only
+        initializers are written; devices, ops and blobs are unchanged. All
+        values are checked (shape, dtype) before any is written. Sessions of a
+        :class:`~placement.runtime.ort.Runner` built before hold the old
+        weights: build a new runner (or save and load) to serve the new ones.
+
+        Returns:
+            The names of the initializers written, in model order.
+
+        Raises:
+            UnknownBlobError: a mapping names something that is not an initializer.
+            PlacementError: a value's shape or dtype differs from its initializer's.
+
+        Example:
+            >>> import torch
+            >>> import placement as pl
+            >>> net = torch.nn.Linear(3, 2)
+            >>> model = pl.from_torch(net, (torch.randn(1, 3),))
+            >>> with torch.no_grad():
+            ...     _ = net.bias.fill_(0.5)
+            >>> model.update_parameters(net)
+            ['weight', 'bias']
+            >>> model.graph.initializers["bias"].const_value.numpy().tolist()
+            [0.5, 0.5]
+        """
+        import numpy as np
+
+        from placement.errors import PlacementError
+
+        inits = self.graph.initializers
+        values: dict[str, Any] = {}
+        if hasattr(source, "state_dict") and callable(source.state_dict):
+            state = source.state_dict()
+            paths = getattr(source, "initializer_paths", None)
+            for name in inits:
+                key = paths.get(name) if isinstance(paths, dict) else name
+                if key is not None and key in state:
+                    values[name] = state[key]
+        else:
+            unknown = sorted(set(source) - set(inits))
+            if unknown:
+                raise UnknownBlobError(
+                    f"update_parameters: {', '.join(map(repr, unknown[:5]))} "
+                    f"{'is not an initializer' if len(unknown) == 1 else 'are not initializers'} of the model"
+                )
+            values = dict(source)
+        arrays: dict[str, Any] = {}
+        for name, value in values.items():
+            if hasattr(value, "detach"):
+                value = value.detach().cpu().numpy()
+            array = np.asarray(value)
+            init = inits[name]
+            want_shape = tuple(int(d) for d in init.shape) if init.shape is not None else array.shape
+            want_dtype = np.dtype(init.dtype.numpy()) if init.dtype is not None else array.dtype
+            if array.shape != want_shape or array.dtype != want_dtype:
+                raise PlacementError(
+                    f"update_parameters: initializer {name!r} is {want_dtype}{list(want_shape)}, "
+                    f"got {array.dtype}{list(array.shape)}"
+                )
+            arrays[name] = np.array(array, copy=True)
+        for name, array in arrays.items():
+            inits[name].const_value = ir.Tensor(array, name=name)
+        log.info("update_parameters: %d initializers written", len(arrays))
+        return list(arrays)
 
     # -- views, copies, persistence ----------------------------------------------------
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,16 @@ class Runner:
             dict such as ``{0: "cuda:0", 1: "cuda:0"}``
             (see :mod:`placement.runtime.device_map`).
         threads: intra-op threads per session (default: ONNX Runtime's choice).
+        chunks: split each :meth:`run`'s batch into this many micro-batches and run
+            them through the stages in a fill-drain (GPipe) schedule, one worker
+            thread per stage (see :mod:`placement.runtime.pipeline`); the outputs
+            are the unsplit run's. Default 1: stages run one after another.
+        batch_axes: graph input/output name -> batch axis (None: the input goes
+            whole to every micro-batch), replacing the detection from the
+            graph's symbolic batch dimension for the names listed.
+        threads_per_stage: intra-op threads of each stage session when
+            pipelining (``chunks > 1`` or :meth:`stream`); default: the CPU
+            cores divided among the stages. ``threads`` wins when given.
         auto_update: check for re-placement before every run (cheap: one pass
             over the ops' device labels). With False, call :meth:`update` yourself.
         keep_sessions: keep the sessions of stages that a re-placement made
@@ -191,6 +202,9 @@ class Runner:
         threads: int | None = None,
         auto_update: bool = True,
         keep_sessions: bool = False,
+        chunks: int = 1,
+        batch_axes: Mapping[str, int | None] | None = None,
+        threads_per_stage: int | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -200,6 +214,12 @@ class Runner:
         self.keep_sessions = keep_sessions
         self._device_map_arg = device_map
         self._threads = threads
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        self.chunks = chunks
+        self._batch_axes_arg = dict(batch_axes) if batch_axes is not None else None
+        self._threads_per_stage = threads_per_stage
+        self._session_threads = threads
         self._lock = threading.Lock()
         self._sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         self._state: tuple[Any, ...] | None = None
@@ -207,7 +227,10 @@ class Runner:
         self._program: _Program | None = None
         self._specs: list[InputSpec] = []
         self._device_map: dict[Device, PhysicalDevice] = {}
+        self._axes: tuple[Any, Any] | None = None
         self.update()
+        if chunks > 1:
+            self._pipeline_axes()  # a model that cannot be split fails here, not on the first run
 
     # -- public ------------------------------------------------------------------------
 
@@ -274,7 +297,48 @@ class Runner:
         arrays = normalize_inputs(inputs, self._specs)
         with self._lock:
             self.stats.runs += 1
+            if self.chunks > 1:
+                from placement.runtime.pipeline import ort_run_pipelined
+
+                return ort_run_pipelined(self, arrays)
             return self._execute(arrays)
+
+    def stream(
+        self, batches: Iterable[InputsLike], *, window: int | None = None
+    ) -> Iterator[list[np.ndarray]]:
+        """Run a stream of input batches with every stage busy; yield their outputs in order.
+
+        Each batch goes through the stages as one micro-batch (or ``chunks``
+        of them), one worker thread per stage, so stage ``j`` runs batch ``n``
+        while stage ``j + 1`` runs batch ``n - 1``. At most ``window`` batches
+        are in flight (default: two per stage): the next batch is read from
+        ``batches`` only after an output was taken (back-pressure). Stopping
+        the iteration early stops the workers.
+
+        Args:
+            batches: an iterable of inputs, each as :meth:`run` takes them.
+            window: batches in flight at most.
+
+        Yields:
+            Each batch's outputs (numpy arrays in graph-output order).
+
+        Raises:
+            PipelineError: a stage failed (names the stage and the batch).
+            InputError: a batch has bad inputs.
+
+        Example:
+            >>> import placement as pl
+            >>> from placement.models import mlp
+            >>> net, (x,) = mlp.build("tiny")
+            >>> runner = Runner(pl.from_torch(net, (x,)), device_map="cpu")
+            >>> [out[0].shape for out in runner.stream([x, 2 * x, 3 * x])]
+            [(4, 8), (4, 8), (4, 8)]
+        """
+        from placement.runtime.pipeline import ort_stream
+
+        if self.auto_update:
+            self.update()
+        return ort_stream(self, batches, window=window)
 
     def __call__(self, inputs: InputsLike) -> list[np.ndarray]:
         """Same as :meth:`run`."""
@@ -287,6 +351,14 @@ class Runner:
             f"{ {str(k): str(v) for k, v in self._device_map.items()} }, "
             f"sessions_built={self.stats.sessions_built})"
         )
+
+    def _pipeline_axes(self) -> Any:
+        """The batch axes of the model's inputs and outputs (cached per placement)."""
+        from placement.runtime.pipeline import batch_axes
+
+        if self._axes is None or self._axes[0] is not self._state:
+            self._axes = (self._state, batch_axes(self.model, overrides=self._batch_axes_arg))
+        return self._axes[1]
 
     # -- building ----------------------------------------------------------------------
 
@@ -312,6 +384,10 @@ class Runner:
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         execs: dict[int, _StageExec] = {}
+        if self._threads is None and (self.chunks > 1 or self._threads_per_stage is not None):
+            from placement.runtime.pipeline import stage_threads
+
+            self._session_threads = self._threads_per_stage or stage_threads(len(part.stages))
         built = reused = 0
         for stage in part.stages:
             if not stage.outputs:
@@ -350,7 +426,7 @@ class Runner:
         )
 
     def _build_session(self, stage: Stage, physical: PhysicalDevice) -> ort.InferenceSession:
-        options = session_options(physical, threads=self._threads)
+        options = session_options(physical, threads=self._session_threads)
         options.logid = f"stage{stage.index}-{stage.device.slug}"
         provider = physical.ort_provider
         providers: list[Any] = [provider]
@@ -481,45 +557,60 @@ class Runner:
     def _execute(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         program = self._program
         assert program is not None
-        values: dict[str, Any] = {}
-        for (name, physical), array in zip(program.feeds, arrays):
-            values[name] = _ortvalue(array, physical) if _is_tensor(array) else array
+        values = _feed(program, arrays)
         for step in program.steps:
-            if step[0] == "stage":
-                _, ex, bind, outs, free = step
-                binding = ex.binding
-                for name, key in bind:
-                    value = values[key]
-                    if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
-                        value = values[key] = _ortvalue(value, ex.physical)
-                    binding.bind_ortvalue_input(name, value)
-                ex.session.run_with_iobinding(binding)
-                results = binding.get_outputs()
-                for name, value in zip(outs, results):
-                    values[name] = value
-                # Release this run's values from the binding and re-bind the outputs, so the
-                # next run allocates fresh buffers (returned arrays are never overwritten).
-                binding.clear_binding_inputs()
-                binding.clear_binding_outputs()
-                device_type, device_id = ex.out_device
-                for name in outs:
-                    binding.bind_output(name, device_type, device_id)
-            elif step[0] == "host":  # sequences, optionals or strings cross this stage's boundary
-                _, ex, bind, outs, free = step
-                feeds = {name: _host(values[key]) for name, key in bind}
-                for name, value in zip(outs, ex.session.run(list(outs), feeds)):
-                    values[name] = value
-            else:
-                _, kind, src, dst, physical, free = step
-                value = values[src]
-                values[dst] = (
-                    _move(value, kind, physical)
-                    if isinstance(value, ort.OrtValue)
-                    else (value if kind == _ALIAS else _host_copy(value))
-                )
-            for key in free:
-                del values[key]
-        return [_to_numpy(values[key]) if const is None else const.copy() for key, const in program.outputs]
+            _run_step(step, values, step[1].binding if step[0] == "stage" else None)
+        return _collect(program, values)
+
+
+def _feed(program: _Program, arrays: list[Any]) -> dict[str, Any]:
+    """The value table of one run, holding the graph inputs on their devices."""
+    return {
+        name: _ortvalue(array, physical) if _is_tensor(array) else array
+        for (name, physical), array in zip(program.feeds, arrays)
+    }
+
+
+def _run_step(step: tuple[Any, ...], values: dict[str, Any], binding: Any) -> None:
+    """Run one program step (a stage through ``binding``, a host-value stage, or a transfer)."""
+    if step[0] == "stage":
+        _, ex, bind, outs, free = step
+        for name, key in bind:
+            value = values[key]
+            if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
+                value = values[key] = _ortvalue(value, ex.physical)
+            binding.bind_ortvalue_input(name, value)
+        ex.session.run_with_iobinding(binding)
+        results = binding.get_outputs()
+        for name, value in zip(outs, results):
+            values[name] = value
+        # Release this run's values from the binding and re-bind the outputs, so the
+        # next run allocates fresh buffers (returned arrays are never overwritten).
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        device_type, device_id = ex.out_device
+        for name in outs:
+            binding.bind_output(name, device_type, device_id)
+    elif step[0] == "host":  # sequences, optionals or strings cross this stage's boundary
+        _, ex, bind, outs, free = step
+        feeds = {name: _host(values[key]) for name, key in bind}
+        for name, value in zip(outs, ex.session.run(list(outs), feeds)):
+            values[name] = value
+    else:
+        _, kind, src, dst, physical, free = step
+        value = values[src]
+        values[dst] = (
+            _move(value, kind, physical)
+            if isinstance(value, ort.OrtValue)
+            else (value if kind == _ALIAS else _host_copy(value))
+        )
+    for key in free:
+        del values[key]
+
+
+def _collect(program: _Program, values: dict[str, Any]) -> list[Any]:
+    """The graph outputs of a finished run, in graph-output order, each owning its memory."""
+    return [_to_numpy(values[key]) if const is None else const.copy() for key, const in program.outputs]
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:

@@ -74,6 +74,7 @@ import keyword
 import logging
 import operator
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,9 @@ __all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
 log = logging.getLogger(__name__)
 
+#: ``fx.Node.meta`` key: the name of the ONNX op a node was lowered from.
+OP_META = "placement_op"
+
 #: Oldest default-domain opset the rules implement (Softmax / Split semantics); older
 #: models are converted to it with ``onnx.version_converter``.
 MIN_OPSET = 13
@@ -105,7 +109,14 @@ _MAX_FOLD_NUMEL = 1 << 22
 _MAX_INLINE_NUMEL = 64
 
 
-def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphModule:
+def to_torch(
+    model: Model,
+    *,
+    device_map: DeviceMapLike = "auto",
+    chunks: int = 1,
+    checkpoint: str = "except_last",
+    batch_axes: Mapping[str, int | None] | None = None,
+) -> torch.nn.Module:
     """Lower a (placed) model to a ``torch.fx.GraphModule``.
 
     Args:
@@ -114,6 +125,18 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
         device_map: logical -> physical devices, see
             :func:`~placement.runtime.device_map.resolve_device_map` (``"auto"``:
             real GPUs when present, else every logical device emulated on the CPU).
+        chunks: with ``chunks > 1``, return a pipelined module
+            (:class:`~placement.runtime.lowering.pipelined.PipelinedModule`):
+            its forward splits the batch into ``chunks`` micro-batches that run
+            through the per-stage submodules concurrently (GPipe's fill-drain
+            schedule, one worker per stage) and its backward runs the stages
+            in reverse the same way; outputs and gradients equal the unsplit module's.
+        checkpoint: with ``chunks > 1``: ``"always"``, ``"except_last"`` (the
+            default, as GPipe) or ``"never"``: which micro-batches drop their
+            activations in forward and recompute them in backward.
+        batch_axes: input/output name -> batch axis, replacing the detection
+            from the graph's symbolic batch dimension (see
+            :func:`placement.runtime.pipeline.batch_axes`).
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -144,6 +167,10 @@ def to_torch(model: Model, *, device_map: DeviceMapLike = "auto") -> fx.GraphMod
     devices = _logical_devices(model)
     dmap = resolve_device_map(devices, device_map, runtime="torch")
     module = _Lowering(model, dmap).build()
+    if chunks != 1:
+        from placement.runtime.lowering.pipelined import pipeline_module
+
+        return pipeline_module(model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes)
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),
@@ -338,6 +365,7 @@ class _Lowering:
         self.transient: set[str] = set()  # buffer paths left out of the state_dict
         self.default_device = next(iter(model.devices), Device("cuda", 0))
         self.current_device: Device | None = None  # logical device of the op being lowered
+        self.current_op: str | None = None  # recorded on each fx node (its stage, when pipelining)
 
     # -- driver -----------------------------------------------------------------------------
 
@@ -346,7 +374,9 @@ class _Lowering:
         self._inputs()
         self._initializers()
         for node in model.graph:
+            self.current_op = node.name
             self._lower(node)
+        self.current_op = None
         self._outputs()
         self.graph.eliminate_dead_code()  # e.g. transposes absorbed by fused linears
         self.graph.lint()
@@ -519,6 +549,8 @@ class _Lowering:
         node = self.graph.create_node(op, target, args, kwargs, name=_identifier(name))
         if self.current_device is not None:  # lets a split by device find each node's device
             node.meta["placement_device"] = str(self.current_device)
+        if self.current_op is not None:
+            node.meta[OP_META] = self.current_op
         return node
 
     def _argument(self, val: _Val | None, index: int, rule: Rule, phys: str) -> Any:

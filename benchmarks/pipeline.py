@@ -1,0 +1,450 @@
+"""Benchmark: pipelined execution over micro-batches, both runtimes, side by side in one run.
+
+Bench-size ``gpt`` and ``resnet`` are exported with a dynamic batch and placed on
+two logical devices by ``pl.auto_place(devices=2)``. On CPU every logical device
+is emulated with its own session / worker thread, so two stages can use two
+cores at once. A mini-batch is 8 of the model's example batches (GPT: 16
+sequences of 128 tokens; ResNet: 64 images of 64x64), so ``chunks=8`` gives
+micro-batches of the example size; the stream serves the example batches.
+Every contender gets one intra-op thread per stage (the baseline one thread in
+all), and throughput is compared:
+
+* **ONNX Runtime**: one ``InferenceSession`` of the unplaced model vs
+  ``Runner(chunks=8).run`` on the same mini-batch, and vs ``Runner.stream``
+  over a stream of small batches (the single session runs them one by one).
+  Targets: stream >= 1.7, run(chunks=8) >= 1.55 (limit 2 x 8/9 = 1.78).
+* **torch**: the eager module vs ``pl.to_torch(model, chunks=8)``: forward
+  (no grad) >= 1.6, and a training step (forward + backward of a squared-output
+  loss, ``checkpoint="never"``) >= 1.5. torchgpipe's ``GPipe`` on the same
+  model as an ``nn.Sequential`` (balance taken from our plan, devices
+  ``["cpu", "cpu"]``, same chunks) in the same table, when installed
+  (``pip install torchgpipe``; a benchmark-only dependency).
+* **chunks sweep**: ``Runner.run`` with chunks 1, 2, 4, 8, 16: speedup over the
+  single session, and the idle share ``1 - T(chunks=1) / (N * T(chunks=k))``
+  next to GPipe's bubble ``(N-1)/(k+N-1)`` (N = 2 stages).
+
+Contenders alternate call by call (the order flips every round) so load from
+other processes hits all of them; the table shows medians. Results are written
+to ``benchmarks/results/pipeline.json``.
+
+Usage::
+
+    python benchmarks/pipeline.py --quick        # a few repeats, chunks sweep on gpt only
+    python benchmarks/pipeline.py                # full: both models, more repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+
+import placement as pl  # noqa: E402
+from placement.graph.serialize import to_proto  # noqa: E402
+from placement.models import gpt, resnet  # noqa: E402
+from placement.runtime.device_map import PhysicalDevice  # noqa: E402
+from placement.runtime.ort import session_options  # noqa: E402
+from placement.runtime.pipeline import bubble_fraction  # noqa: E402
+
+log = logging.getLogger("benchmarks.pipeline")
+
+RESULTS = _ROOT / "benchmarks" / "results" / "pipeline.json"
+TARGETS = {"ort_stream": 1.7, "ort_run_chunks8": 1.55, "torch_forward": 1.6, "torch_train": 1.5}
+CHUNKS = 8  # micro-batches per mini-batch; a micro-batch is the model's bench example batch
+
+
+#: Process CPU seconds per call of the last :func:`_alternate` (median), by contender.
+CPU_TIMES: dict[str, float] = {}
+
+
+def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, the calls alternating (order flips every round).
+
+    Also records the median process CPU time per call in :data:`CPU_TIMES` (all threads):
+    CPU time / wall time is the parallelism a contender got, which shows on a loaded machine
+    whether the stages overlapped even when other processes took the second core.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    items = list(fns.items())
+    for r in range(repeats):
+        for name, fn in items if r % 2 == 0 else list(reversed(items)):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
+    CPU_TIMES.clear()
+    CPU_TIMES.update({k: statistics.median(v) for k, v in cpu.items()})
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
+    """The bench model, a mini-batch of ``CHUNKS`` example batches, and the example batch size."""
+    module = {"gpt": gpt, "resnet": resnet}[name]
+    net, (x,) = module.build("bench")
+    return net.eval(), torch.cat([x] * CHUNKS).contiguous(), int(x.shape[0])
+
+
+def _place(net: torch.nn.Module, x: torch.Tensor, sample: int) -> tuple[pl.Model, pl.Model, Any]:
+    batch = torch.export.Dim("batch")
+    model = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
+    unplaced = model.copy()
+    plan = pl.auto_place(model, devices=2, sample_inputs=[x[:sample]], repeats=3)
+    pl.inject_cross_device_copies(model)
+    return unplaced, model, plan
+
+
+# --- torchgpipe's view of the zoo models: nn.Sequential -------------------------------------
+
+
+class _GPTEmbed(torch.nn.Module):
+    def __init__(self, net: Any) -> None:
+        super().__init__()
+        self.wte, self.wpe = net.wte, net.wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], dtype=torch.int64, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+
+class _GPTHead(torch.nn.Module):
+    def __init__(self, net: Any) -> None:
+        super().__init__()
+        # torchgpipe rejects a parameter shared by two partitions, so the head gets its own
+        # copy of the tied embedding weight (same numbers, same cost).
+        self.ln_f = net.ln_f
+        self.lm_head = torch.nn.Linear(net.lm_head.in_features, net.lm_head.out_features, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(net.lm_head.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class _ResNetHead(torch.nn.Module):
+    def __init__(self, net: Any) -> None:
+        super().__init__()
+        self.avgpool, self.fc = net.avgpool, net.fc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _sequential(name: str, net: Any) -> tuple[torch.nn.Sequential, list[str]]:
+    """The model as an ``nn.Sequential`` for torchgpipe, with each layer's module-path prefix."""
+    if name == "gpt":
+        layers = [_GPTEmbed(net), *net.blocks, _GPTHead(net)]
+        scopes = ["wte", *[f"blocks.{i}" for i in range(len(net.blocks))], "ln_f"]
+    else:
+        stem = torch.nn.Sequential(net.conv1, net.bn1, net.relu)
+        blocks, scopes = [], ["conv1"]
+        for i in range(1, net.num_stages + 1):
+            for j, block in enumerate(getattr(net, f"layer{i}")):
+                blocks.append(block)
+                scopes.append(f"layer{i}.{j}")
+        layers = [stem, *blocks, _ResNetHead(net)]
+        scopes.append("fc")
+    return torch.nn.Sequential(*layers), scopes
+
+
+def _balance(model: pl.Model, scopes: list[str]) -> list[int]:
+    """torchgpipe's ``balance`` from our placement: layers whose ops sit mostly on device 0, then the rest."""
+    on_first = 0
+    first = model.devices[0]
+    for scope in scopes:
+        ops = [op for op in model.ops if not op.is_copy and (op.scope or "").startswith(scope)]
+        if ops and sum(op.device == first for op in ops) * 2 >= len(ops):
+            on_first += 1
+    on_first = min(max(on_first, 1), len(scopes) - 1)
+    return [on_first, len(scopes) - on_first]
+
+
+def _torchgpipe(name: str, net: Any, model: pl.Model, chunks: int) -> tuple[Any, list[int]] | None:
+    try:
+        from torchgpipe import GPipe
+    except ImportError:
+        log.warning("torchgpipe is not installed (pip install torchgpipe): its row is left out")
+        return None
+    seq, scopes = _sequential(name, net)
+    balance = _balance(model, scopes)
+    return GPipe(seq, balance=balance, devices=["cpu", "cpu"], chunks=chunks, checkpoint="never"), balance
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net, x, sample = _build(name)
+    unplaced, model, plan = _place(net, x, sample)
+    xs = x.numpy()
+    cpu = PhysicalDevice("cpu")
+    single = ort.InferenceSession(
+        to_proto(unplaced).SerializeToString(),
+        session_options(cpu, threads=1),
+        providers=["CPUExecutionProvider"],
+    )
+    feed_name = single.get_inputs()[0].name
+    piped = pl.Runner(model, device_map="cpu", chunks=chunks, threads_per_stage=1)
+    streamer = pl.Runner(model, device_map="cpu", threads_per_stage=1)
+    stream_batches = [xs[i : i + sample] for i in range(0, len(xs), sample)]
+    n_stages = len(piped.stages)
+
+    ref = single.run(None, {feed_name: xs})[0]
+    np.testing.assert_allclose(piped.run([xs])[0], ref, atol=1e-3, rtol=1e-3)
+
+    def single_stream() -> None:
+        for b in stream_batches:
+            single.run(None, {feed_name: b})
+
+    ort_times = _alternate(
+        {
+            "single": lambda: single.run(None, {feed_name: xs}),
+            "run": lambda: piped.run([xs]),
+            "single_stream": single_stream,
+            "stream": lambda: list(streamer.stream(stream_batches)),
+        },
+        repeats,
+    )
+    ort_cpu = dict(CPU_TIMES)
+    rows: dict[str, Any] = {
+        "model": name,
+        "batch": len(xs),
+        "stream_batch": sample,
+        "chunks": chunks,
+        "stages": n_stages,
+        "plan_devices": [str(d) for d in model.devices],
+        "ort": {
+            "single_s": ort_times["single"],
+            "run_s": ort_times["run"],
+            "run_ratio": ort_times["single"] / ort_times["run"],
+            "stream_single_s": ort_times["single_stream"],
+            "stream_s": ort_times["stream"],
+            "stream_ratio": ort_times["single_stream"] / ort_times["stream"],
+            "cpu_s": ort_cpu,
+            "work": {
+                "run": ort_cpu["run"] / ort_cpu["single"],
+                "stream": ort_cpu["stream"] / ort_cpu["single_stream"],
+            },
+            "parallelism": {k: ort_cpu[k] / ort_times[k] for k in ort_times},
+        },
+    }
+
+    # torch: eager vs pipelined lowering vs torchgpipe, forward and a training step.
+    lowered = pl.to_torch(model, device_map="cpu")
+    pmod = pl.to_torch(model, device_map="cpu", chunks=chunks, checkpoint="never")
+    gp = _torchgpipe(name, net, model, chunks)
+    with torch.no_grad():
+        torch.testing.assert_close(pmod(x), net(x), atol=1e-3, rtol=1e-3)
+
+    def fwd(module: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.no_grad():
+                return module(x)
+
+        return call
+
+    def step(module: Any) -> Callable[[], Any]:
+        def call() -> None:
+            module.zero_grad(set_to_none=True)
+            _loss(module(x)).backward()
+
+        return call
+
+    fwd_fns = {"eager": fwd(net), "lowered": fwd(lowered), "pipelined": fwd(pmod)}
+    train_fns = {"eager": step(net), "lowered": step(lowered), "pipelined": step(pmod)}
+    if gp is not None:
+        fwd_fns["torchgpipe"] = fwd(gp[0])
+        train_fns["torchgpipe"] = step(gp[0])
+    fwd_times = _alternate(fwd_fns, repeats)
+    fwd_cpu = dict(CPU_TIMES)
+    train_times = _alternate(train_fns, max(3, repeats // 2))
+    train_cpu = dict(CPU_TIMES)
+    rows["torch"] = {
+        "forward_s": fwd_times,
+        "train_s": train_times,
+        "forward_ratio": {k: fwd_times["eager"] / v for k, v in fwd_times.items()},
+        "train_ratio": {k: train_times["eager"] / v for k, v in train_times.items()},
+        "torchgpipe_balance": gp[1] if gp is not None else None,
+        "forward_parallelism": {k: fwd_cpu[k] / v for k, v in fwd_times.items()},
+        "train_parallelism": {k: train_cpu[k] / v for k, v in train_times.items()},
+    }
+
+    if sweep:
+        runners = {
+            k: pl.Runner(model, device_map="cpu", chunks=k, threads_per_stage=1) for k in (1, 2, 4, 8, 16)
+        }
+        fns: dict[str, Callable[[], Any]] = {"single": lambda: single.run(None, {feed_name: xs})}
+        for k, r in runners.items():
+            fns[f"chunks{k}"] = functools.partial(r.run, [xs])
+        times = _alternate(fns, repeats)
+        t1 = times["chunks1"]
+        rows["sweep"] = [
+            {
+                "chunks": k,
+                "speedup": times["single"] / times[f"chunks{k}"],
+                "idle": 1 - t1 / (n_stages * times[f"chunks{k}"]),
+                "gpipe_bubble": bubble_fraction(k, n_stages),
+            }
+            for k in runners
+        ]
+    return rows
+
+
+def _environment() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": ort.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": load,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _print(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    table = Table(
+        title="pipelined / baseline throughput (2 logical devices, 1 thread per stage); "
+        "CPU work / baseline: process CPU seconds per mini-batch over the baseline's "
+        "(load-independent; the speed-up on 2 free cores is at most 2 / work)"
+    )
+    for col in (
+        "model",
+        "runtime",
+        "contender",
+        "ratio",
+        "target",
+        "cores used (cpu/wall)",
+        "CPU work / baseline",
+    ):
+        table.add_column(col)
+    for res in results:
+        o = res["ort"]
+        par = o["parallelism"]
+        table.add_row(
+            res["model"],
+            "ORT",
+            "run(chunks=8) / one session",
+            f"{o['run_ratio']:.2f}",
+            ">= 1.55",
+            f"{par['run']:.2f} vs {par['single']:.2f}",
+            f"{o['work']['run']:.2f}",
+        )
+        table.add_row(
+            res["model"],
+            "ORT",
+            "stream / one session",
+            f"{o['stream_ratio']:.2f}",
+            ">= 1.7",
+            f"{par['stream']:.2f} vs {par['single_stream']:.2f}",
+            f"{o['work']['stream']:.2f}",
+        )
+        t = res["torch"]
+        for kind, key, target in (
+            ("forward", "forward_ratio", ">= 1.6"),
+            ("train step", "train_ratio", ">= 1.5"),
+        ):
+            for contender in ("lowered", "pipelined", "torchgpipe"):
+                if contender in t[key]:
+                    label = {
+                        "lowered": "to_torch (no pipelining)",
+                        "pipelined": "to_torch(chunks=8)",
+                        "torchgpipe": f"torchgpipe GPipe{t['torchgpipe_balance']}",
+                    }[contender]
+                    par = t["forward_parallelism" if kind == "forward" else "train_parallelism"]
+                    secs = t["forward_s" if kind == "forward" else "train_s"]
+                    work = par[contender] * secs[contender] / (par["eager"] * secs["eager"])
+                    table.add_row(
+                        res["model"],
+                        "torch",
+                        f"{kind}: {label} / eager",
+                        f"{t[key][contender]:.2f}",
+                        target if contender == "pipelined" else "",
+                        f"{par[contender]:.2f} vs {par['eager']:.2f}",
+                        f"{work:.2f}",
+                    )
+    console.print(table)
+    for res in results:
+        if "sweep" not in res:
+            continue
+        sweep = Table(title=f"{res['model']}: ORT Runner.run throughput vs chunks ({res['stages']} stages)")
+        for col in (
+            "chunks",
+            "speedup vs one session",
+            "idle share (measured)",
+            "GPipe bubble (N-1)/(k+N-1)",
+        ):
+            sweep.add_column(col)
+        for row in res["sweep"]:
+            sweep.add_row(
+                str(row["chunks"]),
+                f"{row['speedup']:.2f}",
+                f"{row['idle']:.2f}",
+                f"{row['gpipe_bubble']:.2f}",
+            )
+        console.print(sweep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats; chunks sweep on gpt only")
+    parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    repeats = args.repeats or (5 if args.quick else 15)
+    results = []
+    env = _environment()
+    for name in args.models:
+        sweep = not args.quick or name == args.models[0]
+        results.append(measure(name, repeats=repeats, sweep=sweep))
+    _print(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "environment": env,
+        "repeats": repeats,
+        "quick": args.quick,
+        "targets": TARGETS,
+        "results": results,
+    }
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

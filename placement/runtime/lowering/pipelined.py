@@ -1,0 +1,540 @@
+"""GPipe on the placed graph: the lowered module cut into per-stage submodules, run over micro-batches.
+
+``pl.to_torch(model, chunks=k)`` lowers the model as usual, cuts the
+``GraphModule`` into one submodule per stage (the stages of
+:func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
+uses; ``torch.fx.passes.split_module``) and wraps them in a
+:class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
+and runs them through the stages on the workers of
+:mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
+so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
+micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
+stage waits (an event) only for the micro-batch it reads.
+
+Training: when gradients are needed, the whole pipeline is one autograd
+function. Each (stage, micro-batch) keeps its own small autograd graph on
+detached inputs; backward runs the stages in reverse on the same workers
+(stage ``j`` back-propagates micro-batch ``i`` while stage ``j - 1`` does
+micro-batch ``i + 1``), with ``torch.autograd.grad`` per stage, and returns the
+gradients of the inputs and of every parameter (summed over micro-batches and,
+for a parameter several stages read such as a tied embedding, over stages).
+So ``loss.backward()`` and ``torch.autograd.grad`` both work and give the
+unsplit module's gradients. ``checkpoint`` chooses which micro-batches drop
+their activations after forward and recompute them in backward: ``"always"``,
+``"except_last"`` (GPipe's default: the last micro-batch is needed first in
+backward) or ``"never"``.
+
+BatchNorm: the placed graph comes from an eval-mode export, and the lowering
+runs ``BatchNormalization`` with its running statistics (inference semantics)
+whatever ``module.training`` says. Normalisation therefore does not depend on
+how the batch is split, and pipelined outputs and gradients equal the unsplit
+ones exactly; no deferred batch statistics are needed. (Training BatchNorm
+statistics through a placed graph would need a training-mode export.)
+
+Parameters are shared with the lowered module, under the same attribute paths
+(``state_dict`` keys and ``initializer_paths`` are the plain lowering's), so an
+optimizer over ``module.parameters()`` trains them and
+``model.update_parameters(module)`` writes them back into the placed graph.
+
+Example:
+    >>> import torch
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> module = pl.to_torch(model, device_map="cpu", chunks=2)
+    >>> len(module.stages)
+    2
+    >>> torch.allclose(module(x), net(x), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from placement.errors import LoweringError
+from placement.graph.model import Model
+from placement.runtime.lowering.lower import OP_META
+from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
+from placement.runtime.stages import partition
+
+__all__ = ["PipelinedModule", "pipeline_module"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stage:
+    """One stage of the split module: its submodule, what it reads and what it defines."""
+
+    index: int
+    module: fx.GraphModule
+    args: list[str]  # env keys it reads, in call order
+    outs: list[tuple[str, int | None]]  # env key -> index into its result (None: the result itself)
+    device: torch.device
+    consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
+
+
+def pipeline_module(
+    model: Model,
+    module: fx.GraphModule,
+    *,
+    chunks: int,
+    checkpoint: str = "except_last",
+    batch_axes: Mapping[str, int | None] | None = None,
+) -> PipelinedModule:
+    """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    axes = _batch_axes(model, batch_axes)
+    return PipelinedModule(module, _stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes)
+
+
+def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
+    return batch_axes(model, overrides=overrides)
+
+
+def _stage_of_ops(model: Model) -> dict[str, int]:
+    stage_of: dict[str, int] = {}
+    for stage in partition(model):
+        for op in stage.ops:
+            stage_of[op] = stage.index
+    return stage_of
+
+
+class PipelinedModule(torch.nn.Module):
+    """A lowered placed model whose forward and backward are pipelined over micro-batches.
+
+    Built by ``pl.to_torch(model, chunks=k)``; see the module docstring.
+    Attributes: ``chunks``, ``checkpoint``, ``stages`` (the per-stage
+    ``GraphModule`` s, in order), ``batch_axes``, and the plain lowering's
+    ``input_names``, ``output_names``, ``device_map``, ``initializer_paths``.
+    """
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        stage_of_op: Mapping[str, int],
+        *,
+        chunks: int,
+        checkpoint: str,
+        axes: BatchAxes,
+    ) -> None:
+        super().__init__()
+        # The lowered module's parameters and buffers, under the same paths.
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, param in module._parameters.items():
+            self.register_parameter(name, param)
+        for name, buf in module._buffers.items():
+            self.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
+        self.input_names: list[str] = list(module.input_names)
+        self.output_names: list[str] = list(module.output_names)
+        self.device_map: dict[str, str] = dict(module.device_map)
+        self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.batch_axes = axes
+        self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
+        self._in_axes = [axes.inputs[name] for name in self.input_names]
+        self._out_axes = [axes.outputs[name] for name in self.output_names]
+        stages, env_inputs, outputs = _split(module, stage_of_op)
+        self._pl_inputs = env_inputs
+        object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
+        self._pl_outputs = outputs
+        log.info(
+            "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
+        )
+
+    @property
+    def stages(self) -> list[fx.GraphModule]:
+        """The per-stage submodules, in execution order."""
+        return [s.module for s in self._pl_stages]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the inputs (positionally in ``input_names`` order, or by keyword) through the pipeline."""
+        inputs = self._bind(args, kwargs)
+        if len(self._out_axes) != len(self._pl_outputs):
+            raise LoweringError("the pipelined module's outputs do not match the model's")
+        params = [p for p in self.parameters() if p.requires_grad]
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        )
+        if needs_grad:
+            tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in inputs]
+            outputs = _PipelineFunction.apply(_Run(self, len(tensors), params), *tensors, *params)
+        else:
+            outputs = _forward_only(self, inputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        names = self._placeholders
+        if len(args) > len(names):
+            raise TypeError(f"expected at most {len(names)} inputs ({', '.join(names)}), got {len(args)}")
+        values: list[Any] = list(args) + [None] * (len(names) - len(args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"unexpected input {key!r}; the inputs are: {', '.join(names)}")
+            values[names.index(key)] = value
+        missing = [n for n, v in zip(names, values) if v is None]
+        if missing:
+            raise TypeError(f"missing input(s): {', '.join(missing)}")
+        return values
+
+
+def _split(
+    module: fx.GraphModule, stage_of_op: Mapping[str, int]
+) -> tuple[list[_Stage], list[str], list[str]]:
+    """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
+    the environment keys of the graph inputs and outputs."""
+    graph = module.graph
+    assigned: dict[fx.Node, int] = {}
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    for node in nodes:
+        op = node.meta.get(OP_META)
+        if op is not None and op in stage_of_op:
+            assigned[node] = stage_of_op[op]
+
+    def users_stage(node: fx.Node, seen: set[fx.Node]) -> int | None:
+        found = []
+        for user in node.users:
+            if user.op == "output" or user in seen:
+                continue
+            if user in assigned:
+                found.append(assigned[user])
+            else:
+                seen.add(user)
+                s = users_stage(user, seen)
+                if s is not None:
+                    found.append(s)
+        return min(found) if found else None
+
+    # Nodes no stage op produced (input moves, copies between stages, output moves): a node
+    # feeding stages runs in the first stage that reads it; one feeding only the output runs
+    # with its producer.
+    for node in nodes:
+        if node in assigned:
+            continue
+        stage = users_stage(node, set())
+        if stage is None:
+            producers = [assigned[a] for a in node.all_input_nodes if a in assigned]
+            stage = max(producers) if producers else 0
+        assigned[node] = stage
+    # Keep the numbering dense and in order.
+    order = {s: k for k, s in enumerate(sorted(set(assigned.values())))}
+    split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
+    stages: list[_Stage] = []
+    by_call: dict[str, _Stage] = {}
+    attrs: dict[str, Any] = {}
+    inputs: list[str] = []
+    for node in split.graph.nodes:
+        if node.op == "placeholder":
+            inputs.append(node.name)
+        elif node.op == "call_module":
+            sub = getattr(split, node.target)
+            args = []
+            for a in node.args:
+                if not isinstance(a, fx.Node):
+                    raise LoweringError(f"stage {node.target} reads a non-tensor argument {a!r}")
+                args.append(a.name)
+            stage = _Stage(len(stages), sub, args, [], _device_of(sub))
+            stage.consts = {a: attrs[a] for a in args if a in attrs}
+            stages.append(stage)
+            by_call[node.name] = stage
+            if not any(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+                stage.outs.append((node.name, None))
+        elif node.op == "call_function" and node.target is operator.getitem:
+            source = node.args[0]
+            assert isinstance(source, fx.Node)
+            by_call[source.name].outs.append((node.name, int(node.args[1])))  # type: ignore[arg-type]
+        elif node.op == "get_attr":
+            attrs[node.name] = _attribute(split, str(node.target))
+        elif node.op == "output":
+            split.meta["placement_outputs"] = node.args[0]
+        else:
+            raise LoweringError(f"cannot pipeline: unexpected node {node.format_node()} between stages")
+    result = split.meta.pop("placement_outputs")
+    keys = []
+    for item in result if isinstance(result, (tuple, list)) else [result]:
+        if not isinstance(item, fx.Node):
+            raise LoweringError(f"cannot pipeline a graph output that is not a tensor ({item!r})")
+        keys.append(item.name)
+    return stages, inputs, keys
+
+
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for node in module.graph.nodes:  # type: ignore[union-attr]
+        if node.op == "call_method" and node.target == "to" and len(node.args) > 1:
+            return torch.device(node.args[1])
+    return torch.device("cpu")
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def _stage_context(stages: list[_Stage], grad: bool) -> Any:
+    """Per worker: the grad mode, and on a GPU the stage's own CUDA stream."""
+
+    @contextlib.contextmanager
+    def enter(j: int) -> Iterator[None]:
+        device = stages[min(j, len(stages) - 1)].device
+        with torch.set_grad_enabled(grad):
+            if device.type == "cuda":
+                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                    yield
+            else:
+                yield
+
+    return enter
+
+
+def _wait(env: dict[str, Any]) -> None:
+    """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
+    event = env.pop("__event__", None)
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def _signal(env: dict[str, Any], device: torch.device) -> None:
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        env["__event__"] = event
+
+
+def _call(stage: _Stage, args: list[Any]) -> dict[str, Any]:
+    result = stage.module(*args)
+    return {key: result if index is None else result[index] for key, index in stage.outs}
+
+
+def _microbatch_envs(module: PipelinedModule, inputs: Sequence[Any]) -> list[dict[str, Any]]:
+    placeholders = module._pl_inputs
+    parts = split_batch(list(inputs), module._in_axes, module.chunks)
+    envs = []
+    for part in parts:
+        env = dict(zip(placeholders, part))
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in part):
+            _signal(env, next(t.device for t in part if isinstance(t, torch.Tensor) and t.is_cuda))
+        envs.append(env)
+    return envs
+
+
+def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
+    for env in envs:
+        _wait(env)
+    keys = module._pl_outputs
+    return [torch.cat([env[key] for env in envs], dim=axis) for key, axis in zip(keys, module._out_axes)]
+
+
+def _names(stages: list[_Stage]) -> list[str]:
+    return [f"stage {s.index} on {s.device}" for s in stages]
+
+
+def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    stages: list[_Stage] = module._pl_stages
+
+    def make(stage: _Stage) -> Any:
+        def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
+            _wait(env)
+            env.update(_call(stage, [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]))
+            _signal(env, stage.device)
+            return env
+
+        return fn
+
+    envs = _microbatch_envs(module, inputs)
+    with StageWorkers([make(s) for s in stages], _names(stages), context=_stage_context(stages, False)) as w:
+        for i, env in enumerate(envs):
+            w.submit(i, env)
+        done = [w.result() for _ in envs]
+    return _join(module, done)
+
+
+@dataclass
+class _Run:
+    """What one training forward leaves for its backward."""
+
+    module: PipelinedModule
+    n_inputs: int
+    params: list[torch.nn.Parameter]
+    envs: list[dict[str, Any]] = field(default_factory=list)
+    # (stage, micro-batch) -> (detached inputs, outputs or None when checkpointed)
+    saved: dict[tuple[int, int], tuple[list[Any], dict[str, Any] | None]] = field(default_factory=dict)
+    input_requires_grad: list[bool] = field(default_factory=list)
+
+
+def _detach(value: Any, requires_grad: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        if requires_grad and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        return leaf
+    return value
+
+
+class _PipelineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        module = run.module
+        stages: list[_Stage] = module._pl_stages
+        inputs = list(tensors[: run.n_inputs])
+        run.input_requires_grad = [t.requires_grad for t in inputs]
+        envs = _microbatch_envs(module, inputs)
+        n_mb = len(envs)
+        placeholders = set(module._pl_inputs)
+        grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
+        mode = module.checkpoint
+
+        def keep(i: int) -> bool:
+            return mode == "never" or (mode == "except_last" and i == n_mb - 1)
+
+        def make(stage: _Stage) -> Any:
+            def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
+                _wait(env)
+                # Graph inputs need grad when the caller's do; every other value between
+                # stages is tracked (it depends on parameters).
+                args = [
+                    stage.consts[a]
+                    if a in stage.consts
+                    else _detach(env[a], a in grad_inputs or a not in placeholders)
+                    for a in stage.args
+                ]
+                if keep(i):
+                    with torch.enable_grad():
+                        outs = _call(stage, args)
+                    run.saved[(stage.index, i)] = (args, outs)
+                else:
+                    with torch.no_grad():
+                        outs = _call(stage, args)
+                    run.saved[(stage.index, i)] = (args, None)
+                env.update(outs)
+                _signal(env, stage.device)
+                return env
+
+            return fn
+
+        with StageWorkers(
+            [make(s) for s in stages], _names(stages), context=_stage_context(stages, True)
+        ) as w:
+            for i, env in enumerate(envs):
+                w.submit(i, env)
+            run.envs = [w.result() for _ in envs]
+        outputs = [t.detach() for t in _join(module, run.envs)]
+        ctx.run = run
+        for out in outputs:
+            if not out.is_floating_point():
+                ctx.mark_non_differentiable(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        run: _Run = ctx.run
+        ctx.run = None
+        module = run.module
+        stages: list[_Stage] = module._pl_stages
+        n_mb = len(run.envs)
+        out_keys = module._pl_outputs
+        genvs: list[dict[str, Any]] = [{} for _ in range(n_mb)]
+        for key, axis, g in zip(out_keys, module._out_axes, grad_outputs):
+            if g is None:
+                continue
+            for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
+                _accumulate(genv, key, part)
+        param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
+
+        def make(stage: _Stage) -> Any:
+            params = [
+                (n, t)
+                for n, t in enumerate(stage.args)
+                if t in stage.consts and stage.consts[t].requires_grad
+            ]
+            param_slots = {n for n, _ in params}
+
+            def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
+                _wait(genv)
+                args, outs = run.saved.pop((stage.index, i))
+                if outs is None:  # checkpointed: recompute this micro-batch's stage
+                    with torch.enable_grad():
+                        outs = _call(stage, args)
+                pairs = [
+                    (outs[k], genv[k])
+                    for k, _ in stage.outs
+                    if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
+                ]
+                arg_slots = [
+                    n
+                    for n, a in enumerate(args)
+                    if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
+                ]
+                if pairs and (arg_slots or params):
+                    grads = torch.autograd.grad(
+                        [o for o, _ in pairs],
+                        [args[n] for n in arg_slots] + [args[n] for n, _ in params],
+                        [g for _, g in pairs],
+                        allow_unused=True,
+                    )
+                    for n, g in zip(arg_slots, grads[: len(arg_slots)]):
+                        if g is not None:
+                            _accumulate(genv, stage.args[n], g)
+                    acc = param_grads[stage.index]
+                    for (_, key), g in zip(params, grads[len(arg_slots) :]):
+                        if g is not None:
+                            _accumulate(acc, key, g)
+                _signal(genv, stage.device)
+                return genv
+
+            return fn
+
+        rev = list(reversed(stages))
+        with StageWorkers([make(s) for s in rev], _names(rev), context=_stage_context(rev, True)) as w:
+            for i in reversed(range(n_mb)):
+                w.submit(i, genvs[i])
+            done = [w.result() for _ in range(n_mb)]
+        done.reverse()
+        for genv in done:
+            _wait(genv)
+        # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
+        placeholders = module._pl_inputs
+        input_grads: list[Any] = []
+        for name, axis, needs in zip(placeholders, module._in_axes, run.input_requires_grad):
+            parts = [genv.get(name) for genv in done]
+            if not needs or all(p is None for p in parts):
+                input_grads.append(None)
+            elif axis is None:
+                input_grads.append(sum(p for p in parts if p is not None))
+            else:
+                input_grads.append(torch.cat(parts, dim=axis))
+        # Parameter gradients: summed over stages (a parameter several stages read).
+        by_param: dict[int, torch.Tensor] = {}
+        for stage, acc in zip(stages, param_grads):
+            for key, g in acc.items():
+                p = stage.consts[key]
+                by_param[id(p)] = (
+                    g if id(p) not in by_param else by_param[id(p)] + g.to(by_param[id(p)].device)
+                )
+        return (None, *input_grads, *[by_param.get(id(p)) for p in run.params])
+
+
+def _accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:
+    env[key] = grad if key not in env else env[key] + grad
