@@ -420,7 +420,11 @@ def test_sequences_optionals_and_strings_cross_devices_as_ort_takes_them():
             model.set_device(op.name, 1)
         pl.inject_cross_device_copies(model)
         for opt in (np.array([5.0, 6.0], np.float32), None):
-            feeds = {"x": np.array([1.0, 2.0], np.float32), "s": np.array(["a", "b"], dtype=object), "opt": opt}
+            feeds = {
+                "x": np.array([1.0, 2.0], np.float32),
+                "s": np.array(["a", "b"], dtype=object),
+                "opt": opt,
+            }
             got = pl.run(model, feeds)
             churn()
             want = plain.run(None, feeds)
