@@ -64,7 +64,7 @@ def measure(runtime_name: str) -> dict[str, Any]:
         "tensor_cases": len(tensors),
         "tensor_passed": sum(1 for name in tensors if name not in failures),
         "seconds": round(seconds, 2),
-        "failures": failures,
+        "failed_cases": sorted(failures),
     }
 
 
