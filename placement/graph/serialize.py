@@ -136,12 +136,17 @@ def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | No
     log.info("saved %s (%d ops, external data: %s)", target, model.graph.num_nodes(), use_external)
 
 
-def load(source: ModelSource, *, device: DeviceLike = 0) -> Model:
+def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs: bool = False) -> Model:
     """Load a model from an ONNX file, an ``onnx.ModelProto`` or an ``onnx_ir.Model``.
 
     Devices saved by :func:`save` are restored exactly; ops that carry none take
     the device stage from ONNX's multi-device fields if present, else ``device``.
     External data must lie inside the model's folder.
+
+    Models written for IR version 3 (old converters) list every initializer as a
+    graph input too. They are normalised: initializers are parameters, not
+    inputs (as from IR version 4 on), so runtimes treat them as constants. Pass
+    ``initializers_as_inputs=True`` to keep such inputs listed.
 
     Raises:
         ModelLoadError: the file is missing, truncated, not ONNX, or its
@@ -155,16 +160,34 @@ def load(source: ModelSource, *, device: DeviceLike = 0) -> Model:
         placement.errors.ModelLoadError: no such model file: 'does-not-exist.onnx'
     """
     if isinstance(source, Model):
-        return source.copy()
-    if isinstance(source, ir.Model):
-        return _from_ir(source, device)
-    if isinstance(source, onnx.ModelProto):
-        return _from_proto(source, device, origin="the given ModelProto")
-    if isinstance(source, (str, os.PathLike)):
-        return _from_path(Path(source), device)
-    raise ModelLoadError(
-        f"cannot load a model from {type(source).__name__}: give a path, onnx.ModelProto or onnx_ir.Model"
-    )
+        model = source.copy()
+    elif isinstance(source, ir.Model):
+        model = _from_ir(source, device)
+    elif isinstance(source, onnx.ModelProto):
+        model = _from_proto(source, device, origin="the given ModelProto")
+    elif isinstance(source, (str, os.PathLike)):
+        model = _from_path(Path(source), device)
+    else:
+        raise ModelLoadError(
+            f"cannot load a model from {type(source).__name__}: give a path, onnx.ModelProto or onnx_ir.Model"
+        )
+    if not initializers_as_inputs:
+        _initializers_off_inputs(model)
+    return model
+
+
+def _initializers_off_inputs(model: Model) -> None:
+    """Drop initializers from the graph inputs (IR version 3 style), keeping input order."""
+    graph = model.graph
+    listed = [v for v in graph.inputs if v.name in graph.initializers]
+    for value in listed:
+        graph.inputs.remove(value)
+    if listed:
+        if model.ir_model.ir_version < 4:
+            model.ir_model.ir_version = 4
+        log.info(
+            "%d initializers were also graph inputs (IR version 3 style): now parameters only", len(listed)
+        )
 
 
 def _from_path(path: Path, device: DeviceLike) -> Model:

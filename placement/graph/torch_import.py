@@ -1,4 +1,12 @@
-"""Import a PyTorch module through ``torch.onnx.export(..., dynamo=True)``.
+"""Import a PyTorch module through ``torch.onnx.export``.
+
+The dynamo exporter (``dynamo=True``) comes first; where it fails (data-dependent
+control flow, ops torch.export cannot trace), the TorchScript exporter
+(``dynamo=False``) is tried: it traces the module with the example inputs, names
+parameters after the module (kept as initializer names) and names each node
+after its module path (``/encoder/block.0/layer.0/...``), from which op scopes are
+recovered. The exporter used is logged and recorded on the model
+(:func:`exporter_of`).
 
 Example:
     >>> import torch
@@ -18,18 +26,24 @@ import io
 import logging
 import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import SCOPE_KEY, Model, scope_from_torch_name_scopes
 
-__all__ = ["from_torch"]
+__all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
+
+#: Model metadata key naming the exporter that produced an imported model
+#: (``"dynamo"`` or ``"torchscript"``).
+EXPORTER_KEY = "placement.exporter"
+_EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CALL_SUFFIX = re.compile(r"_[0-9]+$")
 _HINT = (
     "try: pass example inputs of the exact shapes and dtypes you will run, make "
     "data-dependent control flow static, or export the model to ONNX yourself and "
@@ -44,6 +58,7 @@ def from_torch(
     *,
     device: DeviceLike = 0,
     dynamic_shapes: Any = None,
+    exporter: str = "auto",
 ) -> Model:
     """Export ``module`` to an operator graph with every op on ``device``.
 
@@ -58,45 +73,188 @@ def from_torch(
         args: example positional inputs (a tuple, or a single tensor).
         kwargs: example keyword inputs.
         device: the device every op starts on (``0`` = ``cuda:0``).
-        dynamic_shapes: passed to ``torch.onnx.export``.
+        dynamic_shapes: passed to ``torch.onnx.export`` (the TorchScript
+            exporter gets the same dimensions as ``dynamic_axes``).
+        exporter: ``"auto"`` (dynamo, then TorchScript if dynamo fails),
+            ``"dynamo"`` or ``"torchscript"``. The TorchScript exporter *traces*:
+            data-dependent branches are fixed to the path the example inputs take
+            (its warnings are logged).
 
     Raises:
-        ExportError: the exporter failed; the message says what to try.
+        ExportError: the exporter failed (with ``"auto"``: both did; the message
+            quotes both causes) and says what to try.
     """
     import torch
 
     dev = Device.parse(device)
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"from_torch needs a torch.nn.Module, got {type(module).__name__}")
+    if exporter not in _EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; choose one of {', '.join(_EXPORTERS)}")
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
-    with _eval_mode(module), _quiet_exporter():
+    name = type(module).__name__
+    causes: list[str] = []
+    ir_model = None
+    used = ""
+    if exporter in ("auto", "dynamo"):
         try:
-            program = torch.onnx.export(
-                module,
-                args,
-                kwargs=dict(kwargs) if kwargs else None,
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes,
-                optimize=False,
-                verbose=False,
-            )
+            ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+            used = "dynamo"
         except Exception as err:  # the exporter raises many types
-            text = _ANSI.sub("", str(err)).strip()
-            first = text.splitlines()[0] if text else type(err).__name__
-            raise ExportError(
-                f"torch.onnx.export failed on {type(module).__name__}: {first}; {_HINT}"
-            ) from err
-    ir_model = program.model
+            causes.append(f"dynamo exporter: {_cause(err)}")
+            if exporter == "dynamo":
+                raise ExportError(f"torch.onnx.export failed on {name}: {causes[0]}; {_HINT}") from err
+            log.warning(
+                "the dynamo exporter failed on %s (%s); trying the TorchScript exporter", name, _cause(err)
+            )
+    if ir_model is None:
+        try:
+            ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+            used = "torchscript"
+        except Exception as err:  # the exporter raises many types
+            causes.append(f"TorchScript exporter: {_cause(err)}")
+            raise ExportError(f"torch.onnx.export failed on {name}: {'; '.join(causes)}; {_HINT}") from err
     _fold_shape_arithmetic(ir_model)
-    for node in ir_model.graph:
-        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        node.metadata_props[SCOPE_KEY] = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+    ir_model.metadata_props[EXPORTER_KEY] = used
     from placement.graph.serialize import load
 
     model = load(ir_model, device=dev)
-    log.info("imported %s: %d ops on %s", type(module).__name__, model.graph.num_nodes(), dev)
+    log.info("imported %s with the %s exporter: %d ops on %s", name, used, model.graph.num_nodes(), dev)
     return model
+
+
+def exporter_of(model: Model) -> str | None:
+    """The exporter that produced ``model`` (``"dynamo"``, ``"torchscript"``), None if not imported.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> exporter_of(pl.from_torch(torch.nn.ReLU(), (torch.randn(2),)))
+        'dynamo'
+    """
+    return model.ir_model.metadata_props.get(EXPORTER_KEY)
+
+
+def _cause(err: BaseException) -> str:
+    """The most specific first line of an exporter error (the innermost cause)."""
+    inner = err
+    seen = {id(inner)}
+    while inner.__cause__ is not None and id(inner.__cause__) not in seen:
+        inner = inner.__cause__
+        seen.add(id(inner))
+    for candidate in (inner, err):
+        text = _ANSI.sub("", str(candidate)).strip()
+        if text:
+            return f"{type(candidate).__name__}: {text.splitlines()[0]}"
+    return type(err).__name__
+
+
+def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any) -> Any:
+    import torch
+
+    with _eval_mode(module), _quiet_exporter():
+        program = torch.onnx.export(
+            module,
+            args,
+            kwargs=dict(kwargs) if kwargs else None,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            optimize=False,
+            verbose=False,
+        )
+    ir_model = program.model
+    for node in ir_model.graph:
+        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+        node.metadata_props[SCOPE_KEY] = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+    return ir_model
+
+
+def _export_torchscript(
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any
+) -> Any:
+    """The TorchScript exporter: parameters keep their names (no constant folding, no
+    initializers as inputs), inputs are named after ``forward``'s parameters and op
+    scopes come from node names (``/encoder/block.0/Add_1`` -> ``encoder.block.0``)."""
+    import inspect
+
+    import onnx
+    import onnx_ir as ir
+    import torch
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][
+        : len(args)
+    ]
+    names = positional + list(kwargs or {}) if len(positional) == len(args) else None
+    buffer = io.BytesIO()
+    with _eval_mode(module), _quiet_exporter(keep_warnings=True) as caught:
+        torch.onnx.export(
+            module,
+            args,
+            buffer,
+            kwargs=dict(kwargs) if kwargs else None,
+            dynamo=False,
+            input_names=names,
+            dynamic_axes=_dynamic_axes(dynamic_shapes, names),
+            do_constant_folding=False,
+            keep_initializers_as_inputs=False,
+            opset_version=18,
+        )
+    for message in dict.fromkeys(
+        str(w.message).splitlines()[0] for w in caught if "Trace" in w.category.__name__
+    ):
+        log.warning("TorchScript exporter: %s", message)
+    ir_model = ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue()))
+    modules = {qualified for qualified, _ in module.named_modules() if qualified}
+    for node in ir_model.graph:
+        node.metadata_props[SCOPE_KEY] = scope_from_node_name(node.name or "", modules)
+    return ir_model
+
+
+def scope_from_node_name(name: str, modules: Collection[str] = ()) -> str:
+    """Module path from a TorchScript-exporter node name.
+
+    Each ``/``-separated part but the last (the op) names a module. A part may be
+    relative to the module above it (``encoder`` then ``block.0``) or repeat that
+    module's own path (a ``Sequential`` named ``dec`` calls ``dec.0``); with the
+    module's qualified names (``modules``) the right reading is chosen.
+
+    Example:
+        >>> scope_from_node_name("/encoder/block.0/layer.0/SelfAttention/q/MatMul")
+        'encoder.block.0.layer.0.SelfAttention.q'
+        >>> scope_from_node_name("/dec/dec.0/Gemm", {"dec", "dec.0"})
+        'dec.0'
+        >>> scope_from_node_name("/layer1.0/relu_1/Relu", {"layer1.0", "layer1.0.relu"})
+        'layer1.0.relu'
+        >>> scope_from_node_name("/Add_1")
+        ''
+    """
+    scope = ""
+    for part in [p for p in name.split("/") if p][:-1]:
+        # A module called again gets a suffix (``relu_1``).
+        parts = [part, *([_CALL_SUFFIX.sub("", part)] if _CALL_SUFFIX.search(part) else [])]
+        candidates = []
+        base = scope
+        while True:
+            candidates += [f"{base}.{p}" if base else p for p in parts]
+            if not base:
+                break
+            base = base.rpartition(".")[0]
+        scope = next((c for c in candidates if c in modules), candidates[0])
+    return scope
+
+
+def _dynamic_axes(dynamic_shapes: Any, names: list[str] | None) -> dict[str, list[int]] | None:
+    """``dynamic_shapes`` (per input: a dict of dims, or None) as ``dynamic_axes``."""
+    if dynamic_shapes is None or names is None:
+        return None
+    items = dynamic_shapes.items() if isinstance(dynamic_shapes, Mapping) else zip(names, dynamic_shapes)
+    axes = {str(k): sorted(int(d) for d in dims) for k, dims in items if isinstance(dims, Mapping) and dims}
+    return axes or None
 
 
 def _fold_shape_arithmetic(ir_model: Any) -> None:
@@ -140,8 +298,9 @@ def _eval_mode(module: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """Silence the exporter's progress prints and warnings (they go to debug logging)."""
+def _quiet_exporter(*, keep_warnings: bool = False) -> Iterator[list[Any]]:
+    """Silence the exporter's progress prints and warnings (they go to debug logging);
+    yields the caught warnings when ``keep_warnings``."""
     names = ["torch.onnx", "torch.export", "torch._dynamo", "onnxscript"]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
@@ -149,9 +308,13 @@ def _quiet_exporter() -> Iterator[None]:
         lg.setLevel(logging.CRITICAL)
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            warnings.simplefilter("ignore")
-            yield
+        with (
+            warnings.catch_warnings(record=keep_warnings) as caught,
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            warnings.simplefilter("always" if keep_warnings else "ignore")
+            yield caught if caught is not None else []
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -79,7 +79,7 @@ from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.stages import Partition, Stage, split_stages
 
-__all__ = ["Runner", "RunnerStats", "run", "session_options"]
+__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options"]
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,32 @@ class _Program:
     n_transfers: int = 0
 
 
+def ort_log_severity() -> int:
+    """ONNX Runtime's log severity for stage sessions, from the ``placement`` logger's level.
+
+    Errors only (3) by default, so sessions do not print ONNX Runtime's warnings;
+    with the ``placement`` logger at INFO (the CLI's ``-v``) warnings too (2), and
+    at DEBUG (``-vv``) ONNX Runtime's info messages (1).
+
+    Example:
+        >>> ort_log_severity()
+        3
+    """
+    logger = logging.getLogger("placement")
+    if logger.isEnabledFor(logging.DEBUG):
+        return 1
+    if logger.isEnabledFor(logging.INFO):
+        return 2
+    return 3
+
+
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
     """The ``SessionOptions`` a stage session gets.
 
     Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
-    intra-op threads (default: ONNX Runtime's choice, one per physical core), and
+    intra-op threads (default: ONNX Runtime's choice, one per physical core), ONNX
+    Runtime's logging at error level unless the ``placement`` logger asks for more
+    (:func:`ort_log_severity`), and
     ``session.force_spinning_stop``: a stage's worker threads spin while it runs
     (fast) but stop spinning when its run ends, so a finished stage does not keep
     cores busy while the next stage runs. (A process-wide shared thread pool,
@@ -147,7 +168,7 @@ def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> 
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     if threads:
         options.intra_op_num_threads = threads
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 

@@ -1,1 +1,0 @@
-"""Conformance: ONNX's node test suite on every runtime (see ``_cases``)."""

@@ -24,8 +24,8 @@ written are kept)::
 Runtimes defined here: ``ort`` (one plain ``InferenceSession``), ``placed_last``
 (``pl.run``, the model on logical devices 0 and 1 with the last op moved to 1,
 copies injected), ``placed_alternate`` (every other op moved to device 1, so
-copies sit on many edges). A runtime module elsewhere (the torch lowering's test)
-registers its own with :func:`register`.
+copies sit on many edges), ``torch`` (``pl.to_torch`` on the CPU, forward only). Other
+runtimes can be added with :func:`register`.
 """
 
 from __future__ import annotations
@@ -232,11 +232,6 @@ def register(name: str, runtime: Runtime) -> Runtime:
 
 def runtime(name: str) -> Runtime:
     """The runtime registered under ``name``."""
-    if name not in _RUNTIMES and name == "torch":
-        import importlib
-
-        with contextlib.suppress(ImportError):
-            importlib.import_module("tests.conformance.test_torch")
     return _RUNTIMES[name]
 
 
@@ -288,7 +283,38 @@ def run_placed(case: Case, how: str) -> list[Any]:
     return runner.run(case.feeds)
 
 
+def _to_tensor(array: Any) -> Any:
+    import torch
+
+    array = np.array(array)  # writable and owning
+    if array.dtype.name == "bfloat16":  # ml_dtypes: reinterpret the bits
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _from_tensor(tensor: Any) -> np.ndarray:
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def run_torch(case: Case) -> list[Any]:
+    """``pl.to_torch`` of the case (one device, on the CPU), called on the case's inputs
+    (forward only; plain tensors only: the lowering takes no sequences or strings)."""
+    import placement as pl
+
+    module = pl.to_torch(pl.load(case.model), device_map="cpu")
+    got = module(*[_to_tensor(x) for x in case.inputs])
+    return [_from_tensor(t) for t in (got if isinstance(got, tuple) else (got,))]
+
+
 register("ort", run_ort)
+register("torch", run_torch)
 register("placed_last", functools.partial(run_placed, how="last"))
 register("placed_alternate", functools.partial(run_placed, how="alternate"))
 
@@ -327,7 +353,7 @@ def _reason(err: BaseException) -> str:
         prefix = "wrong result"
     else:
         prefix = type(err).__name__
-    return f"{prefix}: {text}"[:200]
+    return f"{prefix}: {text}"[:200].rstrip()
 
 
 # --- expected-failure lists -------------------------------------------------------------

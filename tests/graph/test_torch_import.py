@@ -37,7 +37,7 @@ def test_export_failure_is_a_placement_error():
             return x
 
     with pytest.raises(pl.ExportError, match="DataDependent") as err:
-        pl.from_torch(DataDependent(), (torch.randn(2),))
+        pl.from_torch(DataDependent(), (torch.randn(2),), exporter="dynamo")
     assert "pl.load" in str(err.value)
     assert "\x1b[" not in str(err.value)
 
@@ -70,3 +70,99 @@ def test_every_blob_has_a_static_size(name, exported):
     model, _, _ = exported(name)
     unknown = [v.name for node in model.graph for v in node.outputs if value_nbytes(v) is None]
     assert unknown == []
+
+
+# --- exporter fallback ---------------------------------------------------------------------
+
+
+class _Branchy(torch.nn.Module):
+    """torch.export cannot trace a branch on a tensor's value (the dynamo exporter fails);
+    the TorchScript exporter traces the branch the example input takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.nn.Linear(4, 4)
+        self.dec = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+    def forward(self, x):
+        h = self.enc(x)
+        if h.sum() > 0:
+            h = torch.relu(h)
+        return self.dec(h) * 2
+
+
+def test_dynamo_failure_falls_back_to_the_torchscript_exporter(caplog):
+    import numpy as np
+
+    from placement.graph.torch_import import EXPORTER_KEY, exporter_of
+
+    torch.manual_seed(0)
+    net, x = _Branchy(), torch.randn(2, 4)
+    with caplog.at_level("INFO", logger="placement"):
+        model = pl.from_torch(net, (x,))
+    assert exporter_of(model) == "torchscript" == model.ir_model.metadata_props[EXPORTER_KEY]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("dynamo exporter failed on _Branchy" in m and "data-dependent" in m for m in messages)
+    assert any("with the torchscript exporter" in m for m in messages)
+    assert set(model.parameters) == {name for name, _ in net.named_parameters()}
+    assert model.inputs == ["x"]
+    scopes = {op.op_type: set() for op in model.ops}
+    for op in model.ops:
+        scopes[op.op_type].add(op.scope)
+    assert scopes["Gemm"] == {"enc", "dec.0", "dec.2"} and scopes["Tanh"] == {"dec.1"}
+    with torch.no_grad():
+        for probe in (x, x + 0.1):  # inputs that take the traced branch
+            want = net(probe).numpy()
+            np.testing.assert_allclose(
+                pl.run(model, [probe], device_map="cpu")[0], want, rtol=1e-5, atol=1e-6
+            )
+    saved = pl.load(pl.graph.serialize.to_proto(model))
+    assert exporter_of(saved) == "torchscript"
+
+
+def test_both_exporters_failing_is_one_error_quoting_both():
+    class Both(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                x = x * 2
+            return torch.fft.fft(x).real
+
+    with pytest.raises(pl.ExportError) as info:
+        pl.from_torch(Both(), (torch.randn(2, 4),))
+    text = str(info.value)
+    assert "dynamo exporter: " in text and "data-dependent" in text
+    assert "TorchScript exporter: " in text and "fft" in text
+
+
+def test_exporter_choice_is_checked():
+    with pytest.raises(pl.ExportError, match="unknown exporter 'onnx'"):
+        pl.from_torch(torch.nn.ReLU(), (torch.randn(2),), exporter="onnx")
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "unet"])
+def test_zoo_through_the_torchscript_exporter(exported, name):
+    import numpy as np
+
+    from placement.graph.torch_import import exporter_of
+
+    dynamo_model, net, args = exported(name)
+    assert exporter_of(dynamo_model) == "dynamo"
+    model = pl.from_torch(net, args, exporter="torchscript")
+    assert exporter_of(model) == "torchscript"
+    names = {n for n, _ in net.named_parameters(remove_duplicate=False)}
+    # every parameter is one initializer under a parameter name (a tied one under either name)
+    assert len(set(model.parameters) & names) == len(set(dynamo_model.parameters) & names)
+    modules = {n for n, _ in net.named_modules() if n}
+    scoped = [op.scope for op in model.ops if op.scope]
+    assert scoped and set(scoped) <= modules
+    assert {s.split(".")[0] for s in scoped} == {
+        s.split(".")[0] for s in (op.scope for op in dynamo_model.ops) if s
+    }
+    acts = pl.get_activation_blobs(model)
+    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 1})
+    pl.inject_cross_device_copies(model)
+    with torch.no_grad():
+        out = net(*args)
+    want = [t.numpy() for t in (out if isinstance(out, (tuple, list)) else (out,))]
+    for got, ref in zip(pl.run(model, list(args)), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

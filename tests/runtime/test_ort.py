@@ -440,3 +440,72 @@ def test_sequences_optionals_and_strings_cross_devices_as_ort_takes_them():
                 assert got[4] is None and want[4] is None
             else:
                 np.testing.assert_array_equal(got[4], opt)
+
+
+# --- quiet runs --------------------------------------------------------------------------
+
+
+def _ir3_model():
+    """An IR version 3 model: every initializer is also listed as a graph input."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((3, 3)).astype(np.float32), f"w{i}") for i in range(4)
+    ]
+    nodes, h = [], "x"
+    for i in range(4):
+        nodes.append(helper.make_node("MatMul", [h, f"w{i}"], [f"h{i}"], name=f"mm{i}"))
+        nodes.append(helper.make_node("Tanh", [f"h{i}"], [f"t{i}"], name=f"tanh{i}"))
+        h = f"t{i}"
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])]
+    inputs += [helper.make_tensor_value_info(w.name, TensorProto.FLOAT, [3, 3]) for w in weights]
+    graph = helper.make_graph(
+        nodes,
+        "ir3",
+        inputs,
+        [helper.make_tensor_value_info(h, TensorProto.FLOAT, [2, 3])],
+        initializer=weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)], ir_version=3), weights
+
+
+def test_ir3_initializers_are_parameters_not_inputs_unless_asked():
+    from onnx import numpy_helper
+
+    proto, weights = _ir3_model()
+    model = pl.load(proto)
+    assert model.inputs == ["x"] and [v.name for v in model.graph.inputs] == ["x"]
+    assert set(model.parameters) == {w.name for w in weights}
+    assert [i.name for i in to_proto(model).graph.input] == ["x"]
+    kept = pl.load(proto, initializers_as_inputs=True)
+    assert [v.name for v in kept.graph.inputs] == ["x", "w0", "w1", "w2", "w3"]
+    x = np.ones((2, 3), np.float32)
+    want = x
+    for w in weights:
+        want = np.tanh(want @ numpy_helper.to_array(w))
+    model.set_device("mm2", 1)
+    pl.inject_cross_device_copies(model)
+    np.testing.assert_allclose(pl.run(model, {"x": x})[0], want, rtol=1e-5)
+
+
+def test_runs_stay_quiet_at_the_default_log_level(capfd, caplog):
+    """Placing and running an IR-3 model prints nothing from ONNX Runtime by default; with
+    the placement logger at DEBUG, ONNX Runtime's own messages come through."""
+    proto, _ = _ir3_model()
+    x = np.ones((2, 3), np.float32)
+
+    def place_and_run() -> str:
+        model = pl.load(proto, initializers_as_inputs=True)  # the IR-3 form ORT would warn about
+        for name in ("tanh1", "mm2", "tanh3"):
+            model.set_device(name, 1)
+        pl.inject_cross_device_copies(model)
+        capfd.readouterr()
+        pl.Runner(model, device_map="cpu").run({"x": x})
+        return capfd.readouterr().err
+
+    assert rort.ort_log_severity() == 3
+    assert "onnxruntime" not in place_and_run()
+    with caplog.at_level(logging.DEBUG, logger="placement"):
+        assert rort.ort_log_severity() == 1
+        assert "onnxruntime" in place_and_run()
