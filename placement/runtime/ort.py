@@ -24,7 +24,10 @@ Data flow (precomputed at construction, so a run is a short loop):
   on separate devices);
 * static copies (of parameters) need nothing at run time: each stage carries
   the parameters it reads as initializers, so they reach its device once, when
-  its session loads; values computed from parameters alone (a transposed
+  its session loads (never through a protobuf: the stage's proto holds only its
+  graph and each weight is handed to ONNX Runtime as an ``OrtValue`` over the
+  model's own, possibly memory-mapped, array, so a stage of any size loads and
+  a weight is read only by the stage that uses it); values computed from parameters alone (a transposed
   weight) are recomputed at load time by the stages that read them (see
   :mod:`placement.runtime.stages`), never moved per run;
 * every intermediate value is dropped after its last use (as torch.fx's
@@ -357,8 +360,7 @@ class Runner:
         if physical.is_cuda:
             providers.append("CPUExecutionProvider")
         try:
-            data = stage.to_proto().SerializeToString()
-            return ort.InferenceSession(data, options, providers=providers)
+            return _session(stage.model, options, providers)
         except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PlacementError(
@@ -524,6 +526,24 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         (4, 8)
     """
     return Runner(model, device_map=device_map, auto_update=False).run(inputs)
+
+
+def _session(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf.
+
+    The proto holds only the graph (so no 2 GB limit); each large weight is handed
+    to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
+    for a model loaded lazily), which the session copies onto its device once.
+    """
+    from placement.graph.serialize import split_weights
+
+    proto, weights = split_weights(model)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
+    if values:
+        options.add_external_initializers(list(weights), values)
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
+    session._placement_weights = values  # the session may read them for as long as it lives
+    return session
 
 
 # --- transfers ---------------------------------------------------------------------------
