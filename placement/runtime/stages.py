@@ -449,7 +449,9 @@ class _TypeFallback:
         if self._types is None:
             self._types = {}
             try:
-                proto = ir.serde.serialize_model(self._model.ir_model)
+                from placement.graph.serialize import split_weights
+
+                proto, _ = split_weights(self._model.ir_model)  # weights are not needed for types
                 inferred = onnx.shape_inference.infer_shapes(proto)
                 for info in inferred.graph.value_info:
                     typed = ir.serde.deserialize_value_info_proto(info, None)
