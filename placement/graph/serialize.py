@@ -521,7 +521,7 @@ def split_weights(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> proto, weights = split_weights(pl.from_torch(*mlp.build("tiny")).ir_model, threshold=0)
         >>> len(weights) == len(proto.graph.initializer), proto.ByteSize() < 4096
         (True, True)
