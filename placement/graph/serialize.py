@@ -174,6 +174,11 @@ def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | No
                 repoint[id(get())] = ext
                 put(ext)
             clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
+        else:  # one self-contained file: weights still on disk are read into the proto
+            for get, put in tensors:
+                tensor = get()
+                if isinstance(tensor, ir.ExternalTensor):
+                    put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
         proto = to_proto(Model(clone))
         with open(tmp_model, "wb") as f:
             f.write(proto.SerializeToString())

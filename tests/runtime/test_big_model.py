@@ -43,7 +43,8 @@ def _skip_reason() -> str | None:
         return f"needs {_NEEDS_MEMORY / _GIB:.0f} GiB of available memory, {memory / _GIB:.1f} GiB available"
     disk = shutil.disk_usage(tempfile.gettempdir()).free
     if disk < _NEEDS_DISK:
-        return f"needs {_NEEDS_DISK / _GIB:.0f} GiB of free disk in {tempfile.gettempdir()}, {disk / _GIB:.1f} GiB"
+        free = f"{disk / _GIB:.1f} GiB free"
+        return f"needs {_NEEDS_DISK / _GIB:.0f} GiB of free disk in {tempfile.gettempdir()}, {free}"
     return None
 
 
