@@ -553,3 +553,48 @@ def split_weights(
     proto = ir.serde.serialize_model(clone)
     proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
     return proto, weights
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file") -> None:
+    """Replace ``path`` with ``data`` atomically (a temporary file beside it, then ``os.replace``).
+
+    Follows a symlink to its target, keeps an existing file's permission bits and
+    refuses targets that are not regular files. On any failure the old file is
+    untouched and an ``OSError`` propagates (callers wrap it in their own error).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> write_atomic(path, b"{}")
+        >>> open(path).read()
+        '{}'
+    """
+    target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    folder = target.parent if str(target.parent) else Path(".")
+    mode = None
+    if os.path.lexists(target):
+        info = target.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{str(path)!r} exists and is not a regular file; refusing to replace it")
+        mode = stat.S_IMODE(info.st_mode)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    log.debug("wrote %s %s (%d bytes)", what, target, len(data))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

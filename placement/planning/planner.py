@@ -543,9 +543,17 @@ class Plan:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+        """Write the plan as JSON, atomically: a failure leaves an existing file as it was.
+
+        Raises:
+            PlanError: the file cannot be written (the message names it).
+        """
+        from placement.graph.serialize import write_atomic
+
+        try:
+            write_atomic(path, self.to_json().encode("utf-8"), what="plan")
+        except (OSError, TypeError, ValueError) as err:
+            raise PlanError(f"cannot save plan to {str(path)!r}: {err}") from err
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
@@ -559,7 +567,12 @@ class Plan:
                 text = f.read()
         except OSError as err:
             raise PlanError(f"cannot read plan {str(path)!r}: {err}") from err
-        return cls.from_json(text)
+        except UnicodeDecodeError as err:
+            raise PlanError(f"{str(path)!r} is not a placement plan (not UTF-8 text: {err.reason})") from err
+        try:
+            return cls.from_json(text)
+        except PlanError as err:
+            raise PlanError(f"{str(path)!r}: {err}") from err
 
     def table(self) -> Any:
         """A ``rich.table.Table`` with one row per device."""
