@@ -89,6 +89,11 @@ def _cmd_place(args: argparse.Namespace, console: Any) -> int:
         console.print(plan.to_table() if hasattr(plan, "to_table") else plan)
     else:
         acts = pl.get_activation_blobs(model)
+        if not acts and args.devices > 1:
+            raise pl.PlanError(
+                f"{args.model!r} has no activations (no op depends on a graph input): "
+                "there is nothing to split across devices"
+            )
         n = args.devices
         for k in range(n - 1, 0, -1):  # shift the k-th fraction onward to device k
             start = len(acts) * k // n
@@ -195,6 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlacementError as err:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {err}", highlight=False)
         return 2
+    except OSError as err:  # the terminal or a file outside the library's control
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    except Exception as err:  # a bug: one line, the traceback with -v
+        if args.verbose:
+            raise
+        message = f"internal error ({type(err).__name__}: {err}); run with -v for the traceback"
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":
