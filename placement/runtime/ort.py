@@ -76,7 +76,15 @@ import onnxruntime as ort
 
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, Model
+from placement.graph.model import (
+    DEVICE_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    Model,
+    is_copy_node,
+    node_device,
+)
+from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.stages import Partition, Stage, plan
@@ -310,6 +318,10 @@ class Runner:
 
     def _rebuild(self) -> None:
         model = self.model
+        if _stale_copies(model):
+            log.info("copies went stale after ops moved; running with them re-injected on a private copy")
+            model = model.copy()
+            inject_cross_device_copies(model)
         part = plan(model)
         logical = set(model.devices) | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
@@ -339,7 +351,7 @@ class Runner:
             self.stats.sessions_reused += reused
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
-        self._program = self._compile(part, execs)
+        self._program = self._compile(part, execs, model)
         self.stats.transfers = self._program.n_transfers
         self._watched = [node.metadata_props for node in model.graph]
         self._state = self._snapshot()
@@ -369,7 +381,7 @@ class Runner:
                 f"{stage.ops[0]!r}): {first}"
             ) from err
 
-    def _compile(self, part: Partition, execs: dict[int, _StageExec]) -> _Program:
+    def _compile(self, part: Partition, execs: dict[int, _StageExec], model: Model) -> _Program:
         """Turn the partition into a flat list of steps with precomputed bindings and frees."""
         dmap = self._device_map
         program = _Program(partition=part, feeds=[])
@@ -445,7 +457,7 @@ class Runner:
 
         # Graph outputs: a key in the value table, or a constant (parameter outputs).
         keep: set[str] = set()
-        inits = self.model.graph.initializers
+        inits = model.graph.initializers
         for name in part.outputs:
             device = home.get(name)
             if device is not None:
@@ -526,6 +538,21 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         (4, 8)
     """
     return Runner(model, device_map=device_map, auto_update=False).run(inputs)
+
+
+def _stale_copies(model: Model) -> bool:
+    """True if a copy no longer matches the placement: its ends share a device, or a
+    reader of its blob moved to another device than the copy's."""
+    for node in model.graph:
+        if not is_copy_node(node):
+            continue
+        device = node_device(node)
+        source = node.inputs[0] if node.inputs else None
+        if source is None or model.blob_device(source) == device:
+            return True
+        if any(node_device(use.node) != device for use in node.outputs[0].uses()):
+            return True
+    return False
 
 
 def _session(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:

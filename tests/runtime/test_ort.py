@@ -318,3 +318,18 @@ def test_runtime_benchmark_smoke():
     row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
     assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
     assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_stale_copies_run_as_if_reinjected(exported, name):
+    model, _, args = exported(name)
+    place_shift(model, 2)
+    for op in model.ops:  # undo the shift behind the copies' back, then move a prefix to cuda:2
+        if not op.is_copy and op.device == pl.Device("cuda", 1):
+            model.set_device(op.name, 0)
+    compute = [op for op in model.ops if not op.is_copy]
+    for op in compute[: len(compute) // 3]:
+        model.set_device(op.name, 2)
+    before = [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops]
+    _check(name, pl.run(model, args, device_map="cpu"))
+    assert [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops] == before
