@@ -95,6 +95,7 @@ log = logging.getLogger(__name__)
 
 _ALIAS, _HOST_COPY, _TO_GPU, _TO_HOST, _GPU_TO_GPU = "alias", "host", "h2d", "d2h", "d2d"
 _warned_d2d_fallback = False
+_REBUILD_ATTEMPTS = 8
 
 
 @dataclass
@@ -180,6 +181,12 @@ class Runner:
             unused, so that switching back to an earlier placement costs nothing
             (modelsplit's ``enable_clone``: memory for speed). Default: release them.
 
+    Threads: :meth:`run` may be called from several threads at once (runs of one
+    runner take turns), and another thread may re-place the model meanwhile: a
+    run uses the sessions of one whole placement, the one current when it
+    started or a later one, never a mix (each rebuild partitions a private copy
+    of the model, taken at once).
+
     Raises:
         DeviceError: the device map is malformed or names a missing GPU.
         PlacementError: a stage cannot be built (the message names it).
@@ -263,6 +270,8 @@ class Runner:
         if not force and self._state is not None and self._snapshot() == self._state:
             return False
         with self._lock:
+            if not force and self._state is not None and self._snapshot() == self._state:
+                return False  # another thread rebuilt meanwhile
             self._rebuild()
         return True
 
@@ -301,7 +310,7 @@ class Runner:
 
     # -- building ----------------------------------------------------------------------
 
-    def _snapshot(self) -> tuple[Any, ...]:
+    def _snapshot(self, watched: list[dict[str, str]] | None = None) -> tuple[Any, ...]:
         """A cheap fingerprint of the model's placement: every op's device label (read
         through metadata dicts cached at the last build), the op and parameter counts,
         the graph outputs and the input/output devices."""
@@ -313,17 +322,47 @@ class Runner:
             tuple(id(v) for v in graph.outputs),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
-            tuple([md.get(DEVICE_KEY) for md in self._watched]),
+            tuple([md.get(DEVICE_KEY) for md in (self._watched if watched is None else watched)]),
         )
 
     def _rebuild(self) -> None:
-        model = self.model
+        """Rebuild for the model's current placement.
+
+        The build works on a private copy of the model (tensors shared), taken
+        after reading the placement snapshot, so another thread re-placing the
+        model meanwhile cannot make it inconsistent: the program matches the
+        copy, and the next run sees any later change and rebuilds. A build that
+        fails while the model changes under it (ops being added or removed) is
+        started again.
+        """
+        for attempt in range(_REBUILD_ATTEMPTS):
+            before = self._current_state()
+            try:
+                self._rebuild_once(self.model.copy(), before)
+                return
+            except Exception:
+                if attempt + 1 < _REBUILD_ATTEMPTS and self._current_state() != before:
+                    log.debug("the model was re-placed during a rebuild; rebuilding again")
+                    continue
+                raise
+
+    def _current_state(self) -> tuple[list[dict[str, str]], tuple[Any, ...]] | None:
+        """(the ops' metadata dicts, the placement snapshot), read now; None if the graph
+        changed while it was being read."""
+        try:
+            watched = [node.metadata_props for node in self.model.graph]
+            return watched, self._snapshot(watched)
+        except (RuntimeError, KeyError, AttributeError):
+            return None
+
+    def _rebuild_once(
+        self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None
+    ) -> None:
         if _stale_copies(model):
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
-            model = model.copy()
             inject_cross_device_copies(model)
         part = plan(model)
-        logical = set(model.devices) | set(part.input_devices.values())
+        logical = {s.device for s in part.stages} | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         execs: dict[int, _StageExec] = {}
@@ -353,8 +392,9 @@ class Runner:
         self._specs = input_specs(model.graph)
         self._program = self._compile(part, execs, model)
         self.stats.transfers = self._program.n_transfers
-        self._watched = [node.metadata_props for node in model.graph]
-        self._state = self._snapshot()
+        if state is None:
+            raise PlacementError("the model changed while the runner read it")
+        self._watched, self._state = state
         log.info(
             "runner: %d stages on %s (%d sessions built, %d reused, %d transfers per run)",
             len(part.stages),

@@ -333,3 +333,62 @@ def test_stale_copies_run_as_if_reinjected(exported, name):
     before = [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops]
     _check(name, pl.run(model, args, device_map="cpu"))
     assert [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops] == before
+
+
+def test_replacement_during_a_rebuild_is_retried(exported, monkeypatch):
+    model, _, args = exported("mlp")
+    compute = [op.name for op in model.ops]
+    runner = pl.Runner(model, device_map="cpu")
+    real_plan = rort.plan
+    calls = []
+
+    def plan_then_replace(m):  # another thread re-places the model right after it was partitioned
+        part = real_plan(m)
+        calls.append(len(part.stages))
+        if len(calls) == 1:
+            for name in compute:
+                model.set_device(name, 0)
+        return part
+
+    for name in compute[len(compute) // 2 :]:
+        model.set_device(name, 1)
+    monkeypatch.setattr(rort, "plan", plan_then_replace)
+    _check("mlp", runner.run(args))  # runs the placement it partitioned, whole
+    assert calls == [2] and [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1"]
+    _check("mlp", runner.run(args))  # and follows the change at the next run
+    assert calls == [2, 1] and [str(s.device) for s in runner.stages] == ["cuda:0"]
+
+
+def test_runs_from_threads_while_another_thread_replaces(exported):
+    import threading
+
+    model, _, args = exported("mlp")
+    compute = [op.name for op in model.ops]
+    runner = pl.Runner(model, device_map="cpu")
+    stop, errors = threading.Event(), []
+
+    def replace():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            for i, name in enumerate(compute):
+                model.set_device(name, 0 if i < len(compute) // 2 else k % 3)
+
+    def work():
+        try:
+            for _ in range(20):
+                _check("mlp", runner.run(args))
+        except Exception as err:  # noqa: BLE001 (collected and reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    mover = threading.Thread(target=replace)
+    mover.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    mover.join()
+    assert not errors, errors[:3]
+    assert runner.stats.runs == 60
