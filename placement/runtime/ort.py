@@ -355,9 +355,7 @@ class Runner:
         except (RuntimeError, KeyError, AttributeError):
             return None
 
-    def _rebuild_once(
-        self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None
-    ) -> None:
+    def _rebuild_once(self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None) -> None:
         if _stale_copies(model):
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
             inject_cross_device_copies(model)
@@ -536,7 +534,11 @@ class Runner:
                 binding = ex.binding
                 for name, key in bind:
                     binding.bind_ortvalue_input(name, values[key])
-                ex.session.run_with_iobinding(binding)
+                try:
+                    ex.session.run_with_iobinding(binding)
+                except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+                    binding.clear_binding_inputs()
+                    raise _run_error(ex, err) from err
                 results = binding.get_outputs()
                 for name, value in zip(outs, results):
                     values[name] = value
@@ -549,7 +551,13 @@ class Runner:
                     binding.bind_output(name, device_type, device_id)
             else:
                 _, kind, src, dst, physical, free = step
-                values[dst] = _move(values[src], kind, physical)
+                try:
+                    values[dst] = _move(values[src], kind, physical)
+                except PlacementError:
+                    raise
+                except Exception as err:  # an allocation on the destination device failed
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                    raise PlacementError(f"moving blob {src!r} to {physical} failed: {first}") from err
             for key in free:
                 del values[key]
         return [values[key].numpy() if const is None else const.copy() for key, const in program.outputs]
@@ -578,6 +586,17 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         (4, 8)
     """
     return Runner(model, device_map=device_map, auto_update=False).run(inputs)
+
+
+def _run_error(ex: _StageExec, err: Exception) -> PlacementError:
+    """ONNX Runtime failed while running a stage: say which stage, device and ops."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    ops = ex.stage.ops
+    span = f"op {ops[0]!r}" if len(ops) == 1 else f"ops {ops[0]!r} .. {ops[-1]!r}"
+    return PlacementError(
+        f"stage {ex.stage.index} ({ex.stage.device} -> {ex.physical}, {span}) failed in ONNX Runtime: {first}"
+    )
 
 
 def _stale_copies(model: Model) -> bool:

@@ -392,3 +392,13 @@ def test_runs_from_threads_while_another_thread_replaces(exported):
     mover.join()
     assert not errors, errors[:3]
     assert runner.stats.runs == 60
+
+
+def test_onnx_runtime_failures_in_a_run_name_the_stage_and_op(exported):
+    model, _, args = exported("gpt")
+    place_shift(model, 2)
+    tokens = args[0].numpy().copy()
+    tokens[0, 0] = 10**6  # no such token id
+    with pytest.raises(pl.PlacementError, match=r"stage 0 .*failed in ONNX Runtime.*Gather") as err:
+        pl.run(model, [tokens], device_map="cpu")
+    assert not isinstance(err.value, (KeyError, IndexError))
