@@ -9,10 +9,17 @@ session can run: copies are ``Identity`` nodes. Placement is written twice:
 * mirrored in node ``metadata_props`` (``placement.device``), which ``load``
   reads first, so the placement restores exactly.
 
-Saving is atomic: the model (and its external data file) are written to a
-temporary folder beside the target and renamed into place, so a failed save
-never destroys an existing file. Models whose parameters exceed 2 GB use ONNX
-external data (``<file>.data`` beside the model).
+Big models: weights over 2 GB (or ``external_data=True``) go to ONNX external
+data, ``<file>.<tag>.data`` beside the model, streamed tensor by tensor (tensors
+of ``Constant`` ops too). ``load`` leaves external weights on disk: they are
+``onnx_ir`` external tensors, memory-mapped when a runtime first reads them.
+
+Saving is atomic: the model and its data file are written under temporary
+names beside the target; the data file moves in under a name no earlier save
+used, then the model file replaces the old one (the switch), then the old data
+file is removed. The model records the tag written in its data file's header,
+and ``load`` refuses a data file from another save. A symlink target is
+written through, permission bits are kept, and non-regular files are refused.
 
 Example:
     >>> import os, tempfile

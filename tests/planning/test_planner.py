@@ -291,3 +291,14 @@ def test_auto_place_rejects_devices_that_are_neither_a_count_nor_a_list(exported
     model, _, _ = exported("mlp")
     with pytest.raises(pl.PlanError, match="count or a list"):
         pl.auto_place(model, devices=devices, cost="size")
+
+
+def test_time_cost_falls_back_to_flops_when_timing_would_not_fit(exported, monkeypatch, caplog):
+    from placement.planning import planner
+
+    model, _, _ = exported("mlp")
+    monkeypatch.setattr(planner, "_available_memory", lambda: 1024)  # a machine with 1 KiB free
+    with caplog.at_level("WARNING", logger="placement.planning.planner"):
+        plan = pl.auto_place(model, devices=2)
+    assert plan.cost_kind == "flops"
+    assert "cost='flops' instead" in caplog.text
