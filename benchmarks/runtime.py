@@ -48,7 +48,6 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.demo import place_evenly  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
 
@@ -106,7 +105,7 @@ def measure_ort(
     """
     net, args = models.build(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
-    placed = place_evenly(model.copy(), devices)
+    placed = pl.place_evenly(model.copy(), devices)
     runner = pl.Runner(placed, device_map=device_map, threads=threads)
     physical = runner.device_map[min(runner.device_map)]
     provider, options = physical.ort_provider

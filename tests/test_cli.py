@@ -84,7 +84,7 @@ def test_place_without_activations_is_one_line_and_exit_2(tmp_path):
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no activations" in lines[0] and "Traceback" not in result.stderr
+    assert len(lines) == 1 and "0 activations" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "out.onnx").exists()
 
 
@@ -109,3 +109,28 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.onnx", "garbage.onnx"]
+
+
+def test_place_auto_prints_its_plan(tmp_path):
+    path = tmp_path / "auto.onnx"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "placement.cli",
+            "place",
+            "mlp",
+            "--auto",
+            "--devices",
+            "2",
+            "--cost",
+            "flops",
+            "-o",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bottleneck" in done.stdout.lower() and path.exists()

@@ -87,7 +87,7 @@ from placement.graph.model import (
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.stages import Partition, Stage, plan
+from placement.runtime.stages import Partition, Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "run", "session_options"]
 
@@ -359,7 +359,7 @@ class Runner:
         if _stale_copies(model):
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
             inject_cross_device_copies(model)
-        part = plan(model)
+        part = split_stages(model)
         logical = {s.device for s in part.stages} | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}

@@ -68,11 +68,13 @@ import networkx as nx
 import onnx
 import onnx_ir as ir
 
+from placement.analysis.dependence import load_time_values
+from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
 
-__all__ = ["Stage", "Transfer", "Partition", "partition", "plan", "stage_graph"]
+__all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ def partition(model: Model) -> list[Stage]:
     """Cut ``model`` into stages: maximal same-device segments with an acyclic stage graph.
 
     See the module docstring for the algorithm. Copy ops become transfers
-    between stages (see :func:`plan` for those); every other op is in exactly
+    between stages (see :func:`split_stages` for those); every other op is in exactly
     one stage. The model is not modified.
 
     Args:
@@ -191,16 +193,16 @@ def partition(model: Model) -> list[Stage]:
         >>> [str(s.device) for s in partition(model)]
         ['cuda:0']
     """
-    return plan(model).stages
+    return split_stages(model).stages
 
 
-def plan(model: Model) -> Partition:
+def split_stages(model: Model) -> Partition:
     """Like :func:`partition`, also returning transfers and graph input/output devices.
 
     Example:
         >>> import placement as pl
         >>> from placement.models import mlp
-        >>> p = plan(pl.from_torch(*mlp.build("tiny")))
+        >>> p = split_stages(pl.from_torch(*mlp.build("tiny")))
         >>> len(p.stages), p.transfers, p.inputs
         (1, [], ['input'])
     """
@@ -208,7 +210,7 @@ def plan(model: Model) -> Partition:
     initializers = graph.initializers
     graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
 
-    consts = _load_time_values(graph)
+    consts = load_time_values(graph)
 
     # Where does each copy's blob come from?  copy output value -> root source value.
     copy_root: dict[ir.Value, ir.Value] = {}
@@ -253,7 +255,6 @@ def plan(model: Model) -> Partition:
     graph_outputs = set(graph.outputs)
 
     stages: list[Stage] = []
-    typed = _TypeFallback(model)
     position = {node: i for i, node in enumerate(graph)}
     for old in order:
         nodes = stage_nodes[old]
@@ -293,7 +294,7 @@ def plan(model: Model) -> Partition:
         ]
         body = sorted(set(nodes) | extra, key=position.__getitem__)
         depends = sorted({renumber[p] for p in sg.predecessors(old)})
-        stage_model = _stage_model(model, body, inputs, outputs, params, typed, renumber[old])
+        stage_model = _stage_model(model, body, inputs, outputs, params, renumber[old])
         stage = Stage(
             index=renumber[old],
             device=device,
@@ -390,37 +391,6 @@ def _assign(
     return stage_of_node, stage_device, stage_nodes, sg
 
 
-#: Op types whose outputs are not load-time values even when every input is.
-_NONDETERMINISTIC = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
-
-
-def _load_time_values(graph: ir.Graph) -> set[ir.Value]:
-    """Blobs computable from parameters and constants alone (module docstring: load-time values).
-
-    Graph outputs, and the sources of copies that produce graph outputs, are left
-    out: they are produced by their stage like any other blob.
-    """
-    consts: set[ir.Value] = set(graph.initializers.values())
-    for node in graph:
-        if node.op_type in _NONDETERMINISTIC or node.domain not in ("", "ai.onnx"):
-            continue
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
-            continue
-        if all(v is None or v in consts for v in node.inputs):
-            consts.update(node.outputs)
-    keep = list(graph.outputs)
-    while keep:
-        value = keep.pop()
-        if value in consts and value.producer() is not None:
-            consts.discard(value)
-            producer = value.producer()
-            if producer is not None and is_copy_node(producer) and producer.inputs[0] is not None:
-                keep.append(producer.inputs[0])
-    return {v for v in consts if v.producer() is not None}
-
-
 def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:
     """Values of ``graph`` a node reads, including outer-scope reads of its subgraphs."""
     for value in node.inputs:
@@ -436,36 +406,20 @@ def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:
                             yield value
 
 
-class _TypeFallback:
-    """Types for boundary blobs the exporter left untyped, from ONNX shape inference (lazily)."""
-
-    def __init__(self, model: Model) -> None:
-        self._model = model
-        self._types: dict[str, tuple[ir.TypeProtocol, ir.Shape | None]] | None = None
-
-    def fill(self, value: ir.Value) -> None:
-        if value.type is not None:
-            return
-        if self._types is None:
-            self._types = {}
-            try:
-                from placement.graph.serialize import split_weights
-
-                proto, _ = split_weights(self._model.ir_model)  # weights are not needed for types
-                inferred = onnx.shape_inference.infer_shapes(proto)
-                for info in inferred.graph.value_info:
-                    typed = ir.serde.deserialize_value_info_proto(info, None)
-                    if typed.type is not None:
-                        self._types[info.name] = (typed.type, typed.shape)
-            except Exception as err:  # inference is best effort
-                log.debug("shape inference for stage boundaries failed: %s", err)
-        found = self._types.get(value.name or "")
-        if found is None:
-            raise PlacementError(
-                f"blob {value.name!r} crosses a stage boundary but has no known type; "
-                "run shape inference on the model (e.g. onnx_ir ShapeInferencePass) first"
-            )
-        value.type, value.shape = found[0], found[1]
+def _ensure_type(model: Model, value: ir.Value) -> None:
+    """Give a stage input the exporter left untyped its type, from shape inference."""
+    if value.type is not None:
+        return
+    original = model.value(value.name or "")
+    if original.type is None:
+        infer_shapes(model)
+    if original.type is not None:
+        value.type, value.shape = original.type, original.shape
+    else:
+        raise PlacementError(
+            f"blob {value.name!r} crosses a stage boundary but has no known type, "
+            "and ONNX shape inference cannot find one"
+        )
 
 
 def _stage_model(
@@ -474,7 +428,6 @@ def _stage_model(
     inputs: list[ir.Value],
     outputs: list[ir.Value],
     params: list[tuple[str, ir.Value]],
-    typed: _TypeFallback,
     index: int,
 ) -> ir.Model:
     """A standalone ``onnx_ir.Model`` of ``nodes`` (cloned; tensors are shared)."""
@@ -505,7 +458,7 @@ def _stage_model(
         if value in graph.inputs:
             graph.inputs.remove(value)
     for value in graph.inputs:
-        typed.fill(value)
+        _ensure_type(model, value)
     _lift_large_constants(graph)
     stage_model = ir.Model(
         graph,
