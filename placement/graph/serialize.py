@@ -315,11 +315,16 @@ def load(source: ModelSource, *, device: DeviceLike = 0) -> Model:
 
     Devices saved by :func:`save` are restored exactly; ops that carry none take
     the device stage from ONNX's multi-device fields if present, else ``device``.
-    External data must lie inside the model's folder.
+    External data must lie inside the model's folder; it is not read here: the
+    weights stay on disk and are memory-mapped when a runtime first reads them.
+    A model saved by :func:`save` with external data is checked against its data
+    file's header, so it never pairs with another save's weights.
 
     Raises:
         ModelLoadError: the file is missing, truncated, not ONNX, or its
-            external data points outside its folder.
+            external data is missing, too short, from another save or points
+            outside its folder (subgraphs included; the message names the
+            tensor and the op).
 
     Example:
         >>> import placement as pl
