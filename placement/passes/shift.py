@@ -370,7 +370,7 @@ def _raise_for(graph: ir.Graph, missing: list[str]) -> None:
     name = missing[0]
     reason = describe_non_activation(graph, index[name])
     others = [n for n in dict.fromkeys(missing) if n != name]
-    more = f" (and {len(others)} more: {others[: _MAX_NAMED - 1]})" if others else ""
+    more = f" (and {len(others)} more: {others[:_MAX_NAMED - 1]})" if others else ""
     raise NotAnActivationError(f"cannot shift blob {name!r}: it is not an activation but {reason}{more}")
 
 
