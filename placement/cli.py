@@ -774,6 +774,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split())  # one line, whatever the message holds
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
         return 2
+    except OSError as err:  # the terminal or a file outside the library's control
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    except Exception as err:  # a bug: one line, the traceback with -v
+        if args.verbose:
+            raise
+        message = f"internal error ({type(err).__name__}: {err}); run with -v for the traceback"
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":

@@ -64,6 +64,53 @@ def test_console_script_runs():
     assert result.returncode == 0 and "inspect" in result.stdout
 
 
+def _no_activation_model(path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    const = helper.make_node("Constant", [], ["y"], name="c", value_floats=[1.0, 2.0])
+    graph = helper.make_graph([const], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_place_without_activations_is_one_line_and_exit_2(tmp_path):
+    source = tmp_path / "const.onnx"
+    _no_activation_model(source)
+    result = subprocess.run(
+        [sys.executable, "-m", "placement.cli", "place", str(source), "-o", str(tmp_path / "out.onnx")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "0 activations" in lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not onnx at all")
+    folder = tmp_path / "folder.onnx"
+    folder.mkdir()
+    out = str(tmp_path / "o.onnx")
+    cases = [
+        (["inspect", str(garbage)], "garbage.onnx"),
+        (["inspect", str(folder)], "folder.onnx"),
+        (["inspect", "mlp", "--size", "huge"], "huge"),
+        (["place", "mlp", "--devices", "0", "-o", out], "devices"),
+        (["place", "mlp", "--devices", "2", "-o", str(tmp_path / "no" / "o.onnx")], "does not exist"),
+        (["place", "mlp", "--devices", "2", "-o", "/dev/null"], "not a regular file"),
+        (["place", "mlp", "--devices", "2", "-o", str(folder)], "folder"),
+        (["place", str(garbage), "-o", out], "garbage.onnx"),
+    ]
+    for argv, words in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.onnx", "garbage.onnx"]
+
+
 def test_place_auto_prints_its_plan(tmp_path):
     path = tmp_path / "auto.onnx"
     done = subprocess.run(

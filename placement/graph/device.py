@@ -13,15 +13,22 @@ Example:
 from __future__ import annotations
 
 import functools
+import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Union
 
 from placement.errors import DeviceError
 
-__all__ = ["Device", "DeviceLike", "DEVICE_TYPES"]
+__all__ = ["Device", "DeviceLike", "DEVICE_TYPES", "MAX_DEVICE_INDEX"]
 
 #: Device types a logical device may have.
 DEVICE_TYPES = ("cpu", "cuda")
+#: The largest device index accepted (an absurd index is a typo, not a device).
+MAX_DEVICE_INDEX = 65535
+#: The one spelling of a device string: a type (``gpu`` is an alias of ``cuda``,
+#: case is ignored) and an optional ASCII index without leading zeros.
+_DEVICE_RE = re.compile(r"(cuda|gpu|cpu)(?::(0|[1-9][0-9]*))?|(0|[1-9][0-9]*)", re.ASCII | re.IGNORECASE)
 
 
 @dataclass(frozen=True, order=True)
@@ -39,6 +46,8 @@ class Device:
             raise DeviceError(f"unknown device type {self.type!r}; expected one of {', '.join(DEVICE_TYPES)}")
         if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
             raise DeviceError(f"device index must be a non-negative int, got {self.index!r}")
+        if self.index > MAX_DEVICE_INDEX:
+            raise DeviceError(f"device index {self.index} is out of range (at most {MAX_DEVICE_INDEX})")
 
     def __str__(self) -> str:
         if self.type == "cpu" and self.index == 0:
@@ -63,6 +72,12 @@ class Device:
         """Parse ``1`` (GPU id, Caffe2 style), ``"cuda:1"``, ``"cuda"``, ``"cpu"``,
         a ``torch.device`` or a ``Device``.
 
+        Strings are parsed strictly: ``cuda``, ``cpu`` or ``gpu`` (an alias of
+        ``cuda``; case is ignored), then optionally ``:`` and an ASCII index
+        without leading zeros (``"cuda:01"``, full-width digits, spaces and
+        ``"cuda:1:2"`` are errors), or a bare GPU id such as ``"2"``. Indices
+        above :data:`MAX_DEVICE_INDEX` are refused.
+
         Raises:
             DeviceError: the spec is malformed; the message quotes it.
         """
@@ -72,6 +87,8 @@ class Device:
             raise DeviceError(f"not a device: {spec!r}")
         if isinstance(spec, int):
             return _parse_int(spec)
+        if hasattr(spec, "__index__") and not isinstance(spec, float):  # numpy integers
+            return _parse_int(operator.index(spec))
         if isinstance(spec, str):
             return _parse_str(spec)
         if type(spec).__name__ == "device" and hasattr(spec, "type"):  # torch.device
@@ -86,21 +103,24 @@ DeviceLike = Union[Device, int, str, Any]
 def _parse_int(spec: int) -> Device:
     if spec < 0:
         raise DeviceError(f"GPU id must be non-negative, got {spec}")
+    if spec > MAX_DEVICE_INDEX:
+        raise DeviceError(f"GPU id {spec} is out of range (at most {MAX_DEVICE_INDEX})")
     return Device("cuda", spec)
 
 
 @functools.lru_cache(maxsize=1024)
 def _parse_str(spec: str) -> Device:
-    text = spec.strip().lower()
-    if text.isdigit():
-        return Device("cuda", int(text))
-    kind, sep, index = text.partition(":")
-    if kind == "gpu":
-        kind = "cuda"
-    if kind not in DEVICE_TYPES:
-        raise DeviceError(f"bad device string {spec!r}: use 'cuda:N', 'cpu' or a GPU id")
-    if not sep:
-        return Device(kind, 0)
-    if not index.isdigit():
-        raise DeviceError(f"bad device string {spec!r}: the index must be a non-negative int")
-    return Device(kind, int(index))
+    match = _DEVICE_RE.fullmatch(spec)
+    if match is None:
+        raise DeviceError(
+            f"bad device string {spec!r}: use 'cuda:N', 'cpu' or a GPU id "
+            "(N a plain decimal index without leading zeros)"
+        )
+    kind, index, bare = match.groups()
+    if bare is not None:
+        return _parse_int(int(bare))
+    kind = "cuda" if kind.lower() in ("cuda", "gpu") else "cpu"
+    number = int(index) if index is not None else 0
+    if number > MAX_DEVICE_INDEX:
+        raise DeviceError(f"bad device string {spec!r}: index out of range (at most {MAX_DEVICE_INDEX})")
+    return Device(kind, number)

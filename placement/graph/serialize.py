@@ -9,10 +9,17 @@ session can run: copies are ``Identity`` nodes. Placement is written twice:
 * mirrored in node ``metadata_props`` (``placement.device``), which ``load``
   reads first, so the placement restores exactly.
 
-Saving is atomic: the model (and its external data file) are written to a
-temporary folder beside the target and renamed into place, so a failed save
-never destroys an existing file. Models whose parameters exceed 2 GB use ONNX
-external data (``<file>.data`` beside the model).
+Big models: weights over 2 GB (or ``external_data=True``) go to ONNX external
+data, ``<file>.<tag>.data`` beside the model, streamed tensor by tensor (tensors
+of ``Constant`` ops too). ``load`` leaves external weights on disk: they are
+``onnx_ir`` external tensors, memory-mapped when a runtime first reads them.
+
+Saving is atomic: the model and its data file are written under temporary
+names beside the target; the data file moves in under a name no earlier save
+used, then the model file replaces the old one (the switch), then the old data
+file is removed. The model records the tag written in its data file's header,
+and ``load`` refuses a data file from another save. A symlink target is
+written through, permission bits are kept, and non-regular files are refused.
 
 Example:
     >>> import os, tempfile
@@ -27,13 +34,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import secrets
 import shutil
+import stat
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
@@ -42,7 +55,17 @@ from placement.errors import ModelLoadError, ModelSaveError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import DEVICE_KEY, Model
 
-__all__ = ["save", "load", "to_proto", "CONFIGURATION_NAME", "MAX_IR_VERSION", "TWO_GB"]
+__all__ = [
+    "save",
+    "load",
+    "to_proto",
+    "split_weights",
+    "CONFIGURATION_NAME",
+    "MAX_IR_VERSION",
+    "TWO_GB",
+    "DATA_CHECK_KEY",
+    "SUPPLIED_LOCATION",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +84,9 @@ ModelSource = Union[str, os.PathLike, onnx.ModelProto, ir.Model, Model]
 def to_proto(model: Model) -> onnx.ModelProto:
     """Serialise a placed model to an ``onnx.ModelProto`` with placement annotations.
 
+    Weights held in memory are copied into the proto (so it is limited to 2 GB);
+    weights of a model loaded lazily from external data stay references to their
+    data file. For ONNX Runtime sessions of any size see :func:`split_weights`.
     The in-memory model is not modified.
     """
     proto = ir.serde.serialize_model(model.ir_model)
@@ -86,54 +112,202 @@ def to_proto(model: Model) -> onnx.ModelProto:
 def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> None:
     """Write ``model`` to ``path`` atomically as standard ONNX.
 
+    With external data the weights go to ``<file>.<tag>.data`` beside the
+    model, where ``<tag>`` is new on every save. Both files are written under
+    temporary names first; the new data file is moved in under its own new
+    name, then the model file replaces the old one in one ``os.replace`` (the
+    switch), and only then is the previous save's data file removed. At every
+    moment the model file on disk pairs with its own weights, and the model
+    records the tag, which :func:`load` checks against the data file's header.
+    Weights are streamed tensor by tensor into the data file (from disk for a
+    model loaded lazily), so saving never holds a second copy of them; tensors
+    held in ``Constant`` attributes are moved out too.
+
+    ``path`` may be a symlink: the file it points to is written (the link stays).
+    An existing file keeps its permission bits. Anything that is not a regular
+    file (a device node such as ``/dev/null``, a FIFO, a folder) is refused.
+
     Args:
         model: the placed model.
         path: target ``.onnx`` file; its folder must exist.
-        external_data: store parameters in ``<file>.data`` beside the model.
+        external_data: store weights in a data file beside the model.
             ``None`` (default) does so only when they exceed 2 GB.
 
     Raises:
-        ModelSaveError: the folder is missing or the write failed; an existing
-            file at ``path`` is left as it was.
+        ModelSaveError: the folder is missing, the target is not a regular file,
+            or the write failed; an existing file at ``path`` (and the data file
+            it uses) is left as it was.
     """
     target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        raise ModelSaveError(f"cannot save to {str(target)!r}: folder {str(folder)!r} does not exist")
-    if target.is_dir():
-        raise ModelSaveError(f"cannot save to {str(target)!r}: it is a folder")
-    proto = to_proto(model)
-    param_bytes = sum(
-        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
-    )
-    use_external = param_bytes >= TWO_GB - 2**24 if external_data is None else external_data
-    data_name = target.name + ".data"
+        raise ModelSaveError(f"cannot save to {str(path)!r}: folder {str(folder)!r} does not exist")
+    mode = None
+    if os.path.lexists(target):
+        info = target.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise ModelSaveError(f"cannot save to {str(path)!r}: it is a folder")
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelSaveError(
+                f"cannot save to {str(path)!r}: it exists and is not a regular file "
+                "(a device, FIFO or socket); refusing to replace it"
+            )
+        mode = stat.S_IMODE(info.st_mode)
+    clone = model.ir_model.clone()
+    clone.metadata_props.pop(DATA_CHECK_KEY, None)
+    tensors = _weight_slots(clone)
+    weight_bytes = sum(_nbytes(get()) for get, _ in tensors)
+    use_external = weight_bytes >= TWO_GB - 2**24 if external_data is None else external_data
     try:
         tmpdir = tempfile.mkdtemp(prefix=".placement-save-", dir=folder)
     except OSError as err:
-        raise ModelSaveError(f"cannot save to {str(target)!r}: {err}") from err
+        raise ModelSaveError(f"cannot save to {str(path)!r}: {err}") from err
+    data_name = None
+    repoint: dict[int, ir.ExternalTensor] = {}
+    moved_data: Path | None = None
     try:
         tmp_model = Path(tmpdir) / target.name
         if use_external:
-            onnx.save_model(
-                proto,
-                tmp_model,
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data_name,
-                size_threshold=1024,
+            tag = secrets.token_hex(8)
+            data_name = f"{target.name}.{tag}.data"
+            big = [(get, put) for get, put in tensors if _nbytes(get()) >= _EXTERNAL_THRESHOLD]
+            header = ir.Tensor(np.frombuffer(_header(tag), dtype=np.uint8), name="placement.header")
+            written = ir.external_data.convert_tensors_to_external(
+                [header, *(get() for get, _ in big)], tmpdir, data_name, alignment=4096
             )
-        else:
-            onnx.save_model(proto, tmp_model)
-        tmp_data = Path(tmpdir) / data_name
-        if tmp_data.exists():
-            os.replace(tmp_data, folder / data_name)
-        os.replace(tmp_model, target)
+            for (get, put), ext in zip(big, written[1:]):
+                repoint[id(get())] = ext
+                put(ext)
+            clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
+        else:  # one self-contained file: weights still on disk are read into the proto
+            for get, put in tensors:
+                tensor = get()
+                if isinstance(tensor, ir.ExternalTensor):
+                    put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
+        proto = to_proto(Model(clone))
+        with open(tmp_model, "wb") as f:
+            f.write(proto.SerializeToString())
+        del proto
+        if mode is not None:
+            os.chmod(tmp_model, mode)
+        stale = _our_data_files(folder, target.name)
+        if data_name is not None:
+            if mode is not None:
+                os.chmod(Path(tmpdir) / data_name, mode)
+            moved_data = folder / data_name
+            os.replace(Path(tmpdir) / data_name, moved_data)
+        os.replace(tmp_model, target)  # the switch: from here on the new pair is the model
+        moved_data = None
     except (OSError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as err:
-        raise ModelSaveError(f"failed to save {str(target)!r}: {err}") from err
+        raise ModelSaveError(f"failed to save {str(path)!r}: {err}") from err
     finally:
+        if moved_data is not None:
+            with contextlib.suppress(OSError):
+                moved_data.unlink()
         shutil.rmtree(tmpdir, ignore_errors=True)
-    log.info("saved %s (%d ops, external data: %s)", target, model.graph.num_nodes(), use_external)
+    _retire_data_files(model, [f for f in stale if f.name != data_name], folder, repoint)
+    log.info(
+        "saved %s (%d ops, %s of weights%s)",
+        target,
+        model.graph.num_nodes(),
+        _format_bytes(weight_bytes),
+        f", external data {data_name}" if data_name else "",
+    )
+
+
+#: Model metadata key recording the external data file and the tag in its header.
+DATA_CHECK_KEY = "placement.external_data"
+#: Tensors of at least this many bytes go to the data file.
+_EXTERNAL_THRESHOLD = 1024
+_HEADER_MAGIC = b"placement external data "
+_HEADER_SIZE = 64
+
+
+def _header(tag: str) -> bytes:
+    return (_HEADER_MAGIC + tag.encode("ascii")).ljust(_HEADER_SIZE, b"\0")
+
+
+def _format_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.nbytes) if tensor is not None else 0
+
+
+def _weight_slots(model: ir.Model) -> list[tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """(get, put) pairs for every tensor of a model: initializers of every graph and
+    tensor attributes (``Constant`` values) of every node, subgraphs included."""
+    slots: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+
+    def add_value(value: ir.Value) -> None:
+        if value.const_value is None:
+            return
+
+        def put(tensor: Any, value: ir.Value = value) -> None:
+            value.const_value = tensor
+
+        slots.append((lambda value=value: value.const_value, put))
+
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            add_value(value)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for name, attr in list(node.attributes.items()):
+            if attr.is_ref() or attr.type != ir.AttributeType.TENSOR or attr.value is None:
+                continue
+
+            def put_attr(tensor: Any, node: ir.Node = node, name: str = name) -> None:
+                node.attributes[name] = ir.Attr(name, ir.AttributeType.TENSOR, tensor)
+
+            slots.append((lambda node=node, name=name: node.attributes[name].value, put_attr))
+    return slots
+
+
+def _our_data_files(folder: Path, model_name: str) -> list[Path]:
+    """Data files an earlier :func:`save` of ``model_name`` wrote into ``folder``."""
+    pattern = re.compile(re.escape(model_name) + r"\.[0-9a-f]{16}\.data")
+    try:
+        return [p for p in folder.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return []
+
+
+def _retire_data_files(
+    model: Model, stale: list[Path], folder: Path, repoint: dict[int, ir.ExternalTensor]
+) -> None:
+    """Delete the previous saves' data files; tensors of ``model`` read from one are
+    re-pointed at the same bytes in the new data file first (``repoint``: id of a
+    tensor -> where this save wrote it)."""
+    if not stale:
+        return
+    gone = {os.path.realpath(p) for p in stale}
+    for get, put in _weight_slots(model.ir_model):
+        tensor = get()
+        if not isinstance(tensor, ir.ExternalTensor) or os.path.realpath(tensor.path) not in gone:
+            continue
+        written = repoint.get(id(tensor))
+        if written is not None:
+            put(
+                ir.ExternalTensor(
+                    written.location,
+                    written.offset,
+                    written.length,
+                    written.dtype,
+                    shape=written.shape,
+                    name=written.name or "",
+                    base_dir=folder,
+                )
+            )
+        else:  # saved inline this time: keep the bytes in memory
+            put(ir.Tensor(np.array(tensor.numpy()), name=tensor.name))
+    for path in stale:
+        try:
+            path.unlink()
+        except OSError as err:
+            log.warning("could not remove the previous data file %s: %s", path, err)
 
 
 def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs: bool = False) -> Model:
@@ -141,7 +315,10 @@ def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs:
 
     Devices saved by :func:`save` are restored exactly; ops that carry none take
     the device stage from ONNX's multi-device fields if present, else ``device``.
-    External data must lie inside the model's folder.
+    External data must lie inside the model's folder; it is not read here: the
+    weights stay on disk and are memory-mapped when a runtime first reads them.
+    A model saved by :func:`save` with external data is checked against its data
+    file's header, so it never pairs with another save's weights.
 
     Models written for IR version 3 (old converters) list every initializer as a
     graph input too. They are normalised: initializers are parameters, not
@@ -150,7 +327,9 @@ def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs:
 
     Raises:
         ModelLoadError: the file is missing, truncated, not ONNX, or its
-            external data points outside its folder.
+            external data is missing, too short, from another save or points
+            outside its folder (subgraphs included; the message names the
+            tensor and the op).
 
     Example:
         >>> import placement as pl
@@ -196,6 +375,12 @@ def _from_path(path: Path, device: DeviceLike) -> Model:
     if not path.is_file():
         raise ModelLoadError(f"not a file: {str(path)!r}")
     try:
+        size = path.stat().st_size
+        if size >= TWO_GB:
+            raise ModelLoadError(
+                f"{str(path)!r} is {size} bytes, over protobuf's 2 GB limit: save its weights as "
+                "external data (onnx.save_model(..., save_as_external_data=True))"
+            )
         data = path.read_bytes()
     except OSError as err:
         raise ModelLoadError(f"cannot read {str(path)!r}: {err}") from err
@@ -206,52 +391,107 @@ def _from_path(path: Path, device: DeviceLike) -> Model:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeWarning, ValueError) as err:
         raise ModelLoadError(f"{str(path)!r} is not a valid ONNX file (truncated or corrupt): {err}") from err
+    del data
     _check_external_data(proto, path)
-    try:
-        onnx.load_external_data_for_model(proto, str(path.parent))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read the external data of {str(path)!r}: {err}") from err
-    return _from_proto(proto, device, origin=repr(str(path)))
+    _check_data_pairing(proto, path)
+    return _from_proto(proto, device, origin=repr(str(path)), path=path)
 
 
-def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
-    tensors = list(proto.graph.initializer)
-    for node in proto.graph.node:
+def _graph_tensors(graph: onnx.GraphProto, where: str) -> Iterator[tuple[onnx.TensorProto, str]]:
+    """Every tensor of a graph and its subgraphs, with where it sits (for messages)."""
+    for tensor in graph.initializer:
+        yield tensor, where
+    for sparse in graph.sparse_initializer:
+        yield sparse.values, where
+        yield sparse.indices, where
+    for node in graph.node:
+        here = f"op {node.name or node.op_type!r}" + (f" (in {where})" if where != "the main graph" else "")
         for attr in node.attribute:
             if attr.HasField("t"):
-                tensors.append(attr.t)
-    return [t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL]
+                yield attr.t, here
+            yield from ((t, here) for t in attr.tensors)
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g, f"a subgraph of {here}")
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub, f"a subgraph of {here}")
 
 
 def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
-    """Refuse external data outside the model's folder, missing or too short."""
+    """Refuse external data outside the model's folder, missing or too short (subgraphs included)."""
     base = path.parent.resolve()
-    for tensor in _external_tensors(proto):
+    sizes: dict[Path, int] = {}
+    for tensor, where in _graph_tensors(proto.graph, "the main graph"):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location", "")
         candidate = (base / location).resolve()
         if not location or os.path.isabs(location) or base not in (candidate, *candidate.parents):
             raise ModelLoadError(
-                f"{str(path)!r}: external data of tensor {tensor.name!r} points outside the "
-                f"model's folder ({location!r}); refusing to read it"
+                f"{str(path)!r}: external data of tensor {tensor.name!r} ({where}) points outside "
+                f"the model's folder ({location!r}); refusing to read it"
             )
-        if not candidate.is_file():
+        if candidate not in sizes:
+            if not candidate.is_file():
+                raise ModelLoadError(
+                    f"{str(path)!r}: external data file {location!r} of tensor {tensor.name!r} "
+                    f"({where}) is missing"
+                )
+            sizes[candidate] = candidate.stat().st_size
+        try:
+            offset, length = int(info.get("offset", 0) or 0), int(info.get("length", 0) or 0)
+        except ValueError:
             raise ModelLoadError(
-                f"{str(path)!r}: external data file {location!r} of tensor {tensor.name!r} is missing"
-            )
-        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
-        if end > candidate.stat().st_size:
+                f"{str(path)!r}: tensor {tensor.name!r} ({where}) has a malformed external data "
+                f"offset/length {info.get('offset')!r}/{info.get('length')!r}"
+            ) from None
+        needed = length or _proto_nbytes(tensor)
+        if offset < 0 or length < 0 or offset + needed > sizes[candidate]:
             raise ModelLoadError(
                 f"{str(path)!r}: external data file {location!r} is truncated "
-                f"(tensor {tensor.name!r} needs bytes up to {end})"
+                f"(tensor {tensor.name!r} ({where}) needs bytes up to {offset + needed})"
             )
 
 
-def _from_proto(proto: onnx.ModelProto, device: DeviceLike, *, origin: str) -> Model:
+def _proto_nbytes(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= int(dim)
+    try:
+        return count * ir.DataType(tensor.data_type).itemsize
+    except ValueError:
+        return 0
+
+
+def _check_data_pairing(proto: onnx.ModelProto, path: Path) -> None:
+    """A model saved with external data names its data file and the tag in its header;
+    refuse a data file that another save wrote."""
+    props = {p.key: p.value for p in proto.metadata_props}
+    spec = props.get(DATA_CHECK_KEY)
+    if not spec:
+        return
+    location, _, tag = spec.rpartition(":")
+    data_path = path.parent / location
+    try:
+        with open(data_path, "rb") as f:
+            head = f.read(_HEADER_SIZE)
+    except OSError as err:
+        raise ModelLoadError(f"{str(path)!r}: cannot read its external data {location!r}: {err}") from err
+    if head != _header(tag):
+        raise ModelLoadError(
+            f"{str(path)!r}: external data file {location!r} belongs to another save "
+            "(its content check does not match the model); refusing to pair them"
+        )
+
+
+def _from_proto(
+    proto: onnx.ModelProto, device: DeviceLike, *, origin: str, path: Path | None = None
+) -> Model:
     if not proto.HasField("graph") or not proto.opset_import:
         raise ModelLoadError(f"{origin} is not an ONNX model (no graph or opset); is the file truncated?")
     try:
-        onnx.checker.check_model(proto)
+        # From a file, the checker resolves external data next to it (reading none of it).
+        onnx.checker.check_model(str(path) if path is not None else proto)
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise ModelLoadError(f"{origin} is not valid ONNX (truncated or corrupt?): {first}") from err
@@ -262,6 +502,9 @@ def _from_proto(proto: onnx.ModelProto, device: DeviceLike, *, origin: str) -> M
         ir_model = ir.serde.deserialize_model(proto)
     except Exception as err:  # onnx_ir raises several types on malformed protos
         raise ModelLoadError(f"cannot read {origin}: {err}") from err
+    if path is not None:  # external tensors stay on disk, memory-mapped when first read
+        ir.external_data.set_base_dir(ir_model.graph, path.parent)
+    ir_model.metadata_props.pop(DATA_CHECK_KEY, None)
     return _from_ir(ir_model, device, stages)
 
 
@@ -297,3 +540,98 @@ def _from_ir(ir_model: ir.Model, device: DeviceLike, stages: dict[str, str] | No
             except Exception as err:
                 raise ModelLoadError(f"op {node.name!r} has a bad device annotation {spec!r}: {err}") from err
     return Model(ir_model, device=device)
+
+
+#: The location that marks a weight supplied to ONNX Runtime outside the protobuf.
+SUPPLIED_LOCATION = "placement-supplied-weight"
+
+
+def split_weights(
+    model: Model | ir.Model, *, threshold: int = _EXTERNAL_THRESHOLD
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Serialise a model with its large weights left out, for ONNX Runtime.
+
+    Every main-graph initializer of ``threshold`` bytes or more (in a dtype numpy
+    and ONNX Runtime share) is written to the proto as an external-data stub at
+    :data:`SUPPLIED_LOCATION` and returned as an array instead: memory-mapped for
+    a model loaded lazily, the model's own array otherwise (never a copy). Give
+    them to the session with ``SessionOptions.add_external_initializers``; the
+    proto stays small, so a model of any size loads. A :class:`Model` gets its
+    placement annotations as in :func:`to_proto`. The model is not modified.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> proto, weights = split_weights(pl.from_torch(*mlp.build("tiny")).ir_model, threshold=0)
+        >>> len(weights) == len(proto.graph.initializer)
+        True
+        >>> all(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+        True
+    """
+    clone = (model.ir_model if isinstance(model, Model) else model).clone()
+    weights: dict[str, np.ndarray] = {}
+    for name, value in clone.graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or tensor.nbytes < threshold:
+            continue
+        try:
+            array = tensor.numpy()
+        except Exception as err:  # noqa: BLE001 (a tensor type numpy cannot hold: leave it inline)
+            log.debug("weight %s stays in the proto: %s", name, err)
+            continue
+        if array.dtype.kind not in "fiub" or not array.dtype.isnative:
+            continue
+        weights[name] = np.ascontiguousarray(array)
+        value.const_value = ir.ExternalTensor(
+            SUPPLIED_LOCATION, 0, int(tensor.nbytes), tensor.dtype, shape=tensor.shape, name=name
+        )
+    if isinstance(model, Model):
+        return to_proto(Model(clone)), weights
+    proto = ir.serde.serialize_model(clone)
+    proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
+    return proto, weights
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file") -> None:
+    """Replace ``path`` with ``data`` atomically (a temporary file beside it, then ``os.replace``).
+
+    Follows a symlink to its target, keeps an existing file's permission bits and
+    refuses targets that are not regular files. On any failure the old file is
+    untouched and an ``OSError`` propagates (callers wrap it in their own error).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> write_atomic(path, b"{}")
+        >>> open(path).read()
+        '{}'
+    """
+    target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    folder = target.parent if str(target.parent) else Path(".")
+    mode = None
+    if os.path.lexists(target):
+        info = target.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{str(path)!r} exists and is not a regular file; refusing to replace it")
+        mode = stat.S_IMODE(info.st_mode)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    log.debug("wrote %s %s (%d bytes)", what, target, len(data))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

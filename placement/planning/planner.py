@@ -543,9 +543,17 @@ class Plan:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+        """Write the plan as JSON, atomically: a failure leaves an existing file as it was.
+
+        Raises:
+            PlanError: the file cannot be written (the message names it).
+        """
+        from placement.graph.serialize import write_atomic
+
+        try:
+            write_atomic(path, self.to_json().encode("utf-8"), what="plan")
+        except (OSError, TypeError, ValueError) as err:
+            raise PlanError(f"cannot save plan to {str(path)!r}: {err}") from err
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
@@ -559,7 +567,12 @@ class Plan:
                 text = f.read()
         except OSError as err:
             raise PlanError(f"cannot read plan {str(path)!r}: {err}") from err
-        return cls.from_json(text)
+        except UnicodeDecodeError as err:
+            raise PlanError(f"{str(path)!r} is not a placement plan (not UTF-8 text: {err.reason})") from err
+        try:
+            return cls.from_json(text)
+        except PlanError as err:
+            raise PlanError(f"{str(path)!r}: {err}") from err
 
     def to_table(self) -> Any:
         """A ``rich.table.Table`` with one row per device."""
@@ -625,6 +638,8 @@ def _resolve_devices(
         device_list = list(budgets_by_device)
     elif isinstance(devices, bool):
         raise PlanError(f"devices must be a count or a list, got {devices!r}")
+    elif not isinstance(devices, (int, Sequence)) or isinstance(devices, (str, bytes)):
+        raise PlanError(f"devices must be a count or a list of devices, got {devices!r}")
     elif isinstance(devices, int):
         if devices < 1:
             raise PlanError(f"need at least one device, got devices={devices}")
@@ -728,6 +743,35 @@ def evaluate_assignment(
     )
 
 
+def _time_or_flops(model: Model) -> str:
+    """``"time"``, or ``"flops"`` (logged) when timing the model would not fit in memory."""
+    weights = sum(
+        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
+    )
+    available = _available_memory()
+    if available is not None and 2 * weights > available:
+        log.warning(
+            "auto_place: timing needs about %s of memory (the weights twice) but %s is available; "
+            "planning with cost='flops' instead",
+            format_bytes(2 * weights),
+            format_bytes(available),
+        )
+        return "flops"
+    return "time"
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _cut_bytes(info: GraphInfo, c: int) -> int:
     """Bytes of the distinct blobs made (or fed) before position ``c`` and read at or after it."""
     total = 0
@@ -761,6 +805,11 @@ def auto_place(
             as ``"2GB"`` / ``"512MiB"``; devices left out are unlimited.
         sample_inputs: inputs for time profiling (see :func:`placement.profile`).
         cost: ``"time"`` (measured), ``"size"`` (parameter + output bytes) or ``"flops"``.
+            Timing runs the whole model in one ONNX Runtime session whose weights
+            bypass the protobuf, so models over 2 GB are timed too; when the
+            weights need more memory than is available (about twice their size:
+            the model's arrays plus ONNX Runtime's packed copies), ``"flops"`` is
+            used instead and a warning is logged.
         objective: ``"throughput"`` (minimise the bottleneck, then bytes copied) or
             ``"latency"`` (minimise bytes copied, then the bottleneck); see the module
             docstring.
@@ -785,6 +834,8 @@ def auto_place(
         raise PlanError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    if cost == "time":
+        cost = _time_or_flops(model)
     prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
     costs = prof.costs(cost)
     info = GraphInfo(model)

@@ -586,12 +586,22 @@ def _normalise_inputs(model: Model, sample_inputs: Any) -> dict[str, np.ndarray]
 def _time_with_ort(
     model: Model, inputs: dict[str, np.ndarray], *, repeats: int, warmup: int
 ) -> dict[str, float]:
+    """Per-op kernel times from ONNX Runtime's profiler, one CPU session for the whole model.
+
+    The session's weights bypass the protobuf (:func:`placement.graph.serialize.split_weights`),
+    so models over 2 GB are timed too; their weights are read from the model's own (possibly
+    memory-mapped) arrays.
+
+    Raises:
+        PlanError: ONNX Runtime cannot build or run the model (the message says which).
+    """
     import onnxruntime as ort
 
-    from placement.graph.serialize import to_proto
+    from placement.graph.serialize import split_weights
 
-    proto = to_proto(model)
+    proto, weights = split_weights(model)
     tmp = tempfile.mkdtemp(prefix="placement-profile-")
+    stage = "build a session of"
     try:
         options = ort.SessionOptions()
         options.enable_profiling = True
@@ -600,12 +610,24 @@ def _time_with_ort(
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+        if values:
+            options.add_external_initializers(list(weights), values)
         session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        stage = "run"
         for _ in range(warmup + repeats):
             session.run(None, inputs)
         path = session.end_profiling()
         with open(path, encoding="utf-8") as f:
             events = json.load(f)
+    except PlanError:
+        raise
+    except Exception as err:  # ORT raises several types (Fail, InvalidArgument, RuntimeException)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlanError(
+            f"profiling failed: ONNX Runtime could not {stage} the model ({first}); "
+            "pass sample_inputs that the model accepts, or plan with cost='flops' or 'size'"
+        ) from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     samples: dict[str, list[float]] = {}

@@ -24,7 +24,10 @@ Data flow (precomputed at construction, so a run is a short loop):
   on separate devices);
 * static copies (of parameters) need nothing at run time: each stage carries
   the parameters it reads as initializers, so they reach its device once, when
-  its session loads; values computed from parameters alone (a transposed
+  its session loads (never through a protobuf: the stage's proto holds only its
+  graph and each weight is handed to ONNX Runtime as an ``OrtValue`` over the
+  model's own, possibly memory-mapped, array, so a stage of any size loads and
+  a weight is read only by the stage that uses it); values computed from parameters alone (a transposed
   weight) are recomputed at load time by the stages that read them (see
   :mod:`placement.runtime.stages`), never moved per run;
 * every intermediate value is dropped after its last use (as torch.fx's
@@ -74,7 +77,15 @@ import onnxruntime as ort
 
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, Model
+from placement.graph.model import (
+    DEVICE_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    Model,
+    is_copy_node,
+    node_device,
+)
+from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.stages import Partition, Stage, split_stages
@@ -85,6 +96,7 @@ log = logging.getLogger(__name__)
 
 _ALIAS, _HOST_COPY, _TO_GPU, _TO_HOST, _GPU_TO_GPU = "alias", "host", "h2d", "d2h", "d2d"
 _warned_d2d_fallback = False
+_REBUILD_ATTEMPTS = 8
 
 
 @dataclass
@@ -201,6 +213,12 @@ class Runner:
             unused, so that switching back to an earlier placement costs nothing
             (modelsplit's ``enable_clone``: memory for speed). Default: release them.
 
+    Threads: :meth:`run` may be called from several threads at once (runs of one
+    runner take turns), and another thread may re-place the model meanwhile: a
+    run uses the sessions of one whole placement, the one current when it
+    started or a later one, never a mix (each rebuild partitions a private copy
+    of the model, taken at once).
+
     Raises:
         DeviceError: the device map is malformed or names a missing GPU.
         PlacementError: a stage cannot be built (the message names it).
@@ -296,6 +314,8 @@ class Runner:
         if not force and self._state is not None and self._snapshot() == self._state:
             return False
         with self._lock:
+            if not force and self._state is not None and self._snapshot() == self._state:
+                return False  # another thread rebuilt meanwhile
             self._rebuild()
         return True
 
@@ -383,7 +403,7 @@ class Runner:
 
     # -- building ----------------------------------------------------------------------
 
-    def _snapshot(self) -> tuple[Any, ...]:
+    def _snapshot(self, watched: list[dict[str, str]] | None = None) -> tuple[Any, ...]:
         """A cheap fingerprint of the model's placement: every op's device label (read
         through metadata dicts cached at the last build), the op and parameter counts,
         the graph outputs and the input/output devices."""
@@ -395,13 +415,45 @@ class Runner:
             tuple(id(v) for v in graph.outputs),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
-            tuple([md.get(DEVICE_KEY) for md in self._watched]),
+            tuple([md.get(DEVICE_KEY) for md in (self._watched if watched is None else watched)]),
         )
 
     def _rebuild(self) -> None:
-        model = self.model
+        """Rebuild for the model's current placement.
+
+        The build works on a private copy of the model (tensors shared), taken
+        after reading the placement snapshot, so another thread re-placing the
+        model meanwhile cannot make it inconsistent: the program matches the
+        copy, and the next run sees any later change and rebuilds. A build that
+        fails while the model changes under it (ops being added or removed) is
+        started again.
+        """
+        for attempt in range(_REBUILD_ATTEMPTS):
+            before = self._current_state()
+            try:
+                self._rebuild_once(self.model.copy(), before)
+                return
+            except Exception:
+                if attempt + 1 < _REBUILD_ATTEMPTS and self._current_state() != before:
+                    log.debug("the model was re-placed during a rebuild; rebuilding again")
+                    continue
+                raise
+
+    def _current_state(self) -> tuple[list[dict[str, str]], tuple[Any, ...]] | None:
+        """(the ops' metadata dicts, the placement snapshot), read now; None if the graph
+        changed while it was being read."""
+        try:
+            watched = [node.metadata_props for node in self.model.graph]
+            return watched, self._snapshot(watched)
+        except (RuntimeError, KeyError, AttributeError):
+            return None
+
+    def _rebuild_once(self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None) -> None:
+        if _stale_copies(model):
+            log.info("copies went stale after ops moved; running with them re-injected on a private copy")
+            inject_cross_device_copies(model)
         part = split_stages(model)
-        logical = set(model.devices) | set(part.input_devices.values())
+        logical = {s.device for s in part.stages} | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         execs: dict[int, _StageExec] = {}
@@ -433,10 +485,11 @@ class Runner:
             self.stats.sessions_reused += reused
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
-        self._program = self._compile(part, execs)
+        self._program = self._compile(part, execs, model)
         self.stats.transfers = self._program.n_transfers
-        self._watched = [node.metadata_props for node in model.graph]
-        self._state = self._snapshot()
+        if state is None:
+            raise PlacementError("the model changed while the runner read it")
+        self._watched, self._state = state
         log.info(
             "runner: %d stages on %s (%d sessions built, %d reused, %d transfers per run)",
             len(part.stages),
@@ -454,8 +507,7 @@ class Runner:
         if physical.is_cuda:
             providers.append("CPUExecutionProvider")
         try:
-            data = stage.to_proto().SerializeToString()
-            return ort.InferenceSession(data, options, providers=providers)
+            return _session(stage.model, options, providers)
         except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PlacementError(
@@ -464,7 +516,7 @@ class Runner:
                 f"{stage.ops[0]!r}): {first}"
             ) from err
 
-    def _compile(self, part: Partition, execs: dict[int, _StageExec]) -> _Program:
+    def _compile(self, part: Partition, execs: dict[int, _StageExec], model: Model) -> _Program:
         """Turn the partition into a flat list of steps with precomputed bindings and frees."""
         dmap = self._device_map
         program = _Program(partition=part, feeds=[])
@@ -548,7 +600,7 @@ class Runner:
 
         # Graph outputs: a key in the value table, or a constant (parameter outputs).
         keep: set[str] = set()
-        inits = self.model.graph.initializers
+        inits = model.graph.initializers
         for name in part.outputs:
             device = home.get(name)
             if device is not None:
@@ -601,7 +653,11 @@ def _run_step(step: tuple[Any, ...], values: dict[str, Any], binding: Any) -> No
             if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
                 value = values[key] = _ortvalue(value, ex.physical)
             binding.bind_ortvalue_input(name, value)
-        ex.session.run_with_iobinding(binding)
+        try:
+            ex.session.run_with_iobinding(binding)
+        except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+            binding.clear_binding_inputs()
+            raise _run_error(ex, err) from err
         results = binding.get_outputs()
         for name, value in zip(outs, results):
             values[name] = value
@@ -615,16 +671,25 @@ def _run_step(step: tuple[Any, ...], values: dict[str, Any], binding: Any) -> No
     elif step[0] == "host":  # sequences, optionals or strings cross this stage's boundary
         _, ex, bind, outs, free = step
         feeds = {name: _host(values[key]) for name, key in bind}
-        for name, value in zip(outs, ex.session.run(list(outs), feeds)):
+        try:
+            results = ex.session.run(list(outs), feeds)
+        except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
+            raise _run_error(ex, err) from err
+        for name, value in zip(outs, results):
             values[name] = value
     else:
         _, kind, src, dst, physical, free = step
         value = values[src]
-        values[dst] = (
-            _move(value, kind, physical)
-            if isinstance(value, ort.OrtValue)
-            else (value if kind == _ALIAS else _host_copy(value))
-        )
+        if not isinstance(value, ort.OrtValue):
+            values[dst] = value if kind == _ALIAS else _host_copy(value)
+        else:
+            try:
+                values[dst] = _move(value, kind, physical)
+            except PlacementError:
+                raise
+            except Exception as err:  # an allocation on the destination device failed
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise PlacementError(f"moving blob {src!r} to {physical} failed: {first}") from err
     for key in free:
         del values[key]
 
@@ -657,6 +722,50 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         (4, 8)
     """
     return Runner(model, device_map=device_map, auto_update=False).run(inputs)
+
+
+def _run_error(ex: _StageExec, err: Exception) -> PlacementError:
+    """ONNX Runtime failed while running a stage: say which stage, device and ops."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    ops = ex.stage.ops
+    span = f"op {ops[0]!r}" if len(ops) == 1 else f"ops {ops[0]!r} .. {ops[-1]!r}"
+    return PlacementError(
+        f"stage {ex.stage.index} ({ex.stage.device} -> {ex.physical}, {span}) failed in ONNX Runtime: {first}"
+    )
+
+
+def _stale_copies(model: Model) -> bool:
+    """True if a copy no longer matches the placement: its ends share a device, or a
+    reader of its blob moved to another device than the copy's."""
+    for node in model.graph:
+        if not is_copy_node(node):
+            continue
+        device = node_device(node)
+        source = node.inputs[0] if node.inputs else None
+        if source is None or model.blob_device(source) == device:
+            return True
+        if any(node_device(use.node) != device for use in node.outputs[0].uses()):
+            return True
+    return False
+
+
+def _session(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf.
+
+    The proto holds only the graph (so no 2 GB limit); each large weight is handed
+    to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
+    for a model loaded lazily), which the session copies onto its device once.
+    """
+    from placement.graph.serialize import split_weights
+
+    proto, weights = split_weights(model)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
+    if values:
+        options.add_external_initializers(list(weights), values)
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
+    session._placement_weights = values  # the session may read them for as long as it lives
+    return session
 
 
 # --- transfers ---------------------------------------------------------------------------

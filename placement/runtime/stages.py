@@ -459,6 +459,7 @@ def _stage_model(
             graph.inputs.remove(value)
     for value in graph.inputs:
         _ensure_type(model, value)
+    _lift_large_constants(graph)
     stage_model = ir.Model(
         graph,
         ir_version=source.ir_version,
@@ -466,6 +467,19 @@ def _stage_model(
         functions=list(source.functions.values()),
     )
     return stage_model
+
+
+#: ``Constant`` tensors of at least this many elements become stage initializers.
+_LIFT_ELEMENTS = 256
+
+
+def _lift_large_constants(graph: ir.Graph) -> None:
+    """Turn large ``Constant`` ops of a stage graph into initializers, so that their
+    weights reach ONNX Runtime outside the protobuf like every other weight."""
+    from onnx_ir.passes.common import LiftConstantsToInitializersPass
+
+    if any(n.op_type == "Constant" and "value" in n.attributes for n in graph):
+        LiftConstantsToInitializersPass(size_limit=_LIFT_ELEMENTS)(ir.Model(graph, ir_version=10))
 
 
 def _fingerprint(stage: Stage, nodes: list[ir.Node], params: list[tuple[str, ir.Value]]) -> str:

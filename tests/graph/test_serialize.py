@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
@@ -91,11 +94,15 @@ def test_external_data_roundtrip(tmp_path):
     model = mlp_graph(2, width=64)
     path = tmp_path / "ext.onnx"
     model.save(path, external_data=True)
-    assert (tmp_path / "ext.onnx.data").exists()
+    assert len(list(tmp_path.glob("ext.onnx.*.data"))) == 1
     assert os.path.getsize(path) < 16 * 1024
     x = np.ones((2, 64), np.float32)
     want = _ort(to_proto(model).SerializeToString(), {"x": x})
-    got = _ort(to_proto(pl.load(path)).SerializeToString(), {"x": x})
+    got = _ort(str(path), {"x": x})
+    np.testing.assert_allclose(got[0], want[0])
+    loaded = pl.load(path)  # weights stay on disk until read
+    assert all(isinstance(v.const_value, ir.ExternalTensor) for v in loaded.graph.initializers.values())
+    got = pl.run(loaded, {"x": x}, device_map="cpu")
     np.testing.assert_allclose(got[0], want[0])
 
 
@@ -123,7 +130,7 @@ def test_external_data_traversal_is_refused(tmp_path, location):
 def test_missing_and_truncated_external_data(tmp_path):
     path = tmp_path / "m.onnx"
     mlp_graph(1, width=64).save(path, external_data=True)
-    data = tmp_path / "m.onnx.data"
+    (data,) = tmp_path.glob("m.onnx.*.data")
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(pl.ModelLoadError, match="truncated"):
         pl.load(path)
@@ -167,7 +174,7 @@ def test_failed_save_keeps_existing_file(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(onnx, "save_model", boom)
+    monkeypatch.setattr(onnx.ModelProto, "SerializeToString", boom)
     with pytest.raises(pl.ModelSaveError, match="disk full"):
         model.save(path)
     assert path.read_bytes() == b"precious"
@@ -185,3 +192,165 @@ def test_save_does_not_modify_the_model(tmp_path):
     before = (model.ir_model.ir_version, _fingerprint(model), dict(model.ir_model.metadata_props))
     model.save(tmp_path / "m.onnx")
     assert (model.ir_model.ir_version, _fingerprint(model), dict(model.ir_model.metadata_props)) == before
+
+
+# --- state that must never be lost or corrupted -----------------------------------------
+
+
+def _mlp_with(seed: int, width: int = 64) -> pl.Model:
+    model = mlp_graph(2, width=width)
+    rng = np.random.default_rng(seed)
+    for value in model.graph.initializers.values():
+        shape = tuple(value.const_value.shape)
+        value.const_value = ir.tensor(rng.standard_normal(shape).astype(np.float32), name=value.name)
+    return model
+
+
+def _outputs(model_or_path, x):
+    model = pl.load(model_or_path) if not isinstance(model_or_path, pl.Model) else model_or_path
+    return pl.run(model, {"x": x}, device_map="cpu")[0]
+
+
+def test_failed_external_save_keeps_the_old_pair(tmp_path, monkeypatch):
+    x = np.ones((2, 64), np.float32)
+    old, new = _mlp_with(1), _mlp_with(2)
+    path = tmp_path / "m.onnx"
+    old.save(path, external_data=True)
+    before = sorted(os.listdir(tmp_path))
+    real_replace = os.replace
+
+    def fail_on_the_switch(src, dst, *args, **kwargs):
+        if os.fspath(dst) == os.fspath(path):
+            raise OSError("power cut")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_switch)
+    with pytest.raises(pl.ModelSaveError, match="power cut"):
+        new.save(path, external_data=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == before
+    np.testing.assert_allclose(_outputs(path, x), _outputs(old, x))
+    new.save(path, external_data=True)  # a good save replaces the pair and removes the old data
+    assert len(list(tmp_path.glob("m.onnx.*.data"))) == 1
+    np.testing.assert_allclose(_outputs(path, x), _outputs(new, x))
+
+
+def test_a_model_never_pairs_with_another_saves_weights(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _mlp_with(1).save(tmp_path / "a" / "m.onnx", external_data=True)
+    _mlp_with(2).save(tmp_path / "b" / "m.onnx", external_data=True)
+    (mine,) = (tmp_path / "a").glob("*.data")
+    (theirs,) = (tmp_path / "b").glob("*.data")
+    shutil.copyfile(theirs, mine)  # same size, same layout, other weights
+    with pytest.raises(pl.ModelLoadError, match="belongs to another save"):
+        pl.load(tmp_path / "a" / "m.onnx")
+
+
+def test_resaving_a_lazily_loaded_model_in_place(tmp_path):
+    x = np.ones((2, 64), np.float32)
+    path = tmp_path / "m.onnx"
+    _mlp_with(1).save(path, external_data=True)
+    model = pl.load(path)
+    want = _outputs(_mlp_with(1), x)
+    model.set_device("relu1", 1)
+    model.save(path, external_data=True)  # streams from the old data file into the new one
+    assert len(list(tmp_path.glob("m.onnx.*.data"))) == 1
+    np.testing.assert_allclose(_outputs(model, x), want)  # still readable: re-pointed
+    np.testing.assert_allclose(_outputs(path, x), want)
+    model.save(path)  # and back to one self-contained file
+    assert not list(tmp_path.glob("m.onnx.*.data"))
+    np.testing.assert_allclose(_outputs(path, x), want)
+    np.testing.assert_allclose(_outputs(model, x), want)
+
+
+@pytest.mark.parametrize("kind", ["devnull", "fifo"])
+def test_save_refuses_what_is_not_a_regular_file(tmp_path, kind):
+    if kind == "devnull":
+        target = "/dev/null"
+    else:
+        target = tmp_path / "pipe.onnx"
+        os.mkfifo(target)
+    with pytest.raises(pl.ModelSaveError, match="not a regular file"):
+        mlp_graph(1).save(target)
+    if kind == "devnull":
+        assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    else:
+        assert stat.S_ISFIFO(os.stat(target).st_mode)
+        assert sorted(os.listdir(tmp_path)) == ["pipe.onnx"]
+
+
+def test_save_through_a_symlink_writes_its_target(tmp_path):
+    real = tmp_path / "real.onnx"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.onnx"
+    link.symlink_to(real)
+    mlp_graph(1).save(link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert pl.load(real).ops[0].name == "fc0"
+
+
+def test_save_keeps_permission_bits(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    mlp_graph(1).save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    mlp_graph(1, width=64).save(path, external_data=True)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def _constant_model(width: int = 64) -> pl.Model:
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, width]))
+    weight = np.arange(width * width, dtype=np.float32).reshape(width, width) / width**2
+    const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(weight))], name="w")
+    const.outputs[0].name = "w_out"
+    matmul = ir.Node("", "MatMul", [x, const.outputs[0]], name="mm")
+    matmul.outputs[0].name = "y"
+    matmul.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    matmul.outputs[0].shape = ir.Shape([2, width])
+    graph = ir.Graph([x], matmul.outputs, nodes=[const, matmul], opset_imports={"": 20}, name="c")
+    return pl.Model(ir.Model(graph, ir_version=10))
+
+
+def test_constant_attribute_tensors_go_to_external_data(tmp_path):
+    model = _constant_model()
+    x = np.ones((2, 64), np.float32)
+    want = _outputs(model, x)
+    path = tmp_path / "c.onnx"
+    model.save(path, external_data=True)
+    assert os.path.getsize(path) < 4096  # the 16 KiB constant went out
+    assert len(list(tmp_path.glob("c.onnx.*.data"))) == 1
+    np.testing.assert_allclose(_ort(str(path), {"x": x})[0], want)
+    np.testing.assert_allclose(_outputs(path, x), want)
+
+
+def test_bad_external_data_in_a_subgraph_names_the_op(tmp_path):
+    outer = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+    branch_init = onnx.TensorProto(name="k", data_type=onnx.TensorProto.FLOAT, dims=[4])
+    branch_init.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "../../outside.bin"), ("offset", "0"), ("length", "16")):
+        entry = branch_init.external_data.add()
+        entry.key, entry.value = key, value
+    branch = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["k"], ["y_then"])],
+        "then",
+        [],
+        [onnx.helper.make_tensor_value_info("y_then", onnx.TensorProto.FLOAT, [4])],
+        [branch_init],
+    )
+    other = onnx.helper.make_graph(
+        [onnx.helper.make_node("Constant", [], ["y_else"], value_floats=[0.0, 0.0, 0.0, 0.0])],
+        "else",
+        [],
+        [onnx.helper.make_tensor_value_info("y_else", onnx.TensorProto.FLOAT, [4])],
+    )
+    node = onnx.helper.make_node("If", ["c"], ["y"], name="branchy", then_branch=branch, else_branch=other)
+    graph = onnx.helper.make_graph(
+        [node], "g", [onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])], [outer]
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    path = tmp_path / "sub.onnx"
+    onnx.save_model(proto, path)
+    with pytest.raises(pl.ModelLoadError, match="branchy.*outside|outside.*branchy"):
+        pl.load(path)

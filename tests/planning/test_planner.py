@@ -253,3 +253,52 @@ def test_auto_place_refuses_models_with_copies(exported):
     inject(model)
     with pytest.raises(pl.PlanError, match="copies"):
         pl.auto_place(model, devices=2, cost="size")
+
+
+def test_plan_save_is_atomic_and_every_failure_is_a_plan_error(exported, tmp_path, monkeypatch):
+    model, _, _ = exported("mlp")
+    plan = pl.auto_place(model, devices=2, cost="size")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    before = path.read_bytes()
+
+    def boom(self, **kwargs):
+        raise ValueError("cannot serialise")
+
+    monkeypatch.setattr(pl.Plan, "to_json", boom)
+    with pytest.raises(pl.PlanError, match="cannot serialise"):
+        plan.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    with pytest.raises(pl.PlanError, match="plan.json"):
+        plan.save(tmp_path / "missing" / "plan.json")
+    with pytest.raises(pl.PlanError, match="not a regular file"):
+        plan.save("/dev/null")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    with pytest.raises(pl.PlanError, match="not UTF-8"):
+        pl.Plan.load(binary)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"devices": 3}')
+    with pytest.raises(pl.PlanError, match="wrong.json"):
+        pl.Plan.load(wrong)
+    with pytest.raises(pl.PlanError, match="cannot read plan"):
+        pl.Plan.load(tmp_path)  # a folder
+
+
+@pytest.mark.parametrize("devices", [1.5, "cuda:0", b"2", object()])
+def test_auto_place_rejects_devices_that_are_neither_a_count_nor_a_list(exported, devices):
+    model, _, _ = exported("mlp")
+    with pytest.raises(pl.PlanError, match="count or a list"):
+        pl.auto_place(model, devices=devices, cost="size")
+
+
+def test_time_cost_falls_back_to_flops_when_timing_would_not_fit(exported, monkeypatch, caplog):
+    from placement.planning import planner
+
+    model, _, _ = exported("mlp")
+    monkeypatch.setattr(planner, "_available_memory", lambda: 1024)  # a machine with 1 KiB free
+    with caplog.at_level("WARNING", logger="placement.planning.planner"):
+        plan = pl.auto_place(model, devices=2)
+    assert plan.cost_kind == "flops"
+    assert "cost='flops' instead" in caplog.text

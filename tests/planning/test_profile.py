@@ -122,3 +122,14 @@ def test_segment_memory_agrees_with_general_liveness_and_is_monotone(seed, n_ops
     assert info.segment_memory(a, b) <= info.segment_memory(i, j)  # what makes the greedy exact
     out, into = info.transfers(part, 2)
     assert into[1] == info.segment_in_bytes(cut, n) and out[0] == into[1]
+
+
+def test_profiler_failures_are_plan_errors(exported):
+    model, _, args = exported("gpt")
+    tokens = args[0].numpy().copy()
+    tokens[0, 0] = 10**6  # no such token id: ONNX Runtime fails inside the timing run
+    with pytest.raises(pl.PlanError, match="profiling failed.*could not run"):
+        pl.profile(model, sample_inputs=[tokens])
+    with pytest.raises(pl.PlanError, match="profiling failed"):
+        pl.auto_place(model, devices=2, sample_inputs=[tokens], repeats=1)
+    assert [str(d) for d in model.devices] == ["cuda:0"]  # the model is unchanged

@@ -509,3 +509,87 @@ def test_runs_stay_quiet_at_the_default_log_level(capfd, caplog):
     with caplog.at_level(logging.DEBUG, logger="placement"):
         assert rort.ort_log_severity() == 1
         assert "onnxruntime" in place_and_run()
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_stale_copies_run_as_if_reinjected(exported, name):
+    model, _, args = exported(name)
+    place_shift(model, 2)
+    for op in model.ops:  # undo the shift behind the copies' back, then move a prefix to cuda:2
+        if not op.is_copy and op.device == pl.Device("cuda", 1):
+            model.set_device(op.name, 0)
+    compute = [op for op in model.ops if not op.is_copy]
+    for op in compute[: len(compute) // 3]:
+        model.set_device(op.name, 2)
+    before = [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops]
+    _check(name, pl.run(model, args, device_map="cpu"))
+    assert [(op.name, op.inputs, op.outputs, str(op.device)) for op in model.ops] == before
+
+
+def test_replacement_during_a_rebuild_is_retried(exported, monkeypatch):
+    model, _, args = exported("mlp")
+    compute = [op.name for op in model.ops]
+    runner = pl.Runner(model, device_map="cpu")
+    real_plan = rort.split_stages
+    calls = []
+
+    def plan_then_replace(m):  # another thread re-places the model right after it was partitioned
+        part = real_plan(m)
+        calls.append(len(part.stages))
+        if len(calls) == 1:
+            for name in compute:
+                model.set_device(name, 0)
+        return part
+
+    for name in compute[len(compute) // 2 :]:
+        model.set_device(name, 1)
+    monkeypatch.setattr(rort, "split_stages", plan_then_replace)
+    _check("mlp", runner.run(args))  # runs the placement it partitioned, whole
+    assert calls == [2] and [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1"]
+    _check("mlp", runner.run(args))  # and follows the change at the next run
+    assert calls == [2, 1] and [str(s.device) for s in runner.stages] == ["cuda:0"]
+
+
+def test_runs_from_threads_while_another_thread_replaces(exported):
+    import threading
+
+    model, _, args = exported("mlp")
+    compute = [op.name for op in model.ops]
+    runner = pl.Runner(model, device_map="cpu")
+    stop, errors = threading.Event(), []
+
+    def replace():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            for i, name in enumerate(compute):
+                model.set_device(name, 0 if i < len(compute) // 2 else k % 3)
+
+    def work():
+        try:
+            for _ in range(20):
+                _check("mlp", runner.run(args))
+        except Exception as err:  # noqa: BLE001 (collected and reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    mover = threading.Thread(target=replace)
+    mover.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    mover.join()
+    assert not errors, errors[:3]
+    assert runner.stats.runs == 60
+
+
+def test_onnx_runtime_failures_in_a_run_name_the_stage_and_op(exported):
+    model, _, args = exported("gpt")
+    place_shift(model, 2)
+    tokens = args[0].numpy().copy()
+    tokens[0, 0] = 10**6  # no such token id
+    with pytest.raises(pl.PlacementError, match=r"stage 0 .*failed in ONNX Runtime.*Gather") as err:
+        pl.run(model, [tokens], device_map="cpu")
+    assert not isinstance(err.value, (KeyError, IndexError))
