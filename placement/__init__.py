@@ -99,3 +99,4 @@ __all__ += [
 __all__ += ["Runner", "run"]
 __all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
 __all__ += ["to_torch"]
+from placement.planning.links import Link, Links; from placement.runtime.links import measure_links; __all__ += ["Link", "Links", "measure_links"]  # noqa: E402, E501, E702, I001

@@ -1,0 +1,211 @@
+"""What a cut inside a fusable pattern costs: measured, per cut point.
+
+ONNX Runtime fuses chains such as Conv + BatchNormalization (+ Add) (+ Relu) and
+MatMul + Add (+ activation) into one kernel (and, for convolutions on the CPU, keeps
+them in its blocked memory layout). A stage boundary inside such a chain makes each
+half a separate session: the fusion is lost, and each side pays a layout conversion.
+
+:func:`fusion_cut_costs` finds the chains in a model's graph order (each op the only
+reader of the one before it, adjacent in the order) and, for every cut point inside
+one, times the chain as one session against its two halves as two sessions (all
+graph optimisations on, one intra-op thread, like the profiler). The difference,
+split evenly between the two sides, is what the planner charges the part before and
+the part after that cut (:class:`placement.passes.planner.PartitionProblem`'s
+``cut_costs``). Chains with the same op types, attributes and shapes are timed once.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.passes.profile import GraphInfo
+    >>> from placement.planning.fusion import find_chains
+    >>> from models import resnet
+    >>> model = pl.from_torch(*resnet.build("tiny"))
+    >>> chains = find_chains(GraphInfo(model))
+    >>> [GraphInfo(model).nodes[p].op_type for p in range(*chains[0])]
+    ['Conv', 'BatchNormalization', 'Relu']
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from placement.graph.model import Model
+from placement.passes.profile import GraphInfo
+
+__all__ = ["PATTERNS", "find_chains", "fusion_cut_costs"]
+
+log = logging.getLogger(__name__)
+
+_ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "Gelu", "FastGelu"})
+
+#: Fusable chains: a head op type, then optional stages in order.
+PATTERNS: tuple[tuple[frozenset[str], tuple[frozenset[str], ...]], ...] = (
+    (
+        frozenset({"Conv"}),
+        (frozenset({"BatchNormalization"}), frozenset({"Add"}), _ACTIVATIONS),
+    ),
+    (frozenset({"MatMul", "Gemm"}), (frozenset({"Add"}), _ACTIVATIONS)),
+)
+
+
+def find_chains(info: GraphInfo) -> list[tuple[int, int]]:
+    """Fusable chains as ``(start, end)`` position ranges (end exclusive, length >= 2)."""
+    chains = []
+    pos, n = 0, len(info)
+    while pos < n:
+        op = info.nodes[pos].op_type
+        stages = next((rest for head, rest in PATTERNS if op in head), None)
+        if stages is None:
+            pos += 1
+            continue
+        end = pos + 1
+        for stage in stages:
+            if end < n and info.nodes[end].op_type in stage and _feeds_only(info, end - 1, end):
+                end += 1
+        if end - pos >= 2:
+            chains.append((pos, end))
+        pos = end
+    return chains
+
+
+def _feeds_only(info: GraphInfo, src: int, dst: int) -> bool:
+    """``dst`` reads an output of ``src`` that nothing else reads and is no graph output."""
+    for b in info.op_outputs[src]:
+        if info.blob_consumers[b] == [dst] and not info.blob_is_output[b]:
+            return True
+    return False
+
+
+def fusion_cut_costs(
+    model: Model, info: GraphInfo | None = None, *, repeats: int = 5
+) -> list[tuple[int, int]]:
+    """Per cut position ``0..n``, ``(cost to the part before, cost to the part after)`` in ns.
+
+    Zero outside fusable chains. Timing failures (an op ONNX Runtime cannot run
+    alone) leave that chain at zero and are logged.
+    """
+    info = info if info is not None else GraphInfo(model)
+    n = len(info)
+    result = [(0, 0)] * (n + 1)
+    chains = find_chains(info)
+    if not chains:
+        return result
+    measured: dict[Any, list[int]] = {}
+    timer = _SegmentTimer(model, repeats=max(3, repeats))
+    for start, end in chains:
+        key = _signature(info, start, end)
+        extra = measured.get(key)
+        if extra is None:
+            try:
+                extra = timer.cut_costs(info, start, end)
+            except Exception as err:  # ORT rejects some stand-alone pieces; such chains cost 0
+                log.debug("fusion: cannot time chain at %s: %s", info.names[start], err)
+                extra = [0] * (end - start - 1)
+            measured[key] = extra
+        for offset, ns in enumerate(extra):
+            c = start + 1 + offset
+            result[c] = (ns - ns // 2, ns // 2)
+    log.info(
+        "fusion: %d fusable chains (%d distinct), cuts inside cost up to %.3f ms",
+        len(chains),
+        len(measured),
+        max((a + b for a, b in result), default=0) / 1e6,
+    )
+    return result
+
+
+def _signature(info: GraphInfo, start: int, end: int) -> Any:
+    parts = []
+    for pos in range(start, end):
+        node = info.nodes[pos]
+        attrs = tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items()))
+        shapes = tuple(
+            None if v is None or v.shape is None else (str(v.dtype), tuple(str(d) for d in v.shape))
+            for v in node.inputs
+        )
+        parts.append((node.op_type, attrs, shapes))
+    return tuple(parts)
+
+
+class _SegmentTimer:
+    """Times contiguous pieces of the model's graph order as stand-alone sessions."""
+
+    def __init__(self, model: Model, *, repeats: int) -> None:
+        import onnx.utils
+
+        from placement.graph.serialize import to_proto
+
+        self.repeats = repeats
+        self._call: float | None = None
+        self.extractor = onnx.utils.Extractor(to_proto(model))
+
+    def _time(self, info: GraphInfo, start: int, end: int) -> float:
+        import onnxruntime as ort
+
+        names = {info.blob_names[b] for pos in range(start, end) for b in info.op_inputs[pos]}
+        made = {info.blob_names[b] for pos in range(start, end) for b in info.op_outputs[pos]}
+        inputs = sorted(names - made)
+        outputs = [info.blob_names[b] for b in info.op_outputs[end - 1]]
+        proto = self.extractor.extract_model(inputs, outputs)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feeds = {}
+        for arg in session.get_inputs():
+            shape = [d if isinstance(d, int) else 1 for d in arg.shape]
+            dtype = _NUMPY.get(arg.type, np.float32)
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+        return self._median(session, feeds)
+
+    def _median(self, session: Any, feeds: dict[str, np.ndarray]) -> float:
+        session.run(None, feeds)
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter_ns()
+            session.run(None, feeds)
+            times.append(time.perf_counter_ns() - t0)
+        return statistics.median(times)
+
+    def call_overhead(self) -> float:
+        """The time of one session call that computes nothing (a cut anywhere pays it)."""
+        if self._call is None:
+            import onnx
+            import onnxruntime as ort
+            from onnx import TensorProto, helper
+
+            graph = helper.make_graph(
+                [helper.make_node("Identity", ["x"], ["y"])],
+                "empty",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+            )
+            proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+            onnx.checker.check_model(proto)
+            session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+            self._call = self._median(session, {"x": np.zeros(1, np.float32)})
+        return self._call
+
+    def cut_costs(self, info: GraphInfo, start: int, end: int) -> list[int]:
+        whole = self._time(info, start, end)
+        extra = []
+        for c in range(start + 1, end):
+            apart = self._time(info, start, c) + self._time(info, c, end) - self.call_overhead()
+            extra.append(max(0, int(apart - whole)))
+        return extra
+
+
+_NUMPY: dict[str, Any] = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
