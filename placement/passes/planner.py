@@ -36,6 +36,23 @@ Objectives:
   (exact, by the same dynamic programme). With room to spare this keeps everything
   on the first device, which is the fastest way to run one request.
 
+Communication (``cost="time"``): a link model (:mod:`placement.planning.links`, by
+default typical links by device type; ``links=pl.measure_links()`` for this
+machine's) turns every copy into time, ``latency + bytes / bandwidth``, and a part's
+cost becomes its op costs plus the time to copy in every blob it reads from earlier
+parts, plus what cuts inside fusable patterns cost it
+(:mod:`placement.planning.fusion`, measured). The throughput objective is then the
+bottleneck over parts of that cost (a pipelined stage receives, then computes), the
+latency objective the sum of the transfer and cut times along the chain. A part's
+cost no longer shrinks with the part (starting one op later can add a copy), so the
+greedy sweep is replaced by an exact min-max dynamic programme, then the same
+dynamic programme as above picks, among partitions at the optimal bottleneck, the
+one with the least transfer and cut time. Both are exact when, for every device,
+all links into it from earlier devices are alike (one kind of interconnect, or
+the links from :func:`placement.measure_links` between two devices); otherwise the
+planner charges a copy on the link from the previous device in the pipeline, and
+the plan reports the times on the true links.
+
 Bytes copied per step count one copy per (blob, reading device), as
 ``inject_cross_device_copies`` makes them; graph inputs are fed where first read;
 blobs computed from parameters alone are load-time values the runtimes

@@ -15,7 +15,7 @@ the part after that cut (:class:`placement.passes.planner.PartitionProblem`'s
 
 Example:
     >>> import placement as pl
-    >>> from placement.passes.profile import GraphInfo
+    >>> from placement.passes.profile import GraphInfo, fingerprint
     >>> from placement.planning.fusion import find_chains
     >>> from models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
@@ -34,11 +34,13 @@ from typing import Any
 import numpy as np
 
 from placement.graph.model import Model
-from placement.passes.profile import GraphInfo
+from placement.passes.profile import GraphInfo, fingerprint
 
 __all__ = ["PATTERNS", "find_chains", "fusion_cut_costs"]
 
 log = logging.getLogger(__name__)
+
+_CACHE_KEY = "placement.fusion_cut_costs"
 
 _ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "Gelu", "FastGelu"})
 
@@ -86,13 +88,19 @@ def fusion_cut_costs(
     """Per cut position ``0..n``, ``(cost to the part before, cost to the part after)`` in ns.
 
     Zero outside fusable chains. Timing failures (an op ONNX Runtime cannot run
-    alone) leave that chain at zero and are logged.
+    alone) leave that chain at zero and are logged. Cached on the model per
+    structure fingerprint (like the profile), so placing ops keeps it valid.
     """
+    fp = fingerprint(model)
+    cached = model.ir_model.meta.get(_CACHE_KEY)
+    if isinstance(cached, tuple) and cached[0] == fp:
+        return list(cached[1])
     info = info if info is not None else GraphInfo(model)
     n = len(info)
     result = [(0, 0)] * (n + 1)
     chains = find_chains(info)
     if not chains:
+        model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
         return result
     measured: dict[Any, list[int]] = {}
     timer = _SegmentTimer(model, repeats=max(3, repeats))
@@ -115,6 +123,7 @@ def fusion_cut_costs(
         len(measured),
         max((a + b for a, b in result), default=0) / 1e6,
     )
+    model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
     return result
 
 
