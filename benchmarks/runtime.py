@@ -57,8 +57,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import models  # noqa: E402
 import placement as pl  # noqa: E402
+from placement import models  # noqa: E402
 from placement.demo import place_evenly  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402

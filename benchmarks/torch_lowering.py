@@ -42,8 +42,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import models  # noqa: E402
 import placement as pl  # noqa: E402
+from placement import models  # noqa: E402
 from placement.passes.activations import get_activation_blobs  # noqa: E402
 from placement.passes.copies import inject_cross_device_copies  # noqa: E402
 from placement.passes.shift import shift_activation_devices  # noqa: E402

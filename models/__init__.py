@@ -8,7 +8,7 @@ takes roughly 5-50 ms per forward on a 2-core CPU (benchmarks). All models expor
 ``torch.onnx.export(module, inputs, dynamo=True)`` to common ONNX ops.
 
 Example:
-    >>> import models
+    >>> from placement import models
     >>> module, inputs = models.build("mlp")
     >>> module(*inputs).shape
     torch.Size([4, 8])
@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from models import gpt, mlp, resnet, unet
+from placement.models import gpt, mlp, resnet, unet
 
 __all__ = ["DEFAULT_MODEL", "MODELS", "SIZES", "build", "gpt", "mlp", "resnet", "unet"]
 

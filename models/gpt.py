@@ -17,7 +17,7 @@ exported graph uses only common ONNX ops (``MatMul``, ``Softmax``, ``Where``, ``
 *tied* to the token embedding (``lm_head.weight is wte.weight``). No dropout (inference only).
 
 Example:
-    >>> from models import gpt
+    >>> from placement.models import gpt
     >>> module, (idx,) = gpt.build("tiny")
     >>> module(idx).shape
     torch.Size([2, 8, 64])
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models._sizes import lookup_size
+from placement.models._sizes import lookup_size
 
 __all__ = ["GPT", "SIZES", "Block", "CausalSelfAttention", "GPTConfig", "Size", "build"]
 

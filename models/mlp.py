@@ -10,7 +10,7 @@ read ``fc2``. Each ``Linear`` exports to one ONNX ``Gemm``; each ``ReLU`` to one
 simplest chain-shaped graph in the zoo.
 
 Example:
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> module, (x,) = mlp.build("tiny")
     >>> module(x).shape
     torch.Size([4, 8])
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models._sizes import lookup_size
+from placement.models._sizes import lookup_size
 
 __all__ = ["MLP", "SIZES", "Size", "build"]
 

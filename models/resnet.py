@@ -20,7 +20,7 @@ parameters are random, so every parameter affects the output. Exports to ONNX ``
 ``BatchNormalization``, ``Relu``, ``Add``, ``ReduceMean`` and ``Gemm``.
 
 Example:
-    >>> from models import resnet
+    >>> from placement.models import resnet
     >>> module, (x,) = resnet.build("tiny")
     >>> module(x).shape
     torch.Size([2, 10])
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models._sizes import lookup_size
+from placement.models._sizes import lookup_size
 
 __all__ = ["SIZES", "BasicBlock", "ResNet", "Size", "build", "calibrate_batchnorm"]
 

@@ -21,7 +21,7 @@ followed by a 1x1 conv with ``upsample="nearest"``. ``H`` and ``W`` must be divi
 ``InstanceNormalization``, ``Mul``, ``Add``).
 
 Example:
-    >>> from models import unet
+    >>> from placement.models import unet
     >>> module, (x,) = unet.build("tiny")
     >>> module(x).shape
     torch.Size([2, 2, 16, 16])
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models._sizes import lookup_size
+from placement.models._sizes import lookup_size
 
 __all__ = ["SIZES", "DoubleConv", "Size", "UNet", "Up", "build"]
 

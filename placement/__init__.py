@@ -1,14 +1,31 @@
 """placement: split neural networks across devices at the operator-graph level.
 
+The package is layered; imports point down this list only (a test enforces it):
+
+- :mod:`placement.graph`: the IR layer (``Model``, ``Device``, load/save, verify, views, import).
+- :mod:`placement.analysis`: facts every layer above shares (data dependence, copy origin,
+  load-time values).
+- :mod:`placement.passes`: the Caffe2 pass trio on ``onnx_ir`` passes.
+- :mod:`placement.planning`: front-ends, profiler, planner.
+- :mod:`placement.runtime`: stages, the ONNX Runtime executor, the torch lowering, device maps.
+- :mod:`placement.report`: tables for people.
+- :mod:`placement.cli`: the ``placement`` command.
+
+``import placement`` is light: every public name (but the errors) is imported on first use, so
+onnx_ir, torch and ONNX Runtime load only when a name that needs them is touched.
+
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> str(model.devices[0])
     'cuda:0'
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from placement.errors import (
     DeviceError,
@@ -25,38 +42,72 @@ from placement.errors import (
     UnknownOpError,
     VerificationError,
 )
-from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
 
-# the Caffe2 pass trio and the pass pipeline (issue 3)
-from placement.passes import (
-    Pipeline,
-    get_activation_blobs,
-    inject_cross_device_copies,
-    shift_activation_devices,
-)
-
-# placement front-ends, profiler and planner (issue 5)
-from placement.passes.balance import balance, balance_by_size, balance_by_time
-from placement.passes.blocks import begin_block
-from placement.passes.modules import assign_modules, module_devices
-from placement.passes.planner import Plan, auto_place
-from placement.passes.profile import Profile, profile
-from placement.passes.stage_assignment import (
-    StageAssignment,
-    get_stage_assignment,
-    set_stage_assignment,
-    summary,
-)
-
-# ONNX Runtime executor (issue 4)
-from placement.runtime.ort import Runner, run
-
-# torch lowering (issue 4)
-from placement.runtime.torch_lower import to_torch
+if TYPE_CHECKING:
+    from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
+    from placement.passes import (
+        Pipeline,
+        get_activation_blobs,
+        inject_cross_device_copies,
+        shift_activation_devices,
+    )
+    from placement.planning import (
+        Plan,
+        Profile,
+        StageAssignment,
+        assign_modules,
+        auto_place,
+        balance,
+        balance_by_size,
+        balance_by_time,
+        begin_block,
+        get_stage_assignment,
+        module_devices,
+        profile,
+        set_stage_assignment,
+    )
+    from placement.report import summary
+    from placement.runtime.ort import Runner, run
+    from placement.runtime.torch_lower import to_torch
 
 __version__ = "0.1.0"
 
+# Public name -> the module that defines it. Everything but the errors loads on first access,
+# so ``import placement`` (and ``placement --help``) does not pay for onnx_ir, torch or ORT.
+_LAZY = {
+    **dict.fromkeys(
+        ["Device", "Model", "Op", "Parameter", "from_torch", "load", "verify"], "placement.graph"
+    ),
+    **dict.fromkeys(
+        ["Pipeline", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
+        "placement.passes",
+    ),
+    **dict.fromkeys(
+        [
+            "Plan",
+            "Profile",
+            "StageAssignment",
+            "assign_modules",
+            "auto_place",
+            "balance",
+            "balance_by_size",
+            "balance_by_time",
+            "begin_block",
+            "get_stage_assignment",
+            "module_devices",
+            "profile",
+            "set_stage_assignment",
+        ],
+        "placement.planning",
+    ),
+    "summary": "placement.report",
+    "Runner": "placement.runtime.ort",
+    "run": "placement.runtime.ort",
+    "to_torch": "placement.runtime.torch_lower",
+}
+
 __all__ = [
+    # graph
     "Device",
     "Model",
     "Op",
@@ -64,6 +115,7 @@ __all__ = [
     "from_torch",
     "load",
     "verify",
+    # errors
     "PlacementError",
     "DeviceError",
     "ExportError",
@@ -77,16 +129,18 @@ __all__ = [
     "UnknownBlobError",
     "UnknownOpError",
     "VerificationError",
-]
-
-__all__ += [
+    # passes
+    "get_activation_blobs",
+    "shift_activation_devices",
+    "inject_cross_device_copies",
+    "Pipeline",
+    # planning
     "module_devices",
     "assign_modules",
     "begin_block",
     "get_stage_assignment",
     "set_stage_assignment",
     "StageAssignment",
-    "summary",
     "balance",
     "balance_by_time",
     "balance_by_size",
@@ -94,9 +148,33 @@ __all__ += [
     "Profile",
     "auto_place",
     "Plan",
+    # runtime
+    "Runner",
+    "run",
+    "to_torch",
+    # report
+    "summary",
 ]
 
-__all__ += ["Runner", "run"]
-__all__ += ["get_activation_blobs", "shift_activation_devices", "inject_cross_device_copies", "Pipeline"]
-__all__ += ["to_torch"]
-from placement.planning.links import Link, Links; from placement.runtime.links import measure_links; __all__ += ["Link", "Links", "measure_links"]  # noqa: E402, E501, E702, I001
+_LAZY.update(Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"); __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
+
+_SUBPACKAGES = frozenset(
+    {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        value = importlib.import_module(f"placement.{name}")
+        globals()[name] = value
+        return value
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'placement' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

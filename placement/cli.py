@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import placement as pl
 from placement.errors import PlacementError
 
 __all__ = ["main", "build_parser", "load_model_spec"]
@@ -39,12 +40,10 @@ def load_model_spec(spec: str, *, size: str = "tiny", seed: int = 0) -> tuple[An
     Raises:
         PlacementError: neither a readable file nor a known model name.
     """
-    import placement as pl
-
     path = Path(spec)
     if path.suffix == ".onnx" or path.exists():
         return pl.load(path), None, ()
-    import models
+    from placement import models
 
     if spec not in models.MODELS:
         known = ", ".join(sorted(models.MODELS))
@@ -58,7 +57,7 @@ def load_model_spec(spec: str, *, size: str = "tiny", seed: int = 0) -> tuple[An
 def _cmd_models(args: argparse.Namespace, console: Any) -> int:
     from rich.table import Table
 
-    import models
+    from placement import models
 
     table = Table(title="built-in models")
     table.add_column("name")
@@ -73,7 +72,7 @@ def _cmd_models(args: argparse.Namespace, console: Any) -> int:
 def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
     model, _, _ = load_model_spec(args.model, size=args.size)
     console.print(f"[bold]{args.model}[/bold]: {model!r}")
-    summary = model.summary()
+    summary = pl.summary(model)
     if args.json:
         console.print_json(data=summary.to_dict())
     else:
@@ -82,8 +81,6 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
 
 
 def _cmd_place(args: argparse.Namespace, console: Any) -> int:
-    import placement as pl
-
     model, _, _ = load_model_spec(args.model, size=args.size)
     if args.devices < 1:
         raise pl.PlanError(f"--devices must be at least 1, got {args.devices}")
@@ -99,7 +96,7 @@ def _cmd_place(args: argparse.Namespace, console: Any) -> int:
     pl.inject_cross_device_copies(model)
     pl.verify(model)
     model.save(args.output)
-    console.print(model.summary().to_table())
+    console.print(pl.summary(model).to_table())
     console.print(f"saved {args.output}")
     return 0
 
@@ -190,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # pipes and CI logs: do not squeeze tables into 80 columns
         console = Console(width=max(console.width, 140))
     if getattr(args, "model", "") is None:
-        import models
+        from placement import models
 
         args.model = models.DEFAULT_MODEL
     try:

@@ -74,7 +74,7 @@ class DemoResult:
         stages: ``(index, logical device, physical device, ops)`` per ORT stage.
         device_map: logical -> physical device, as strings.
         emulated: True when logical GPUs are emulated on the CPU.
-        summary: the per-device report (:func:`placement.passes.report.summary`).
+        summary: the per-device report (:func:`placement.report.summary.summary`).
         runtimes: the original, ONNX Runtime and lowered torch results.
         ok: both runtimes match the original module.
     """
@@ -108,7 +108,7 @@ def place_evenly(model: Any, devices: int) -> Any:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = place_evenly(pl.from_torch(*mlp.build("tiny")), 2)
         >>> [str(d) for d in model.devices]
         ['cuda:0', 'cuda:1']
@@ -153,8 +153,8 @@ def run_demo(
     import torch
     from rich.console import Console
 
-    import models
     import placement as pl
+    from placement import models
 
     console = console or Console()
     name = model_name or models.DEFAULT_MODEL
@@ -170,7 +170,7 @@ def run_demo(
     place_evenly(model, devices)
     result.ops = len(model.ops)
     result.copies = sum(op.is_copy for op in model.ops)
-    result.summary = model.summary()
+    result.summary = pl.summary(model)
 
     with torch.no_grad():
         expected_out = net(*args)

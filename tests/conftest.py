@@ -11,7 +11,7 @@ import placement as pl
 
 @functools.cache
 def _exported(name: str) -> tuple[pl.Model, object, tuple]:
-    import models
+    from placement import models
 
     net, args = models.build(name, "tiny")
     return pl.from_torch(net, args), net, args

@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
@@ -226,7 +226,7 @@ class Model:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, args = mlp.build("tiny")
         >>> model = pl.from_torch(net, args)
         >>> model.devices
@@ -442,12 +442,6 @@ class Model:
         from placement.graph.serialize import save
 
         save(self, path, external_data=external_data)
-
-    def summary(self) -> Any:
-        """Per-device report (ops, parameter bytes, copies); see ``placement.passes.report``."""
-        from placement.passes.report import summary
-
-        return summary(self)
 
     def __repr__(self) -> str:
         return (

@@ -17,7 +17,7 @@ external data (``<file>.data`` beside the model).
 Example:
     >>> import os, tempfile
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> path = os.path.join(tempfile.mkdtemp(), "m.onnx")
     >>> model.save(path)

@@ -10,7 +10,7 @@
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> pl.verify(model)
     >>> model.set_device(model.ops[-1].name, 1)

@@ -2,7 +2,7 @@
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> g = pl.graph.op_graph(model)
     >>> import networkx as nx

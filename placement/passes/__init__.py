@@ -1,14 +1,15 @@
-"""Analyses and rewrites over :class:`placement.Model`.
+"""The Caffe2 pass trio and the pass infrastructure they share.
 
-The Caffe2 pass trio lives here: :func:`get_activation_blobs` (activation
-discovery), :func:`shift_activation_devices` (label-propagation device shifting)
-and :func:`inject_cross_device_copies` (explicit copies on cross-device edges),
-built on the pass infrastructure of :mod:`placement.passes.base` (``onnx_ir``
-in-place passes and a :class:`Pipeline`), plus the per-device :func:`summary`.
+Holds :func:`get_activation_blobs` (activation discovery), :func:`shift_activation_devices`
+(label-propagation device shifting) and :func:`inject_cross_device_copies` (explicit copies
+on cross-device edges), each a thin wrapper over an ``onnx_ir`` in-place pass, plus the pass
+pipeline of :mod:`placement.passes.base`.
+
+May import: ``placement.errors``, ``placement.graph``, ``placement.analysis``.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
     >>> _ = pl.shift_activation_devices(model, acts[len(acts) // 2:], {0: 1})
@@ -27,7 +28,6 @@ from placement.passes.base import (
     StepResult,
 )
 from placement.passes.copies import CopyResult, InjectCrossDeviceCopiesPass, inject_cross_device_copies
-from placement.passes.report import DeviceRow, Summary, summary
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
 
 __all__ = [
@@ -44,7 +44,4 @@ __all__ = [
     "PipelineResult",
     "StepResult",
     "PassVerificationError",
-    "summary",
-    "Summary",
-    "DeviceRow",
 ]

@@ -15,7 +15,7 @@ inputs only; values their bodies capture from the outer scope are not followed.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> pl.get_activation_blobs(model)
     ['linear', 'relu', 'linear_1', 'relu_1', 'linear_2']
@@ -71,7 +71,7 @@ def get_activation_blobs(model: Model) -> list[str]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> acts = pl.get_activation_blobs(model)
         >>> acts[-1] == model.outputs[0]

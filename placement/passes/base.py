@@ -16,7 +16,7 @@ guarantee raises :class:`PassVerificationError`, which is both a
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> from placement.passes import InjectCrossDeviceCopiesPass, ShiftActivationDevicesPass
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
@@ -305,7 +305,7 @@ class Pipeline(PlacementPass):
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> from placement.passes import InjectCrossDeviceCopiesPass
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> result = pl.Pipeline(InjectCrossDeviceCopiesPass(), debug=True)(model)

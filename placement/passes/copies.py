@@ -27,7 +27,7 @@ or output passed straight through (not produced by an op) is left as it is.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
     >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
@@ -539,7 +539,7 @@ def inject_cross_device_copies(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> result = pl.inject_cross_device_copies(model, output_device="cpu")
         >>> model.outputs, [op.name for op in model.ops if op.is_copy]

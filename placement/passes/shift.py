@@ -32,7 +32,7 @@ are (logged), so one list can be reused across several shifts.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
     >>> result = pl.shift_activation_devices(model, acts[len(acts) // 2:], {0: 1})
@@ -450,7 +450,7 @@ def shift_activation_devices(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> acts = pl.get_activation_blobs(model)
         >>> _ = pl.shift_activation_devices(model, acts[3:], {"cuda:0": "cpu"})

@@ -10,14 +10,14 @@ reader of the one before it, adjacent in the order) and, for every cut point ins
 one, times the chain as one session against its two halves as two sessions (all
 graph optimisations on, one intra-op thread, like the profiler). The difference,
 split evenly between the two sides, is what the planner charges the part before and
-the part after that cut (:class:`placement.passes.planner.PartitionProblem`'s
+the part after that cut (:class:`placement.planning.planner.PartitionProblem`'s
 ``cut_costs``). Chains with the same op types, attributes and shapes are timed once.
 
 Example:
     >>> import placement as pl
-    >>> from placement.passes.profile import GraphInfo, fingerprint
+    >>> from placement.planning.profile import GraphInfo
     >>> from placement.planning.fusion import find_chains
-    >>> from models import resnet
+    >>> from placement.models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
     >>> chains = find_chains(GraphInfo(model))
     >>> [GraphInfo(model).nodes[p].op_type for p in range(*chains[0])]
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from placement.graph.model import Model
-from placement.passes.profile import GraphInfo, fingerprint
+from placement.planning.profile import GraphInfo, fingerprint
 
 __all__ = ["PATTERNS", "find_chains", "fusion_cut_costs"]
 

@@ -49,7 +49,7 @@ switching back to an earlier placement builds nothing (``enable_clone``).
 Example:
     >>> import numpy as np
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> model.set_device(model.ops[-1].name, 1)
@@ -175,7 +175,7 @@ class Runner:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> model = pl.from_torch(net, (x,))
         >>> runner = Runner(model, device_map="cpu")
@@ -518,7 +518,7 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> net, (x,) = mlp.build("tiny")
         >>> run(pl.from_torch(net, (x,)), [x], device_map="cpu")[0].shape
         (4, 8)

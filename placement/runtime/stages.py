@@ -49,7 +49,7 @@ produced by their stage.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> from placement.runtime.stages import partition
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> model.set_device(model.ops[-1].name, 1)
@@ -186,7 +186,7 @@ def partition(model: Model) -> list[Stage]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> [str(s.device) for s in partition(model)]
         ['cuda:0']
@@ -199,7 +199,7 @@ def plan(model: Model) -> Partition:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> p = plan(pl.from_torch(*mlp.build("tiny")))
         >>> len(p.stages), p.transfers, p.inputs
         (1, [], ['input'])
@@ -335,7 +335,7 @@ def stage_graph(stages: Sequence[Stage]) -> nx.DiGraph:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> model.set_device(model.ops[-1].name, 1)
         >>> sorted(stage_graph(partition(model)).edges)

@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import models
-from models import gpt, resnet, unet
+from placement import models
+from placement.models import gpt, resnet, unet
 
 NAMES = sorted(models.MODELS)
 

@@ -375,7 +375,7 @@ def test_zoo_second_half_on_device_1_runs_in_one_ort_session(name: str, exported
     assert shifted.total > 0
     inject_twice(model, output_device=0)  # outputs come back to cuda:0: exercises the renaming
     assert {str(d) for d in model.devices} == {"cuda:0", "cuda:1"}
-    assert model.summary().total_copies == sum(op.is_copy for op in model.ops) > 0
+    assert pl.summary(model).total_copies == sum(op.is_copy for op in model.ops) > 0
     path = tmp_path / f"{name}.onnx"
     model.save(path)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.passes.profile import GraphInfo, make_sample_inputs, op_flops, peak_activation_bytes
+from placement.planning.profile import GraphInfo, make_sample_inputs, op_flops, peak_activation_bytes
 from tests.graph.builders import mlp_graph
-from tests.passes.planning_helpers import random_dag
+from tests.planning.helpers import random_dag
 
 
 def test_profile_measures_every_op_and_caches(exported):

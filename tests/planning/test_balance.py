@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import placement as pl
-from tests.passes.planning_helpers import assert_matches_torch, devices_by_op
+from tests.planning.helpers import assert_matches_torch, devices_by_op
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "unet"])

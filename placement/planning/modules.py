@@ -15,12 +15,12 @@ they work on any imported model without the original ``nn.Module``.
   scope is the key or lies under it (``"blocks.0"`` matches ``blocks.0.attn`` but not
   ``blocks.01``); when several keys match, the longest wins, so ``{"blocks": 0,
   "blocks.3": 1}`` is meaningful. Matched ops move; ops with no scope follow their
-  neighbours (:func:`placement.passes.propagate.follow_neighbours`); scoped ops no key
+  neighbours (:func:`placement.planning.frontend.follow_neighbours`); scoped ops no key
   matches keep their device.
 
 Example:
     >>> import placement as pl
-    >>> from models import gpt
+    >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
     >>> layer_gpus = pl.module_devices(model)
     >>> list(layer_gpus)
@@ -43,7 +43,7 @@ import onnx_ir as ir
 from placement.errors import DeviceError, PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
-from placement.passes.propagate import check_no_copies, follow_neighbours, transaction
+from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
 
 __all__ = ["module_devices", "assign_modules", "module_units", "match_scope"]
 
@@ -114,7 +114,7 @@ def module_devices(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> {k: str(d) for k, d in pl.module_devices(model).items()}  # doctest: +NORMALIZE_WHITESPACE
         {'fc1': 'cuda:0', 'relu1': 'cuda:0', 'fc2': 'cuda:0', 'relu2': 'cuda:0',
@@ -149,7 +149,7 @@ def assign_modules(model: Model, mapping: Mapping[str, DeviceLike]) -> None:
 
     Example:
         >>> import placement as pl
-        >>> from models import resnet
+        >>> from placement.models import resnet
         >>> model = pl.from_torch(*resnet.build("tiny"))
         >>> pl.assign_modules(model, {"layer2": 1, "fc": "cuda:1", "avgpool": 1})
         >>> sorted({str(op.device) for op in model.ops if op.scope and op.scope.startswith("layer2")})

@@ -8,13 +8,13 @@ neighbours.
 
 ``balance_by_time`` and ``balance_by_size`` compute such lists like torchgpipe's
 ``torchgpipe_balancing`` functions, from per-op profiles, with an exact
-min-bottleneck partition (:func:`placement.passes.planner.partition_costs`) instead of
+min-bottleneck partition (:func:`placement.planning.planner.partition_costs`) instead of
 torchgpipe's block-partition heuristic. They return the list; pass it to
 :func:`balance` (or use :func:`placement.auto_place`, which also honours memory).
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> pl.balance(model, [2, 3])
     >>> [str(op.device) for op in model.ops]
@@ -34,10 +34,10 @@ import onnx_ir as ir
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, is_copy_node, node_scope, set_node_device
-from placement.passes.modules import module_units
-from placement.passes.planner import partition_costs
-from placement.passes.profile import profile
-from placement.passes.propagate import check_no_copies, follow_neighbours, transaction
+from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
+from placement.planning.modules import module_units
+from placement.planning.planner import partition_costs
+from placement.planning.profile import profile
 
 __all__ = ["balance", "balance_by_time", "balance_by_size"]
 
@@ -75,7 +75,7 @@ def balance(
 
     Example:
         >>> import placement as pl
-        >>> from models import gpt
+        >>> from placement.models import gpt
         >>> model = pl.from_torch(*gpt.build("tiny"))
         >>> pl.balance(model, [3, 3], by="module")
         >>> [str(d) for d in pl.module_devices(model).values()]
@@ -150,7 +150,7 @@ def balance_by_time(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> b = pl.balance_by_time(model, 2, repeats=2)
         >>> sum(b), len(b)

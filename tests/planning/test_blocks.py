@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import placement as pl
-from placement.passes.blocks import blocks
-from tests.passes.planning_helpers import assert_matches_torch, devices_by_op
+from placement.planning.blocks import blocks
+from tests.planning.helpers import assert_matches_torch, devices_by_op
 
 
 def _first(model, prefix):

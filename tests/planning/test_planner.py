@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.passes.planner import PartitionProblem, build_plan, parse_bytes, partition_costs
-from placement.passes.profile import GraphInfo
 from placement.planning.fusion import find_chains, fusion_cut_costs
 from placement.planning.links import Link, Links
-from tests.passes.planning_helpers import (
+from placement.planning.planner import PartitionProblem, build_plan, parse_bytes, partition_costs
+from placement.planning.profile import GraphInfo
+from tests.planning.helpers import (
     all_ends,
     assert_matches_torch,
     devices_by_op,

@@ -5,7 +5,7 @@ cuts the graph order (a topological order: the exporter's, which follows the for
 code) into at most one contiguous part per device, part ``k`` on the ``k``-th device,
 applies the result to the model in place and returns a :class:`Plan`.
 
-Costs per op come from the profiler (:mod:`placement.passes.profile`): measured time
+Costs per op come from the profiler (:mod:`placement.planning.profile`): measured time
 (``cost="time"``, nanoseconds), parameter plus output bytes (``"size"``) or analytic
 FLOPs (``"flops"``); all are integers, which makes the search below exact.
 
@@ -62,7 +62,7 @@ graphs of a few thousand ops.
 
 Example:
     >>> import placement as pl
-    >>> from models import gpt
+    >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
     >>> plan = pl.auto_place(model, devices=2, cost="flops")
     >>> [str(d) for d in model.devices]
@@ -88,9 +88,9 @@ from typing import Any
 from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, set_node_device
-from placement.passes.profile import COST_KINDS, GraphInfo, fingerprint, profile
-from placement.passes.propagate import check_no_copies, transaction
+from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.links import Link, Links, LinksLike, resolve_links
+from placement.planning.profile import COST_KINDS, GraphInfo, fingerprint, profile
 
 __all__ = [
     "Plan",
@@ -955,7 +955,7 @@ def auto_place(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> plan = pl.auto_place(model, max_memory={0: 10**9, 1: "1GB"}, cost="size")
         >>> plan.fits, len(plan.devices)

@@ -9,7 +9,7 @@ since overwritten (its first op no longer sits on the block's device) is forgott
 
 Example:
     >>> import placement as pl
-    >>> from models import resnet
+    >>> from placement.models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
     >>> pl.begin_block(model, "layer2", device=2)
     >>> pl.begin_block(model, "layer1", device=1)   # order of calls does not matter
@@ -32,8 +32,8 @@ import logging
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
-from placement.passes.modules import known_modules_message, match_scope
-from placement.passes.propagate import check_no_copies, transaction
+from placement.planning.frontend import check_no_copies, transaction
+from placement.planning.modules import known_modules_message, match_scope
 
 __all__ = ["begin_block", "blocks", "clear_blocks", "BLOCKS_KEY"]
 
@@ -98,7 +98,7 @@ def begin_block(model: Model, module: str, device: DeviceLike) -> None:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> pl.begin_block(model, "fc2", device=1)
         >>> [str(op.device) for op in model.ops]

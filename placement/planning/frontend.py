@@ -10,8 +10,8 @@ backward sweep); an op with neither keeps its device.
 
 Example:
     >>> import placement as pl
-    >>> from placement.passes.propagate import follow_neighbours
-    >>> from models import resnet
+    >>> from placement.planning.frontend import follow_neighbours
+    >>> from placement.models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
     >>> for op in model.ops:
     ...     if op.scope == "fc":

@@ -25,7 +25,7 @@ ops in graph order, the unit the runtimes execute). Parameters are counted apart
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> prof = pl.profile(model, repeats=2)
     >>> len(prof.ops) == len(model.ops), prof.backend
@@ -404,9 +404,10 @@ def peak_activation_bytes(model: Model) -> dict[Device, int]:
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
-        >>> peaks = pl.passes.profile.peak_activation_bytes(model)
+        >>> from placement.planning.profile import peak_activation_bytes
+        >>> peaks = peak_activation_bytes(model)
         >>> list(peaks), peaks[pl.Device("cuda", 0)] > 0
         ([Device('cuda:0')], True)
     """
@@ -418,7 +419,7 @@ def peak_activation_bytes(model: Model) -> dict[Device, int]:
 
 
 def add_estimates(model: Model | ir.Model, report: Any) -> None:
-    """Fill ``peak_activation_bytes`` and ``time_s`` of each row of a ``passes.report.Summary``.
+    """Fill ``peak_activation_bytes`` and ``time_s`` of each row of a ``report.summary.Summary``.
 
     Times come from the latest cached profile with times of the model's structure;
     without one ``time_s`` stays None.
@@ -772,7 +773,7 @@ def profile(
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
+        >>> from placement.models import mlp
         >>> model = pl.from_torch(*mlp.build("tiny"))
         >>> prof = pl.profile(model, time=False)
         >>> [p.op_type for p in prof.ops.values()]

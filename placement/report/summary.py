@@ -13,12 +13,12 @@ column list.
 
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
     >>> _ = pl.shift_activation_devices(model, acts[2:], {0: 1})
     >>> _ = pl.inject_cross_device_copies(model, output_device=0)
-    >>> report = model.summary()
+    >>> report = pl.summary(model)
     >>> [(str(r.device), r.ops, r.copies, r.recv_bytes, r.sent_bytes) for r in report.rows]
     [('cuda:0', 2, 1, 128, 512), ('cuda:1', 3, 1, 512, 128)]
     >>> "cuda:1" in str(report)
@@ -38,6 +38,7 @@ from placement.graph.device import Device
 from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, value_nbytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
+from placement.planning.profile import add_estimates
 
 __all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]
 
@@ -57,7 +58,7 @@ class DeviceRow:
     recv_bytes: int = 0
     sent_bytes: int = 0
     static_copy_bytes: int = 0
-    # filled by placement.passes.profile.add_estimates (issue 5)
+    # filled by placement.planning.profile.add_estimates (issue 5)
     peak_activation_bytes: int = 0
     time_s: float | None = None
 
@@ -156,22 +157,32 @@ class Summary:
         return buffer.getvalue().rstrip("\n")
 
 
-def summary(model: ModelLike) -> Summary:
-    """Per-device report of ``model`` (also ``model.summary()`` and ``placement inspect``).
+def summary(model: ModelLike, *, print_: bool = False) -> Summary:
+    """Per-device report of ``model`` (also ``placement inspect``); ``print_=True`` also prints it.
+
+    Per device: ops, parameters, activations, copies and the bytes they move, the
+    liveness-based peak activation bytes, and the estimated time from the latest cached
+    profile with times (:func:`placement.profile`, ``auto_place(cost="time")``,
+    ``balance_by_time``; "-" without one). ``str()`` of the result is the table.
 
     Args:
         model: a placed :class:`placement.Model` (copies injected or not).
+        print_: also print the table to standard output.
 
     Returns:
         A :class:`Summary`; ``str()`` renders it as a table.
 
     Example:
         >>> import placement as pl
-        >>> from models import mlp
-        >>> from placement.passes import summary
-        >>> report = summary(pl.from_torch(*mlp.build("tiny")))
+        >>> from placement.models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> report = pl.summary(model)
         >>> report.rows[0].ops, report.total_copies
         (5, 0)
+        >>> _ = pl.profile(model, repeats=1)
+        >>> row = pl.summary(model).rows[0]
+        >>> row.peak_activation_bytes > 0, row.time_s > 0
+        (True, True)
     """
     ir_model = as_ir_model(model)
     graph = ir_model.graph
@@ -243,7 +254,11 @@ def summary(model: ModelLike) -> Summary:
         input_device=input_device,
         output_device=output_device,
     )
-    from placement.passes.profile import add_estimates  # peak activations, time (issue 5)
-
     add_estimates(ir_model, result)
+    if print_:
+        import sys
+
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 160).print(result.to_table())
     return result

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import placement as pl
-from placement.passes.modules import match_scope
-from tests.passes.planning_helpers import assert_matches_torch, devices_by_op
+from placement.planning.modules import match_scope
+from tests.planning.helpers import assert_matches_torch, devices_by_op
 
 
 def test_module_devices_expands_numbered_containers(exported):

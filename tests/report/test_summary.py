@@ -1,4 +1,4 @@
-"""Tests for ``placement.passes.report``: the per-device summary."""
+"""Tests for ``placement.report.summary``: the per-device summary."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import onnx_ir as ir
 
 import placement as pl
-from placement.passes import DeviceRow, summary
-from placement.passes.report import Column, format_bytes
+from placement.report import DeviceRow, summary
+from placement.report.summary import Column, format_bytes
 from tests.passes.helpers import GraphBuilder, chain
 
 FLOAT = 4
@@ -47,7 +47,7 @@ def test_rows_count_ops_copies_params_and_traffic() -> None:
 
 def test_model_summary_and_rendering() -> None:
     model = golden()
-    report = model.summary()
+    report = pl.summary(model)
     text = str(report)
     for word in ("cuda:1", "cpu", "copies in", "recv", "sent", "24 B"):
         assert word in text

@@ -1,17 +1,12 @@
-"""Stage assignment (Keras IPU's ``get/set_pipeline_stage_assignment``) and ``summary``.
+"""Stage assignment (Keras IPU's ``get/set_pipeline_stage_assignment``).
 
 ``get_stage_assignment(model)`` lists one :class:`StageAssignment` per op in graph
 (topological) order; edit ``.stage`` and hand the list back to
 ``set_stage_assignment``. Stage ``k`` is device ``devices[k]``, by default ``cuda:k``.
 
-``summary(model)`` reports, per device: ops, parameter bytes (a parameter read on
-several devices counts on each: it is a static copy there), liveness-based peak
-activation bytes, estimated time (from a cached :func:`placement.profile` with times,
-if any) and bytes copied in and out per step.
-
 Example:
     >>> import placement as pl
-    >>> from models import mlp
+    >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> assignments = pl.get_stage_assignment(model)
     >>> stage = 0
@@ -22,8 +17,7 @@ Example:
     >>> pl.set_stage_assignment(model, assignments)
     >>> [a.stage for a in pl.get_stage_assignment(model)]
     [0, 0, 1, 1, 1]
-    >>> report = pl.summary(model)
-    >>> [row.ops for row in report.rows]
+    >>> [row.ops for row in pl.summary(model).rows]
     [2, 3]
 """
 
@@ -32,17 +26,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
-from placement.passes.propagate import check_no_copies, transaction
+from placement.planning.frontend import check_no_copies, transaction
 
-if TYPE_CHECKING:
-    from placement.passes.report import Summary
-
-__all__ = ["StageAssignment", "get_stage_assignment", "set_stage_assignment", "summary"]
+__all__ = ["StageAssignment", "get_stage_assignment", "set_stage_assignment"]
 
 log = logging.getLogger(__name__)
 
@@ -148,36 +138,3 @@ def set_stage_assignment(
         for node, device in plan:
             set_node_device(node, device)
     log.info("set_stage_assignment: %d ops", len(plan))
-
-
-# --- summary ------------------------------------------------------------------------------
-
-
-def summary(model: Model, *, print_: bool = False) -> Summary:
-    """The per-device report of the current placement; ``print_=True`` also prints it.
-
-    The report is :func:`placement.passes.report.summary`'s (ops, parameters,
-    activations, copies and the bytes they move) with two more columns per device:
-    the liveness-based peak activation bytes, and the estimated time from the latest
-    cached profile with times (:func:`placement.profile`, ``auto_place(cost="time")``,
-    ``balance_by_time``; "-" without one). ``str()`` of the result is the table.
-
-    Example:
-        >>> import placement as pl
-        >>> from models import mlp
-        >>> model = pl.from_torch(*mlp.build("tiny"))
-        >>> _ = pl.profile(model, repeats=1)
-        >>> row = pl.summary(model).rows[0]
-        >>> row.ops, row.peak_activation_bytes > 0, row.time_s > 0
-        (5, True, True)
-    """
-    from placement.passes.report import summary as report_summary
-
-    result = report_summary(model)
-    if print_:
-        import sys
-
-        from rich.console import Console
-
-        Console(width=None if sys.stdout.isatty() else 160).print(result.to_table())
-    return result

@@ -1,0 +1,51 @@
+"""Deciding where ops go: the seed systems' front-ends, the profiler and the planner.
+
+- :mod:`~placement.planning.modules`: module path -> device maps (modelsplit).
+- :mod:`~placement.planning.blocks`: ``begin_block`` (poptorch's BeginBlock).
+- :mod:`~placement.planning.stage_assignment`: per-op stage lists (Keras IPU).
+- :mod:`~placement.planning.balance`: torchgpipe balance lists, by time or size.
+- :mod:`~placement.planning.frontend`: what the front-ends share (transactions, neighbours).
+- :mod:`~placement.planning.profile`: per-op ONNX Runtime times, bytes, FLOPs, liveness.
+- :mod:`~placement.planning.planner`: the exact planner ``auto_place`` and its ``Plan``.
+
+Every front-end only sets op devices, in place and transactionally; copies come after.
+
+May import: ``placement.errors``, ``placement.graph``, ``placement.analysis``, ``placement.passes``.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> pl.balance(model, [2, 3])
+    >>> sorted(str(d) for d in model.devices)
+    ['cuda:0', 'cuda:1']
+"""
+
+from __future__ import annotations
+
+from placement.planning.balance import balance, balance_by_size, balance_by_time
+from placement.planning.blocks import begin_block
+from placement.planning.modules import assign_modules, module_devices
+from placement.planning.planner import Plan, auto_place
+from placement.planning.profile import Profile, profile
+from placement.planning.stage_assignment import (
+    StageAssignment,
+    get_stage_assignment,
+    set_stage_assignment,
+)
+
+__all__ = [
+    "balance",
+    "balance_by_size",
+    "balance_by_time",
+    "begin_block",
+    "assign_modules",
+    "module_devices",
+    "Plan",
+    "auto_place",
+    "Profile",
+    "profile",
+    "StageAssignment",
+    "get_stage_assignment",
+    "set_stage_assignment",
+]

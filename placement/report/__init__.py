@@ -1,0 +1,21 @@
+"""What a person reads to judge a placement: per-device tables (and pictures).
+
+- :mod:`~placement.report.summary`: the per-device table (ops, parameters, activations,
+  copies, bytes moved, peak activations, estimated time).
+
+May import every layer below it: ``placement.errors``, ``graph``, ``analysis``, ``passes``,
+``planning``, ``runtime``, ``distributed``.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> pl.summary(model).rows[0].ops
+    5
+"""
+
+from __future__ import annotations
+
+from placement.report.summary import Column, DeviceRow, Summary, format_bytes, summary
+
+__all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]

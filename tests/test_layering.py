@@ -1,0 +1,145 @@
+"""The package's import graph: imports point down the layer list only, and no package circle exists.
+
+Every module of ``placement`` is parsed (imports inside functions and ``TYPE_CHECKING`` blocks
+included) and each ``placement.*`` import is checked against the layer order below, which the
+README's layout section and ``placement/__init__``'s docstring describe.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import placement
+
+ROOT = Path(placement.__file__).parent
+
+# Lowest first. A module may import its own layer and any layer before it.
+LAYERS = [
+    "errors",
+    "graph",
+    "analysis",
+    "passes",
+    "planning",
+    "runtime",
+    "distributed",
+    "report",
+    "launch",
+    "demo",
+    "cli",
+]
+# Top-level modules that are not layers: the package root re-exports every layer lazily,
+# and the zoo (placement.models) is data for examples and tests, importing only the root.
+EXEMPT = {"__init__", "models"}
+# Entry points above every layer: they may use the root's public names (``import placement as pl``).
+TOP = {"launch", "demo", "cli"}
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every ``placement...`` module named by an import in ``path`` (lazy imports included)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return {name for name in names if name == "placement" or name.startswith("placement.")}
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest known module that ``name`` denotes (``from x import f`` names ``x.f``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_every_layer_is_known() -> None:
+    tops = {_layer_of(m) for m in _modules()} - EXEMPT
+    assert tops <= set(LAYERS), f"modules outside the layer list: {sorted(tops - set(LAYERS))}"
+
+
+def test_imports_point_down_only() -> None:
+    modules = _modules()
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = []
+    for module, path in sorted(modules.items()):
+        layer = _layer_of(module)
+        if layer in EXEMPT:
+            continue
+        for name in _imports(module, path):
+            target = _known(name, modules)
+            if target is None or target == "placement":
+                if target == "placement" and layer not in TOP:
+                    # the root re-exports every layer, so importing it from inside is importing upward
+                    upward.append(f"{module} -> placement (import a layer module instead)")
+                continue
+            other = _layer_of(target)
+            if other == "models":
+                continue
+            if rank[other] > rank[layer]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports pointing up the layer list:\n" + "\n".join(upward)
+
+
+def _unit(module: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to; a top-level module (``placement.cli``) is its own unit."""
+    if modules[module].name == "__init__.py" or module.count(".") == 1:
+        return module
+    return module.rpartition(".")[0]
+
+
+def test_no_package_circles() -> None:
+    modules = _modules()
+    graph = nx.DiGraph()
+    for module, path in modules.items():
+        if module == "placement" or _layer_of(module) == "models":
+            continue
+        for name in _imports(module, path):
+            target = _known(name, modules)
+            if target is None or target == "placement" or _layer_of(target) == "models":
+                continue
+            source_unit, target_unit = _unit(module, modules), _unit(target, modules)
+            if source_unit != target_unit and not source_unit.startswith(target_unit + "."):
+                graph.add_edge(source_unit, target_unit)
+    cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
+    assert not cycles, f"package import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("name", ["torch", "onnxruntime", "onnx_ir"])
+def test_import_placement_is_light(name: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys, placement; sys.exit(1 if {name!r} in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"`import placement` loaded {name}"
