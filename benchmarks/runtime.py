@@ -59,7 +59,6 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.demo import place_evenly  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
 
@@ -166,7 +165,7 @@ def measure_ort(
 
 def _place(model: pl.Model, devices: int, plan: str, args: Sequence[Any]) -> pl.Model:
     if plan == "half":
-        return place_evenly(model, devices)
+        return pl.place_evenly(model, devices)
     if plan == "auto":
         pl.auto_place(model, devices=devices, sample_inputs=tuple(args))
         pl.inject_cross_device_copies(model)

@@ -44,26 +44,14 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.passes.activations import get_activation_blobs  # noqa: E402
-from placement.passes.copies import inject_cross_device_copies  # noqa: E402
-from placement.passes.shift import shift_activation_devices  # noqa: E402
 from placement.runtime.torch_lower import to_torch  # noqa: E402
 
-__all__ = ["measure", "place_evenly", "main"]
+__all__ = ["measure", "main"]
 
 log = logging.getLogger("benchmarks.torch_lowering")
 
 RESULTS = _ROOT / "benchmarks" / "results" / "torch_lowering.json"
 TARGET_RATIO = 1.10
-
-
-def place_evenly(model: pl.Model, devices: int) -> pl.Model:
-    """Shift activations into ``devices`` equal slices (cuda:0 .. cuda:n-1) and add copies."""
-    acts = get_activation_blobs(model)
-    for i in range(1, devices):
-        shift_activation_devices(model, acts[len(acts) * i // devices :], {i - 1: i})
-    inject_cross_device_copies(model)
-    return model
 
 
 def _time(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -107,7 +95,7 @@ def measure(
         (['copies', 'device_map', 'devices'], True)
     """
     net, args = models.build(model_name, size, seed=seed)
-    model = place_evenly(pl.from_torch(net, args), devices)
+    model = pl.place_evenly(pl.from_torch(net, args), devices)
     module = to_torch(model, device_map=device_map)
     first = module.device_map[str(min(model.devices))]
     net = net.to(first).eval()

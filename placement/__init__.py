@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         begin_block,
         get_stage_assignment,
         module_devices,
+        place_evenly,
         profile,
         set_stage_assignment,
     )
@@ -93,6 +94,7 @@ _LAZY = {
             "balance_by_size",
             "balance_by_time",
             "begin_block",
+            "place_evenly",
             "get_stage_assignment",
             "module_devices",
             "profile",
@@ -138,6 +140,7 @@ __all__ = [
     "module_devices",
     "assign_modules",
     "begin_block",
+    "place_evenly",
     "get_stage_assignment",
     "set_stage_assignment",
     "StageAssignment",

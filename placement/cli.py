@@ -86,13 +86,9 @@ def _cmd_place(args: argparse.Namespace, console: Any) -> int:
         raise pl.PlanError(f"--devices must be at least 1, got {args.devices}")
     if args.auto:
         plan = pl.auto_place(model, devices=args.devices, cost=args.cost)
-        console.print(plan.to_table() if hasattr(plan, "to_table") else plan)
+        console.print(plan.to_table())
     else:
-        acts = pl.get_activation_blobs(model)
-        n = args.devices
-        for k in range(n - 1, 0, -1):  # shift the k-th fraction onward to device k
-            start = len(acts) * k // n
-            pl.shift_activation_devices(model, acts[start:], {model.device_of(acts[start]): k})
+        pl.place_evenly(model, args.devices, copies=False)
     pl.inject_cross_device_copies(model)
     pl.verify(model)
     model.save(args.output)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DemoResult", "RuntimeResult", "run_demo", "place_evenly", "RTOL", "ATOL"]
+__all__ = ["DemoResult", "RuntimeResult", "run_demo", "RTOL", "ATOL"]
 
 log = logging.getLogger(__name__)
 
@@ -100,31 +100,6 @@ class DemoResult:
         return next(r for r in self.runtimes if r.name.startswith(name))
 
 
-def place_evenly(model: Any, devices: int) -> Any:
-    """Shift the activations into ``devices`` equal runs on ``cuda:0 .. cuda:<devices-1>`` and add copies.
-
-    With ``devices=2`` this is the README's main job: the second half of the
-    activations is shifted from device 0 to device 1.
-
-    Example:
-        >>> import placement as pl
-        >>> from placement.models import mlp
-        >>> model = place_evenly(pl.from_torch(*mlp.build("tiny")), 2)
-        >>> [str(d) for d in model.devices]
-        ['cuda:0', 'cuda:1']
-    """
-    import placement as pl
-
-    if devices < 1:
-        raise pl.PlanError(f"devices must be at least 1, got {devices}")
-    acts = pl.get_activation_blobs(model)
-    for k in range(1, devices):
-        pl.shift_activation_devices(model, acts[k * len(acts) // devices :], {k - 1: k})
-    pl.inject_cross_device_copies(model)
-    pl.verify(model)
-    return model
-
-
 def run_demo(
     model_name: str | None = "gpt",
     size: str = "tiny",
@@ -167,7 +142,8 @@ def run_demo(
     net, args = models.build(name, size)
     with console.status(f"exporting {name} ({size}) to an operator graph..."):
         model = pl.from_torch(net, args)
-    place_evenly(model, devices)
+    pl.place_evenly(model, devices)
+    pl.verify(model)
     result.ops = len(model.ops)
     result.copies = sum(op.is_copy for op in model.ops)
     result.summary = pl.summary(model)

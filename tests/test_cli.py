@@ -62,3 +62,28 @@ def test_console_script_runs():
         [sys.executable, "-m", "placement.cli", "--help"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0 and "inspect" in result.stdout
+
+
+def test_place_auto_prints_its_plan(tmp_path):
+    path = tmp_path / "auto.onnx"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "placement.cli",
+            "place",
+            "mlp",
+            "--auto",
+            "--devices",
+            "2",
+            "--cost",
+            "flops",
+            "-o",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bottleneck" in done.stdout.lower() and path.exists()

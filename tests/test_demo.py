@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 import placement as pl
-from placement.demo import place_evenly, run_demo
+from placement.demo import run_demo
 
 
 def _console() -> tuple[Console, io.StringIO]:
@@ -54,9 +54,3 @@ def test_explicit_cpu_device_map():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(pl.PlanError, match=match):
         run_demo(console=_console()[0], **kwargs)
-
-
-def test_place_evenly_rejects_zero_devices(exported):
-    model, _, _ = exported("mlp")
-    with pytest.raises(pl.PlanError, match="at least 1"):
-        place_evenly(model, 0)

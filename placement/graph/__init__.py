@@ -1,5 +1,21 @@
-"""The IR layer: ``Model`` (an onnx_ir model + placement state), ``Device``,
-import/export, networkx views and ``verify``. Knows nothing of passes or runtimes.
+"""The IR layer: the operator graph and its placement state.
+
+- :mod:`~placement.graph.model`: ``Model`` (an ``onnx_ir.Model`` plus the Caffe2 vocabulary:
+  ops, blobs, parameters, scopes, each op's device in node metadata).
+- :mod:`~placement.graph.device`: ``Device`` and its parsing (``1``, ``"cuda:1"``, ``"cpu"``).
+- :mod:`~placement.graph.serialize`: ``load``/``save`` (standard ONNX, atomic, external data).
+- :mod:`~placement.graph.torch_import`: ``from_torch`` (the exporter front-end).
+- :mod:`~placement.graph.verify`: ``verify``, the placement invariants.
+- :mod:`~placement.graph.views`: networkx views of the op graph.
+
+May import: ``placement.errors`` only. Knows nothing of analyses, passes, planners or runtimes.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> len(model.ops), str(model.devices[0])
+    (5, 'cuda:0')
 """
 
 from __future__ import annotations

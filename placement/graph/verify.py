@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes.common import CheckerPass
 
 from placement.errors import VerificationError
 from placement.graph.device import Device
 from placement.graph.model import DEVICE_KEY, Model, is_copy_node
 
-__all__ = ["verify"]
+__all__ = ["verify", "run_onnx_checker"]
 
 
 def verify(model: Model, *, check_onnx: bool = True) -> None:
@@ -86,7 +87,7 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
                     f"{devices.get(id(value))}, not on the output device {output_device}"
                 )
     if check_onnx:
-        _check_onnx(model)
+        run_onnx_checker(model)
 
 
 def _source_device(
@@ -108,14 +109,18 @@ def _source_device(
     return found
 
 
-def _check_onnx(model: Model) -> None:
-    from placement.graph.serialize import to_proto
+def run_onnx_checker(model: Model | ir.Model) -> None:
+    """Run ``onnx.checker`` on the model without serialising its weights.
 
-    proto = to_proto(model)
+    onnx_ir's ``CheckerPass`` hands the checker a proto whose initializers are stripped to
+    their types, so the check costs no copy of the weights and works above protobuf's 2 GiB.
+
+    Raises:
+        VerificationError: the model is not valid ONNX (the checker's first line is quoted).
+    """
+    ir_model = model.ir_model if isinstance(model, Model) else model
     try:
-        onnx.checker.check_model(proto)
+        CheckerPass()(ir_model)
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid"
         raise VerificationError(f"the model is not valid ONNX: {first}") from err
-    except ValueError:  # > 2 GB: protobuf cannot serialise it for the checker
-        return

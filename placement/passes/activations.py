@@ -8,7 +8,7 @@ artifacts; dependence flows through them, so what a copy feeds still counts).
 
 Unlike Caffe2, which recognised activations by the ``_grad`` blobs a backward pass
 created, this is a data-flow property of the forward graph: one pass over the ops
-in topological order.
+in topological order, defined once in :mod:`placement.analysis.dependence`.
 
 Ops with subgraphs (``If``, ``Loop``, ``Scan``) are seen through their explicit
 inputs only; values their bodies capture from the outer scope are not followed.
@@ -25,36 +25,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from placement.analysis.dependence import activation_values
 from placement.graph.model import COPY_KEY, Model
 from placement.passes.base import as_ir_model, no_gc
 
 __all__ = ["get_activation_blobs", "activation_values", "describe_non_activation"]
-
-
-def activation_values(graph: ir.Graph) -> list[ir.Value]:
-    """The activation values of ``graph`` in producer (graph) order, without duplicates.
-
-    The fast form of :func:`get_activation_blobs` for passes: no name lookups, no
-    views, one pass over the nodes (values are hashed by identity). It tracks the
-    few *independent* blobs (outputs of ops reading only parameters and constants)
-    rather than the many dependent ones: a blob depends on a graph input unless it
-    is a parameter or independent.
-    """
-    independent: set[ir.Value] = set()
-    consumed: set[ir.Value] = set()
-    candidates: list[ir.Value] = []
-    is_independent, consume, extend = independent.__contains__, consumed.add, candidates.extend
-    for node in graph:
-        hit = False
-        for value in node.inputs:
-            if value is not None and not is_independent(value) and not value.is_initializer():
-                hit = True
-                consume(value)
-        if not hit:
-            independent.update(node.outputs)
-        elif COPY_KEY not in node.metadata_props:
-            extend(node.outputs)
-    return [v for v in candidates if v in consumed or v.is_graph_output()]
 
 
 def get_activation_blobs(model: Model) -> list[str]:

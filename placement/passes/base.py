@@ -47,6 +47,7 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 from placement.errors import DeviceError, VerificationError
 from placement.graph.device import Device
 from placement.graph.model import DEVICE_KEY, Model
+from placement.graph.verify import run_onnx_checker, verify
 
 __all__ = [
     "PlacementPass",
@@ -208,17 +209,13 @@ def check_structure(ir_model: ir.Model, *, check_onnx: bool = False) -> None:
                 )
         defined.update(id(v) for v in node.outputs)
     if check_onnx:
-        from placement.graph.verify import _check_onnx
-
-        _check_onnx(Model(ir_model))
+        run_onnx_checker(ir_model)
 
 
 def _check(ir_model: ir.Model, *, full: bool, check_onnx: bool, wrapper: Model | None) -> None:
     if not full:
         check_structure(ir_model, check_onnx=check_onnx)
         return
-    from placement.graph.verify import verify
-
     check_structure(ir_model)  # every op has a device, so wrapping assigns no defaults
     placed = wrapper if wrapper is not None and wrapper.ir_model is ir_model else Model(ir_model)
     verify(placed, check_onnx=check_onnx)
@@ -297,6 +294,10 @@ class Pipeline(PlacementPass):
     :func:`placement.verify`; one that does not (shifting, or a plain ``onnx_ir``
     pass, which declares nothing) by the structural checks.
     Errors from a pass propagate unchanged (a ``PlacementError`` stays one).
+
+    Why not ``onnx_ir.passes.Sequential``: it wraps every error from a pass in a generic
+    ``PassError``, so a user's ``UnknownBlobError`` would no longer be caught as one, and it
+    keeps no per-step results; this class is the thin loop that keeps both.
 
     Args:
         *passes: ``onnx_ir`` in-place passes, usually :class:`PlacementPass` objects.

@@ -4,6 +4,7 @@
 - :mod:`~placement.planning.blocks`: ``begin_block`` (poptorch's BeginBlock).
 - :mod:`~placement.planning.stage_assignment`: per-op stage lists (Keras IPU).
 - :mod:`~placement.planning.balance`: torchgpipe balance lists, by time or size.
+- :mod:`~placement.planning.evenly`: ``place_evenly``, equal runs of activations per device.
 - :mod:`~placement.planning.frontend`: what the front-ends share (transactions, neighbours).
 - :mod:`~placement.planning.profile`: per-op ONNX Runtime times, bytes, FLOPs, liveness.
 - :mod:`~placement.planning.planner`: the exact planner ``auto_place`` and its ``Plan``.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from placement.planning.balance import balance, balance_by_size, balance_by_time
 from placement.planning.blocks import begin_block
+from placement.planning.evenly import place_evenly
 from placement.planning.modules import assign_modules, module_devices
 from placement.planning.planner import Plan, auto_place
 from placement.planning.profile import Profile, profile
@@ -39,6 +41,7 @@ __all__ = [
     "balance_by_size",
     "balance_by_time",
     "begin_block",
+    "place_evenly",
     "assign_modules",
     "module_devices",
     "Plan",

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 
 import onnx_ir as ir
 
+from placement.analysis.dependence import copy_origin
 from placement.errors import PlanError
 from placement.graph.model import Model, is_copy_node, node_device, set_node_device
 
@@ -48,9 +49,7 @@ def follow_neighbours(model: Model, free: Iterable[ir.Node]) -> None:
             continue
         latest = None
         for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            while producer is not None and is_copy_node(producer):
-                producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
+            producer = copy_origin(value).producer() if value is not None else None
             if producer is None or producer.graph is not model.graph:
                 continue
             if latest is None or position.get(id(producer), -1) > position.get(id(latest), -1):

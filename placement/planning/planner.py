@@ -690,7 +690,7 @@ class Plan:
             raise PlanError(f"cannot read plan {str(path)!r}: {err}") from err
         return cls.from_json(text)
 
-    def table(self) -> Any:
+    def to_table(self) -> Any:
         """A ``rich.table.Table`` with one row per device."""
         from rich.table import Table
 
@@ -739,7 +739,7 @@ class Plan:
         from rich.console import Console
 
         console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
-        console.print(self.table())
+        console.print(self.to_table())
         text = console.export_text()
         console.file.close()
         return text.rstrip("\n")

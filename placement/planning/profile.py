@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from placement.analysis.dependence import copy_origin, load_time_values
 from placement.errors import InputError, PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device, value_nbytes
@@ -114,9 +115,12 @@ class GraphInfo:
         blob_id: dict[int, int] = {}
         self.unknown_size: list[str] = []
 
+        self.blob_values: list[ir.Value] = []
+
         def new_blob(value: ir.Value, producer: int) -> int:
             b = len(self.blob_names)
             blob_id[id(value)] = b
+            self.blob_values.append(value)
             self.blob_names.append(value.name or "")
             size = value_nbytes(value)
             if size is None:
@@ -141,7 +145,7 @@ class GraphInfo:
             for value in node.inputs:
                 if value is None:
                     continue
-                value = _look_through_copies(value)
+                value = copy_origin(value)
                 k = param_id.get(id(value))
                 if k is not None:
                     if k not in params:
@@ -160,7 +164,7 @@ class GraphInfo:
                 any(self.blob_producer[b] < 0 or self.data_dependent[self.blob_producer[b]] for b in acts)
             )
         for value in graph.outputs:
-            b = blob_id.get(id(_look_through_copies(value)))
+            b = blob_id.get(id(copy_origin(value)))
             if b is not None:
                 self.blob_is_output[b] = True
         #: dims found by ONNX shape inference for values the exporter left unshaped
@@ -175,9 +179,9 @@ class GraphInfo:
             self.unknown_size = [n for n in self.unknown_size if n not in inferred]
         #: per blob, bytes a copy moves per step: 0 for load-time values (blobs computed
         #: from parameters alone), which runtimes rematerialise where read, never transfer
+        fixed = {id(v) for v in load_time_values(graph)}
         self.step_bytes: list[int] = [
-            size if producer < 0 or self.data_dependent[producer] else 0
-            for size, producer in zip(self.blob_bytes, self.blob_producer)
+            0 if id(value) in fixed else size for size, value in zip(self.blob_bytes, self.blob_values)
         ]
         if self.unknown_size:
             log.info(
@@ -368,14 +372,6 @@ def _infer_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], f
             continue
         found[info.name] = ([int(d) for d in dims if d is not None], ir.DataType(tensor.elem_type).itemsize)
     return found
-
-
-def _look_through_copies(value: ir.Value) -> ir.Value:
-    producer = value.producer()
-    while producer is not None and is_copy_node(producer) and producer.inputs and producer.inputs[0]:
-        value = producer.inputs[0]
-        producer = value.producer()
-    return value
 
 
 def _last_before(positions: list[int], j: int) -> int:

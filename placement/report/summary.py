@@ -2,8 +2,10 @@
 
 One :class:`DeviceRow` per device: ops (copies excluded), copies landing there,
 parameters homed there and their bytes, activations produced there and their
-bytes, activation bytes received and sent through (dynamic) copies, and parameter
-bytes replicated there by static copies (moved once, at load time). Sizes come
+bytes, activation bytes received and sent through (dynamic) copies, and bytes
+replicated there once, at load time: static copies of parameters and copies of
+load-time values (see :mod:`placement.analysis.dependence`), which the runtime
+rematerialises where they are read instead of moving them per run. Sizes come
 from static shapes (``value_nbytes``); a blob whose shape or dtype is unknown
 counts 0 bytes and is listed in ``Summary.unknown_sizes``.
 
@@ -34,6 +36,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
 from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, value_nbytes
 from placement.passes.activations import activation_values
@@ -58,7 +61,7 @@ class DeviceRow:
     recv_bytes: int = 0
     sent_bytes: int = 0
     static_copy_bytes: int = 0
-    # filled by placement.planning.profile.add_estimates (issue 5)
+    # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
     time_s: float | None = None
 
@@ -207,6 +210,7 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
             return 0
         return int(nbytes)
 
+    fixed = load_time_values(graph)  # rematerialised where read, like static copies
     dev_of: dict[int, Device] = {}
     first_node: ir.Node | None = None
     for node in graph:
@@ -228,7 +232,7 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
             source = node.inputs[0] if node.inputs else None
             if source is not None:
                 nbytes = size(source)
-                if node.metadata_props.get(COPY_KEY) == "static":
+                if node.metadata_props.get(COPY_KEY) == "static" or copy_origin(source) in fixed:
                     current.static_copies += 1
                     current.static_copy_bytes += nbytes
                 else:

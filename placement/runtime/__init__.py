@@ -1,13 +1,42 @@
-"""Runtimes: device maps, per-device ONNX Runtime stages and the torch lowering."""
+"""Running a placed graph: stages, the ONNX Runtime executor, the torch lowering, device maps.
+
+- :mod:`~placement.runtime.stages`: cut a placed graph into per-device stages (an acyclic
+  stage graph), with the transfers between them.
+- :mod:`~placement.runtime.ort`: ``Runner``/``run``, one ONNX Runtime session per stage.
+- :mod:`~placement.runtime.torch_lower` and :mod:`~placement.runtime.torch_ops`: ``to_torch``,
+  the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
+- :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).
+- :mod:`~placement.runtime.inputs`: checking and converting user inputs.
+
+May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
+
+Example:
+    >>> import numpy as np
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.place_evenly(pl.from_torch(net, (x,)), 2)
+    >>> (y,) = pl.run(model, [x.numpy()], device_map="cpu")
+    >>> bool(np.allclose(y, net(x).detach().numpy(), atol=1e-5))
+    True
+"""
 
 from __future__ import annotations
 
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
 from placement.runtime.ort import Runner, RunnerStats, run
-from placement.runtime.stages import Stage, partition
+from placement.runtime.stages import Partition, Stage, partition, split_stages
 from placement.runtime.torch_lower import to_torch
 
-__all__ = ["PhysicalDevice", "resolve_device_map"]
-
-__all__ += ["Runner", "RunnerStats", "run", "Stage", "partition"]
-__all__ += ["to_torch"]
+__all__ = [
+    "PhysicalDevice",
+    "resolve_device_map",
+    "Runner",
+    "RunnerStats",
+    "run",
+    "Stage",
+    "Partition",
+    "partition",
+    "split_stages",
+    "to_torch",
+]

@@ -76,7 +76,7 @@ from placement.graph.device import Device
 from placement.graph.model import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, Model
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.stages import Partition, Stage, plan
+from placement.runtime.stages import Partition, Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "run", "session_options"]
 
@@ -307,7 +307,7 @@ class Runner:
 
     def _rebuild(self) -> None:
         model = self.model
-        part = plan(model)
+        part = split_stages(model)
         logical = set(model.devices) | set(part.input_devices.values())
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}

@@ -68,11 +68,12 @@ import networkx as nx
 import onnx
 import onnx_ir as ir
 
+from placement.analysis.dependence import load_time_values
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
 
-__all__ = ["Stage", "Transfer", "Partition", "partition", "plan", "stage_graph"]
+__all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def partition(model: Model) -> list[Stage]:
     """Cut ``model`` into stages: maximal same-device segments with an acyclic stage graph.
 
     See the module docstring for the algorithm. Copy ops become transfers
-    between stages (see :func:`plan` for those); every other op is in exactly
+    between stages (see :func:`split_stages` for those); every other op is in exactly
     one stage. The model is not modified.
 
     Args:
@@ -191,16 +192,16 @@ def partition(model: Model) -> list[Stage]:
         >>> [str(s.device) for s in partition(model)]
         ['cuda:0']
     """
-    return plan(model).stages
+    return split_stages(model).stages
 
 
-def plan(model: Model) -> Partition:
+def split_stages(model: Model) -> Partition:
     """Like :func:`partition`, also returning transfers and graph input/output devices.
 
     Example:
         >>> import placement as pl
         >>> from placement.models import mlp
-        >>> p = plan(pl.from_torch(*mlp.build("tiny")))
+        >>> p = split_stages(pl.from_torch(*mlp.build("tiny")))
         >>> len(p.stages), p.transfers, p.inputs
         (1, [], ['input'])
     """
@@ -208,7 +209,7 @@ def plan(model: Model) -> Partition:
     initializers = graph.initializers
     graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
 
-    consts = _load_time_values(graph)
+    consts = load_time_values(graph)
 
     # Where does each copy's blob come from?  copy output value -> root source value.
     copy_root: dict[ir.Value, ir.Value] = {}
@@ -388,37 +389,6 @@ def _assign(
         stage_of_node[node] = chosen
         sg.add_edges_from((p, chosen) for p in preds if p != chosen)
     return stage_of_node, stage_device, stage_nodes, sg
-
-
-#: Op types whose outputs are not load-time values even when every input is.
-_NONDETERMINISTIC = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
-
-
-def _load_time_values(graph: ir.Graph) -> set[ir.Value]:
-    """Blobs computable from parameters and constants alone (module docstring: load-time values).
-
-    Graph outputs, and the sources of copies that produce graph outputs, are left
-    out: they are produced by their stage like any other blob.
-    """
-    consts: set[ir.Value] = set(graph.initializers.values())
-    for node in graph:
-        if node.op_type in _NONDETERMINISTIC or node.domain not in ("", "ai.onnx"):
-            continue
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
-            continue
-        if all(v is None or v in consts for v in node.inputs):
-            consts.update(node.outputs)
-    keep = list(graph.outputs)
-    while keep:
-        value = keep.pop()
-        if value in consts and value.producer() is not None:
-            consts.discard(value)
-            producer = value.producer()
-            if producer is not None and is_copy_node(producer) and producer.inputs[0] is not None:
-                keep.append(producer.inputs[0])
-    return {v for v in consts if v.producer() is not None}
 
 
 def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:

@@ -1,4 +1,4 @@
-"""Helpers shared by the front-end, profiler and planner tests (issue 5)."""
+"""Helpers shared by the front-end, profiler and planner tests."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import placement as pl
 from placement.graph.serialize import to_proto
-from placement.runtime.stages import partition, plan, stage_graph
+from placement.runtime.stages import partition, split_stages, stage_graph
 from tests.graph.builders import mlp_graph
 
 FLOAT = ir.DataType.FLOAT
@@ -87,7 +87,7 @@ def test_copies_become_transfers_and_static_copies_parameters():
     graph.insert_before(model.op("relu0").node, [wcopy, acopy])
     model.op("relu0").node.replace_input_with(0, acopy.outputs[0])
     model.op("fc1").node.replace_input_with(1, wcopy.outputs[0])
-    p = plan(model)
+    p = split_stages(model)
     assert [t.target for t in p.transfers] == ["fc0_out_cuda_1"]
     assert p.static_copies == {"fc1.weight_cuda_1": "fc1.weight"}
     assert _devices(p.stages) == [("cuda:0", ["fc0"]), ("cuda:1", ["relu0", "fc1", "relu1"])]
@@ -122,7 +122,7 @@ def test_load_time_values_are_rematerialised_not_transferred():
     )
     model = pl.Model(ir.Model(graph, ir_version=10))
     pl.inject_cross_device_copies(model)
-    p = plan(model)
+    p = split_stages(model)
     assert [t.target for t in p.transfers] == ["r_cuda_1"]  # wT_cuda_1 is not moved per run
     first, second = p.stages
     assert first.ops == ("t", "relu") and first.outputs == ("r",)

@@ -25,9 +25,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 def place(model: pl.Model, how: str, devices: int, *, seed: int = 0, copies: bool = True) -> pl.Model:
     """Place ``model`` on ``devices`` logical GPUs: Caffe2 shift slices or random ops."""
     if how == "shift":
-        acts = pl.get_activation_blobs(model)
-        for i in range(1, devices):
-            pl.shift_activation_devices(model, acts[len(acts) * i // devices :], {i - 1: i})
+        pl.place_evenly(model, devices, copies=False)
     else:
         rng = random.Random(seed)
         for op in model.ops:
