@@ -362,8 +362,12 @@ class PartitionProblem:
         total = self.prefix[-1]
         if self.greedy(total) is None:
             raise InfeasiblePlacementError(self.infeasible_message())
-        if not self.simple:
-            return self._min_max()
+        plain = self._min_op_bottleneck()
+        return plain if self.simple else self._min_max(plain)
+
+    def _min_op_bottleneck(self) -> int:
+        """The smallest bottleneck of op costs alone (integer bisection over greedy sweeps)."""
+        total = self.prefix[-1]
         lo = max(max(self.costs, default=0), -(-total // self.parts))
         hi = total
         if lo > hi:
@@ -376,13 +380,14 @@ class PartitionProblem:
                 lo = mid + 1
         return lo
 
-    def _min_max(self) -> int:
+    def _min_max(self, plain: int) -> int:
         n = self.n
         inf = math.inf
-        # any feasible partition bounds the optimum from above; its op-cost bottleneck
-        # bounds how far a part may reach (part cost >= its op costs)
+        # any feasible partition bounds the optimum from above (the one optimal for op
+        # costs alone is a good one); the bound limits how far a part may reach, since a
+        # part's cost is at least its op costs
         upper: float = inf
-        ends = self.greedy(self.prefix[-1])
+        ends = self.greedy(plain)
         if ends is not None:
             start, worst = 0, 0
             for k, end in enumerate(ends):
