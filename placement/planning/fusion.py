@@ -103,7 +103,11 @@ def fusion_cut_costs(
         model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
         return result
     measured: dict[Any, list[int]] = {}
-    timer = _SegmentTimer(model, repeats=max(3, repeats))
+    try:
+        timer = _SegmentTimer(model, repeats=max(3, repeats))
+    except Exception as err:  # e.g. a model too large to serialise in one piece: no cut costs
+        log.info("fusion: cannot extract pieces of the model (%s); cuts cost nothing extra", err)
+        return result
     for start, end in chains:
         key = _signature(info, start, end)
         extra = measured.get(key)
