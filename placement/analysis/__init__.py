@@ -28,6 +28,7 @@ from placement.analysis.dependence import (
     independent_values,
     load_time_values,
 )
+from placement.analysis.shapes import infer_shapes
 
 __all__ = [
     "NONDETERMINISTIC_OPS",
@@ -35,4 +36,5 @@ __all__ = [
     "copy_origin",
     "independent_values",
     "load_time_values",
+    "infer_shapes",
 ]

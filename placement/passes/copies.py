@@ -152,6 +152,32 @@ class InjectCrossDeviceCopiesPass(PlacementPass):
         return _Injection(model, self.input_device, self.output_device).run()
 
 
+@dataclasses.dataclass
+class _Scan:
+    """What the read-only scan found (see :meth:`_Injection._scan`)."""
+
+    in_dev: Device
+    origin: dict[ir.Value, ir.Value] = dataclasses.field(default_factory=dict)  # copy output -> blob
+    dev_of: dict[ir.Value, Device] = dataclasses.field(default_factory=dict)  # blob -> its device
+    home_pos: dict[ir.Value, int] = dataclasses.field(default_factory=dict)  # parameter -> first reader
+    copies: list[tuple[ir.Node, int, ir.Value, Device]] = dataclasses.field(default_factory=list)
+    uses: list[tuple[ir.Node, ir.Value, ir.Value, Device, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Decision:
+    """What the plan decided (see :meth:`_Injection._plan`); nothing is changed yet."""
+
+    outputs: list[tuple[int, ir.Value, ir.Value, str]]
+    protected: set[ir.Node]
+    repeated: list[tuple[int, int]]
+    out_dev: Device
+    needs: dict[_Key, _Need] = dataclasses.field(default_factory=dict)
+    keep: dict[_Key, ir.Node] = dataclasses.field(default_factory=dict)
+    remove: list[ir.Node] = dataclasses.field(default_factory=list)
+    misplaced: list[tuple[ir.Node, _Need]] = dataclasses.field(default_factory=list)
+
+
 class _Injection:
     """One run of the pass: a read-only scan and plan, then the mutation."""
 
@@ -168,22 +194,33 @@ class _Injection:
         self._produced: Iterable[ir.Value] = ()
         self._copy_nodes: list[ir.Node] = []
 
-    # -- scan ----------------------------------------------------------------------------
-
     def run(self) -> CopyResult:
+        """Scan (read only), plan (read only), then apply: the graph changes in the last step only."""
         watch = Stopwatch()
-        graph = self.graph
         watch.start("scan")
-        inputs_ = {v for v in graph.inputs if not v.is_initializer()}
-        in_dev = self.input_device or self._default_input_device(inputs_)
+        scan = self._scan()
+        watch.start("plan")
+        decision = self._plan(scan)
+        watch.start("mutate")
+        result = self._apply(scan, decision)
+        watch.stop()
+        result.seconds = watch.seconds
+        log.debug("inject_cross_device_copies timings: %s", watch)
+        if result.modified:
+            log.info("inject_cross_device_copies: %s", result)
+        else:
+            log.debug("inject_cross_device_copies: nothing to do (%d copies)", result.copies)
+        return result
 
-        origin: dict[ir.Value, ir.Value] = {}  # copy output -> the blob it copies (chains resolved)
-        dev_of: dict[ir.Value, Device] = {}  # blob -> the device it lives on
-        home_pos: dict[ir.Value, int] = {}  # parameter -> position of its first (non-copy) reader
-        copies: list[tuple[ir.Node, int, ir.Value, Device]] = []
-        uses: list[tuple[ir.Node, ir.Value, ir.Value, Device, int]] = []  # reads to check/rewire
+    def _scan(self) -> _Scan:
+        """One pass over the ops: where every blob lives, which reads cross devices, the copies."""
+        graph = self.graph
+        inputs_ = {v for v in graph.inputs if not v.is_initializer()}
+        scan = _Scan(in_dev=self.input_device or self._default_input_device(inputs_))
+        in_dev = scan.in_dev
+        origin, dev_of, home_pos, copies = scan.origin, scan.dev_of, scan.home_pos, scan.copies
         spec_device: dict[str | None, Device] = {}
-        dev_get, origin_get, record = dev_of.get, origin.get, uses.append
+        dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
         for pos, node in enumerate(graph):
             props = node.metadata_props
             spec = props.get(DEVICE_KEY)
@@ -218,17 +255,19 @@ class _Injection:
                     record((node, value, source, device, pos))
             for value in node.outputs:
                 dev_of[value] = device
-
         self._produced = dev_of.keys()  # every blob read or produced by a non-copy op
         self._copy_nodes = [node for node, _, _, _ in copies]
+        return scan
 
-        watch.start("plan")
-        # -- plan ------------------------------------------------------------------------
+    def _plan(self, scan: _Scan) -> _Decision:
+        """Which copies are needed, which existing ones to keep, remove or move (read only)."""
+        graph, origin, dev_of = self.graph, scan.origin, scan.dev_of
         outputs, protected, repeated = self._plan_outputs(origin)
         self._bases = {source: name for _, _, source, name in outputs}  # copies of y: y_cuda_2
-        out_dev = self.output_device or self._default_output_device(outputs) or in_dev
-        needs: dict[_Key, _Need] = {}
-        for node, _, source, device, pos in uses:
+        out_dev = self.output_device or self._default_output_device(outputs) or scan.in_dev
+        decision = _Decision(outputs=outputs, protected=protected, repeated=repeated, out_dev=out_dev)
+        needs, keep = decision.needs, decision.keep
+        for node, _, source, device, pos in scan.uses:
             if dev_of[source] is device:
                 continue
             key = (source, id(device))
@@ -242,7 +281,6 @@ class _Injection:
                 need = needs.setdefault((source, id(out_dev)), _Need(source, out_dev))
                 need.output_slot, need.output_name = slot, name
 
-        keep: dict[_Key, ir.Node] = {}
         for need in needs.values():  # prefer the copy that already is the graph output
             if need.output_slot >= 0:
                 producer = graph.outputs[need.output_slot].producer()
@@ -251,38 +289,38 @@ class _Injection:
                     if same and self.reader.of(producer) == need.device:
                         keep[(need.origin, id(need.device))] = producer
         kept = set(keep.values())
-        remove: list[ir.Node] = []
-        misplaced: list[tuple[ir.Node, _Need]] = []
-        for node, pos, source, device in copies:
+        for node, pos, source, device in scan.copies:
             if node in protected:
                 continue
             key = (source, id(device))
             need = needs.get(key)
             if need is None or (key in keep and node not in kept):
-                remove.append(node)
+                decision.remove.append(node)
                 continue
             keep[key] = node
-            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(source, -1):
-                misplaced.append((node, need))
+            if (need.first_pos >= 0 and pos > need.first_pos) or pos < scan.home_pos.get(source, -1):
+                decision.misplaced.append((node, need))
+        return decision
 
-        watch.start("mutate")
-        # -- mutate (everything above only read the graph) ---------------------------------
-        result = self.result
-        for node in remove:
+    def _apply(self, scan: _Scan, decision: _Decision) -> CopyResult:
+        """Carry out the decision: the only step that changes the graph."""
+        graph, dev_of, result = self.graph, scan.dev_of, self.result
+        needs, keep = decision.needs, decision.keep
+        for node in decision.remove:
             self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
-        self._apply_outputs(outputs, needs, keep, dev_of)
+        self._apply_outputs(decision.outputs, needs, keep, dev_of)
         created: dict[_Key, ir.Node] = {}
         for key, need in needs.items():
             if key not in keep:
                 created[key] = node = self._new_copy(need)
                 if need.output_slot >= 0:
                     graph.outputs[need.output_slot] = node.outputs[0]
-        for slot, first in repeated:  # a blob listed twice as a graph output stays so
+        for slot, first in decision.repeated:  # a blob listed twice as a graph output stays so
             if graph.outputs[slot] is not graph.outputs[first]:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
         targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
-        for node, value, source, device, _ in uses:
+        for node, value, source, device, _ in scan.uses:
             want = source if dev_of[source] is device else targets[(source, id(device))]
             if want is not value:
                 for index, current in enumerate(node.inputs):
@@ -298,29 +336,22 @@ class _Injection:
             if node.metadata_props.get(COPY_KEY) != kind:
                 node.metadata_props[COPY_KEY] = kind
                 result.modified = True
-        if remove:
-            graph.remove(remove, safe=True)
-            result.removed = len(remove)
-        for node, need in misplaced:
+        if decision.remove:
+            graph.remove(decision.remove, safe=True)
+            result.removed = len(decision.remove)
+        for node, need in decision.misplaced:
             self._place(node, need)
             result.moved += 1
         for key, node in created.items():
             self._place(node, needs[key])
             result.added += 1
-        self._record_io_devices(in_dev, out_dev)
+        self._record_io_devices(scan.in_dev, decision.out_dev)
 
-        result.copies = len(keep) + len(created) + len(protected)
+        result.copies = len(keep) + len(created) + len(decision.protected)
         result.modified = result.modified or bool(
             result.added or result.removed or result.rewired or result.renamed or result.moved
         )
-        result.input_device, result.output_device = in_dev, out_dev
-        watch.stop()
-        result.seconds = watch.seconds
-        log.debug("inject_cross_device_copies timings: %s", watch)
-        if result.modified:
-            log.info("inject_cross_device_copies: %s", result)
-        else:
-            log.debug("inject_cross_device_copies: nothing to do (%d copies)", result.copies)
+        result.input_device, result.output_device = scan.in_dev, decision.out_dev
         return result
 
     @staticmethod

@@ -52,6 +52,7 @@ import numpy as np
 import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin, load_time_values
+from placement.analysis.shapes import infer_shapes
 from placement.errors import InputError, PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device, value_nbytes
@@ -73,7 +74,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CACHE_KEY = "placement.profile"
-_SHAPES_KEY = "placement.inferred_shapes"
 COST_KINDS = ("time", "size", "flops")
 
 
@@ -167,18 +167,16 @@ class GraphInfo:
             b = blob_id.get(id(copy_origin(value)))
             if b is not None:
                 self.blob_is_output[b] = True
-        #: dims found by ONNX shape inference for values the exporter left unshaped
-        self.inferred_dims: dict[str, list[int]] = {}
-        if self.unknown_size:
-            inferred = _cached_inferred_shapes(model, set(self.unknown_size))
-            for b, name in enumerate(self.blob_names):
-                if name in inferred:
-                    dims, itemsize = inferred[name]
-                    self.blob_bytes[b] = int(math.ceil(math.prod(dims) * itemsize))
-                    self.inferred_dims[name] = dims
-            self.unknown_size = [n for n in self.unknown_size if n not in inferred]
-        #: per blob, bytes a copy moves per step: 0 for load-time values (blobs computed
-        #: from parameters alone), which runtimes rematerialise where read, never transfer
+        if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
+            self.unknown_size = []
+            for b, value in enumerate(self.blob_values):
+                if self.blob_bytes[b]:
+                    continue
+                size = value_nbytes(value)
+                if size is None:
+                    self.unknown_size.append(value.name or "")
+                else:
+                    self.blob_bytes[b] = int(math.ceil(size))
         fixed = {id(v) for v in load_time_values(graph)}
         self.step_bytes: list[int] = [
             0 if id(value) in fixed else size for size, value in zip(self.blob_bytes, self.blob_values)
@@ -339,39 +337,6 @@ class GraphInfo:
                     out[home] += size
                     into[p] += size
         return out, into
-
-
-def _cached_inferred_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], float]]:
-    """:func:`_infer_shapes`, cached on the model per structure fingerprint."""
-    meta = model.ir_model.meta
-    fp = fingerprint(model)
-    cached = meta.get(_SHAPES_KEY)
-    if not (isinstance(cached, tuple) and cached[0] == fp and names <= cached[1]):
-        cached = (fp, set(names), _infer_shapes(model, names))
-        meta[_SHAPES_KEY] = cached
-    return {k: v for k, v in cached[2].items() if k in names}
-
-
-def _infer_shapes(model: Model, names: set[str]) -> dict[str, tuple[list[int], float]]:
-    """Static dims and item size of ``names`` from ONNX shape inference (best effort)."""
-    import onnx
-
-    try:
-        proto = ir.serde.serialize_model(model.ir_model)
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
-    except Exception as err:  # shape inference is best effort
-        log.debug("shape inference failed: %s", err)
-        return {}
-    found: dict[str, tuple[list[int], float]] = {}
-    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
-        if info.name not in names or not info.type.HasField("tensor_type"):
-            continue
-        tensor = info.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        if not tensor.HasField("shape") or any(d is None for d in dims) or not tensor.elem_type:
-            continue
-        found[info.name] = ([int(d) for d in dims if d is not None], ir.DataType(tensor.elem_type).itemsize)
-    return found
 
 
 def _last_before(positions: list[int], j: int) -> int:
@@ -810,7 +775,7 @@ def profile(
     owned = [0] * len(info)
     for k, pos in first_reader.items():
         owned[pos] += info.param_bytes[k]
-    shapes = Shapes(info.inferred_dims)
+    shapes = Shapes()
     ops: dict[str, OpProfile] = {}
     for pos, node in enumerate(info.nodes):
         name = info.names[pos]

@@ -69,6 +69,7 @@ import onnx
 import onnx_ir as ir
 
 from placement.analysis.dependence import load_time_values
+from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model, is_copy_node, node_device
@@ -254,7 +255,6 @@ def split_stages(model: Model) -> Partition:
     graph_outputs = set(graph.outputs)
 
     stages: list[Stage] = []
-    typed = _TypeFallback(model)
     position = {node: i for i, node in enumerate(graph)}
     for old in order:
         nodes = stage_nodes[old]
@@ -294,7 +294,7 @@ def split_stages(model: Model) -> Partition:
         ]
         body = sorted(set(nodes) | extra, key=position.__getitem__)
         depends = sorted({renumber[p] for p in sg.predecessors(old)})
-        stage_model = _stage_model(model, body, inputs, outputs, params, typed, renumber[old])
+        stage_model = _stage_model(model, body, inputs, outputs, params, renumber[old])
         stage = Stage(
             index=renumber[old],
             device=device,
@@ -406,34 +406,20 @@ def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:
                             yield value
 
 
-class _TypeFallback:
-    """Types for boundary blobs the exporter left untyped, from ONNX shape inference (lazily)."""
-
-    def __init__(self, model: Model) -> None:
-        self._model = model
-        self._types: dict[str, tuple[ir.TypeProtocol, ir.Shape | None]] | None = None
-
-    def fill(self, value: ir.Value) -> None:
-        if value.type is not None:
-            return
-        if self._types is None:
-            self._types = {}
-            try:
-                proto = ir.serde.serialize_model(self._model.ir_model)
-                inferred = onnx.shape_inference.infer_shapes(proto)
-                for info in inferred.graph.value_info:
-                    typed = ir.serde.deserialize_value_info_proto(info, None)
-                    if typed.type is not None:
-                        self._types[info.name] = (typed.type, typed.shape)
-            except Exception as err:  # inference is best effort
-                log.debug("shape inference for stage boundaries failed: %s", err)
-        found = self._types.get(value.name or "")
-        if found is None:
-            raise PlacementError(
-                f"blob {value.name!r} crosses a stage boundary but has no known type; "
-                "run shape inference on the model (e.g. onnx_ir ShapeInferencePass) first"
-            )
-        value.type, value.shape = found[0], found[1]
+def _ensure_type(model: Model, value: ir.Value) -> None:
+    """Give a stage input the exporter left untyped its type, from shape inference."""
+    if value.type is not None:
+        return
+    original = model.value(value.name or "")
+    if original.type is None:
+        infer_shapes(model)
+    if original.type is not None:
+        value.type, value.shape = original.type, original.shape
+    else:
+        raise PlacementError(
+            f"blob {value.name!r} crosses a stage boundary but has no known type, "
+            "and ONNX shape inference cannot find one"
+        )
 
 
 def _stage_model(
@@ -442,7 +428,6 @@ def _stage_model(
     inputs: list[ir.Value],
     outputs: list[ir.Value],
     params: list[tuple[str, ir.Value]],
-    typed: _TypeFallback,
     index: int,
 ) -> ir.Model:
     """A standalone ``onnx_ir.Model`` of ``nodes`` (cloned; tensors are shared)."""
@@ -473,7 +458,7 @@ def _stage_model(
         if value in graph.inputs:
             graph.inputs.remove(value)
     for value in graph.inputs:
-        typed.fill(value)
+        _ensure_type(model, value)
     stage_model = ir.Model(
         graph,
         ir_version=source.ir_version,

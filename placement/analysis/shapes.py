@@ -1,0 +1,78 @@
+"""Types and shapes for blobs the producer of a model left unannotated.
+
+Exporters and hand-made graphs often leave intermediate blobs without a type or shape.
+The planner needs their sizes and the runtime needs the types of blobs that cross a stage
+boundary; both get them here, from ONNX shape inference run through onnx_ir's
+``ShapeInferencePass`` (which hands the checker a proto with the weights stripped, so it
+costs no copy of the weights and works above protobuf's 2 GiB limit).
+
+Inference writes what it finds onto the model's values, in place, once per model
+structure: it adds facts, never changes what the graph computes.
+
+Example:
+    >>> import onnx
+    >>> from onnx import TensorProto, helper
+    >>> import placement as pl
+    >>> g = helper.make_graph(
+    ...     [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"])], "g",
+    ...     [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+    ...     [helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])])
+    >>> model = pl.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    >>> model.value("a").shape is None
+    True
+    >>> infer_shapes(model)
+    True
+    >>> str(model.value("a").shape), model.value("a").dtype.name
+    ('[3]', 'FLOAT')
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+from placement.graph.model import Model
+
+__all__ = ["infer_shapes"]
+
+log = logging.getLogger(__name__)
+
+_DONE_KEY = "placement.shapes_inferred"
+
+
+def _structure(ir_model: ir.Model) -> tuple[int, int]:
+    graph = ir_model.graph
+    return graph.num_nodes(), sum(len(node.outputs) for node in graph)
+
+
+def infer_shapes(model: Model | ir.Model, *, force: bool = False) -> bool:
+    """Annotate the model's values with the types and shapes ONNX shape inference finds.
+
+    Best effort: a model inference cannot handle (custom domains, unsupported opsets) is
+    left as it is, with a debug log. Runs once per model structure unless ``force``.
+
+    Args:
+        model: a :class:`placement.Model` or an ``onnx_ir.Model``; annotated in place.
+        force: run even if this structure was inferred before.
+
+    Returns:
+        Whether any value got a new type or shape.
+    """
+    ir_model = model.ir_model if isinstance(model, Model) else model
+    key = _structure(ir_model)
+    if not force and ir_model.meta.get(_DONE_KEY) == key:
+        return False
+    onnx_ir_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
+    level = onnx_ir_log.level
+    onnx_ir_log.setLevel(logging.ERROR)  # "value not found" notes for values inference skips
+    try:
+        result = ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(ir_model)
+    except Exception as err:  # inference is best effort; callers report what stays unknown
+        log.debug("shape inference failed: %s", err)
+        return False
+    finally:
+        onnx_ir_log.setLevel(level)
+    ir_model.meta[_DONE_KEY] = key
+    return bool(result.modified)
