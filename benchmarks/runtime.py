@@ -1,12 +1,14 @@
 """Benchmark: the cost of placement in both runtimes, side by side in one run.
 
 For each model (bench size by default) the network is imported, split across
-``devices`` logical devices Caffe2 style (activations shifted in equal runs,
-``inject_cross_device_copies``), and timed:
+``devices`` logical devices by each plan of ``--plans`` (``half``: Caffe2 style,
+activations shifted in equal runs; ``auto``: ``pl.auto_place`` with its defaults,
+measured op times, link model and fusion-aware cuts), copies are injected, and it
+is timed:
 
 * **ONNX Runtime**: ``pl.Runner`` (one session per stage, IOBinding between
   stages) against *one* ``InferenceSession`` of the unplaced model with the same
-  session options. Target: placed / single <= 1.05.
+  session options. Target: placed / single <= 1.02.
 * **torch**: ``pl.to_torch`` against the original eager module, measured by
   ``benchmarks/torch_lowering.py: measure`` (imported, so both tables come from
   one process and one invocation). Target: lowered / eager <= 1.10.
@@ -17,10 +19,19 @@ medians. Without GPUs every logical device is emulated on the CPU with its own
 sessions, so the ONNX Runtime ratio measures what placement itself costs:
 extra sessions, lost fusions at the cut, transfers, Python glue.
 
+``--explain`` adds, per row, the placed run's overhead over the single session by
+cause (medians of runs alternated with the single session, each cause timed on its
+own): *cut* (the stage sessions' compute beyond the single session's: fusions and
+layout conversions lost at the cuts, extra kernel launches), *transfers* (moving
+blobs between devices), *binding* (IOBinding set-up per stage and run), *checks*
+(the placement-change check and input validation) and *outputs* (handing outputs
+back as arrays); *other* is what remains (Python between the steps).
+
 Usage::
 
     python benchmarks/runtime.py                       # gpt and resnet, bench, 2 devices
     python benchmarks/runtime.py --models gpt mlp resnet unet --devices 2 4 --repeats 50
+    python benchmarks/runtime.py --no-torch --explain --plans half auto
 
 Writes ``benchmarks/results/runtime.json``.
 """
@@ -56,7 +67,7 @@ __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 log = logging.getLogger("benchmarks.runtime")
 
 RESULTS = _ROOT / "benchmarks" / "results" / "runtime.json"
-ORT_TARGET = 1.05
+ORT_TARGET = 1.02
 TORCH_TARGET = 1.10
 
 
@@ -85,8 +96,14 @@ def measure_ort(
     device_map: Any = "auto",
     seed: int = 0,
     threads: int | None = None,
+    plan: str = "half",
+    explain: bool = False,
 ) -> dict[str, Any]:
     """Time ``pl.Runner`` on the placed model against one session of the unplaced model.
+
+    ``plan``: ``"half"`` (activations shifted in equal runs) or ``"auto"``
+    (``pl.auto_place`` with its defaults). ``explain``: add ``explain``, the
+    per-run overhead by cause in ms (module docstring).
 
     Both use :func:`placement.runtime.ort.session_options` with ``threads``
     intra-op threads (None: ONNX Runtime's default).
@@ -105,7 +122,7 @@ def measure_ort(
     """
     net, args = models.build(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
-    placed = pl.place_evenly(model.copy(), devices)
+    placed = _place(model.copy(), devices, plan, args)
     runner = pl.Runner(placed, device_map=device_map, threads=threads)
     physical = runner.device_map[min(runner.device_map)]
     provider, options = physical.ort_provider
@@ -122,8 +139,9 @@ def measure_ort(
     )
     single_ms = statistics.median(times["single"]) * 1e3
     placed_ms = statistics.median(times["placed"]) * 1e3
-    return {
+    row = {
         "model": model_name,
+        "plan": plan,
         "size": size,
         "devices": devices,
         "ops": len(placed.ops),
@@ -140,6 +158,112 @@ def measure_ort(
         "repeats": repeats,
         "threads": threads,
     }
+    if explain:
+        row["explain"] = explain_overhead(runner, single, feeds, repeats=repeats, warmup=warmup)
+    return row
+
+
+def _place(model: pl.Model, devices: int, plan: str, args: Sequence[Any]) -> pl.Model:
+    if plan == "half":
+        return pl.place_evenly(model, devices)
+    if plan == "auto":
+        pl.auto_place(model, devices=devices, sample_inputs=tuple(args))
+        pl.inject_cross_device_copies(model)
+        pl.verify(model)
+        return model
+    raise ValueError(f"unknown plan {plan!r}: 'half' or 'auto'")
+
+
+def explain_overhead(
+    runner: pl.Runner,
+    single: ort.InferenceSession,
+    feeds: dict[str, np.ndarray],
+    *,
+    repeats: int,
+    warmup: int,
+) -> dict[str, float]:
+    """The placed run's overhead over the single session by cause, in ms (module docstring).
+
+    Walks the runner's compiled program (the steps ``Runner.run`` executes) with a
+    timer around each kind of work, alternating with the single session.
+    """
+    from placement.runtime.inputs import normalize_inputs
+    from placement.runtime.ort import _move, _ortvalue
+
+    program = runner._program
+    assert program is not None
+    arrays = list(feeds.values())
+    parts = ("checks", "binding", "stages", "transfers", "outputs")
+
+    def instrumented() -> dict[str, float]:
+        spent = dict.fromkeys(parts, 0.0)
+        clock = time.perf_counter
+        t0 = clock()
+        runner.update()
+        normalize_inputs(feeds, runner._specs)
+        t1 = clock()
+        spent["checks"] += t1 - t0
+        values: dict[str, Any] = {}
+        for (name, physical), array in zip(program.feeds, arrays):
+            values[name] = _ortvalue(array, physical)
+        for step in program.steps:
+            if step[0] == "stage":
+                _, ex, bind, outs, free = step
+                t0 = clock()
+                binding = ex.binding
+                for name, key in bind:
+                    binding.bind_ortvalue_input(name, values[key])
+                t1 = clock()
+                ex.session.run_with_iobinding(binding)
+                t2 = clock()
+                for name, value in zip(outs, binding.get_outputs()):
+                    values[name] = value
+                binding.clear_binding_inputs()
+                binding.clear_binding_outputs()
+                device_type, device_id = ex.out_device
+                for name in outs:
+                    binding.bind_output(name, device_type, device_id)
+                t3 = clock()
+                spent["binding"] += (t1 - t0) + (t3 - t2)
+                spent["stages"] += t2 - t1
+            else:
+                _, kind, src, dst, physical, free = step
+                t0 = clock()
+                values[dst] = _move(values[src], kind, physical)
+                spent["transfers"] += clock() - t0
+            for key in free:
+                del values[key]
+        t0 = clock()
+        [values[key].numpy().copy() if const is None else const.copy() for key, const in program.outputs]
+        spent["outputs"] += clock() - t0
+        return spent
+
+    for _ in range(warmup):
+        instrumented()
+        single.run(None, feeds)
+    samples: dict[str, list[float]] = {k: [] for k in (*parts, "single", "placed")}
+    for i in range(repeats):
+        order = ("single", "placed", "parts") if i % 2 == 0 else ("parts", "placed", "single")
+        for what in order:
+            if what == "parts":
+                for k, v in instrumented().items():
+                    samples[k].append(v)
+            else:
+                start = time.perf_counter()
+                single.run(None, feeds) if what == "single" else runner.run(feeds)
+                samples[what].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    result = {
+        "cut": med["stages"] - med["single"],
+        "transfers": med["transfers"],
+        "binding": med["binding"],
+        "checks": med["checks"],
+        "outputs": med["outputs"],
+    }
+    result["other"] = med["placed"] - med["single"] - sum(result.values())
+    result["total"] = med["placed"] - med["single"]
+    result["single_ms"] = med["single"]
+    return {k: round(v, 4) for k, v in result.items()}
 
 
 def _torch_measure() -> Callable[..., dict[str, Any]] | None:
@@ -176,6 +300,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
     )
     columns = [
         "model",
+        "plan",
         "size",
         "dev",
         "stages",
@@ -201,6 +326,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
         physical = sorted(set(row["device_map"].values()))
         table.add_row(
             row["model"],
+            row.get("plan", "half"),
             row["size"],
             str(row["devices"]),
             str(row["stages"]),
@@ -216,6 +342,27 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
     return table
 
 
+def _explain_table(rows: Sequence[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    causes = ["cut", "transfers", "binding", "checks", "outputs", "other", "total"]
+    table = Table(title="placed ORT run: overhead over the single session by cause (ms, % of single)")
+    for column in ["model", "plan", "dev", *causes]:
+        table.add_column(column, justify="left" if column in ("model", "plan") else "right")
+    for row in rows:
+        ex = row.get("explain")
+        if not ex:
+            continue
+        single = ex["single_ms"] or 1.0
+        table.add_row(
+            row["model"],
+            row.get("plan", "half"),
+            str(row["devices"]),
+            *(f"{ex[c]:+.3f} ({100 * ex[c] / single:+.1f}%)" for c in causes),
+        )
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print a table and write the JSON results."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -225,6 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device-map", default="auto", help="'auto', 'cpu' or 'cuda:0'")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch lowering columns")
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        default=["half", "auto"],
+        choices=["half", "auto"],
+        help="half: activations shifted in equal runs; auto: pl.auto_place's default plan",
+    )
+    parser.add_argument("--explain", action="store_true", help="per-run overhead by cause")
     parser.add_argument(
         "--threads", type=int, default=None, help="ORT intra-op threads per session (default: ORT's choice)"
     )
@@ -239,13 +394,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for name in ns.models:
         for n in ns.devices:
-            with console.status(f"{name} ({ns.size}) on {n} devices: ONNX Runtime..."):
-                row = measure_ort(name, ns.size, n, ns.repeats, device_map=ns.device_map, threads=ns.threads)
-            if torch_measure is not None:
-                with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
-                    row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
-            rows.append(row)
+            for plan in ns.plans:
+                with console.status(f"{name} ({ns.size}) on {n} devices, {plan} plan: ONNX Runtime..."):
+                    row = measure_ort(
+                        name,
+                        ns.size,
+                        n,
+                        ns.repeats,
+                        device_map=ns.device_map,
+                        threads=ns.threads,
+                        plan=plan,
+                        explain=ns.explain,
+                    )
+                if torch_measure is not None and plan == "half":
+                    with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
+                        row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
+                rows.append(row)
     console.print(_table(rows))
+    if ns.explain:
+        console.print(_explain_table(rows))
     ns.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "runtime",

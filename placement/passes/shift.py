@@ -12,7 +12,12 @@ defined. Only ops currently on a source device move. Labels, in graph order:
   reads; else it stays. Only labels naming its own device or its source's target
   count, so an op moves from a source to that source's target or not at all;
 * blobs the op touches that carry no label yet (parameters, data-independent
-  temporaries) take its device.
+  temporaries) take its device;
+* an op on a source device that computes from parameters and constants alone (a
+  weight transpose, a mask built by ``ConstantOfShape``) then follows its readers:
+  when every op reading its results ends on the source's target, it moves there
+  too (its result is a load-time value: keeping it behind would make runtimes copy
+  a parameter-derived value per run instead of holding the parameter where it is read).
 
 Copies made by :func:`inject_cross_device_copies` never move (a copy's device is
 its destination) and are transparent to labels: an op reading a copy sees the
@@ -146,6 +151,7 @@ class ShiftActivationDevicesPass(PlacementPass):
         owner_specs: list[str | None] = []  # its device annotation
         origin: dict[ir.Value, ir.Value] = {}  # copy output -> copied blob
         unfed = 0  # ops on source devices that read no activation or write nothing: rules 2-3
+        loners: list[ir.Node] = []  # ops on source devices computing from parameters alone
         is_independent, consume = independent.__contains__, consumed.add
         target_get = target_of.get
         for node in graph:
@@ -179,6 +185,8 @@ class ShiftActivationDevicesPass(PlacementPass):
                     owner_specs.extend([spec] * len(outputs))
             elif target is not None:
                 unfed += 1
+                if not hit and outputs:
+                    loners.append(node)
         acts = [v for v in candidates if v in consumed or v.is_graph_output()]
 
         watch.start("validate")
@@ -211,6 +219,8 @@ class ShiftActivationDevicesPass(PlacementPass):
                         found[node] = spec
             moves = list(found.items())
         listed_elsewhere = len(shifted) - seen
+        if loners:
+            moves = _follow_readers(graph, loners, moves, device_of, target_of)
 
         watch.start("apply")
         # -- apply (all or nothing) ----------------------------------------------------
@@ -300,6 +310,43 @@ def _propagate(
     return moves, seen
 
 
+def _follow_readers(
+    graph: ir.Graph,
+    loners: list[ir.Node],
+    moves: list[tuple[ir.Node, str | None]],
+    device_of: dict[str | None, Device],
+    target_of: dict[str | None, Device | None],
+) -> list[tuple[ir.Node, str | None]]:
+    """Ops computing from parameters alone move to their source's target when all readers do."""
+    new_device: dict[ir.Node, Device] = {node: cast(Device, target_of[spec]) for node, spec in moves}
+    extra: list[tuple[ir.Node, str | None]] = []
+    for node in reversed(loners):  # readers first, so chains of such ops follow together
+        spec = node.metadata_props.get(DEVICE_KEY)
+        target = cast(Device, target_of[spec])
+        if target == device_of[spec] or new_device.get(node) is target:
+            continue
+        ends: set[Device] = set()
+        for out in node.outputs:
+            if out.is_graph_output():
+                ends.add(device_of[spec])
+            for use in out.uses():
+                reader = use.node
+                if reader.graph is not graph:
+                    ends.add(device_of[spec])
+                    continue
+                found = new_device.get(reader)
+                if found is None:
+                    rspec = reader.metadata_props.get(DEVICE_KEY)
+                    found = device_of.get(rspec)
+                    if found is None:
+                        found = Device.parse(rspec) if rspec is not None else Device("cuda", 0)
+                ends.add(found)
+        if ends == {target}:
+            new_device[node] = target
+            extra.append((node, spec))
+    return moves + extra if extra else moves
+
+
 def _has_op_without_activations(
     candidates: list[ir.Value], acts: set[ir.Value], target_of: dict[str | None, Device | None]
 ) -> bool:
@@ -370,7 +417,7 @@ def _raise_for(graph: ir.Graph, missing: list[str]) -> None:
     name = missing[0]
     reason = describe_non_activation(graph, index[name])
     others = [n for n in dict.fromkeys(missing) if n != name]
-    more = f" (and {len(others)} more: {others[:_MAX_NAMED - 1]})" if others else ""
+    more = f" (and {len(others)} more: {others[: _MAX_NAMED - 1]})" if others else ""
     raise NotAnActivationError(f"cannot shift blob {name!r}: it is not an activation but {reason}{more}")
 
 

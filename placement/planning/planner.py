@@ -36,6 +36,23 @@ Objectives:
   (exact, by the same dynamic programme). With room to spare this keeps everything
   on the first device, which is the fastest way to run one request.
 
+Communication (``cost="time"``): a link model (:mod:`placement.planning.links`, by
+default typical links by device type; ``links=pl.measure_links()`` for this
+machine's) turns every copy into time, ``latency + bytes / bandwidth``, and a part's
+cost becomes its op costs plus the time to copy in every blob it reads from earlier
+parts, plus what cuts inside fusable patterns cost it
+(:mod:`placement.planning.fusion`, measured). The throughput objective is then the
+bottleneck over parts of that cost (a pipelined stage receives, then computes), the
+latency objective the sum of the transfer and cut times along the chain. A part's
+cost no longer shrinks with the part (starting one op later can add a copy), so the
+greedy sweep is replaced by an exact min-max dynamic programme, then the same
+dynamic programme as above picks, among partitions at the optimal bottleneck, the
+one with the least transfer and cut time. Both are exact when, for every device,
+all links into it from earlier devices are alike (one kind of interconnect, or
+the links from :func:`placement.measure_links` between two devices); otherwise the
+planner charges a copy on the link from the previous device in the pipeline, and
+the plan reports the times on the true links.
+
 Bytes copied per step count one copy per (blob, reading device), as
 ``inject_cross_device_copies`` makes them; graph inputs are fed where first read;
 blobs computed from parameters alone are load-time values the runtimes
@@ -72,6 +89,7 @@ from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, set_node_device
 from placement.planning.frontend import check_no_copies, transaction
+from placement.planning.links import Link, Links, LinksLike, resolve_links
 from placement.planning.profile import COST_KINDS, GraphInfo, fingerprint, profile
 
 __all__ = [
@@ -153,6 +171,13 @@ def _format_cost(value: float, kind: str) -> str:
 class PartitionProblem:
     """Contiguous partition of ``n`` ops into ``len(budgets)`` ordered parts.
 
+    The cost of part ``k`` running ops ``i..j-1`` is the sum of their op costs, plus,
+    when ``links_in`` is given, the time to copy into it every distinct blob it reads
+    that was made (or fed) before ``i`` (``links_in[k].time_ns(bytes)`` per blob: one
+    latency per copy), plus, when ``cut_costs`` is given, ``cut_costs[i][1]`` and
+    ``cut_costs[j][0]`` (what a cut at ``i`` costs the part after it and a cut at ``j``
+    the part before it; empty parts cost nothing).
+
     Args:
         costs: integer cost per op (non-negative).
         budgets: per part, a memory budget in bytes or None (unlimited).
@@ -160,6 +185,8 @@ class PartitionProblem:
         allowed_cuts: ``n + 1`` flags; a part may end at position ``j`` only where
             ``allowed_cuts[j]`` (0 and ``n`` always may). Restricting cut points keeps
             every algorithm exact over the partitions that remain.
+        links_in: per part, the link its incoming copies travel on (needs ``info``).
+        cut_costs: ``n + 1`` pairs ``(before, after)`` of non-negative integers.
     """
 
     def __init__(
@@ -169,6 +196,8 @@ class PartitionProblem:
         info: GraphInfo | None = None,
         *,
         allowed_cuts: Sequence[bool] | None = None,
+        links_in: Sequence[Link] | None = None,
+        cut_costs: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         if any(c < 0 for c in costs):
             raise PlanError("op costs must be non-negative")
@@ -193,6 +222,24 @@ class PartitionProblem:
         self._mem: dict[tuple[int, int], int] = {}
         if info is None and any(b is not None for b in budgets):
             raise PlanError("memory budgets need graph tables")
+        if links_in is not None:
+            if info is None:
+                raise PlanError("link costs need graph tables")
+            if len(links_in) != len(self.budgets):
+                raise PlanError(
+                    f"links_in needs one link per part ({len(self.budgets)}), got {len(links_in)}"
+                )
+        self.links_in = list(links_in) if links_in is not None else None
+        self.cut_before = [0] * (self.n + 1)  # charged to the part ending at the position
+        self.cut_after = [0] * (self.n + 1)  # charged to the part starting there
+        if cut_costs is not None:
+            if len(cut_costs) != self.n + 1:
+                raise PlanError(f"cut_costs needs {self.n + 1} entries, got {len(cut_costs)}")
+            if any(a < 0 or b < 0 for a, b in cut_costs):
+                raise PlanError("cut costs must be non-negative")
+            for c in range(1, self.n):
+                self.cut_before[c], self.cut_after[c] = (int(x) for x in cut_costs[c])
+        self.simple = self.links_in is None and not any(self.cut_before) and not any(self.cut_after)
 
     @property
     def parts(self) -> int:
@@ -247,8 +294,50 @@ class PartitionProblem:
         """The largest ``j`` with ``cost(i, j) <= bound``."""
         return bisect.bisect_right(self.prefix, self.prefix[i] + bound) - 1
 
+    def segments(self, k: int, i: int, bound: int | None) -> Any:
+        """Yield ``(j, part cost, overhead, bytes in)`` for every allowed end ``j > i`` of
+        part ``k`` starting at ``i`` that fits its budget and whose op costs alone stay
+        within ``bound``. ``overhead`` is the part cost minus its op costs."""
+        info = self.info
+        jmax = self.memory_reach(self.budgets[k], i)
+        if bound is not None:
+            jmax = min(jmax, self.cost_reach(i, bound))
+        link = self.links_in[k] if self.links_in is not None else None
+        start = self.cut_after[i]
+        seen: set[int] = set()
+        in_bytes = in_time = 0
+        prefix_i = self.prefix[i]
+        for j in range(i + 1, jmax + 1):
+            if info is not None:
+                for b in info.op_inputs[j - 1]:
+                    if b in seen:
+                        continue
+                    producer = info.blob_producer[b]
+                    first = producer if producer >= 0 else info.blob_consumers[b][0]
+                    if first < i:
+                        seen.add(b)
+                        size = info.step_bytes[b]
+                        in_bytes += size
+                        if link is not None:
+                            in_time += link.time_ns(size)
+            if not self.allowed[j]:
+                continue
+            overhead = in_time + start + self.cut_before[j]
+            yield j, self.prefix[j] - prefix_i + overhead, overhead, in_bytes
+
+    def segment_cost(self, k: int, i: int, j: int) -> int:
+        """The cost of part ``k`` running ops ``i..j-1`` (class docstring)."""
+        if j <= i:
+            return 0
+        cost = self.cost(i, j) + self.cut_after[i] + self.cut_before[j]
+        if self.links_in is not None:
+            assert self.info is not None
+            link = self.links_in[k]
+            cost += sum(link.time_ns(self.info.step_bytes[b]) for b in self.info.blobs_into(i, j))
+        return cost
+
     def greedy(self, bound: int, budgets: Sequence[int | None] | None = None) -> list[int] | None:
-        """Ends of the parts if every part can stay within ``bound``, else None."""
+        """Ends of the parts if every part's op costs can stay within ``bound``, else None."""
         budgets = self.budgets if budgets is None else budgets
         i = 0
         ends = []
@@ -259,7 +348,13 @@ class PartitionProblem:
         return ends if i == self.n else None
 
     def min_bottleneck(self) -> int:
-        """The smallest achievable bottleneck (exact, integer bisection over greedy sweeps).
+        """The smallest achievable bottleneck (the largest part cost), exactly.
+
+        Op costs alone: integer bisection over greedy sweeps (a part's cost can only
+        shrink with the part). With links or cut costs a part can cost more when it
+        starts later (a blob made just before it must now be copied in), so the
+        exchange argument behind the greedy sweep fails; a min-max dynamic programme
+        over cut points (exact by optimal substructure) is used instead.
 
         Raises:
             InfeasiblePlacementError: the budgets cannot hold the model at all.
@@ -267,6 +362,12 @@ class PartitionProblem:
         total = self.prefix[-1]
         if self.greedy(total) is None:
             raise InfeasiblePlacementError(self.infeasible_message())
+        plain = self._min_op_bottleneck()
+        return plain if self.simple else self._min_max(plain)
+
+    def _min_op_bottleneck(self) -> int:
+        """The smallest bottleneck of op costs alone (integer bisection over greedy sweeps)."""
+        total = self.prefix[-1]
         lo = max(max(self.costs, default=0), -(-total // self.parts))
         hi = total
         if lo > hi:
@@ -279,40 +380,58 @@ class PartitionProblem:
                 lo = mid + 1
         return lo
 
-    def min_transfer(self, bound: int | None) -> list[int]:
-        """Part ends minimising (bytes copied per step, bottleneck), parts within ``bound``.
+    def _min_max(self, plain: int) -> int:
+        n = self.n
+        inf = math.inf
+        # any feasible partition bounds the optimum from above (the one optimal for op
+        # costs alone is a good one); the bound limits how far a part may reach, since a
+        # part's cost is at least its op costs
+        upper: float = inf
+        ends = self.greedy(plain)
+        if ends is not None:
+            start, worst = 0, 0
+            for k, end in enumerate(ends):
+                worst = max(worst, self.segment_cost(k, start, end))
+                start = end
+            upper = worst
+        best: list[float] = [0] + [inf] * n
+        for k in range(self.parts):
+            new = list(best)  # an empty part keeps the position
+            for i in range(n):
+                base = best[i]
+                if base == inf or base > upper:
+                    continue
+                for j, cost, _, _ in self.segments(k, i, int(upper)):
+                    cand = max(base, cost)
+                    if cand < new[j]:
+                        new[j] = cand
+            best = new
+        if best[n] == inf:
+            raise InfeasiblePlacementError(self.infeasible_message())
+        return int(best[n])
 
-        Exact dynamic programme over cut points; part ``k`` must fit its budget.
+    def min_transfer(self, bound: int | None) -> list[int]:
+        """Part ends minimising (overhead per step, bottleneck), every part within ``bound``.
+
+        The overhead is the bytes copied per step when only op costs count, else the
+        summed part costs beyond op costs (transfer times and cut costs). Exact dynamic
+        programme over cut points; part ``k`` must fit its budget.
         """
-        n, info = self.n, self.info
+        n = self.n
         inf = (math.inf, math.inf)
         best: list[tuple[float, float]] = [(0, 0)] + [inf] * n
         parents: list[list[int]] = []
-        for budget in self.budgets:
+        for k in range(self.parts):
             new = list(best)  # an empty part keeps the position
             parent = list(range(n + 1))
             for i in range(n):
                 base = best[i]
                 if base == inf:
                     continue
-                jmax = self.memory_reach(budget, i)
-                if bound is not None:
-                    jmax = min(jmax, self.cost_reach(i, bound))
-                seen: set[int] = set()
-                in_bytes = 0
-                for j in range(i + 1, jmax + 1):
-                    if info is not None:
-                        for b in info.op_inputs[j - 1]:
-                            if b in seen:
-                                continue
-                            producer = info.blob_producer[b]
-                            first = producer if producer >= 0 else info.blob_consumers[b][0]
-                            if first < i:
-                                seen.add(b)
-                                in_bytes += info.step_bytes[b]
-                    if not self.allowed[j]:
+                for j, cost, overhead, in_bytes in self.segments(k, i, bound):
+                    if bound is not None and cost > bound:
                         continue
-                    cand = (base[0] + in_bytes, max(base[1], self.cost(i, j)))
+                    cand = (base[0] + (in_bytes if self.simple else overhead), max(base[1], cost))
                     if cand < new[j]:
                         new[j] = cand
                         parent[j] = i
@@ -411,6 +530,9 @@ class DevicePlan:
         activation_bytes: liveness-based peak of its activations.
         budget: its memory budget in bytes, or None.
         bytes_in / bytes_out: bytes copied in and out per step.
+        transfer_time: nanoseconds to copy its inputs in per step under the link model
+            (0 without one).
+        cut_cost: nanoseconds its cuts cost it (fusions lost at a cut; 0 without).
     """
 
     device: str
@@ -423,6 +545,13 @@ class DevicePlan:
     budget: int | None
     bytes_in: int
     bytes_out: int
+    transfer_time: int = 0
+    cut_cost: int = 0
+
+    @property
+    def stage_cost(self) -> int:
+        """What the planner minimises the largest of: op costs, transfers in, cut costs."""
+        return self.cost + self.transfer_time + self.cut_cost
 
     @property
     def memory(self) -> int:
@@ -447,13 +576,16 @@ class Plan:
         devices: per-device predictions (:class:`DevicePlan`), in part order.
         cost_kind: ``"time"`` (ns), ``"size"`` (bytes) or ``"flops"``.
         objective: ``"throughput"`` or ``"latency"``.
-        bottleneck: the largest per-device cost.
+        bottleneck: the largest per-device :attr:`DevicePlan.stage_cost`.
         lower_bound: ``max(ceil(total / N), largest op)``, no plan can beat it.
         total_cost: sum of all op costs.
         transfer_bytes: bytes copied between devices per step.
         cut_bytes: per boundary between consecutive used devices, bytes of the
             distinct blobs crossing it.
         fingerprint: structure fingerprint of the model planned for.
+        overhead: per step, the summed transfer times and cut costs (ns; 0 without a
+            link model or cut costs): what the latency objective minimises.
+        links: the link model planned with (see :meth:`Links.to_dict`), or None.
     """
 
     assignment: dict[str, str]
@@ -466,6 +598,8 @@ class Plan:
     transfer_bytes: int
     cut_bytes: list[int] = field(default_factory=list)
     fingerprint: str = ""
+    overhead: int = 0
+    links: dict[str, Any] | None = None
 
     @property
     def ratio(self) -> float:
@@ -596,6 +730,7 @@ class Plan:
             "budget",
             "in",
             "out",
+            *(("transfers", "cut cost") if self.links is not None or self.overhead else ()),
         ):
             table.add_column(col, justify="left" if col in ("device", "first op", "last op") else "right")
         for d in self.devices:
@@ -610,6 +745,11 @@ class Plan:
                 format_bytes(d.budget) if d.budget is not None else "-",
                 format_bytes(d.bytes_in),
                 format_bytes(d.bytes_out),
+                *(
+                    (_format_cost(d.transfer_time, "time"), _format_cost(d.cut_cost, "time"))
+                    if self.links is not None or self.overhead
+                    else ()
+                ),
             )
         return table
 
@@ -668,6 +808,8 @@ def build_plan(
     cost_kind: str,
     objective: str,
     fp: str = "",
+    links: Links | None = None,
+    cut_costs: Sequence[tuple[int, int]] | None = None,
 ) -> Plan:
     """Evaluate a contiguous partition (part ends) into a :class:`Plan`."""
     n = len(info)
@@ -678,7 +820,16 @@ def build_plan(
             part[pos] = k
         start = end
     return evaluate_assignment(
-        info, costs, part, devices, budgets, cost_kind=cost_kind, objective=objective, fp=fp
+        info,
+        costs,
+        part,
+        devices,
+        budgets,
+        cost_kind=cost_kind,
+        objective=objective,
+        fp=fp,
+        links=links,
+        cut_costs=cut_costs,
     )
 
 
@@ -692,11 +843,14 @@ def evaluate_assignment(
     cost_kind: str,
     objective: str,
     fp: str = "",
+    links: Links | None = None,
+    cut_costs: Sequence[tuple[int, int]] | None = None,
 ) -> Plan:
     """Evaluate any assignment ``part[pos]`` (index into ``devices``) into a :class:`Plan`.
 
     Used for our plans and, in the benchmark, to score other tools' placements with the
-    same cost and memory model.
+    same cost and memory model. Each copy is charged on the link from the device
+    that makes (or is fed) the blob to the device reading it.
     """
     num = len(devices)
     n = len(info)
@@ -707,6 +861,23 @@ def evaluate_assignment(
     params = info.part_param_bytes(part, num)
     acts = info.peak_activations(part, num)
     out, into = info.transfers(part, num)
+    into_time = [0] * num
+    if links is not None:
+        for b, size in enumerate(info.step_bytes):
+            consumers = info.blob_consumers[b]
+            if not consumers or not size:
+                continue
+            producer = info.blob_producer[b]
+            home = part[producer] if producer >= 0 else part[consumers[0]]
+            for p in {part[c] for c in consumers}:
+                if p != home:
+                    into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
+    cut_cost = [0] * num
+    if cut_costs is not None:
+        for c in range(1, n):
+            if part[c] != part[c - 1]:
+                cut_cost[part[c - 1]] += int(cut_costs[c][0])
+                cut_cost[part[c]] += int(cut_costs[c][1])
     rows = []
     for k, device in enumerate(devices):
         members = [pos for pos in range(n) if part[pos] == k]
@@ -722,6 +893,8 @@ def evaluate_assignment(
                 budget=budgets[k],
                 bytes_in=into[k],
                 bytes_out=out[k],
+                transfer_time=into_time[k],
+                cut_cost=cut_cost[k],
             )
         )
     cut_bytes = []
@@ -734,12 +907,14 @@ def evaluate_assignment(
         devices=rows,
         cost_kind=cost_kind,
         objective=objective,
-        bottleneck=max(part_cost, default=0),
+        bottleneck=max((row.stage_cost for row in rows), default=0),
         lower_bound=lower,
         total_cost=total,
         transfer_bytes=sum(into),
         cut_bytes=cut_bytes,
         fingerprint=fp,
+        overhead=sum(into_time) + sum(cut_cost),
+        links=links.to_dict() if links is not None else None,
     )
 
 
@@ -794,6 +969,8 @@ def auto_place(
     cost: str = "time",
     objective: str = "throughput",
     repeats: int = 5,
+    links: LinksLike = "auto",
+    fusion: bool = True,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -814,6 +991,16 @@ def auto_place(
             ``"latency"`` (minimise bytes copied, then the bottleneck); see the module
             docstring.
         repeats: timed runs when profiling.
+        links: the link model copies are charged on (``cost="time"`` only): ``"auto"``
+            (typical links by device type, :class:`placement.planning.links.Links`),
+            a preset (``"pcie"``, ``"nvlink"``, ``"host"``, ``"memcpy"``), a
+            :class:`~placement.planning.links.Link`, a mapping
+            ``(source, destination) -> link``, links measured by
+            :func:`placement.measure_links`, or None (transfers cost nothing).
+        fusion: with ``cost="time"``, charge a cut inside a fusable pattern
+            (Conv+BatchNormalization(+Add)+Relu, MatMul+Add(+activation)) what ONNX
+            Runtime loses by running its halves apart, measured (see
+            :mod:`placement.planning.fusion`).
 
     Raises:
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
@@ -834,19 +1021,48 @@ def auto_place(
         raise PlanError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    if cost != "time" and links is not None and links is not False and links != "auto":
+        raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
     if cost == "time":
         cost = _time_or_flops(model)
+    link_model = resolve_links(links) if cost == "time" else None
     prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
     costs = prof.costs(cost)
     info = GraphInfo(model)
-    problem = PartitionProblem(costs, budgets, info, allowed_cuts=constant_glue(info))
+    cuts = None
+    if fusion and cost == "time" and len(device_list) > 1:
+        from placement.planning.fusion import fusion_cut_costs
+
+        cuts = fusion_cut_costs(model, info, repeats=repeats)
+    links_in = None
+    if link_model is not None:
+        links_in = [
+            link_model.link(device_list[max(k - 1, 0)], device_list[k]) for k in range(len(device_list))
+        ]
+        if not link_model.uniform_into(device_list):
+            log.info(
+                "auto_place: links into some device differ by source; copies are planned on the "
+                "link from the previous device (exact only when all links into a device are alike)"
+            )
+    problem = PartitionProblem(
+        costs, budgets, info, allowed_cuts=constant_glue(info), links_in=links_in, cut_costs=cuts
+    )
     if objective == "throughput":
         bound = problem.min_bottleneck()
         ends = problem.min_transfer(bound)
     else:
         ends = problem.min_transfer(None)
     plan = build_plan(
-        info, costs, ends, device_list, budgets, cost_kind=cost, objective=objective, fp=prof.fingerprint
+        info,
+        costs,
+        ends,
+        device_list,
+        budgets,
+        cost_kind=cost,
+        objective=objective,
+        fp=prof.fingerprint,
+        links=link_model,
+        cut_costs=cuts,
     )
     plan.apply(model)
     log.info(

@@ -238,6 +238,21 @@ class GraphInfo:
         """Parameters plus peak activations of a device that runs ops ``i..j-1``."""
         return self.segment_param_bytes(i, j) + self.segment_peak_activation(i, j)
 
+    def blobs_into(self, i: int, j: int) -> list[int]:
+        """Distinct activations read by ops ``i..j-1`` and made (or first fed) before ``i``."""
+        seen: set[int] = set()
+        found = []
+        for pos in range(i, j):
+            for b in self.op_inputs[pos]:
+                if b in seen:
+                    continue
+                producer = self.blob_producer[b]
+                first = producer if producer >= 0 else self.blob_consumers[b][0]
+                if first < i:
+                    seen.add(b)
+                    found.append(b)
+        return found
+
     def segment_in_bytes(self, i: int, j: int) -> int:
         """Bytes copied into a device running ops ``i..j-1`` from earlier ones (per step).
 

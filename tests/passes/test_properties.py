@@ -159,6 +159,25 @@ def reference_shift(model: pl.Model, names: list[str], shifts: dict) -> dict[str
             else:
                 labels.setdefault(b, new)
         placed[op.name] = new
+    # ops computing from parameters alone follow their readers to the target
+    params = set(model.parameters)
+    independent: set[str] = set()
+    for op in model.ops:
+        if all(not b or b in params or b in independent for b in op.inputs):
+            independent.update(op.outputs)
+    outputs = set(model.outputs)
+    for op in reversed(model.ops):
+        device = op.device
+        if op.is_copy or device not in shifts or shifts[device] == device or not op.outputs:
+            continue
+        if not all(b in independent for b in op.outputs) or placed[op.name] == shifts[device]:
+            continue
+        ends = {device for b in op.outputs if b in outputs}
+        for reader in model.ops:
+            if set(reader.inputs) & set(op.outputs):
+                ends.add(reader.device if reader.is_copy else placed[reader.name])
+        if ends == {shifts[device]}:
+            placed[op.name] = shifts[device]
     return placed
 
 

@@ -245,3 +245,30 @@ def test_pass_object_repr_and_result_type() -> None:
     assert "1 activations" in repr(pass_) and "cuda:0: cuda:1" in repr(pass_)
     result = pass_(chain(2).ir_model)
     assert result.modified
+
+
+def test_ops_computing_from_parameters_follow_their_readers(exported):
+    """GPT's weight transposes move with the MatMuls that read them: nothing computed
+    from parameters alone crosses a device (no per-run copy of a transposed weight)."""
+    model, _, _ = exported("gpt")
+    acts = pl.get_activation_blobs(model)
+    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 1})
+    params = set(model.parameters)
+    readers: dict[str, list] = {}
+    for op in model.ops:
+        for blob in op.inputs:
+            readers.setdefault(blob, []).append(op)
+    weight_ops = [op for op in model.ops if op.inputs and all(b in params for b in op.inputs if b)]
+    assert weight_ops
+    moved = 0
+    for op in weight_ops:
+        devices = {r.device for out in op.outputs for r in readers.get(out, [])}
+        if len(devices) == 1:
+            assert devices == {op.device}, op.name
+        moved += op.device == pl.Device("cuda", 1)
+    assert moved > 0
+    pl.inject_cross_device_copies(model)
+    copied = {op.inputs[0] for op in model.ops if op.is_copy}
+    assert not copied & {
+        out for op in weight_ops for out in op.outputs if len({r.device for r in readers.get(out, [])}) == 1
+    }

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import placement as pl
+from placement.planning.fusion import find_chains, fusion_cut_costs
+from placement.planning.links import Link, Links
 from placement.planning.planner import PartitionProblem, build_plan, parse_bytes, partition_costs
 from placement.planning.profile import GraphInfo
 from tests.planning.helpers import (
@@ -302,3 +304,124 @@ def test_time_cost_falls_back_to_flops_when_timing_would_not_fit(exported, monke
         plan = pl.auto_place(model, devices=2)
     assert plan.cost_kind == "flops"
     assert "cost='flops' instead" in caplog.text
+
+
+def _brute_force_timed(info, costs, budgets, devices, links, cuts):
+    """Lexicographic optima (bottleneck, overhead) and (overhead, bottleneck) under links and cut costs."""
+    n, parts = len(info), len(budgets)
+    best_tp = best_lat = None
+    for ends in all_ends(n, parts):
+        start, ok = 0, True
+        for k, end in enumerate(ends):
+            if budgets[k] is not None and info.segment_memory(start, end) > budgets[k]:
+                ok = False
+                break
+            start = end
+        if not ok:
+            continue
+        plan = build_plan(
+            info, costs, ends, devices, budgets, cost_kind="time", objective="x", links=links, cut_costs=cuts
+        )
+        if best_tp is None or (plan.bottleneck, plan.overhead) < best_tp:
+            best_tp = (plan.bottleneck, plan.overhead)
+        if best_lat is None or (plan.overhead, plan.bottleneck) < best_lat:
+            best_lat = (plan.overhead, plan.bottleneck)
+    return best_tp, best_lat
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n_ops=st.integers(1, 11), parts=st.integers(1, 3), data=st.data())
+def test_planner_with_links_and_cut_costs_matches_brute_force(seed, n_ops, parts, data):
+    """Exact when all links into a device are alike: each device gets its own incoming link."""
+    model = random_dag(seed, n_ops)
+    info = GraphInfo(model)
+    n = len(info)
+    costs = data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+    cuts = data.draw(
+        st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), min_size=n + 1, max_size=n + 1)
+    )
+    whole = info.segment_memory(0, n)
+    budgets = data.draw(
+        st.lists(st.one_of(st.none(), st.integers(0, whole + 10)), min_size=parts, max_size=parts)
+    )
+    devices = [pl.Device("cuda", k) for k in range(parts)]
+    incoming = [
+        Link(
+            bandwidth=data.draw(st.sampled_from([1e9, 4e9, 1e10])),
+            latency=data.draw(st.sampled_from([0, 5e-9, 3e-8])),
+        )
+        for _ in range(parts)
+    ]
+    links = Links({(devices[s], devices[k]): incoming[k] for k in range(1, parts) for s in range(k)})
+    assert links.uniform_into(devices)
+    best_tp, best_lat = _brute_force_timed(info, costs, budgets, devices, links, cuts)
+    links_in = [links.link(devices[max(k - 1, 0)], devices[k]) for k in range(parts)]
+    problem = PartitionProblem(costs, budgets, info, links_in=links_in, cut_costs=cuts)
+    if best_tp is None:
+        with pytest.raises(pl.InfeasiblePlacementError):
+            problem.min_bottleneck()
+        return
+    for objective, best in (("throughput", best_tp), ("latency", best_lat)):
+        bound = problem.min_bottleneck() if objective == "throughput" else None
+        ends = problem.min_transfer(bound)
+        plan = build_plan(
+            info,
+            costs,
+            ends,
+            devices,
+            budgets,
+            cost_kind="time",
+            objective=objective,
+            links=links,
+            cut_costs=cuts,
+        )
+        got = (
+            (plan.bottleneck, plan.overhead)
+            if objective == "throughput"
+            else (plan.overhead, plan.bottleneck)
+        )
+        assert got == best
+        assert plan.fits
+
+
+def test_auto_place_with_links_counts_transfer_time(exported):
+    model, net, args = exported("gpt")
+    plan = pl.auto_place(model, devices=2, repeats=2, links="pcie", fusion=False)
+    assert plan.links is not None and len(plan.cut_bytes) == 1
+    pcie = Links(default="pcie").link("cuda:0", "cuda:1")
+    info = GraphInfo(model)
+    expected = sum(pcie.time_ns(info.step_bytes[b]) for b in info.blobs_into(plan.devices[0].ops, len(info)))
+    assert plan.devices[1].transfer_time == expected > 0
+    assert plan.bottleneck == max(d.cost + d.transfer_time for d in plan.devices)
+    assert plan.overhead == expected
+    assert_matches_torch(model, net, args)
+
+
+def test_auto_place_keeps_one_device_when_links_are_slow(exported):
+    model, _, _ = exported("mlp")
+    plan = pl.auto_place(model, devices=2, repeats=2, links=Link(bandwidth=1e3, latency=1.0))
+    assert {str(d) for d in model.devices} == {"cuda:0"}
+    assert plan.devices[1].ops == 0 and plan.overhead == 0
+
+
+def test_auto_place_link_arguments(exported):
+    model, _, _ = exported("mlp")
+    with pytest.raises(pl.PlanError, match="cost='time'"):
+        pl.auto_place(model, devices=2, cost="flops", links="pcie")
+    with pytest.raises(pl.PlanError, match="unknown link"):
+        pl.auto_place(model, devices=2, links="carrier-pigeon")
+    with pytest.raises(pl.PlanError, match="bandwidth"):
+        Link(bandwidth=0)
+    plan = pl.auto_place(model, devices=2, cost="flops")  # "auto" links are ignored for non-time costs
+    assert plan.links is None and plan.overhead == 0
+
+
+def test_fusion_chains_and_cut_costs_on_resnet(exported):
+    model, _, _ = exported("resnet")
+    info = GraphInfo(model)
+    chains = find_chains(info)
+    assert chains and all(info.nodes[a].op_type == "Conv" for a, _ in chains)
+    cuts = fusion_cut_costs(model, info, repeats=3)
+    inside = {c for a, b in chains for c in range(a + 1, b)} | {b for _, b in chains}  # and boundaries
+    assert all(cuts[c] == (0, 0) for c in range(len(info) + 1) if c not in inside)
+    assert all(before >= after >= 0 for before, after in cuts)

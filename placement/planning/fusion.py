@@ -1,0 +1,240 @@
+"""What a cut inside a fusable pattern costs: measured, per cut point.
+
+ONNX Runtime fuses chains such as Conv + BatchNormalization (+ Add) (+ Relu) and
+MatMul + Add (+ activation) into one kernel (and, for convolutions on the CPU, keeps
+them in its blocked memory layout). A stage boundary inside such a chain makes each
+half a separate session: the fusion is lost, and each side pays a layout conversion.
+
+:func:`fusion_cut_costs` finds the chains in a model's graph order (each op the only
+reader of the one before it, adjacent in the order) and, for every cut point inside
+one, times the chain as one session against its two halves as two sessions (all
+graph optimisations on, one intra-op thread, like the profiler). The difference,
+split evenly between the two sides, is what the planner charges the part before and
+the part after that cut (:class:`placement.planning.planner.PartitionProblem`'s
+``cut_costs``). When the next chain follows at once, the timed window reaches
+through it: the cut at the boundary between the two (a block boundary, which keeps the
+fusions but still pays ONNX Runtime's layout conversions out of and back into its
+blocked convolution layout) is timed too, and every cut has convolutions on both sides,
+as inside a real stage.
+Chains with the same op types, attributes and shapes are timed once.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.planning.profile import GraphInfo
+    >>> from placement.planning.fusion import find_chains
+    >>> from placement.models import resnet
+    >>> model = pl.from_torch(*resnet.build("tiny"))
+    >>> chains = find_chains(GraphInfo(model))
+    >>> [GraphInfo(model).nodes[p].op_type for p in range(*chains[0])]
+    ['Conv', 'BatchNormalization', 'Relu']
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from placement.graph.model import Model
+from placement.planning.profile import GraphInfo, fingerprint
+
+__all__ = ["PATTERNS", "find_chains", "fusion_cut_costs"]
+
+log = logging.getLogger(__name__)
+
+_CACHE_KEY = "placement.fusion_cut_costs"
+
+_ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "Gelu", "FastGelu"})
+
+#: Fusable chains: a head op type, then optional stages in order.
+PATTERNS: tuple[tuple[frozenset[str], tuple[frozenset[str], ...]], ...] = (
+    (
+        frozenset({"Conv"}),
+        (frozenset({"BatchNormalization"}), frozenset({"Add"}), _ACTIVATIONS),
+    ),
+    (frozenset({"MatMul", "Gemm"}), (frozenset({"Add"}), _ACTIVATIONS)),
+)
+
+
+def find_chains(info: GraphInfo) -> list[tuple[int, int]]:
+    """Fusable chains as ``(start, end)`` position ranges (end exclusive, length >= 2)."""
+    chains = []
+    pos, n = 0, len(info)
+    while pos < n:
+        op = info.nodes[pos].op_type
+        stages = next((rest for head, rest in PATTERNS if op in head), None)
+        if stages is None:
+            pos += 1
+            continue
+        end = pos + 1
+        for stage in stages:
+            if end < n and info.nodes[end].op_type in stage and _feeds_only(info, end - 1, end):
+                end += 1
+        if end - pos >= 2:
+            chains.append((pos, end))
+        pos = end
+    return chains
+
+
+def _feeds_only(info: GraphInfo, src: int, dst: int) -> bool:
+    """``dst`` reads an output of ``src`` that nothing else reads and is no graph output."""
+    for b in info.op_outputs[src]:
+        if info.blob_consumers[b] == [dst] and not info.blob_is_output[b]:
+            return True
+    return False
+
+
+def fusion_cut_costs(
+    model: Model, info: GraphInfo | None = None, *, repeats: int = 5
+) -> list[tuple[int, int]]:
+    """Per cut position ``0..n``, ``(cost to the part before, cost to the part after)`` in ns.
+
+    Zero outside fusable chains. Timing failures (an op ONNX Runtime cannot run
+    alone) leave that chain at zero and are logged. Cached on the model per
+    structure fingerprint (like the profile), so placing ops keeps it valid.
+    """
+    fp = fingerprint(model)
+    cached = model.ir_model.meta.get(_CACHE_KEY)
+    if isinstance(cached, tuple) and cached[0] == fp:
+        return list(cached[1])
+    info = info if info is not None else GraphInfo(model)
+    n = len(info)
+    result = [(0, 0)] * (n + 1)
+    chains = find_chains(info)
+    if not chains:
+        model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
+        return result
+    measured: dict[Any, list[int]] = {}
+    try:
+        timer = _SegmentTimer(model, repeats=max(5, 2 * repeats))
+    except Exception as err:  # e.g. a model too large to serialise in one piece: no cut costs
+        log.info("fusion: cannot extract pieces of the model (%s); cuts cost nothing extra", err)
+        return result
+    for k, (start, end) in enumerate(chains):
+        # the window reaches through the next chain when it follows at once, so the cut
+        # at the boundary is timed too, and every cut sees a convolution on both sides
+        stop = chains[k + 1][1] if k + 1 < len(chains) and chains[k + 1][0] == end else end
+        key = (_signature(info, start, end), _signature(info, end, stop) if stop > end else None)
+        extra = measured.get(key)
+        if extra is None:
+            cuts = list(range(start + 1, end + (1 if stop > end else 0)))
+            try:
+                extra = timer.cut_costs(info, start, stop, cuts)
+            except Exception as err:  # ORT rejects some stand-alone pieces; such chains cost 0
+                log.debug("fusion: cannot time chain at %s: %s", info.names[start], err)
+                extra = [0] * len(cuts)
+            measured[key] = extra
+        for offset, ns in enumerate(extra):
+            c = start + 1 + offset
+            result[c] = (ns - ns // 2, ns // 2)
+    log.info(
+        "fusion: %d fusable chains (%d distinct), cuts inside cost up to %.3f ms",
+        len(chains),
+        len(measured),
+        max((a + b for a, b in result), default=0) / 1e6,
+    )
+    model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
+    return result
+
+
+def _signature(info: GraphInfo, start: int, end: int) -> Any:
+    parts = []
+    for pos in range(start, end):
+        node = info.nodes[pos]
+        attrs = tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items()))
+        shapes = tuple(
+            None if v is None or v.shape is None else (str(v.dtype), tuple(str(d) for d in v.shape))
+            for v in node.inputs
+        )
+        parts.append((node.op_type, attrs, shapes))
+    return tuple(parts)
+
+
+class _SegmentTimer:
+    """Times contiguous pieces of the model's graph order as stand-alone sessions."""
+
+    def __init__(self, model: Model, *, repeats: int) -> None:
+        import onnx.utils
+
+        from placement.graph.serialize import to_proto
+
+        self.repeats = repeats
+        self._call: float | None = None
+        self.extractor = onnx.utils.Extractor(to_proto(model))
+
+    def _session(self, info: GraphInfo, start: int, end: int) -> tuple[Any, dict[str, np.ndarray]]:
+        """A session running ops ``start..end-1`` alone, and random feeds for it."""
+        import onnxruntime as ort
+
+        names = {info.blob_names[b] for pos in range(start, end) for b in info.op_inputs[pos]}
+        made = {info.blob_names[b] for pos in range(start, end) for b in info.op_outputs[pos]}
+        inputs = sorted(names - made)
+        outputs = [info.blob_names[b] for b in info.op_outputs[end - 1]]
+        proto = self.extractor.extract_model(inputs, outputs)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feeds = {}
+        for arg in session.get_inputs():
+            shape = [d if isinstance(d, int) else 1 for d in arg.shape]
+            dtype = _NUMPY.get(arg.type, np.float32)
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+        session.run(None, feeds)  # warm-up
+        return session, feeds
+
+    def _fastest(self, runs: list[list[tuple[Any, dict[str, np.ndarray]]]]) -> list[float]:
+        """Per group of sessions run back to back, the fastest time of the group over
+        ``repeats`` rounds; groups alternate round by round, so load on a shared machine
+        hits them alike, and the minimum is the least disturbed run."""
+        best = [math.inf] * len(runs)
+        clock = time.perf_counter_ns
+        for _ in range(self.repeats):
+            for k, group in enumerate(runs):
+                t0 = clock()
+                for session, feeds in group:
+                    session.run(None, feeds)
+                best[k] = min(best[k], clock() - t0)
+        return best
+
+    def call_overhead(self) -> float:
+        """The time of one session call that computes nothing (a cut anywhere pays it)."""
+        if self._call is None:
+            import onnx
+            import onnxruntime as ort
+            from onnx import TensorProto, helper
+
+            graph = helper.make_graph(
+                [helper.make_node("Identity", ["x"], ["y"])],
+                "empty",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+            )
+            proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+            onnx.checker.check_model(proto)
+            session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+            self._call = self._fastest([[(session, {"x": np.zeros(1, np.float32)})]])[0]
+        return self._call
+
+    def cut_costs(self, info: GraphInfo, start: int, end: int, cuts: list[int]) -> list[int]:
+        """Per cut in ``cuts``: ops ``start..end-1`` as two sessions minus as one (ns)."""
+        whole = [self._session(info, start, end)]
+        groups = [whole] + [[self._session(info, start, c), self._session(info, c, end)] for c in cuts]
+        times = self._fastest(groups)
+        overhead = self.call_overhead()
+        return [max(0, int(apart - overhead - times[0])) for apart in times[1:]]
+
+
+_NUMPY: dict[str, Any] = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
