@@ -117,14 +117,18 @@ def _parse_max_memory(text: str | None) -> dict[str, str] | None:
 
 
 def _check_output(path: str, suffixes: Sequence[str], what: str) -> Path:
-    """Refuse an output path before any work: wrong suffix or missing folder."""
+    """Refuse an output path before any work: not a file, wrong suffix or missing folder."""
     from placement.errors import ModelSaveError
 
     target = Path(path)
+    if target.is_dir():
+        raise ModelSaveError(f"cannot write {path!r}: it is a folder")
+    if target.exists() and not target.is_file():
+        raise ModelSaveError(f"cannot write {path!r}: not a regular file")
     if suffixes and target.suffix.lower() not in suffixes:
         raise ModelSaveError(f"{what} {path!r} must end in {' or '.join(suffixes)}")
     if not target.parent.is_dir():
-        raise ModelSaveError(f"cannot write {path!r}: no directory {str(target.parent)!r}")
+        raise ModelSaveError(f"cannot write {path!r}: folder {str(target.parent)!r} does not exist")
     return target
 
 

@@ -189,7 +189,9 @@ def draw(
                 f"use one of {', '.join(FORMATS)}"
             )
         if not target.parent.is_dir():
-            raise ModelSaveError(f"cannot draw to {str(target)!r}: no directory {str(target.parent)!r}")
+            raise ModelSaveError(
+                f"cannot draw to {str(target)!r}: folder {str(target.parent)!r} does not exist"
+            )
 
     builder = _Builder(model)
     n_ops = len(builder.ops)

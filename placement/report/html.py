@@ -137,7 +137,7 @@ def write_report(
     """
     target = Path(path)
     if not target.parent.is_dir():
-        raise ModelSaveError(f"cannot write {str(target)!r}: no directory {str(target.parent)!r}")
+        raise ModelSaveError(f"cannot write {str(target)!r}: folder {str(target.parent)!r} does not exist")
     report = summary(model)
     drawing = draw(model, None, collapse=collapse, max_nodes=max_nodes)
     traffic = copy_traffic(model)

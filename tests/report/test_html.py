@@ -63,6 +63,6 @@ def test_copy_traffic_agrees_with_the_summary(name, exported):
 
 
 def test_report_errors_write_nothing(tmp_path, exported):
-    with pytest.raises(pl.ModelSaveError, match="no directory"):
+    with pytest.raises(pl.ModelSaveError, match="does not exist"):
         pl.write_report(placed(exported("mlp")[0], 2), tmp_path / "nope" / "r.html")
     assert list(tmp_path.iterdir()) == []
