@@ -71,7 +71,11 @@ def build(n_ops: int) -> pl.Model:
             inits += [w, b]
             mm = ir.Node("", "MatMul", [h, w], name=f"mm{i}", num_outputs=1, metadata_props=dict(props))
             add = ir.Node(
-                "", "Add", [mm.outputs[0], b if i % 64 else shared], name=f"add{i}", num_outputs=1,
+                "",
+                "Add",
+                [mm.outputs[0], b if i % 64 else shared],
+                name=f"add{i}",
+                num_outputs=1,
                 metadata_props=dict(props),
             )
             relu = ir.Node(

@@ -167,7 +167,10 @@ __all__ = [
     "write_report",
 ]
 
-_LAZY.update(Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"); __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
+_LAZY.update(
+    Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"
+)
+__all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
 
 _SUBPACKAGES = frozenset(
     {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}

@@ -738,9 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ranks", default=None, help="devices per rank, e.g. cuda:0,cuda:1 or cuda:0+cuda:1,cuda:2"
     )
-    p.add_argument(
-        "--nproc-per-node", type=int, default=None, help="ranks on this host (default: all ranks)"
-    )
+    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this host (default: all ranks)")
     p.add_argument("--nnodes", default=None, help="hosts (torchrun's --nnodes); needs --rdzv-endpoint")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (same on every host)")
     p.add_argument("--rdzv-id", default="placement", help="job id shared by the hosts (default placement)")

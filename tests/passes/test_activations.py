@@ -30,7 +30,11 @@ def test_graph_output_counts_even_if_unconsumed_and_multi_output_ops() -> None:
     b = GraphBuilder()
     x = b.input("x", (4, 3))
     s0, s1, s2 = b.op(
-        "Split", [x], "split", outputs=["s0", "s1", "s2"], shapes=[(2, 3), (1, 3), (1, 3)],
+        "Split",
+        [x],
+        "split",
+        outputs=["s0", "s1", "s2"],
+        shapes=[(2, 3), (1, 3), (1, 3)],
         attributes={"axis": 0, "num_outputs": 3},
     )
     y = b.op("Relu", [s0], "relu")

@@ -72,8 +72,17 @@ def test_blob_read_on_several_devices_gets_one_copy_per_device() -> None:
     assert reads(model, "y") == ("p_cuda_0", "q_cuda_0", "r_cuda_0", "s")
     # each copy sits just before its first reader
     assert op_order(model) == [
-        "a", "copy_a_cuda_1", "p", "q", "copy_a_cuda_2", "r", "s",
-        "copy_p_cuda_0", "copy_q_cuda_0", "copy_r_cuda_0", "y",
+        "a",
+        "copy_a_cuda_1",
+        "p",
+        "q",
+        "copy_a_cuda_2",
+        "r",
+        "s",
+        "copy_p_cuda_0",
+        "copy_q_cuda_0",
+        "copy_r_cuda_0",
+        "y",
     ]
     assert (result.added, result.copies, result.removed) == (5, 5, 0)
     assert_same_outputs(run_ort(model, feeds), expected)
@@ -261,7 +270,10 @@ def test_repair_removes_duplicates_chains_and_redundant_copies() -> None:
     expected = run_ort(model, feeds)
     result = inject_twice(model)
     assert [(s, d) for s, _, d, _ in copy_ops(model)] == [
-        ("a", "cuda:1"), ("a", "cuda:2"), ("p", "cuda:0"), ("q", "cuda:0"),
+        ("a", "cuda:1"),
+        ("a", "cuda:2"),
+        ("p", "cuda:0"),
+        ("q", "cuda:0"),
     ]
     assert reads(model, "p") == ("dup1", "dup1") and reads(model, "q") == ("chain",)
     assert reads(model, "r") == ("a",)

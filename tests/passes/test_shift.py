@@ -52,7 +52,14 @@ def test_two_pairs_at_once() -> None:
     model = chain(8, devices=[0, 0, 0, 0, 1, 1, 1, 1])
     pl.shift_activation_devices(model, ["h2", "h3", "h6", "h7"], {0: 2, 1: "cpu"})
     assert list(devices_of(model).values()) == [
-        "cuda:0", "cuda:0", "cuda:2", "cuda:2", "cuda:1", "cuda:1", "cpu", "cpu",
+        "cuda:0",
+        "cuda:0",
+        "cuda:2",
+        "cuda:2",
+        "cuda:1",
+        "cuda:1",
+        "cpu",
+        "cpu",
     ]
 
 
@@ -96,7 +103,11 @@ def test_ops_without_activation_outputs_follow_labels() -> None:
     model = b.build()
     pl.shift_activation_devices(model, ["h", "y"], {0: 1})
     assert devices_of(model) == {
-        "const": "cuda:0", "a": "cuda:0", "h": "cuda:1", "dead": "cuda:1", "y": "cuda:1",
+        "const": "cuda:0",
+        "a": "cuda:0",
+        "h": "cuda:1",
+        "dead": "cuda:1",
+        "y": "cuda:1",
     }
 
 
@@ -118,7 +129,11 @@ def test_multi_output_op_moves_if_any_listed_output() -> None:
     b = GraphBuilder()
     x = b.input("x", (4, 3))
     s0, s1 = b.op(
-        "Split", [x], "split", outputs=["s0", "s1"], shapes=[(2, 3), (2, 3)],
+        "Split",
+        [x],
+        "split",
+        outputs=["s0", "s1"],
+        shapes=[(2, 3), (2, 3)],
         attributes={"axis": 0, "num_outputs": 2},
     )
     y = b.op("Add", [s0, s1], "y")

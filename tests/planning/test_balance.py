@@ -76,4 +76,3 @@ def test_balance_by_time_by_module_then_apply(exported):
 def test_balance_by_size_param_scale_moves_the_cut(exported):
     model, _, _ = exported("mlp")
     assert sum(pl.balance_by_size(model, 2, param_scale=4.0)) == len(model.ops)
-

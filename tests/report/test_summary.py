@@ -85,7 +85,11 @@ def test_columns_are_extensible() -> None:
 
 def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 5 * 2**30)] == [
-        "0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB",
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "5.0 GiB",
     ]
 
 
