@@ -188,9 +188,9 @@ def explain_overhead(
     timer around each kind of work, alternating with the single session.
     """
     from placement.runtime.inputs import normalize_inputs
-    from placement.runtime.ort import _move, _ortvalue
+    from placement.runtime.program import StageStep
 
-    program = runner._program
+    program = runner.program
     assert program is not None
     arrays = list(feeds.values())
     parts = ("checks", "binding", "stages", "transfers", "outputs")
@@ -203,15 +203,13 @@ def explain_overhead(
         normalize_inputs(feeds, runner._specs)
         t1 = clock()
         spent["checks"] += t1 - t0
-        values: dict[str, Any] = {}
-        for (name, physical), array in zip(program.feeds, arrays):
-            values[name] = _ortvalue(array, physical)
+        values: dict[str, Any] = program.feed(arrays)
         for step in program.steps:
-            if step[0] == "stage":
-                _, ex, bind, outs, free = step
+            if isinstance(step, StageStep):
+                ex, outs = step.exec, step.outputs
                 t0 = clock()
                 binding = ex.binding
-                for name, key in bind:
+                for name, key in step.bind:
                     binding.bind_ortvalue_input(name, values[key])
                 t1 = clock()
                 ex.session.run_with_iobinding(binding)
@@ -226,15 +224,14 @@ def explain_overhead(
                 t3 = clock()
                 spent["binding"] += (t1 - t0) + (t3 - t2)
                 spent["stages"] += t2 - t1
-            else:
-                _, kind, src, dst, physical, free = step
+                for key in step.free:
+                    del values[key]
+            else:  # transfers (host-value stages do not occur in these models)
                 t0 = clock()
-                values[dst] = _move(values[src], kind, physical)
+                step.run(values)
                 spent["transfers"] += clock() - t0
-            for key in free:
-                del values[key]
         t0 = clock()
-        [values[key].numpy().copy() if const is None else const.copy() for key, const in program.outputs]
+        program.collect(values)
         spent["outputs"] += clock() - t0
         return spent
 

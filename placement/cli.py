@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -424,20 +422,11 @@ def _write_text(target: Path, text: str) -> None:
 def _write_bytes(target: Path, data: bytes) -> None:
     """Write atomically: a failure never leaves a half-written file or clobbers an old one."""
     from placement.errors import ModelSaveError
+    from placement.graph.serialize import write_atomic
 
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        write_atomic(target, data)
     except OSError as err:
-        raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
         raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
 
 

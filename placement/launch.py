@@ -28,10 +28,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -133,15 +133,13 @@ def write_outputs(path: str | Path, names: Sequence[str], arrays: Sequence[Any])
     import numpy as np
 
     from placement.errors import ModelSaveError
+    from placement.graph.serialize import write_atomic
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", suffix=".npz.tmp")
+    buffer = io.BytesIO()
+    np.savez(buffer, **dict(zip(names, arrays)))
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **dict(zip(names, arrays)))
-        os.replace(tmp, path)
+        write_atomic(path, buffer.getvalue(), what="outputs")
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
         raise ModelSaveError(f"cannot write outputs to {str(path)!r}: {err}") from err
 
 

@@ -10,7 +10,7 @@ import placement as pl
 
 
 @functools.cache
-def _exported(name: str) -> tuple[pl.Model, object, tuple]:
+def export_once(name: str) -> tuple[pl.Model, object, tuple]:
     from placement import models
 
     net, args = models.build(name, "tiny")
@@ -22,7 +22,7 @@ def exported():
     """``exported(name) -> (model, module, args)``: a fresh copy of the model each call."""
 
     def get(name: str):
-        model, net, args = _exported(name)
+        model, net, args = export_once(name)
         return model.copy(), net, args
 
     return get

@@ -46,7 +46,6 @@ import html
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -291,16 +290,12 @@ def _render(dot: str, fmt: str) -> bytes | None:
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    """Write ``data`` to ``target`` atomically (an old file survives any failure)."""
+    from placement.graph.serialize import write_atomic
+
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
+        write_atomic(target, data)
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
         raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
 
 

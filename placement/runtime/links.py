@@ -54,7 +54,7 @@ def measure_links(
         PlanError: fewer than two devices, or sizes not increasing.
         DeviceError: the device map names a missing GPU.
     """
-    from placement.runtime.ort import _move, _ortvalue, _transfer_kind
+    from placement.runtime.program import move, ortvalue, transfer_kind
 
     if devices is None:
         count = cuda_device_count("ort")
@@ -71,15 +71,15 @@ def measure_links(
         for dst in logical:
             if src == dst:
                 continue
-            kind = _transfer_kind(dmap[src], dmap[dst], same_logical=False)
+            kind = transfer_kind(dmap[src], dmap[dst], same_logical=False)
             times = []
             for nbytes in (small, large):
-                value = _ortvalue(np.ones(nbytes // 4, dtype=np.float32), dmap[src])
-                _move(value, kind, dmap[dst])  # warm-up
+                value = ortvalue(np.ones(nbytes // 4, dtype=np.float32), dmap[src])
+                move(value, kind, dmap[dst])  # warm-up
                 samples = []
                 for _ in range(max(1, repeats)):
                     t0 = time.perf_counter()
-                    _move(value, kind, dmap[dst])
+                    move(value, kind, dmap[dst])
                     samples.append(time.perf_counter() - t0)
                 times.append(statistics.median(samples))
             t_small, t_large = times

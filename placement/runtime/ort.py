@@ -16,7 +16,7 @@ Data flow (precomputed at construction, so a run is a short loop):
   stage's device (``bind_output(name, "cuda", device_id)`` on a GPU), so
   activations stay on the device between stages;
 * a dynamic copy is a *transfer*, not a session op: the blob is moved to the
-  destination device (see :func:`_transfer_kind`): nothing to do between two
+  destination device (see :func:`placement.runtime.program.transfer_kind`): nothing to do between two
   logical devices on one physical GPU (the value is shared), a device-to-device
   ``onnxruntime.copy_tensors`` between two GPUs (falling back, once logged, to
   a host round trip when this onnxruntime build has no such data transfer), a
@@ -69,7 +69,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -88,14 +88,13 @@ from placement.graph.model import (
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.stages import Partition, Stage, split_stages
+from placement.runtime.program import Program, StageExec, compile_program
+from placement.runtime.stages import Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options"]
 
 log = logging.getLogger(__name__)
 
-_ALIAS, _HOST_COPY, _TO_GPU, _TO_HOST, _GPU_TO_GPU = "alias", "host", "h2d", "d2h", "d2d"
-_warned_d2d_fallback = False
 _REBUILD_ATTEMPTS = 8
 
 
@@ -116,26 +115,6 @@ class RunnerStats:
     partitions: int = 0
     runs: int = 0
     transfers: int = 0
-
-
-@dataclass
-class _StageExec:
-    stage: Stage
-    physical: PhysicalDevice
-    session: ort.InferenceSession
-    binding: Any = None
-    out_device: tuple[str, int] = ("cpu", 0)
-
-
-@dataclass
-class _Program:
-    """The precomputed run: feeds, steps, frees and where outputs are."""
-
-    partition: Partition
-    feeds: list[tuple[str, PhysicalDevice]]  # graph input -> the physical device it is fed on
-    steps: list[tuple[Any, ...]] = field(default_factory=list)
-    outputs: list[tuple[str, np.ndarray | None]] = field(default_factory=list)
-    n_transfers: int = 0
 
 
 def ort_log_severity() -> int:
@@ -263,7 +242,7 @@ class Runner:
         self._sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         self._state: tuple[Any, ...] | None = None
         self._watched: list[dict[str, str]] = []
-        self._program: _Program | None = None
+        self._program: Program | None = None
         self._specs: list[InputSpec] = []
         self._device_map: dict[Device, PhysicalDevice] = {}
         self._axes: tuple[Any, Any] | None = None
@@ -278,6 +257,13 @@ class Runner:
         """The current stages, in execution order."""
         assert self._program is not None
         return list(self._program.partition.stages)
+
+    @property
+    def program(self) -> Program:
+        """The compiled run (typed steps, see :mod:`placement.runtime.program`), for
+        inspection: what :meth:`run` does, step by step."""
+        assert self._program is not None
+        return self._program
 
     @property
     def device_map(self) -> dict[Device, PhysicalDevice]:
@@ -457,7 +443,7 @@ class Runner:
         logical |= {t.device for t in part.transfers}  # a copy may be the only op on its device
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
-        execs: dict[int, _StageExec] = {}
+        execs: dict[int, StageExec] = {}
         if self._threads is None and (self.chunks > 1 or self._threads_per_stage is not None):
             from placement.runtime.pipeline import stage_threads
 
@@ -476,7 +462,7 @@ class Runner:
             else:
                 reused += 1
             sessions[key] = session
-            execs[stage.index] = _StageExec(stage, physical, session)
+            execs[stage.index] = StageExec(stage, physical, session)
         if self.keep_sessions:
             self._sessions.update(sessions)
         else:
@@ -486,7 +472,7 @@ class Runner:
             self.stats.sessions_reused += reused
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
-        self._program = self._compile(part, execs, model)
+        self._program = compile_program(model, part, execs, self._device_map)
         self.stats.transfers = self._program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -517,187 +503,12 @@ class Runner:
                 f"{stage.ops[0]!r}): {first}"
             ) from err
 
-    def _compile(self, part: Partition, execs: dict[int, _StageExec], model: Model) -> _Program:
-        """Turn the partition into a flat list of steps with precomputed bindings and frees."""
-        dmap = self._device_map
-        program = _Program(partition=part, feeds=[])
-        where: dict[tuple[str, Device], str] = {}  # (blob, logical device) -> key in the value table
-        home: dict[str, Device] = {}  # blob -> device where it was produced / fed
-        steps: list[tuple[Any, ...]] = []
-        reads: list[list[str]] = []  # per step: keys it reads
-
-        for name in part.inputs:
-            device = part.input_devices[name]
-            where[(name, device)] = name
-            home[name] = device
-            program.feeds.append((name, dmap[device]))
-
-        pending = list(part.transfers)
-
-        def deliver(blob: str, device: Device) -> str:
-            key = where.get((blob, device))
-            if key is not None:
-                return key
-            src_device = home.get(blob)
-            if src_device is None:
-                raise PlacementError(f"blob {blob!r} is read before any stage produces it")
-            src_key = where[(blob, src_device)]
-            key = f"{blob}@{device}"
-            add_transfer(src_key, key, src_device, device)
-            where[(blob, device)] = key
-            return key
-
-        def add_transfer(src_key: str, dst_key: str, src: Device, dst: Device) -> None:
-            kind = _transfer_kind(dmap[src], dmap[dst], same_logical=src == dst)
-            if kind != _ALIAS:
-                program.n_transfers += 1
-            steps.append(("transfer", kind, src_key, dst_key, dmap[dst]))
-            reads.append([src_key])
-
-        def flush_transfers() -> None:
-            nonlocal pending
-            waiting = []
-            for tr in pending:
-                if tr.source in home:
-                    src_key = deliver(tr.source, home[tr.source])
-                    add_transfer(src_key, tr.target, home[tr.source], tr.device)
-                    where[(tr.target, tr.device)] = tr.target
-                    home[tr.target] = tr.device
-                else:
-                    waiting.append(tr)
-            pending = waiting
-
-        flush_transfers()
-        for stage in part.stages:
-            ex = execs.get(stage.index)
-            if ex is None:
-                continue
-            # Transfers whose source became available are flushed after each stage; a stage
-            # may also read a copy target produced by a transfer flushed just before it.
-            bind = [(name, deliver(name, stage.device)) for name in stage.inputs]
-            if _host_values(ex.session):
-                steps.append(("host", ex, tuple(bind), stage.outputs))
-                reads.append([key for _, key in bind])
-                for out in stage.outputs:
-                    where[(out, stage.device)] = out
-                    home[out] = stage.device
-                flush_transfers()
-                continue
-            binding = ex.session.io_binding()
-            device_type, device_id = ("cuda", ex.physical.index) if ex.physical.is_cuda else ("cpu", 0)
-            ex.binding = binding
-            ex.out_device = (device_type, device_id)
-            for out in stage.outputs:
-                binding.bind_output(out, device_type, device_id)
-            steps.append(("stage", ex, tuple(bind), stage.outputs))
-            reads.append([key for _, key in bind])
-            for out in stage.outputs:
-                where[(out, stage.device)] = out
-                home[out] = stage.device
-            flush_transfers()
-        if pending:
-            names = ", ".join(repr(t.op) for t in pending)
-            raise PlacementError(f"copies {names} read blobs that no stage produces")
-
-        # Graph outputs: a key in the value table, or a constant (parameter outputs).
-        keep: set[str] = set()
-        inits = model.graph.initializers
-        for name in part.outputs:
-            device = home.get(name)
-            if device is not None:
-                key = where[(name, device)]
-                keep.add(key)
-                program.outputs.append((key, None))
-            elif name in inits or name in part.static_copies:
-                param = inits[part.static_copies.get(name, name)]
-                program.outputs.append((name, np.array(param.const_value.numpy())))
-            else:
-                raise PlacementError(f"graph output {name!r} is produced by no op")
-
-        # Free each value after its last reader (graph outputs are kept to the end).
-        last: dict[str, int] = {}
-        for i, keys in enumerate(reads):
-            for key in keys:
-                last[key] = i
-        frees: list[list[str]] = [[] for _ in steps]
-        for key, i in last.items():
-            if key not in keep:
-                frees[i].append(key)
-        program.steps = [(*step, tuple(free)) for step, free in zip(steps, frees)]
-        return program
-
     # -- running -----------------------------------------------------------------------
 
     def _execute(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         program = self._program
         assert program is not None
-        values = _feed(program, arrays)
-        for step in program.steps:
-            _run_step(step, values, step[1].binding if step[0] == "stage" else None)
-        return _collect(program, values)
-
-
-def _feed(program: _Program, arrays: list[Any]) -> dict[str, Any]:
-    """The value table of one run, holding the graph inputs on their devices."""
-    return {
-        name: _ortvalue(array, physical) if _is_tensor(array) else array
-        for (name, physical), array in zip(program.feeds, arrays)
-    }
-
-
-def _run_step(step: tuple[Any, ...], values: dict[str, Any], binding: Any) -> None:
-    """Run one program step (a stage through ``binding``, a host-value stage, or a transfer)."""
-    if step[0] == "stage":
-        _, ex, bind, outs, free = step
-        for name, key in bind:
-            value = values[key]
-            if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
-                value = values[key] = _ortvalue(value, ex.physical)
-            binding.bind_ortvalue_input(name, value)
-        try:
-            ex.session.run_with_iobinding(binding)
-        except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
-            binding.clear_binding_inputs()
-            raise _run_error(ex, err) from err
-        results = binding.get_outputs()
-        for name, value in zip(outs, results):
-            values[name] = value
-        # Release this run's values from the binding and re-bind the outputs, so the
-        # next run allocates fresh buffers (returned arrays are never overwritten).
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        device_type, device_id = ex.out_device
-        for name in outs:
-            binding.bind_output(name, device_type, device_id)
-    elif step[0] == "host":  # sequences, optionals or strings cross this stage's boundary
-        _, ex, bind, outs, free = step
-        feeds = {name: _host(values[key]) for name, key in bind}
-        try:
-            results = ex.session.run(list(outs), feeds)
-        except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
-            raise _run_error(ex, err) from err
-        for name, value in zip(outs, results):
-            values[name] = value
-    else:
-        _, kind, src, dst, physical, free = step
-        value = values[src]
-        if not isinstance(value, ort.OrtValue):
-            values[dst] = value if kind == _ALIAS else _host_copy(value)
-        else:
-            try:
-                values[dst] = _move(value, kind, physical)
-            except PlacementError:
-                raise
-            except Exception as err:  # an allocation on the destination device failed
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise PlacementError(f"moving blob {src!r} to {physical} failed: {first}") from err
-    for key in free:
-        del values[key]
-
-
-def _collect(program: _Program, values: dict[str, Any]) -> list[Any]:
-    """The graph outputs of a finished run, in graph-output order, each owning its memory."""
-    return [_to_numpy(values[key]) if const is None else const.copy() for key, const in program.outputs]
+        return program.run(arrays)
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
@@ -723,17 +534,6 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         (4, 8)
     """
     return Runner(model, device_map=device_map, auto_update=False).run(inputs)
-
-
-def _run_error(ex: _StageExec, err: Exception) -> PlacementError:
-    """ONNX Runtime failed while running a stage: say which stage, device and ops."""
-    text = str(err).strip()
-    first = text.splitlines()[0] if text else type(err).__name__
-    ops = ex.stage.ops
-    span = f"op {ops[0]!r}" if len(ops) == 1 else f"ops {ops[0]!r} .. {ops[-1]!r}"
-    return PlacementError(
-        f"stage {ex.stage.index} ({ex.stage.device} -> {ex.physical}, {span}) failed in ONNX Runtime: {first}"
-    )
 
 
 def _stale_copies(model: Model) -> bool:
@@ -767,138 +567,3 @@ def _session(model: Any, options: ort.SessionOptions, providers: list[Any]) -> o
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
     session._placement_weights = values  # the session may read them for as long as it lives
     return session
-
-
-# --- transfers ---------------------------------------------------------------------------
-
-
-def _transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: bool) -> str:
-    """How a blob moves between two (physical) devices.
-
-    Two logical devices on one real device share values (alias); emulated logical
-    devices are separate contexts on the CPU, so they copy, like real devices.
-    """
-    if same_logical:
-        return _ALIAS
-    if src.is_cuda and dst.is_cuda:
-        return _ALIAS if src.index == dst.index else _GPU_TO_GPU
-    if src.is_cuda:
-        return _TO_HOST
-    if dst.is_cuda:
-        return _TO_GPU
-    if src.emulated or dst.emulated:
-        return _HOST_COPY
-    return _ALIAS
-
-
-class _KeepAlive:
-    """The base of an array viewing an ``OrtValue``'s memory: holds the ``OrtValue``."""
-
-    def __init__(self, value: ort.OrtValue, view: np.ndarray) -> None:
-        self.value = value
-        self.__array_interface__ = view.__array_interface__
-
-
-def _to_numpy(value: ort.OrtValue) -> np.ndarray:
-    """A host array of ``value`` that stays valid after ``value`` is dropped.
-
-    ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
-    whose base (a capsule) does not keep that buffer alive: once the ``OrtValue``
-    (or the numpy array it was made from) is released, the next allocation can
-    overwrite the view. The returned array keeps the ``OrtValue`` alive instead
-    (no copy); arrays that own their data (GPU values copied to the host) are
-    returned as they are.
-    """
-    if not isinstance(value, ort.OrtValue):  # a host value (from a host-value stage)
-        return value
-    array = value.numpy()
-    if not isinstance(array, np.ndarray) or array.flags.owndata:
-        return array
-    return np.asarray(_KeepAlive(value, array))
-
-
-def _host_values(session: ort.InferenceSession) -> bool:
-    """Whether a stage session takes or returns values that ``OrtValue`` s from numpy
-    cannot hold (sequences, optionals, maps, string tensors): such a stage runs with
-    ``InferenceSession.run`` on host values, which takes and returns them as ONNX
-    Runtime's Python API does (lists of arrays, ``None``, object arrays)."""
-    for arg in (*session.get_inputs(), *session.get_outputs()):
-        if not arg.type.startswith("tensor(") or arg.type == "tensor(string)":
-            return True
-    return False
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, np.ndarray) and value.dtype.kind not in "OUS"
-
-
-def _host(value: Any) -> Any:
-    """A value as ``InferenceSession.run`` takes it (``OrtValue`` s become arrays)."""
-    return _to_numpy(value) if isinstance(value, ort.OrtValue) else value
-
-
-def _host_copy(value: Any) -> Any:
-    """A separate copy of a host value (arrays, lists of them, ``None``)."""
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, (list, tuple)):
-        return [_host_copy(v) for v in value]
-    return value
-
-
-def _ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:
-    if physical.is_cuda:
-        return ort.OrtValue.ortvalue_from_numpy(array, "cuda", physical.index)
-    return ort.OrtValue.ortvalue_from_numpy(array)
-
-
-def _move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtValue:
-    if kind == _ALIAS:
-        return value
-    if kind == _HOST_COPY:
-        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
-    if kind == _TO_HOST:
-        return ort.OrtValue.ortvalue_from_numpy(value.numpy())
-    if kind == _TO_GPU:
-        return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
-    return _gpu_to_gpu(value, physical)
-
-
-def _gpu_to_gpu(value: ort.OrtValue, physical: PhysicalDevice) -> ort.OrtValue:
-    """Device-to-device copy; a host round trip where this onnxruntime build cannot."""
-    global _warned_d2d_fallback
-    if not _warned_d2d_fallback:
-        try:
-            dst = ort.OrtValue.ortvalue_from_shape_and_type(
-                value.shape(), _numpy_dtype(value), "cuda", physical.index
-            )
-            ort.copy_tensors([value], [dst])
-            return dst
-        except Exception as err:  # no registered GPU-GPU data transfer in this build
-            _warned_d2d_fallback = True
-            log.warning(
-                "onnxruntime cannot copy between GPUs directly here (%s); "
-                "cross-GPU transfers go through host memory",
-                err,
-            )
-    return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
-
-
-_ONNX_TO_NUMPY = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(bool)": np.bool_,
-}
-
-
-def _numpy_dtype(value: ort.OrtValue) -> Any:
-    try:
-        return _ONNX_TO_NUMPY[value.data_type()]
-    except KeyError:
-        raise PlacementError(f"cannot move a {value.data_type()} between GPUs") from None

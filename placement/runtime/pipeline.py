@@ -513,45 +513,29 @@ def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str]]:
     and a run of one runner never share bindings). The first also feeds the
     graph inputs; the last collects the outputs.
     """
-    from placement.runtime import ort as ort_mod
+    from placement.runtime.program import HostStep, StageStep, TransferStep
 
-    program = runner._program
-    assert program is not None
-    groups: list[list[tuple[Any, ...]]] = [[]]
-    for step in program.steps:
-        if step[0] == "stage" and any(s[0] == "stage" for s in groups[-1]):
+    program = runner.program
+    groups: list[list[StageStep | HostStep | TransferStep]] = [[]]
+    for step in program.steps:  # a stage (or host-value stage) and the transfers after it
+        if not isinstance(step, TransferStep) and any(not isinstance(s, TransferStep) for s in groups[-1]):
             groups.append([])
         groups[-1].append(step)
     names = []
     for group in groups:
-        stage = next((s[1] for s in group if s[0] == "stage"), None)
-        names.append(
-            f"stage {stage.stage.index} on {stage.stage.device} ({stage.physical})" if stage else "transfers"
-        )
+        ex = next((s.exec for s in group if not isinstance(s, TransferStep)), None)
+        names.append(f"stage {ex.stage.index} on {ex.stage.device} ({ex.physical})" if ex else "transfers")
 
-    def make(index: int, group: list[tuple[Any, ...]]) -> StageFn:
-        bindings: dict[int, Any] = {}
-        for step in group:
-            if step[0] == "stage":
-                ex = step[1]
-                binding = ex.session.io_binding()
-                device_type, device_id = ex.out_device
-                for name in step[3]:
-                    binding.bind_output(name, device_type, device_id)
-                bindings[id(step)] = binding
+    def make(index: int, group: list[StageStep | HostStep | TransferStep]) -> StageFn:
+        # each worker binds through its own IOBindings, never the runner's
+        bindings = {id(s): s.exec.new_binding(s.outputs) for s in group if isinstance(s, StageStep)}
         first, last = index == 0, index == len(groups) - 1
 
         def fn(i: int, payload: Any) -> Any:
-            values = ort_mod._feed(program, payload) if first else payload
+            values = program.feed(payload) if first else payload
             for step in group:
-                ort_mod._run_step(step, values, bindings.get(id(step)))
-            if last:
-                outputs = ort_mod._collect(program, values)
-                return [
-                    np.array(a, copy=True) if isinstance(a, np.ndarray) and a.base is not None else a
-                    for a in outputs
-                ]
-            return values
+                step.run(values, bindings.get(id(step)))
+            return program.collect(values) if last else values
 
         return fn
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import placement as pl
-from tests.conftest import _exported
+from tests.conftest import export_once
 from tests.distributed import workers
 from tests.distributed.harness import spawn
 
@@ -25,7 +25,7 @@ def _build(name: str, seed: int):
 
 def place(name: str, n: int) -> tuple[pl.Model, list[np.ndarray]]:
     """``name`` on ``n`` logical GPUs and a batch of 2 micro-batches."""
-    model, _, args = _exported(name)  # exported once per test session
+    model, _, args = export_once(name)  # exported once per test session
     model = model.copy()
     pl.place_evenly(model, n)  # Caffe2 style: equal runs of activations, shifted, with copies
     _, more = _build(name, 1)

@@ -18,6 +18,7 @@ from placement.graph.serialize import to_proto
 from placement.runtime import device_map as device_map_module
 from placement.runtime import ort as rort
 from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.program import StageStep, TransferStep, move, transfer_kind
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import GraphBuilder, churn
 
@@ -50,9 +51,9 @@ def place_random(model: pl.Model, n_devices: int, seed: int) -> pl.Model:
 @functools.cache
 def _references(name: str):
     """(torch outputs, single-ORT-session outputs) of the unplaced tiny model."""
-    from tests.conftest import _exported
+    from tests.conftest import export_once
 
-    model, net, args = _exported(name)
+    model, net, args = export_once(name)
     with torch.no_grad():
         out = net(*args)
     expected = [t.numpy() for t in (out if isinstance(out, (tuple, list)) else (out,))]
@@ -124,9 +125,9 @@ def test_placement_without_copies_runs_as_if_injected(exported, name):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n_devices=st.integers(2, 4), inject=st.booleans())
 def test_random_placements_of_the_mlp(seed, n_devices, inject):
-    from tests.conftest import _exported
+    from tests.conftest import export_once
 
-    base, _, args = _exported("mlp")
+    base, _, args = export_once("mlp")
     model = base.copy()
     rng = np.random.default_rng(seed)
     for op in model.ops:
@@ -215,7 +216,7 @@ def test_stages_on_their_logical_devices(exported):
     runner = pl.Runner(model)
     assert [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1"]
     assert all(p.emulated for p in runner.device_map.values())
-    sessions = [step[1].session for step in runner._program.steps if step[0] == "stage"]
+    sessions = [step.exec.session for step in runner.program.steps if isinstance(step, StageStep)]
     assert len({id(s) for s in sessions}) == 2  # one session per stage
     assert all(s.get_providers() == ["CPUExecutionProvider"] for s in sessions)
 
@@ -341,7 +342,7 @@ def test_bad_inputs_name_the_input(gpt_runner, make, match):
 def test_transfer_kinds():
     cpu_a = PhysicalDevice("cpu", 0, emulated=True)
     gpu0, gpu0b, gpu1 = PhysicalDevice("cuda", 0), PhysicalDevice("cuda", 0), PhysicalDevice("cuda", 1)
-    kind = rort._transfer_kind
+    kind = transfer_kind
     assert kind(cpu_a, cpu_a, same_logical=True) == "alias"
     assert kind(cpu_a, cpu_a, same_logical=False) == "host"  # emulated devices are separate
     assert kind(gpu0, gpu0b, same_logical=False) == "alias"  # two logical GPUs on one GPU
@@ -353,7 +354,7 @@ def test_transfer_kinds():
 
 def test_emulated_transfer_makes_a_separate_value():
     value = ort.OrtValue.ortvalue_from_numpy(np.arange(6, dtype=np.float32))
-    moved = rort._move(value, "host", PhysicalDevice("cpu", 0, emulated=True))
+    moved = move(value, "host", PhysicalDevice("cpu", 0, emulated=True))
     assert moved.data_ptr() != value.data_ptr()
     np.testing.assert_array_equal(moved.numpy(), value.numpy())
 
@@ -362,12 +363,12 @@ def test_intermediate_values_are_freed_after_last_use(exported):
     model, _, _ = exported("unet")
     place_shift(model, 4)
     runner = pl.Runner(model)
-    program = runner._program
-    freed = {key for step in program.steps for key in step[-1]}
+    program = runner.program
+    freed = {key for step in program.steps for key in step.free}
     kept = {key for key, _ in program.outputs}
     produced = set(program.partition.inputs)
     for step in program.steps:
-        produced |= set(step[3]) if step[0] == "stage" else {step[3]}
+        produced |= {step.target} if isinstance(step, TransferStep) else set(step.outputs)
     assert produced - kept == freed
 
 

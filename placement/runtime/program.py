@@ -1,0 +1,524 @@
+"""The compiled run of a placed model on ONNX Runtime: typed steps over a value table.
+
+:class:`placement.runtime.ort.Runner` partitions a model into stages and builds
+one session per stage; :func:`compile_program` then turns the partition into a
+:class:`Program`, a flat list of steps that a run walks in order (as
+``torch.fx.Interpreter`` walks its nodes), each step reading and writing a
+*value table* (key -> ``OrtValue`` or host value):
+
+* :class:`StageStep` runs a stage session with ``run_with_iobinding``: inputs are
+  bound as ``OrtValue`` s, outputs are allocated on the stage's device;
+* :class:`HostStep` runs a stage whose boundary carries sequences, optionals or
+  string tensors with ``InferenceSession.run`` (which takes and returns them as
+  lists, ``None`` and object arrays);
+* :class:`TransferStep` moves a blob to another device (:func:`transfer_kind`
+  says how: share, host copy, host <-> GPU, GPU -> GPU).
+
+Every step carries the keys whose last reader it is (``free``), so intermediate
+values are dropped as soon as possible. :meth:`Program.collect` hands the graph
+outputs back as numpy arrays that own their memory (or keep their ``OrtValue``
+alive), so later allocations can never overwrite them.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.from_torch(net, (x,))
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> runner = pl.Runner(model, device_map="cpu")
+    >>> [type(step).__name__ for step in runner.program.steps]
+    ['StageStep', 'TransferStep', 'StageStep']
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from placement.errors import PlacementError
+from placement.graph.device import Device
+from placement.graph.model import Model
+from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.stages import Partition, Stage
+
+__all__ = [
+    "HostStep",
+    "Program",
+    "StageExec",
+    "StageStep",
+    "Step",
+    "TransferStep",
+    "compile_program",
+    "transfer_kind",
+]
+
+log = logging.getLogger(__name__)
+
+#: How a blob moves between two physical devices (see :func:`transfer_kind`).
+ALIAS, HOST_COPY, TO_GPU, TO_HOST, GPU_TO_GPU = "alias", "host", "h2d", "d2h", "d2d"
+_warned_d2d_fallback = False
+
+
+@dataclass
+class StageExec:
+    """A stage with its physical device and session (and, once compiled, its binding)."""
+
+    stage: Stage
+    physical: PhysicalDevice
+    session: ort.InferenceSession
+    binding: Any = None
+    out_device: tuple[str, int] = ("cpu", 0)
+
+    def new_binding(self, outputs: tuple[str, ...]) -> Any:
+        """An ``IOBinding`` of this stage's session with ``outputs`` bound to its device."""
+        binding = self.session.io_binding()
+        device_type, device_id = self.out_device
+        for name in outputs:
+            binding.bind_output(name, device_type, device_id)
+        return binding
+
+    def error(self, err: Exception) -> PlacementError:
+        """ONNX Runtime failed while running this stage: say which stage, device and ops."""
+        ops = self.stage.ops
+        span = f"op {ops[0]!r}" if len(ops) == 1 else f"ops {ops[0]!r} .. {ops[-1]!r}"
+        return PlacementError(
+            f"stage {self.stage.index} ({self.stage.device} -> {self.physical}, {span}) "
+            f"failed in ONNX Runtime: {_first_line(err)}"
+        )
+
+
+# --- steps -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """Run a stage session through an ``IOBinding`` (activations stay on the device).
+
+    Attributes:
+        exec: the stage, its device and session.
+        bind: (session input name, value-table key) pairs.
+        outputs: the stage's outputs (also their value-table keys).
+        free: keys whose last reader this step is.
+    """
+
+    exec: StageExec
+    bind: tuple[tuple[str, str], ...]
+    outputs: tuple[str, ...]
+    free: tuple[str, ...] = ()
+
+    def run(self, values: dict[str, Any], binding: Any = None) -> None:
+        """Run on ``values`` through ``binding`` (default: the stage's own binding;
+        a pipeline gives each worker its own)."""
+        ex = self.exec
+        binding = ex.binding if binding is None else binding
+        for name, key in self.bind:
+            value = values[key]
+            if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
+                value = values[key] = ortvalue(value, ex.physical)
+            binding.bind_ortvalue_input(name, value)
+        try:
+            ex.session.run_with_iobinding(binding)
+        except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+            binding.clear_binding_inputs()
+            raise ex.error(err) from err
+        for name, value in zip(self.outputs, binding.get_outputs()):
+            values[name] = value
+        # Release this run's values from the binding and re-bind the outputs, so the
+        # next run allocates fresh buffers (returned arrays are never overwritten).
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        device_type, device_id = ex.out_device
+        for name in self.outputs:
+            binding.bind_output(name, device_type, device_id)
+        _drop(values, self.free)
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """Run a stage on host values (sequences, optionals or strings cross its boundary)."""
+
+    exec: StageExec
+    bind: tuple[tuple[str, str], ...]
+    outputs: tuple[str, ...]
+    free: tuple[str, ...] = ()
+
+    def run(self, values: dict[str, Any], binding: Any = None) -> None:
+        """Run on ``values`` with ``InferenceSession.run`` (``binding`` is unused)."""
+        feeds = {name: _host(values[key]) for name, key in self.bind}
+        try:
+            results = self.exec.session.run(list(self.outputs), feeds)
+        except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
+            raise self.exec.error(err) from err
+        for name, value in zip(self.outputs, results):
+            values[name] = value
+        _drop(values, self.free)
+
+
+@dataclass(frozen=True)
+class TransferStep:
+    """Move the value at ``source`` to ``physical`` as ``target`` (see :func:`transfer_kind`)."""
+
+    kind: str
+    source: str
+    target: str
+    physical: PhysicalDevice
+    free: tuple[str, ...] = ()
+
+    @property
+    def moves_data(self) -> bool:
+        """False for an alias (both ends share the value)."""
+        return self.kind != ALIAS
+
+    def run(self, values: dict[str, Any], binding: Any = None) -> None:
+        """Run on ``values`` (``binding`` is unused)."""
+        value = values[self.source]
+        if not isinstance(value, ort.OrtValue):
+            values[self.target] = value if self.kind == ALIAS else _host_copy(value)
+        else:
+            try:
+                values[self.target] = move(value, self.kind, self.physical)
+            except PlacementError:
+                raise
+            except Exception as err:  # an allocation on the destination device failed
+                raise PlacementError(
+                    f"moving blob {self.source!r} to {self.physical} failed: {_first_line(err)}"
+                ) from err
+        _drop(values, self.free)
+
+
+Step = StageStep | HostStep | TransferStep
+
+
+@dataclass
+class Program:
+    """The precomputed run: graph inputs, steps, and where the graph outputs are.
+
+    Attributes:
+        partition: the stages the program runs.
+        feeds: (graph input, the physical device it is fed on), in input order.
+        steps: what a run does, in order.
+        outputs: per graph output, its value-table key and ``None``, or its
+            name and a constant (an output that is a parameter).
+    """
+
+    partition: Partition
+    feeds: list[tuple[str, PhysicalDevice]]
+    steps: list[Step] = field(default_factory=list)
+    outputs: list[tuple[str, np.ndarray | None]] = field(default_factory=list)
+
+    @property
+    def n_transfers(self) -> int:
+        """Transfers per run that move data (aliases excluded)."""
+        return sum(1 for step in self.steps if isinstance(step, TransferStep) and step.moves_data)
+
+    def feed(self, arrays: list[Any]) -> dict[str, Any]:
+        """The value table of one run, holding the graph inputs on their devices."""
+        return {
+            name: ortvalue(array, physical) if _is_tensor(array) else array
+            for (name, physical), array in zip(self.feeds, arrays)
+        }
+
+    def collect(self, values: dict[str, Any]) -> list[Any]:
+        """The graph outputs of a finished run, in graph-output order, each owning its memory."""
+        return [to_numpy(values[key]) if const is None else const.copy() for key, const in self.outputs]
+
+    def run(self, arrays: list[Any]) -> list[Any]:
+        """One whole run: feed, every step, collect."""
+        values = self.feed(arrays)
+        for step in self.steps:
+            step.run(values)
+        return self.collect(values)
+
+
+# --- compiling ---------------------------------------------------------------------------
+
+
+def compile_program(
+    model: Model,
+    part: Partition,
+    execs: dict[int, StageExec],
+    device_map: dict[Device, PhysicalDevice],
+) -> Program:
+    """Turn a partition with built sessions into a :class:`Program`.
+
+    Args:
+        model: the (placed) model the partition was cut from; parameter outputs
+            are read from it.
+        part: the stages, transfers, inputs and outputs.
+        execs: stage index -> its session (stages left out compute nothing read).
+        device_map: logical -> physical device of every device ``part`` uses.
+
+    Raises:
+        PlacementError: a blob is read before anything produces it, or a graph
+            output is produced by nothing.
+    """
+    return _Compiler(model, part, execs, device_map).compile()
+
+
+class _Compiler:
+    """Places steps in order, tracking where each blob lives, then computes frees."""
+
+    def __init__(
+        self,
+        model: Model,
+        part: Partition,
+        execs: dict[int, StageExec],
+        device_map: dict[Device, PhysicalDevice],
+    ) -> None:
+        self.model, self.part, self.execs, self.dmap = model, part, execs, device_map
+        self.where: dict[tuple[str, Device], str] = {}  # (blob, logical device) -> value-table key
+        self.home: dict[str, Device] = {}  # blob -> device where it was produced / fed
+        self.steps: list[Step] = []
+        self.reads: list[list[str]] = []  # per step: the keys it reads
+        self.pending = list(part.transfers)
+
+    def compile(self) -> Program:
+        part = self.part
+        program = Program(partition=part, feeds=[])
+        for name in part.inputs:
+            device = part.input_devices[name]
+            self._produced(name, device)
+            program.feeds.append((name, self.dmap[device]))
+        self._flush_transfers()
+        for stage in part.stages:
+            ex = self.execs.get(stage.index)
+            if ex is not None:
+                self._add_stage(stage, ex)
+                self._flush_transfers()
+        if self.pending:
+            names = ", ".join(repr(t.op) for t in self.pending)
+            raise PlacementError(f"copies {names} read blobs that no stage produces")
+        program.outputs = self._outputs()
+        program.steps = self._with_frees({key for key, const in program.outputs if const is None})
+        return program
+
+    def _produced(self, blob: str, device: Device, key: str | None = None) -> None:
+        self.where[(blob, device)] = key or blob
+        self.home[blob] = device
+
+    def _add_stage(self, stage: Stage, ex: StageExec) -> None:
+        bind = tuple((name, self._deliver(name, stage.device)) for name in stage.inputs)
+        outputs = tuple(stage.outputs)
+        if _host_values(ex.session):
+            self._append(HostStep(ex, bind, outputs), [key for _, key in bind])
+        else:
+            ex.out_device = ("cuda", ex.physical.index) if ex.physical.is_cuda else ("cpu", 0)
+            ex.binding = ex.new_binding(outputs)
+            self._append(StageStep(ex, bind, outputs), [key for _, key in bind])
+        for out in outputs:
+            self._produced(out, stage.device)
+
+    def _deliver(self, blob: str, device: Device) -> str:
+        """The value-table key of ``blob`` on ``device``, adding a transfer if needed."""
+        key = self.where.get((blob, device))
+        if key is not None:
+            return key
+        src_device = self.home.get(blob)
+        if src_device is None:
+            raise PlacementError(f"blob {blob!r} is read before any stage produces it")
+        key = f"{blob}@{device}"
+        self._add_transfer(self.where[(blob, src_device)], key, src_device, device)
+        self.where[(blob, device)] = key
+        return key
+
+    def _add_transfer(self, source: str, target: str, src: Device, dst: Device) -> None:
+        kind = transfer_kind(self.dmap[src], self.dmap[dst], same_logical=src == dst)
+        self._append(TransferStep(kind, source, target, self.dmap[dst]), [source])
+
+    def _flush_transfers(self) -> None:
+        """Add the explicit copies whose source exists by now."""
+        waiting = []
+        for tr in self.pending:
+            if tr.source in self.home:
+                src_device = self.home[tr.source]
+                self._add_transfer(self._deliver(tr.source, src_device), tr.target, src_device, tr.device)
+                self._produced(tr.target, tr.device)
+            else:
+                waiting.append(tr)
+        self.pending = waiting
+
+    def _append(self, step: Step, reads: list[str]) -> None:
+        self.steps.append(step)
+        self.reads.append(reads)
+
+    def _outputs(self) -> list[tuple[str, np.ndarray | None]]:
+        """Each graph output: a value-table key, or a constant (a parameter output)."""
+        outputs: list[tuple[str, np.ndarray | None]] = []
+        inits = self.model.graph.initializers
+        for name in self.part.outputs:
+            device = self.home.get(name)
+            if device is not None:
+                outputs.append((self.where[(name, device)], None))
+            elif name in inits or name in self.part.static_copies:
+                param = inits[self.part.static_copies.get(name, name)]
+                outputs.append((name, np.array(param.const_value.numpy())))
+            else:
+                raise PlacementError(f"graph output {name!r} is produced by no op")
+        return outputs
+
+    def _with_frees(self, keep: set[str]) -> list[Step]:
+        """The steps, each freeing the keys it reads last (graph outputs are kept)."""
+        last: dict[str, int] = {}
+        for i, keys in enumerate(self.reads):
+            for key in keys:
+                last[key] = i
+        frees: list[list[str]] = [[] for _ in self.steps]
+        for key, i in last.items():
+            if key not in keep:
+                frees[i].append(key)
+        return [_replace_free(step, tuple(free)) for step, free in zip(self.steps, frees)]
+
+
+def _replace_free(step: Step, free: tuple[str, ...]) -> Step:
+    from dataclasses import replace
+
+    return replace(step, free=free)
+
+
+# --- values ------------------------------------------------------------------------------
+
+
+def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: bool) -> str:
+    """How a blob moves between two physical devices.
+
+    Two logical devices on one real device share values (``"alias"``); emulated
+    logical devices are separate contexts on the CPU, so they copy (``"host"``),
+    like real devices; otherwise ``"h2d"``, ``"d2h"`` or ``"d2d"``.
+
+    Example:
+        >>> cpu = PhysicalDevice("cpu", 0, emulated=True)
+        >>> transfer_kind(cpu, cpu, same_logical=False), transfer_kind(cpu, cpu, same_logical=True)
+        ('host', 'alias')
+    """
+    if same_logical:
+        return ALIAS
+    if src.is_cuda and dst.is_cuda:
+        return ALIAS if src.index == dst.index else GPU_TO_GPU
+    if src.is_cuda:
+        return TO_HOST
+    if dst.is_cuda:
+        return TO_GPU
+    if src.emulated or dst.emulated:
+        return HOST_COPY
+    return ALIAS
+
+
+def ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:
+    """``array`` as an ``OrtValue`` on ``physical``."""
+    if physical.is_cuda:
+        return ort.OrtValue.ortvalue_from_numpy(array, "cuda", physical.index)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtValue:
+    """``value`` moved to ``physical`` the way ``kind`` says (an alias returns it as is)."""
+    if kind == ALIAS:
+        return value
+    if kind == HOST_COPY:
+        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+    if kind == TO_HOST:
+        return ort.OrtValue.ortvalue_from_numpy(value.numpy())
+    if kind == TO_GPU:
+        return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
+    return _gpu_to_gpu(value, physical)
+
+
+class _KeepAlive:
+    """The base of an array viewing an ``OrtValue``'s memory: holds the ``OrtValue``."""
+
+    def __init__(self, value: ort.OrtValue, view: np.ndarray) -> None:
+        self.value = value
+        self.__array_interface__ = view.__array_interface__
+
+
+def to_numpy(value: Any) -> Any:
+    """A host array of ``value`` that stays valid after ``value`` is dropped.
+
+    ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
+    whose base (a capsule) does not keep that buffer alive: once the ``OrtValue``
+    (or the numpy array it was made from) is released, the next allocation can
+    overwrite the view. The returned array keeps the ``OrtValue`` alive instead
+    (no copy); arrays that own their data (GPU values copied to the host) and host
+    values (lists, ``None``, object arrays) are returned as they are.
+    """
+    if not isinstance(value, ort.OrtValue):
+        return value
+    array = value.numpy()
+    if not isinstance(array, np.ndarray) or array.flags.owndata:
+        return array
+    return np.asarray(_KeepAlive(value, array))
+
+
+def _host_values(session: ort.InferenceSession) -> bool:
+    """Whether a stage session takes or returns values that ``OrtValue`` s from numpy
+    cannot hold (sequences, optionals, maps, string tensors): such a stage runs with
+    ``InferenceSession.run`` on host values, which takes and returns them as ONNX
+    Runtime's Python API does (lists of arrays, ``None``, object arrays)."""
+    for arg in (*session.get_inputs(), *session.get_outputs()):
+        if not arg.type.startswith("tensor(") or arg.type == "tensor(string)":
+            return True
+    return False
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.kind not in "OUS"
+
+
+def _host(value: Any) -> Any:
+    """A value as ``InferenceSession.run`` takes it (``OrtValue`` s become arrays)."""
+    return to_numpy(value) if isinstance(value, ort.OrtValue) else value
+
+
+def _host_copy(value: Any) -> Any:
+    """A separate copy of a host value (arrays, lists of them, ``None``)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (list, tuple)):
+        return [_host_copy(v) for v in value]
+    return value
+
+
+def _drop(values: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        del values[key]
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _gpu_to_gpu(value: ort.OrtValue, physical: PhysicalDevice) -> ort.OrtValue:
+    """Device-to-device copy; a host round trip where this onnxruntime build cannot."""
+    global _warned_d2d_fallback
+    if not _warned_d2d_fallback:
+        try:
+            dst = ort.OrtValue.ortvalue_from_shape_and_type(
+                value.shape(), _numpy_dtype(value), "cuda", physical.index
+            )
+            ort.copy_tensors([value], [dst])
+            return dst
+        except Exception as err:  # no registered GPU-GPU data transfer in this build
+            _warned_d2d_fallback = True
+            log.warning(
+                "onnxruntime cannot copy between GPUs directly here (%s); "
+                "cross-GPU transfers go through host memory",
+                err,
+            )
+    return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
+
+
+def _numpy_dtype(value: ort.OrtValue) -> Any:
+    """The numpy dtype of an ``OrtValue`` (ONNX Runtime names types ``tensor(float)``)."""
+    import onnx_ir as ir
+    from onnx import TensorProto
+
+    name = value.data_type().removeprefix("tensor(").removesuffix(")")
+    try:
+        return ir.DataType(TensorProto.DataType.Value(name.upper())).numpy()
+    except (ValueError, TypeError):
+        raise PlacementError(f"cannot move a {value.data_type()} between GPUs") from None
