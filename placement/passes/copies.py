@@ -161,7 +161,8 @@ class _Scan:
     dev_of: dict[ir.Value, Device] = dataclasses.field(default_factory=dict)  # blob -> its device
     home_pos: dict[ir.Value, int] = dataclasses.field(default_factory=dict)  # parameter -> first reader
     copies: list[tuple[ir.Node, int, ir.Value, Device]] = dataclasses.field(default_factory=list)
-    uses: list[tuple[ir.Node, ir.Value, ir.Value, Device, int]] = dataclasses.field(default_factory=list)
+    #: reads to look at: (reader, input index, blob read, blob it carries, reader's device, position)
+    uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -193,6 +194,7 @@ class _Injection:
         self._bases: dict[ir.Value, str] = {}
         self._produced: Iterable[ir.Value] = ()
         self._copy_nodes: list[ir.Node] = []
+        self._spelled: dict[Device, tuple[str, str]] = {}  # device -> (annotation, name part)
 
     def run(self) -> CopyResult:
         """Scan (read only), plan (read only), then apply: the graph changes in the last step only."""
@@ -237,7 +239,7 @@ class _Injection:
                 origin[outputs[0]] = source
                 copies.append((node, pos, source, device))
                 continue
-            for value in node.inputs:
+            for index, value in enumerate(node.inputs):
                 if value is None:
                     continue
                 source = origin_get(value, value) if origin else value
@@ -252,7 +254,7 @@ class _Injection:
                         home_pos[source] = pos
                     dev_of[source] = where
                 if where is not device or source is not value:
-                    record((node, value, source, device, pos))
+                    record((node, index, value, source, device, pos))
             for value in node.outputs:
                 dev_of[value] = device
         self._produced = dev_of.keys()  # every blob read or produced by a non-copy op
@@ -267,7 +269,7 @@ class _Injection:
         out_dev = self.output_device or self._default_output_device(outputs) or scan.in_dev
         decision = _Decision(outputs=outputs, protected=protected, repeated=repeated, out_dev=out_dev)
         needs, keep = decision.needs, decision.keep
-        for node, _, source, device, pos in scan.uses:
+        for node, _, _, source, device, pos in scan.uses:
             if dev_of[source] is device:
                 continue
             key = (source, id(device))
@@ -320,13 +322,13 @@ class _Injection:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
         targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
-        for node, value, source, device, _ in scan.uses:
+        rewired = 0
+        for node, index, value, source, device, _ in scan.uses:
             want = source if dev_of[source] is device else targets[(source, id(device))]
             if want is not value:
-                for index, current in enumerate(node.inputs):
-                    if current is value:
-                        node.replace_input_with(index, want)
-                        result.rewired += 1
+                node.replace_input_with(index, want)
+                rewired += 1
+        result.rewired += rewired
         for key, node in keep.items():
             source = needs[key].origin
             if node.inputs[0] is not source:
@@ -466,26 +468,29 @@ class _Injection:
 
     def _new_copy(self, need: _Need) -> ir.Node:
         source, device = need.origin, need.device
+        spelled = self._spelled.get(device)
+        if spelled is None:
+            spelled = self._spelled[device] = (str(device), device.slug)
+        spec, slug = spelled
         if need.output_slot >= 0:
             name = need.output_name
             self._names().add(name)
+            node_name = f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{slug}"
         else:
             base = self._bases.get(source) or source.name or "blob"
-            name = self._unique_value(f"{base}_{device.slug}")
-        out = ir.Value(
-            name=name,
-            type=source.type,
-            shape=ir.Shape(source.shape) if source.shape is not None else None,
-        )
-        node = ir.Node(
+            name = self._unique_value(f"{base}_{slug}")
+            node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
+        shape = source.shape
+        out = ir.Value(name=name, type=source.type, shape=ir.Shape(shape) if shape is not None else None)
+        static = source.is_initializer() and not source.is_graph_input()  # copy_kind, inlined
+        return ir.Node(
             "",
             COPY_OP_TYPE,
-            [source],
-            outputs=[out],
-            name=self._unique_node(f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{device.slug}"),
-            metadata_props={DEVICE_KEY: str(device), COPY_KEY: copy_kind(source)},
+            (source,),
+            outputs=(out,),
+            name=self._unique_node(node_name),
+            metadata_props={DEVICE_KEY: spec, COPY_KEY: "static" if static else "dynamic"},
         )
-        return node
 
     def _place(self, node: ir.Node, need: _Need) -> None:
         if need.first_node is not None:

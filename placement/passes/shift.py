@@ -135,26 +135,83 @@ class ShiftActivationDevicesPass(PlacementPass):
         self.shifts = parse_shifts(shifts)
 
     def call(self, model: ir.Model) -> ShiftResult:
-        watch = Stopwatch()
-        graph = model.graph
-        reader = DeviceReader()
-        sources = {reader.canonical(s): reader.canonical(t) for s, t in self.shifts.items()}
+        return _Shift(model, self.activations, self.shifts).run()
 
+    def __repr__(self) -> str:
+        pairs = ", ".join(f"{s}: {t}" for s, t in self.shifts.items())
+        return f"ShiftActivationDevicesPass({len(self.activations)} activations, {{{pairs}}})"
+
+
+#: An op to move and its device annotation before the move (a key of ``_Scan.target_of``).
+_Move = tuple[ir.Node, "str | None"]
+
+
+@dataclasses.dataclass
+class _Scan:
+    """What the read-only scan found (see :meth:`_Shift._scan`).
+
+    Dependence follows :mod:`placement.analysis.dependence` (``activation_values``) step by
+    step, fused with reading devices and copies so that the graph is walked once.
+    """
+
+    device_of: dict[str | None, Device] = dataclasses.field(default_factory=dict)  # annotation -> device
+    #: annotation -> the target of its device, ``None`` when its device is not a source
+    target_of: dict[str | None, Device | None] = dataclasses.field(default_factory=dict)
+    candidates: list[ir.Value] = dataclasses.field(default_factory=list)  # dependent outputs of non-copies
+    owners: list[ir.Node] = dataclasses.field(default_factory=list)  # the op of each candidate
+    owner_specs: list[str | None] = dataclasses.field(default_factory=list)  # its device annotation
+    origin: dict[ir.Value, ir.Value] = dataclasses.field(default_factory=dict)  # copy output -> blob
+    acts: list[ir.Value] = dataclasses.field(default_factory=list)  # activations, producer order
+    #: ops on source devices that read no activation or write nothing (rules 2-3 decide them)
+    unfed: int = 0
+    loners: list[ir.Node] = dataclasses.field(default_factory=list)  # such ops computing from parameters
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the shift will do (see :meth:`_Shift._plan`); nothing is changed yet."""
+
+    moves: list[_Move]
+    listed_elsewhere: int  # listed activations not on a source device (they stay)
+
+
+class _Shift:
+    """One run of the pass: a read-only scan, validation and plan, then the mutation."""
+
+    def __init__(self, model: ir.Model, activations: list[str], shifts: dict[Device, Device]) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.names = activations
+        self.reader = DeviceReader()
+        self.sources = {self.reader.canonical(s): self.reader.canonical(t) for s, t in shifts.items()}
+
+    def run(self) -> ShiftResult:
+        """Scan, validate and plan (read only), then apply: the graph changes in the last step only."""
+        watch = Stopwatch()
         watch.start("scan")
-        # -- one read-only scan: devices, copies, activations ---------------------------
-        device_of: dict[str | None, Device] = {}  # device annotation -> device
-        target_of: dict[str | None, Device | None] = {}  # annotation -> its target, None: not a source
+        scan = self._scan()
+        watch.start("validate")
+        shifted = self._validate(scan)
+        watch.start("propagate")
+        plan = self._plan(scan, shifted)
+        watch.start("apply")
+        moved = self._apply(scan, plan.moves)
+        watch.stop()
+        self._log(scan, plan, moved, watch)
+        return ShiftResult(self.model, bool(plan.moves), moved, watch.seconds)
+
+    def _scan(self) -> _Scan:
+        """One pass over the ops: devices, copies, dependence and activations."""
+        scan = _Scan()
+        device_of, target_of, sources, reader = scan.device_of, scan.target_of, self.sources, self.reader
+        candidates, owners, owner_specs, origin = scan.candidates, scan.owners, scan.owner_specs, scan.origin
         independent: set[ir.Value] = set()  # outputs of ops reading no graph input (see activations)
         consumed: set[ir.Value] = set()
-        candidates: list[ir.Value] = []  # dependent op outputs, producer order
-        owners: list[ir.Node] = []  # the op of each candidate
-        owner_specs: list[str | None] = []  # its device annotation
-        origin: dict[ir.Value, ir.Value] = {}  # copy output -> copied blob
-        unfed = 0  # ops on source devices that read no activation or write nothing: rules 2-3
-        loners: list[ir.Node] = []  # ops on source devices computing from parameters alone
+        unfed = 0
+        loners = scan.loners
         is_independent, consume = independent.__contains__, consumed.add
         target_get = target_of.get
-        for node in graph:
+        for node in self.graph:
             props = node.metadata_props
             spec = props.get(DEVICE_KEY)
             target = target_get(spec, _UNSEEN)
@@ -187,43 +244,49 @@ class ShiftActivationDevicesPass(PlacementPass):
                 unfed += 1
                 if not hit and outputs:
                     loners.append(node)
-        acts = [v for v in candidates if v in consumed or v.is_graph_output()]
+        scan.unfed = unfed
+        scan.acts = [v for v in candidates if v in consumed or v.is_graph_output()]
+        return scan
 
-        watch.start("validate")
-        # -- validate -------------------------------------------------------------------
-        listed = _resolve_names(graph, acts, self.activations)  # in producer order
-        shifted = set(listed)
-        in_use = set(device_of.values())
-        for source in sources:
+    def _validate(self, scan: _Scan) -> set[ir.Value]:
+        """The listed activations; raise naming unknown blobs, non-activations or unused sources."""
+        shifted = set(_resolve_names(self.graph, scan.acts, self.names))
+        in_use = set(scan.device_of.values())
+        for source in self.sources:
             if source not in in_use:
                 known = ", ".join(str(d) for d in sorted(in_use)) or "none"
                 raise DeviceError(
                     f"shift source device {source} is not used by any op (model devices: {known})"
                 )
+        return shifted
 
-        watch.start("propagate")
-        # -- label propagation over the ops on source devices (read only) -----------------
+    def _plan(self, scan: _Scan, shifted: set[ir.Value]) -> _Plan:
+        """Label propagation over the ops on source devices (read only): which ops move."""
+        device_of, target_of, candidates, acts = scan.device_of, scan.target_of, scan.candidates, scan.acts
         dead_outputs = len(acts) < len(candidates)
-        act_set = set(acts) if unfed or dead_outputs else set()
-        if unfed or (dead_outputs and _has_op_without_activations(candidates, act_set, target_of)):
+        act_set = set(acts) if scan.unfed or dead_outputs else set()
+        if scan.unfed or (dead_outputs and _has_op_without_activations(candidates, act_set, target_of)):
             # some op on a source device has no output activation: rules 2-3 read labels
-            moves, seen = _propagate(graph, origin, act_set, shifted, device_of, target_of)
+            moves, seen = _propagate(self.graph, scan.origin, act_set, shifted, device_of, target_of)
         else:  # fast path: rule 1 decides every op: the producers of listed activations move
             found: dict[ir.Node, str | None] = {}
             seen = 0
-            for node, spec in compress(zip(owners, owner_specs), map(shifted.__contains__, candidates)):
+            listed = map(shifted.__contains__, candidates)
+            for node, spec in compress(zip(scan.owners, scan.owner_specs), listed):
                 target = target_of[spec]
                 if target is not None:
                     seen += 1
                     if target is not device_of[spec]:
                         found[node] = spec
             moves = list(found.items())
-        listed_elsewhere = len(shifted) - seen
-        if loners:
-            moves = _follow_readers(graph, loners, moves, device_of, target_of)
+        if scan.loners:
+            moves = _follow_readers(self.graph, scan.loners, moves, device_of, target_of)
+        return _Plan(moves, len(shifted) - seen)
 
-        watch.start("apply")
-        # -- apply (all or nothing) ----------------------------------------------------
+    @staticmethod
+    def _apply(scan: _Scan, moves: list[_Move]) -> dict[tuple[Device, Device], int]:
+        """Re-annotate the moving ops, all or nothing; returns ops moved per device pair."""
+        device_of, target_of = scan.device_of, scan.target_of
         spelled = {spec: str(target) for spec, target in target_of.items() if target is not None}
         done = 0
         try:
@@ -241,7 +304,12 @@ class ShiftActivationDevicesPass(PlacementPass):
         for spec, count in Counter(spec for _, spec in moves).items():
             pair = (device_of[spec], cast(Device, target_of[spec]))
             moved[pair] = moved.get(pair, 0) + count
-        pairs = ", ".join(f"{s}->{t}" for s, t in sources.items())
+        return moved
+
+    def _log(
+        self, scan: _Scan, plan: _Plan, moved: dict[tuple[Device, Device], int], watch: Stopwatch
+    ) -> None:
+        pairs = ", ".join(f"{s}->{t}" for s, t in self.sources.items())
         if moved:
             log.info(
                 "shift {%s}: moved %s",
@@ -250,18 +318,16 @@ class ShiftActivationDevicesPass(PlacementPass):
             )
         else:
             log.info("shift {%s}: no op moved", pairs)
-        if listed_elsewhere:
-            log.info("shift: %d listed activations are not on a source device and stay", listed_elsewhere)
-        watch.stop()
+        if plan.listed_elsewhere:
+            log.info(
+                "shift: %d listed activations are not on a source device and stay", plan.listed_elsewhere
+            )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("shift timings: %s", watch)
-            for node, spec in moves:
-                log.debug("  %s (%s): %s -> %s", node.name, node.op_type, device_of[spec], target_of[spec])
-        return ShiftResult(model, bool(moves), moved, watch.seconds)
-
-    def __repr__(self) -> str:
-        pairs = ", ".join(f"{s}: {t}" for s, t in self.shifts.items())
-        return f"ShiftActivationDevicesPass({len(self.activations)} activations, {{{pairs}}})"
+            for node, spec in plan.moves:
+                log.debug(
+                    "  %s (%s): %s -> %s", node.name, node.op_type, scan.device_of[spec], scan.target_of[spec]
+                )
 
 
 def _propagate(
