@@ -194,6 +194,7 @@ class _Injection:
         self._bases: dict[ir.Value, str] = {}
         self._produced: Iterable[ir.Value] = ()
         self._copy_nodes: list[ir.Node] = []
+        self._nodes: list[ir.Node] = []  # the ops as scanned, before any change
         self._spelled: dict[Device, tuple[str, str]] = {}  # device -> (annotation, name part)
 
     def run(self) -> CopyResult:
@@ -223,7 +224,8 @@ class _Injection:
         origin, dev_of, home_pos, copies = scan.origin, scan.dev_of, scan.home_pos, scan.copies
         spec_device: dict[str | None, Device] = {}
         dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
-        for pos, node in enumerate(graph):
+        self._nodes = nodes = list(graph)  # walked again for names only if copies are made
+        for pos, node in enumerate(nodes):
             props = node.metadata_props
             spec = props.get(DEVICE_KEY)
             device = spec_device.get(spec)
@@ -534,7 +536,7 @@ class _Injection:
 
     def _unique_node(self, base: str) -> str:
         if self._node_names is None:
-            self._node_names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self.graph))))
+            self._node_names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self._nodes))))
         name, k = base, 0
         while name in self._node_names:
             k += 1

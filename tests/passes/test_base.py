@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import onnx_ir as ir
 import pytest
 from onnx_ir.passes import PassResult, PostconditionError
@@ -14,7 +16,7 @@ from placement.passes import (
     PlacementPass,
     ShiftActivationDevicesPass,
 )
-from placement.passes.base import DEBUG_ENV, check_structure, debug_enabled
+from placement.passes.base import DEBUG_ENV, check_structure, debug_enabled, no_gc
 from tests.passes.helpers import chain, check_copies, snapshot
 
 
@@ -131,3 +133,19 @@ def test_check_structure_catches_order_and_devices() -> None:
     model.graph.append(node)
     with pytest.raises(pl.VerificationError, match="before it is produced"):
         check_structure(model.ir_model)
+
+
+def test_no_gc_restores_the_collector_and_leaves_frozen_objects_frozen() -> None:
+    assert gc.isenabled()
+    with no_gc():
+        assert not gc.isenabled()
+        kept = [[i] for i in range(100)]  # allocated while paused: promoted, not swept
+    assert gc.isenabled() and gc.is_tracked(kept)
+    gc.freeze()  # a program that froze objects itself (say, before forking) keeps them frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with no_gc():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
