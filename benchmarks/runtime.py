@@ -206,26 +206,15 @@ def explain_overhead(
         values: dict[str, Any] = program.feed(arrays)
         for step in program.steps:
             if isinstance(step, StageStep):
-                ex, outs = step.exec, step.outputs
                 t0 = clock()
-                binding = ex.binding
-                for name, key in step.bind:
-                    binding.bind_ortvalue_input(name, values[key])
+                stage_feeds = step.inputs(values)
                 t1 = clock()
-                ex.session.run_with_iobinding(binding)
+                outputs = step.call(stage_feeds)
                 t2 = clock()
-                for name, value in zip(outs, binding.get_outputs()):
-                    values[name] = value
-                binding.clear_binding_inputs()
-                binding.clear_binding_outputs()
-                device_type, device_id = ex.out_device
-                for name in outs:
-                    binding.bind_output(name, device_type, device_id)
+                step.store(values, outputs)
                 t3 = clock()
                 spent["binding"] += (t1 - t0) + (t3 - t2)
                 spent["stages"] += t2 - t1
-                for key in step.free:
-                    del values[key]
             else:  # transfers (host-value stages do not occur in these models)
                 t0 = clock()
                 step.run(values)

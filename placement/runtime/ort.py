@@ -88,6 +88,7 @@ from placement.graph.model import (
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
+from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.program import Program, StageExec, compile_program
 from placement.runtime.stages import Stage, split_stages
 
@@ -494,7 +495,8 @@ class Runner:
         if physical.is_cuda:
             providers.append("CPUExecutionProvider")
         try:
-            return _session(stage.model, options, providers)
+            model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
+            return _session(model, options, providers)
         except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PlacementError(
