@@ -70,6 +70,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -402,7 +403,7 @@ class Runner:
             tuple(id(v) for v in graph.outputs),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
-            tuple([md.get(DEVICE_KEY) for md in (self._watched if watched is None else watched)]),
+            tuple(map(dict.get, self._watched if watched is None else watched, repeat(DEVICE_KEY))),
         )
 
     def _rebuild(self) -> None:

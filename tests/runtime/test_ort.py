@@ -375,9 +375,28 @@ def test_intermediate_values_are_freed_after_last_use(exported):
 def test_runtime_benchmark_smoke():
     from benchmarks.runtime import measure_ort
 
-    row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
+    row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1, explain=True, block=2)
     assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
     assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
+    causes = {"cut", "transfers", "binding", "checks", "outputs", "other"}
+    assert causes <= set(row["explain"])
+    assert row["explain"]["total"] == pytest.approx(sum(row["explain"][c] for c in causes), abs=1e-3)
+
+
+def test_cpu_stages_run_without_bindings_and_hand_out_fresh_outputs(exported):
+    """A stage on the CPU calls its session once per run (no IOBinding); each run's
+    outputs are new buffers, so earlier results stay as they were."""
+    model, _, (x,) = exported("mlp")
+    place_shift(model, 2)
+    runner = pl.Runner(model, device_map="cpu")
+    stages = [step for step in runner.program.steps if isinstance(step, StageStep)]
+    assert stages and all(s.exec.direct is not None and s.exec.binding is None for s in stages)
+    values = runner.program.feed([x.numpy()])
+    first = stages[0].call(stages[0].inputs(values))
+    second = stages[0].call(stages[0].inputs(values))
+    assert all(isinstance(v, ort.OrtValue) for v in first)
+    assert first[0].data_ptr() != second[0].data_ptr()
+    np.testing.assert_array_equal(first[0].numpy(), second[0].numpy())
 
 
 # --- values that are not numeric tensors -------------------------------------------------
