@@ -30,7 +30,7 @@ remains (Python between the steps, and the noise of medians taken apart).
 
 Models are the zoo's (``placement.models``) or, from outside the zoo, ``hf-gpt2``:
 Hugging Face's ``GPT2LMHeadModel`` (randomly initialised from a config, nothing is
-downloaded; bench size: 6 layers, d=256, 8 heads, sequence 128, batch 8, like the zoo's
+downloaded; bench size: 6 layers, d=256, 4 heads, sequence 128, batch 2, vocabulary 2048, like the zoo's
 gpt), written without any of our code. It needs the optional ``transformers`` package
 (``pip install transformers``; a benchmark extra, never a requirement of the library).
 ``--block N`` alternates blocks of N runs instead of single runs (steady state).
@@ -109,10 +109,10 @@ def hf_gpt2(size: str = "bench", *, seed: int = 0) -> tuple[Any, tuple[Any, ...]
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers, width, heads, seq, batch = {"tiny": (2, 64, 4, 16, 2)}.get(size, (6, 256, 8, 128, 8))
+    layers, width, heads, seq, batch = {"tiny": (2, 64, 4, 16, 2)}.get(size, (6, 256, 4, 128, 2))
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=8192,
+        n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=2048,
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
 

@@ -11,10 +11,15 @@ and says so once (a ``logging`` warning).
 Data flow (precomputed at construction, so a run is a short loop):
 
 * graph inputs become ``OrtValue`` s on the device they are fed on;
-* each stage runs with ``InferenceSession.run_with_iobinding``: inputs are bound
-  as ``OrtValue`` s (``bind_ortvalue_input``) and outputs are bound to the
-  stage's device (``bind_output(name, "cuda", device_id)`` on a GPU), so
-  activations stay on the device between stages;
+* each stage runs on ``OrtValue`` s, so activations stay on the device between
+  stages: a GPU stage with ``InferenceSession.run_with_iobinding``, inputs bound
+  with ``bind_ortvalue_input`` and outputs with ``bind_output(name, "cuda",
+  device_id)``; a CPU stage with one call of the session's native
+  ``run_with_ort_values`` (no binding to set up and clear per run); see
+  :class:`placement.runtime.program.StageStep`;
+* a BatchNormalization that a cut separated from its Conv runs, in a CPU stage's
+  session, as the equivalent depthwise Conv, so ONNX Runtime keeps its blocked
+  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.layout`);
 * a dynamic copy is a *transfer*, not a session op: the blob is moved to the
   destination device (see :func:`placement.runtime.program.transfer_kind`): nothing to do between two
   logical devices on one physical GPU (the value is shared), a device-to-device

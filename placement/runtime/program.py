@@ -6,8 +6,9 @@ one session per stage; :func:`compile_program` then turns the partition into a
 ``torch.fx.Interpreter`` walks its nodes), each step reading and writing a
 *value table* (key -> ``OrtValue`` or host value):
 
-* :class:`StageStep` runs a stage session with ``run_with_iobinding``: inputs are
-  bound as ``OrtValue`` s, outputs are allocated on the stage's device;
+* :class:`StageStep` runs a stage session on ``OrtValue`` s: on the CPU with the
+  session's native ``run_with_ort_values`` (one call; the run allocates fresh outputs),
+  on a GPU with ``run_with_iobinding`` (outputs bound to, and allocated on, the GPU);
 * :class:`HostStep` runs a stage whose boundary carries sequences, optionals or
   string tensors with ``InferenceSession.run`` (which takes and returns them as
   lists, ``None`` and object arrays);
@@ -435,6 +436,13 @@ def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: boo
     Two logical devices on one real device share values (``"alias"``); emulated
     logical devices are separate contexts on the CPU, so they copy (``"host"``),
     like real devices; otherwise ``"h2d"``, ``"d2h"`` or ``"d2d"``.
+
+    Why emulated devices copy although sharing would be safe (ONNX Runtime never
+    writes into a value it is fed, and nothing else here does): an emulated device
+    stands for a GPU with its own memory, so a run pays the transfer that the real
+    devices will pay (a memcpy, some 50 us per MB here; what the planner's ``"memcpy"`` link
+    and :func:`placement.measure_links` charge), and a value on one device is never
+    the same buffer as on another. The copy is the split's price, not overhead.
 
     Example:
         >>> cpu = PhysicalDevice("cpu", 0, emulated=True)
