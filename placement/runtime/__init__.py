@@ -8,6 +8,8 @@
 - :mod:`~placement.runtime.pipeline`: the micro-batch schedule both runtimes share (``chunks=``,
   ``Runner.stream``, pipelined ``to_torch`` forward and backward).
 - :mod:`~placement.runtime.links`: ``measure_links``, timing real copies between devices.
+- :mod:`~placement.runtime.layout`: stage-model rewrites that keep ONNX Runtime's blocked
+  convolution layout across a cut (a BatchNormalization cut from its Conv).
 - :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 - :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).
