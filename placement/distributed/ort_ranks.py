@@ -369,7 +369,7 @@ class DistributedRunner:
             else None
         )
         log.info(
-            "rank %d/%d runs %s on %s: %d stage session(s), receives %d and sends %d value(s) per micro-batch",
+            "rank %d/%d runs %s on %s: %d stage session(s), %d value(s) in and %d out per micro-batch",
             self.rank,
             self.world_size,
             format_groups([mine])[0],
@@ -530,7 +530,9 @@ class DistributedRunner:
         works = []
         if not wire.static:
             if array.ndim > _MAX_DIMS:
-                raise PlacementError(f"blob {wire.blob!r} has {array.ndim} dims; at most {_MAX_DIMS} can cross ranks")
+                raise PlacementError(
+                    f"blob {wire.blob!r} has {array.ndim} dims; at most {_MAX_DIMS} can cross ranks"
+                )
             header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
             header[0] = array.ndim
             header[1 : 1 + array.ndim] = torch.tensor(array.shape, dtype=torch.int64)

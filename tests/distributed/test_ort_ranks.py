@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -74,10 +76,35 @@ def test_killed_rank_is_named(served):
     assert seconds < 15, f"rank 0 took {seconds:.1f} s to notice"  # not the 30 s timeout
 
 
-@pytest.mark.parametrize("name", ["resnet", "unet"])
-def test_rank_programs_chained_in_one_process_equal_pl_run(name):
+def test_placement_launch_runtime_ort(tmp_path):
+    """``placement launch --runtime ort``: torchrun, 2 ranks of ORT sessions, 2 micro-batches."""
+    model, batch = place("gpt", 2)
+    model.save(tmp_path / "placed.onnx")
+    np.save(tmp_path / "idx.npy", batch[0])
+    command = [
+        sys.executable,
+        "-m",
+        "placement.cli",
+        "launch",
+        str(tmp_path / "placed.onnx"),
+        "--runtime",
+        "ort",
+    ]
+    command += ["--input", f"{model.inputs[0]}={tmp_path / 'idx.npy'}", "--output", str(tmp_path / "out.npz")]
+    done = subprocess.run(
+        command + ["--timeout", "60"], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--nproc-per-node=2" in done.stdout and "--runtime ort" in done.stdout
+    got = np.load(tmp_path / "out.npz")
+    assert list(got.keys()) == model.outputs
+    for name, want in zip(model.outputs, _expected(model, batch)):
+        np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5)
+
+
+def test_rank_programs_chained_in_one_process_equal_pl_run():
     """Three ranks' programs, fed by their wires in one process: skips go straight to their reader."""
-    model, batch = place(name, 3)
+    model, batch = place("unet", 3)
     rows = model.graph.inputs[0].shape[0]
     inputs = [a[:rows] for a in batch]
     groups = rank_groups(model)
@@ -90,6 +117,7 @@ def test_rank_programs_chained_in_one_process_equal_pl_run(name):
         outs = rank_program(model, plan, cpu).run(feed)
         names = plan.partition.outputs
         sent.update({(w.blob, w.dst): outs[names.index(w.blob)] for w in plan.sends})
+    assert any(w.src == 0 for w in plan.receives)  # a skip from rank 0 to rank 2, not through rank 1
     for got, want in zip(outs[: plan.n_graph_outputs], pl.run(model, inputs)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
