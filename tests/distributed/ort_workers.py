@@ -24,7 +24,7 @@ def serve(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], ou
         for case in cases:
             with DistributedRunner(case["path"], ranks=case.get("ranks")) as runner:
                 inputs = list(np.load(case["inputs"]).values()) if runner.is_first else None
-                out = runner.run(inputs)
+                out = runner.run(inputs, chunks=case.get("chunks"))
                 if out is not None:
                     results[f"{case['key']}/out"] = out
         try:

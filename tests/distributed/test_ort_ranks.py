@@ -20,11 +20,22 @@ from tests.distributed.test_pipeline import place
 CASES = [("mlp", 2, None), ("gpt", 2, None), ("gpt", 3, "cuda:0+cuda:1,cuda:2")]
 
 
-def _expected(model: pl.Model, batch: list[np.ndarray]) -> list[np.ndarray]:
+def _expected(model: pl.Model, batch: list[np.ndarray], rows: int | None = None) -> list[np.ndarray]:
     """``pl.run`` micro-batch by micro-batch, joined."""
-    rows = model.graph.inputs[0].shape[0]
+    rows = rows or model.graph.inputs[0].shape[0]
     outs = [pl.run(model, [a[i : i + rows] for a in batch]) for i in range(0, len(batch[0]), rows)]
     return [np.concatenate(parts) for parts in zip(*outs)]
+
+
+def _dynamic_mlp() -> tuple[pl.Model, list[np.ndarray]]:
+    import torch
+
+    from placement import models
+
+    net, (x,) = models.build("mlp", "tiny")
+    model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    pl.place_evenly(model, 2)
+    return model, [np.random.default_rng(0).standard_normal((6, *x.shape[1:])).astype(np.float32)]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +52,14 @@ def served(tmp_path_factory):
         cases.append({"key": key, "path": str(tmp / f"{key}.onnx"), "inputs": str(tmp / f"{key}_in.npz")})
         cases[-1]["ranks"] = ranks
     cases[0]["three"] = cases[-1]["path"]  # 3 devices, one per rank by default: not a world of 2
+    # a dynamic batch: wires carry a shape header; 2 micro-batches of 3 rows
+    model, batch = _dynamic_mlp()
+    model.save(tmp / "dyn.onnx")
+    np.savez(tmp / "dyn_in.npz", *batch)
+    expected["dyn"] = _expected(model, batch, rows=3)
+    cases.append(
+        {"key": "dyn", "path": str(tmp / "dyn.onnx"), "inputs": str(tmp / "dyn_in.npz"), "chunks": 2}
+    )
     codes = spawn(ort_workers.serve, 2, cases, str(tmp), timeout=120)
     results: dict = {}
     for rank in range(2):
@@ -52,7 +71,7 @@ def served(tmp_path_factory):
     return results, expected
 
 
-@pytest.mark.parametrize("key", [f"{name}{n}" for name, n, _ in CASES])
+@pytest.mark.parametrize("key", [f"{name}{n}" for name, n, _ in CASES] + ["dyn"])
 def test_outputs_equal_pl_run(served, key):
     results, expected = served
     got, want = results[f"{key}/out"], expected[key]
