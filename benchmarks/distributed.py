@@ -14,7 +14,9 @@ processes, each with 1 intra-op thread:
 The same on ONNX Runtime (columns ``ort``): one ``pl.Runner`` (1 intra-op thread
 per session) over the ``k`` micro-batches against 2 ranks of
 :class:`placement.distributed.DistributedRunner` (each rank its stage sessions, 1
-thread, activations over gloo, fill-drain).
+thread, activations over gloo, fill-drain); ``ort free cores`` is the ratio the
+measured CPU times allow when each rank has a core: one process's CPU time over
+``(k + 1) / k`` times the busier rank's (its sessions, the wires, gloo's threads).
 
 Both alternate repeat by repeat in the same processes. The ratio is
 1-process time / 2-rank time for the same rows (2.0 is perfect). The breakdown
@@ -142,7 +144,14 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
         times: dict[str, list[float]] = {
             key: [] for key in ("single", "pipe", "eval", "gloo", "s0", "s1", "ort_single", "ort_pipe")
         }
-        cpu: dict[str, list[float]] = {"single": [], "s0": [], "s1": [], "pipe": []}
+        cpu: dict[str, list[float]] = {
+            "single": [],
+            "s0": [],
+            "s1": [],
+            "pipe": [],
+            "ort_single": [],
+            "ort": [],
+        }
         with torch.no_grad():
             boundary = stages[0](mbs[0]) if rank == 0 else None
             box = [None if boundary is None else [(t.shape, t.dtype) for t in boundary]]
@@ -162,13 +171,14 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                 dist.barrier()
                 piped = time.perf_counter() - t
                 if rank == 0:
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     for mb in mbs:
                         runner.run([mb.numpy()])
-                    ort_single = time.perf_counter() - t
+                    ort_single, ort_single_cpu = time.perf_counter() - t, time.process_time() - c
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 ort.run([batch] if rank == 0 else None)
+                ort_cpu = time.process_time() - c
                 dist.barrier()
                 ort_piped = time.perf_counter() - t
                 dist.barrier()
@@ -199,11 +209,17 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                 if rep == 0:
                     continue
                 both = [None, None]
-                dist.all_gather_object(both, pipe_cpu)
+                dist.all_gather_object(both, (pipe_cpu, ort_cpu))
                 if rank != 0:
                     continue
-                cpu["pipe"].append(max(both))
-                for key, value in (("single", single_cpu), ("s0", s0_cpu), ("s1", s1_cpu)):
+                cpu["pipe"].append(max(b[0] for b in both))
+                cpu["ort"].append(max(b[1] for b in both))
+                for key, value in (
+                    ("single", single_cpu),
+                    ("s0", s0_cpu),
+                    ("s1", s1_cpu),
+                    ("ort_single", ort_single_cpu),
+                ):
                     cpu[key].append(value)
                 for key, value in (
                     ("single", single),
@@ -243,6 +259,7 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                     "ort_single_ms": med["ort_single"],
                     "ort_pipe_ms": med["ort_pipe"],
                     "ort_ratio": med["ort_single"] / med["ort_pipe"],
+                    "ort_free_cores_ratio": cmed["ort_single"] / (cmed["ort"] * (k + 1) / k),
                     "runs": {key: [v * 1e3 for v in vals] for key, vals in times.items()},
                 }
             )
@@ -259,6 +276,7 @@ def _table(rows: Sequence[dict[str, Any]], load: str) -> Any:
     for col in (
         "model", "m", "k", "1 proc ms", "2 ranks ms", "ratio", "stage0", "stage1", "ideal", "gloo/mb",
         "sched/mb", "ours/call", "cpu ovh/mb", "2 free cores", "ort 1 proc", "ort 2 ranks", "ort ratio",
+        "ort free cores",
     ):  # fmt: skip
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in rows:
@@ -281,6 +299,7 @@ def _table(rows: Sequence[dict[str, Any]], load: str) -> Any:
             f"{r['ort_single_ms']:.1f}",
             f"{r['ort_pipe_ms']:.1f}",
             f"{r['ort_ratio']:.2f}",
+            f"{r['ort_free_cores_ratio']:.2f}",
         )
     return table
 
@@ -323,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "waiting for a core): cpu ovh/mb = CPU per micro-batch of the busier rank beyond its stage's compute "
         "(schedule + gloo + ours), '2 free cores' = the ratio those CPU costs allow when each rank has "
         "a core. ort: one pl.Runner (1 thread) vs 2 DistributedRunner ranks (ONNX Runtime stage sessions, "
-        "1 thread each, gloo), same micro-batches."
+        "1 thread each, gloo), same micro-batches; 'ort free cores' = the ratio their CPU times allow."
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
