@@ -485,6 +485,12 @@ class DistributedRunner:
     def _chunks(self, chunks: int | None, arrays: list[Any]) -> int:
         n = chunks or self.chunks
         if n is not None:
+            rows = arrays[0].shape[0] if arrays and arrays[0].ndim else None
+            if self.micro_batch and rows is not None and rows != int(n) * self.micro_batch:
+                raise InputError(
+                    f"chunks={n} micro-batches of the graph's batch {self.micro_batch} make "
+                    f"{int(n) * self.micro_batch} rows, but input {self.input_names[0]!r} has {rows}"
+                )
             return int(n)
         if self.is_first:
             n = arrays[0].shape[0] // self.micro_batch if self.micro_batch and arrays else 1

@@ -146,3 +146,20 @@ def test_later_rank_feeding_an_earlier_one_is_refused():
     backwards = [[pl.Device("cuda", 2)], [pl.Device("cuda", 1)], [pl.Device("cuda", 0)]]
     with pytest.raises(NotAPipelineError, match="earlier rank"):
         rank_plan(model, backwards, 0)
+
+
+def test_one_rank_world_checks_rows_against_chunks():
+    import torch.distributed as dist
+
+    from placement.distributed import DistributedRunner, free_port
+
+    model, batch = place("mlp", 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with DistributedRunner(model, ranks="cuda:0+cuda:1") as runner:
+            (out,) = runner.run(batch)  # 2 micro-batches from the rows
+            np.testing.assert_allclose(out, _expected(model, batch)[0], rtol=1e-4, atol=1e-5)
+            with pytest.raises(pl.InputError, match="chunks=3"):
+                runner.run(batch, chunks=3)
+    finally:
+        dist.destroy_process_group()
