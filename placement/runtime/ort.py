@@ -98,7 +98,7 @@ from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.program import Program, StageExec, compile_program
 from placement.runtime.stages import Stage, split_stages
 
-__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options"]
+__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
 
 log = logging.getLogger(__name__)
 
@@ -494,22 +494,7 @@ class Runner:
         )
 
     def _build_session(self, stage: Stage, physical: PhysicalDevice) -> ort.InferenceSession:
-        options = session_options(physical, threads=self._session_threads)
-        options.logid = f"stage{stage.index}-{stage.device.slug}"
-        provider = physical.ort_provider
-        providers: list[Any] = [provider]
-        if physical.is_cuda:
-            providers.append("CPUExecutionProvider")
-        try:
-            model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
-            return _session(model, options, providers)
-        except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise PlacementError(
-                f"cannot build the ONNX Runtime session of stage {stage.index} "
-                f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
-                f"{stage.ops[0]!r}): {first}"
-            ) from err
+        return stage_session(stage, physical, threads=self._session_threads)
 
     # -- running -----------------------------------------------------------------------
 
@@ -517,6 +502,45 @@ class Runner:
         program = self._program
         assert program is not None
         return program.run(arrays)
+
+
+def stage_session(
+    stage: Stage, physical: PhysicalDevice, *, threads: int | None = None
+) -> ort.InferenceSession:
+    """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
+
+    Options from :func:`session_options`; the CUDA provider with the GPU's
+    ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
+    session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
+    :mod:`placement.runtime.layout`).
+
+    Raises:
+        PlacementError: ONNX Runtime cannot build the session (names the stage, its
+            devices and first op).
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> from placement.runtime.stages import partition
+        >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
+        >>> [i.name for i in stage_session(stage, PhysicalDevice("cpu")).get_inputs()]
+        ['input']
+    """
+    options = session_options(physical, threads=threads)
+    options.logid = f"stage{stage.index}-{stage.device.slug}"
+    providers: list[Any] = [physical.ort_provider]
+    if physical.is_cuda:
+        providers.append("CPUExecutionProvider")
+    try:
+        model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
+        return _session(model, options, providers)
+    except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlacementError(
+            f"cannot build the ONNX Runtime session of stage {stage.index} "
+            f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
+            f"{stage.ops[0]!r}): {first}"
+        ) from err
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
