@@ -11,6 +11,13 @@ processes, each with 1 intra-op thread:
 * **2 ranks**: :class:`placement.distributed.DistributedPipeline` with
   ``ScheduleGPipe`` (torch.distributed.pipelining), rank 0 -> rank 1 over gloo.
 
+The same on ONNX Runtime (columns ``ort``): one ``pl.Runner`` (1 intra-op thread
+per session) over the ``k`` micro-batches against 2 ranks of
+:class:`placement.distributed.DistributedRunner` (each rank its stage sessions, 1
+thread, activations over gloo, fill-drain); ``ort free cores`` is the ratio the
+measured CPU times allow when each rank has a core: one process's CPU time over
+``(k + 1) / k`` times the busier rank's (its sessions, the wires, gloo's threads).
+
 Both alternate repeat by repeat in the same processes. The ratio is
 1-process time / 2-rank time for the same rows (2.0 is perfect). The breakdown
 says where the per-micro-batch time of the 2-rank run goes:
@@ -109,7 +116,7 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
     import torch
     import torch.distributed as dist
 
-    from placement.distributed import DistributedPipeline, rank_groups, split_by_rank
+    from placement.distributed import DistributedPipeline, DistributedRunner, rank_groups, split_by_rank
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -123,17 +130,28 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
     for cfg in configs:
         k, m = cfg["chunks"], cfg["micro"]
         pipe = DistributedPipeline(cfg["path"], chunks=k)
+        ort = DistributedRunner(cfg["path"], chunks=k, threads=1)
         batch = np.load(cfg["inputs"])
         tensors = (torch.from_numpy(batch),)
         schedule = pipe._schedule(k, training=False)
-        full = stages = None
+        full = stages = runner = None
         mbs = [torch.from_numpy(batch[i * m : (i + 1) * m]) for i in range(k)]
         if rank == 0:
             model = pl.load(cfg["path"])
             full = pl.to_torch(model, device_map="cpu")
             stages = split_by_rank(full, rank_groups(model)).stages
-        times: dict[str, list[float]] = {"single": [], "pipe": [], "eval": [], "gloo": [], "s0": [], "s1": []}
-        cpu: dict[str, list[float]] = {"single": [], "s0": [], "s1": [], "pipe": []}
+            runner = pl.Runner(model, device_map="cpu", threads=1)
+        times: dict[str, list[float]] = {
+            key: [] for key in ("single", "pipe", "eval", "gloo", "s0", "s1", "ort_single", "ort_pipe")
+        }
+        cpu: dict[str, list[float]] = {
+            "single": [],
+            "s0": [],
+            "s1": [],
+            "pipe": [],
+            "ort_single": [],
+            "ort": [],
+        }
         with torch.no_grad():
             boundary = stages[0](mbs[0]) if rank == 0 else None
             box = [None if boundary is None else [(t.shape, t.dtype) for t in boundary]]
@@ -152,6 +170,17 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                 pipe_cpu = time.process_time() - c
                 dist.barrier()
                 piped = time.perf_counter() - t
+                if rank == 0:
+                    t, c = time.perf_counter(), time.process_time()
+                    for mb in mbs:
+                        runner.run([mb.numpy()])
+                    ort_single, ort_single_cpu = time.perf_counter() - t, time.process_time() - c
+                dist.barrier()
+                t, c = time.perf_counter(), time.process_time()
+                ort.run([batch] if rank == 0 else None)
+                ort_cpu = time.process_time() - c
+                dist.barrier()
+                ort_piped = time.perf_counter() - t
                 dist.barrier()
                 t = time.perf_counter()
                 schedule.eval(*tensors) if rank == 0 else schedule.eval()
@@ -180,11 +209,17 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                 if rep == 0:
                     continue
                 both = [None, None]
-                dist.all_gather_object(both, pipe_cpu)
+                dist.all_gather_object(both, (pipe_cpu, ort_cpu))
                 if rank != 0:
                     continue
-                cpu["pipe"].append(max(both))
-                for key, value in (("single", single_cpu), ("s0", s0_cpu), ("s1", s1_cpu)):
+                cpu["pipe"].append(max(b[0] for b in both))
+                cpu["ort"].append(max(b[1] for b in both))
+                for key, value in (
+                    ("single", single_cpu),
+                    ("s0", s0_cpu),
+                    ("s1", s1_cpu),
+                    ("ort_single", ort_single_cpu),
+                ):
                     cpu[key].append(value)
                 for key, value in (
                     ("single", single),
@@ -193,9 +228,12 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                     ("gloo", comm),
                     ("s0", s0),
                     ("s1", s1),
+                    ("ort_single", ort_single),
+                    ("ort_pipe", ort_piped),
                 ):
                     times[key].append(value)
         pipe.close()
+        ort.close()
         if rank == 0:
             med = {key: _median_ms(v) for key, v in times.items()}
             t0, t1 = med["s0"] / k, med["s1"] / k
@@ -218,6 +256,10 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
                     "cpu_single_ms": cmed["single"],
                     "cpu_overhead_ms_per_mb": busiest - max(c0, c1),
                     "free_cores_ratio": cmed["single"] / (c0 + (k - 1) * busiest + c1),
+                    "ort_single_ms": med["ort_single"],
+                    "ort_pipe_ms": med["ort_pipe"],
+                    "ort_ratio": med["ort_single"] / med["ort_pipe"],
+                    "ort_free_cores_ratio": cmed["ort_single"] / (cmed["ort"] * (k + 1) / k),
                     "runs": {key: [v * 1e3 for v in vals] for key, vals in times.items()},
                 }
             )
@@ -233,7 +275,8 @@ def _table(rows: Sequence[dict[str, Any]], load: str) -> Any:
     table = Table(title=f"2 gloo ranks (ScheduleGPipe, 1 thread each) vs 1 process 1 thread; load avg {load}")
     for col in (
         "model", "m", "k", "1 proc ms", "2 ranks ms", "ratio", "stage0", "stage1", "ideal", "gloo/mb",
-        "sched/mb", "ours/call", "cpu ovh/mb", "2 free cores",
+        "sched/mb", "ours/call", "cpu ovh/mb", "2 free cores", "ort 1 proc", "ort 2 ranks", "ort ratio",
+        "ort free cores",
     ):  # fmt: skip
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in rows:
@@ -253,6 +296,10 @@ def _table(rows: Sequence[dict[str, Any]], load: str) -> Any:
             f"{r['ours_ms_per_call']:.3f}",
             f"{r['cpu_overhead_ms_per_mb']:.3f}",
             f"{r['free_cores_ratio']:.2f}",
+            f"{r['ort_single_ms']:.1f}",
+            f"{r['ort_pipe_ms']:.1f}",
+            f"{r['ort_ratio']:.2f}",
+            f"{r['ort_free_cores_ratio']:.2f}",
         )
     return table
 
@@ -294,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ours = DistributedPipeline.run over bare schedule.eval per call (ms). From CPU time (immune to "
         "waiting for a core): cpu ovh/mb = CPU per micro-batch of the busier rank beyond its stage's compute "
         "(schedule + gloo + ours), '2 free cores' = the ratio those CPU costs allow when each rank has "
-        "a core."
+        "a core. ort: one pl.Runner (1 thread) vs 2 DistributedRunner ranks (ONNX Runtime stage sessions, "
+        "1 thread each, gloo), same micro-batches; 'ort free cores' = the ratio their CPU times allow."
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {

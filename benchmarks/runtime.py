@@ -23,13 +23,22 @@ extra sessions, lost fusions at the cut, transfers, Python glue.
 cause (medians of runs alternated with the single session, each cause timed on its
 own): *cut* (the stage sessions' compute beyond the single session's: fusions and
 layout conversions lost at the cuts, extra kernel launches), *transfers* (moving
-blobs between devices), *binding* (IOBinding set-up per stage and run), *checks*
-(the placement-change check and input validation) and *outputs* (handing outputs
-back as arrays); *other* is what remains (Python between the steps).
+blobs between devices), *binding* (per stage and run: gathering its inputs and storing
+its outputs, with IOBinding set-up on a GPU), *checks* (the placement-change check and
+input validation) and *outputs* (handing outputs back as arrays); *other* is what
+remains (Python between the steps, and the noise of medians taken apart).
+
+Models are the zoo's (``placement.models``) or, from outside the zoo, ``hf-gpt2``:
+Hugging Face's ``GPT2LMHeadModel`` (randomly initialised from a config, nothing is
+downloaded; bench size: 6 layers, d=256, 4 heads, sequence 128, batch 2, vocabulary 2048, like the zoo's
+gpt), written without any of our code. It needs the optional ``transformers`` package
+(``pip install transformers``; a benchmark extra, never a requirement of the library).
+``--block N`` alternates blocks of N runs instead of single runs (steady state).
 
 Usage::
 
     python benchmarks/runtime.py                       # gpt and resnet, bench, 2 devices
+    python benchmarks/runtime.py --models hf-gpt2 --no-torch --threads 1 --block 5
     python benchmarks/runtime.py --models gpt mlp resnet unet --devices 2 4 --repeats 50
     python benchmarks/runtime.py --no-torch --explain --plans half auto
 
@@ -71,19 +80,63 @@ ORT_TARGET = 1.02
 TORCH_TARGET = 1.10
 
 
-def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Time each function ``repeats`` times, alternating them (order flips every round)."""
+def _alternate(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, block: int = 1
+) -> dict[str, list[float]]:
+    """Time each function ``repeats`` times, alternating blocks of ``block`` runs of each
+    (the order flips every round)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     items = list(fns.items())
-    for i in range(repeats):
+    block = max(1, block)
+    for i in range(-(-repeats // block)):
         for name, fn in items if i % 2 == 0 else reversed(items):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return times
+
+
+def hf_gpt2(size: str = "bench", *, seed: int = 0) -> tuple[Any, tuple[Any, ...]]:
+    """Hugging Face's GPT-2 language model (needs ``transformers``), randomly initialised.
+
+    Returns ``(module, (token ids,))`` like ``placement.models.build``; the module
+    returns the logits. Raises ImportError without ``transformers``.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, width, heads, seq, batch = {"tiny": (2, 64, 4, 16, 2)}.get(size, (6, 256, 4, 128, 2))
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=2048,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT2LMHeadModel(config).eval()
+
+        def forward(self, idx: Any) -> Any:
+            return self.model(input_ids=idx, use_cache=False, return_dict=False)[0]
+
+    idx = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return Logits().eval(), (idx,)
+
+
+#: Models from outside the zoo: name -> builder (optional installs).
+EXTERNAL: dict[str, Callable[..., tuple[Any, tuple[Any, ...]]]] = {"hf-gpt2": hf_gpt2}
+
+
+def build_model(name: str, size: str = "bench", *, seed: int = 0) -> tuple[Any, tuple[Any, ...]]:
+    """A zoo model or one of :data:`EXTERNAL`, as ``(module, example inputs)``."""
+    if name in EXTERNAL:
+        return EXTERNAL[name](size, seed=seed)
+    return models.build(name, size, seed=seed)
 
 
 def measure_ort(
@@ -98,12 +151,14 @@ def measure_ort(
     threads: int | None = None,
     plan: str = "half",
     explain: bool = False,
+    block: int = 1,
 ) -> dict[str, Any]:
     """Time ``pl.Runner`` on the placed model against one session of the unplaced model.
 
     ``plan``: ``"half"`` (activations shifted in equal runs) or ``"auto"``
     (``pl.auto_place`` with its defaults). ``explain``: add ``explain``, the
-    per-run overhead by cause in ms (module docstring).
+    per-run overhead by cause in ms (module docstring). ``block``: alternate blocks of
+    this many runs.
 
     Both use :func:`placement.runtime.ort.session_options` with ``threads``
     intra-op threads (None: ONNX Runtime's default).
@@ -120,7 +175,7 @@ def measure_ort(
         >>> row["stages"], row["max_abs_diff"] < 1e-4
         (2, True)
     """
-    net, args = models.build(model_name, size, seed=seed)
+    net, args = build_model(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
     placed = _place(model.copy(), devices, plan, args)
     runner = pl.Runner(placed, device_map=device_map, threads=threads)
@@ -134,9 +189,8 @@ def measure_ort(
     got = runner.run(feeds)
     want = single.run(None, feeds)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
-    times = _alternate(
-        {"single": lambda: single.run(None, feeds), "placed": lambda: runner.run(feeds)}, repeats, warmup
-    )
+    contenders = {"single": lambda: single.run(None, feeds), "placed": lambda: runner.run(feeds)}
+    times = _alternate(contenders, repeats, warmup, block)
     single_ms = statistics.median(times["single"]) * 1e3
     placed_ms = statistics.median(times["placed"]) * 1e3
     row = {
@@ -156,7 +210,9 @@ def measure_ort(
         "ratio_min": round(min(times["placed"]) / min(times["single"]), 4),
         "max_abs_diff": diff,
         "repeats": repeats,
+        "block": block,
         "threads": threads,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if explain:
         row["explain"] = explain_overhead(runner, single, feeds, repeats=repeats, warmup=warmup)
@@ -206,26 +262,15 @@ def explain_overhead(
         values: dict[str, Any] = program.feed(arrays)
         for step in program.steps:
             if isinstance(step, StageStep):
-                ex, outs = step.exec, step.outputs
                 t0 = clock()
-                binding = ex.binding
-                for name, key in step.bind:
-                    binding.bind_ortvalue_input(name, values[key])
+                stage_feeds = step.inputs(values)
                 t1 = clock()
-                ex.session.run_with_iobinding(binding)
+                outputs = step.call(stage_feeds)
                 t2 = clock()
-                for name, value in zip(outs, binding.get_outputs()):
-                    values[name] = value
-                binding.clear_binding_inputs()
-                binding.clear_binding_outputs()
-                device_type, device_id = ex.out_device
-                for name in outs:
-                    binding.bind_output(name, device_type, device_id)
+                step.store(values, outputs)
                 t3 = clock()
                 spent["binding"] += (t1 - t0) + (t3 - t2)
                 spent["stages"] += t2 - t1
-                for key in step.free:
-                    del values[key]
             else:  # transfers (host-value stages do not occur in these models)
                 t0 = clock()
                 step.run(values)
@@ -363,7 +408,9 @@ def _explain_table(rows: Sequence[dict[str, Any]]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print a table and write the JSON results."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt", "resnet"])
+    parser.add_argument(
+        "--models", nargs="+", default=["gpt", "resnet"], help=f"zoo models or {', '.join(EXTERNAL)}"
+    )
     parser.add_argument("--size", default="bench", choices=list(models.SIZES))
     parser.add_argument("--devices", nargs="+", type=int, default=[2])
     parser.add_argument("--repeats", type=int, default=30)
@@ -377,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="half: activations shifted in equal runs; auto: pl.auto_place's default plan",
     )
     parser.add_argument("--explain", action="store_true", help="per-run overhead by cause")
+    parser.add_argument("--block", type=int, default=1, help="alternate blocks of this many runs")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs of each first")
     parser.add_argument(
         "--threads", type=int, default=None, help="ORT intra-op threads per session (default: ORT's choice)"
     )
@@ -402,8 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         threads=ns.threads,
                         plan=plan,
                         explain=ns.explain,
+                        block=ns.block,
+                        warmup=ns.warmup,
                     )
-                if torch_measure is not None and plan == "half":
+                if torch_measure is not None and plan == "half" and name not in EXTERNAL:
                     with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
                         row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
                 rows.append(row)

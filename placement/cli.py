@@ -505,7 +505,7 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     command += ["-m", "placement.launch", str(args.model)]
     for spec in args.input:
         command += ["--input", spec]
-    for flag in ("output", "ranks", "schedule", "chunks", "backend", "timeout", "threads"):
+    for flag in ("output", "ranks", "runtime", "schedule", "chunks", "backend", "timeout", "threads"):
         value = getattr(args, flag)
         if value is not None:
             command += [f"--{flag}", str(value)]
@@ -731,7 +731,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", default=None, help="hosts (torchrun's --nnodes); needs --rdzv-endpoint")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (same on every host)")
     p.add_argument("--rdzv-id", default="placement", help="job id shared by the hosts (default placement)")
-    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule")
+    p.add_argument(
+        "--runtime",
+        default=None,
+        choices=["torch", "ort"],
+        help="torch (default): the lowered module on torch.distributed.pipelining; "
+        "ort: each rank runs its ONNX Runtime stage sessions (inference, no model code)",
+    )
+    p.add_argument(
+        "--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (torch runtime)"
+    )
     p.add_argument("--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
     p.add_argument(

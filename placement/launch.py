@@ -7,7 +7,9 @@ and the rendezvous)::
         --input input=x.npy --output out.npz
 
 Every rank loads the placed model and builds its pipeline stage
-(:class:`placement.distributed.DistributedPipeline`); rank 0 reads the inputs
+(:class:`placement.distributed.DistributedPipeline`, the lowered torch module; or
+with ``--runtime ort`` :class:`placement.distributed.DistributedRunner`, its ONNX
+Runtime stage sessions: serving without model code); rank 0 reads the inputs
 (``--input NAME=FILE.npy`` per graph input, or ``--input FILE.npy`` for a
 one-input model) and the last rank writes the graph outputs to ``--output``
 (an ``.npz`` keyed by graph-output name, written to a temporary file first so a
@@ -21,8 +23,8 @@ message names it).
 Example:
     >>> from placement.launch import build_parser
     >>> args = build_parser().parse_args(["placed.onnx", "--input", "x=x.npy", "--output", "y.npz"])
-    >>> args.schedule, args.input
-    ('gpipe', ['x=x.npy'])
+    >>> args.schedule, args.input, args.runtime
+    ('gpipe', ['x=x.npy'], 'torch')
 """
 
 from __future__ import annotations
@@ -61,7 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ranks", default=None, help="logical devices per rank, e.g. cuda:0,cuda:1 or cuda:0+cuda:1,cuda:2"
     )
-    parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    parser.add_argument(
+        "--runtime",
+        default="torch",
+        choices=["torch", "ort"],
+        help="torch: the lowered module under torch.distributed.pipelining (default); "
+        "ort: each rank runs its ONNX Runtime stage sessions (inference)",
+    )
+    parser.add_argument(
+        "--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="pipeline schedule (torch runtime)"
+    )
     parser.add_argument(
         "--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)"
     )
@@ -73,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a rank waits for a peer before failing (default 300)",
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="intra-op threads per rank (torch.set_num_threads)"
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (torch.set_num_threads; per stage session with --runtime ort)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     return parser
@@ -150,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from placement.distributed import DistributedPipeline, RankFailedError, rank_device
+    from placement.distributed import DistributedPipeline, DistributedRunner, RankFailedError, rank_device
     from placement.errors import PlacementError
 
     args = build_parser().parse_args(argv)
@@ -175,11 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    pipe = None
+    pipe: DistributedPipeline | DistributedRunner | None = None
     try:
-        pipe = DistributedPipeline(
-            args.model, ranks=args.ranks, schedule=args.schedule, chunks=args.chunks, device=device
-        )
+        if args.runtime == "ort":
+            pipe = DistributedRunner(
+                args.model, ranks=args.ranks, chunks=args.chunks, device=device, threads=args.threads
+            )
+        else:
+            pipe = DistributedPipeline(
+                args.model, ranks=args.ranks, schedule=args.schedule, chunks=args.chunks, device=device
+            )
         inputs = read_inputs(args.input, pipe.input_names) if pipe.is_first else None
         outputs = pipe.run(inputs)
         if pipe.is_last and outputs is not None:

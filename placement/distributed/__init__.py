@@ -9,6 +9,9 @@ What this package holds:
 * :mod:`~placement.distributed.pipeline`: :class:`DistributedPipeline`, this rank's
   stage as a ``torch.distributed.pipelining.PipelineStage`` run by ``ScheduleGPipe`` or
   ``Schedule1F1B`` for inference and training.
+* :mod:`~placement.distributed.ort_ranks`: :class:`DistributedRunner`, the same ranks on
+  ONNX Runtime for inference (each rank runs its stage sessions; activations cross
+  ranks with ``torch.distributed`` send/recv): a placed ONNX served without model code.
 * :mod:`~placement.distributed.watchdog`: heartbeats and error reports in the rendezvous
   store, so that the surviving ranks name the rank that failed.
 * :mod:`~placement.distributed.errors`: :class:`WorldSizeError`, :class:`RankFailedError`,
@@ -31,12 +34,15 @@ Example:
 from __future__ import annotations
 
 from placement.distributed.errors import NotAPipelineError, RankFailedError, WorldSizeError
+from placement.distributed.ort_ranks import DistributedRunner, rank_plan
 from placement.distributed.pipeline import SCHEDULES, DistributedPipeline, free_port, rank_device
 from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
 from placement.distributed.split import RankSplit, split_by_rank
 
 __all__ = [
     "DistributedPipeline",
+    "DistributedRunner",
+    "rank_plan",
     "SCHEDULES",
     "rank_device",
     "free_port",

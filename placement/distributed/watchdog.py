@@ -36,9 +36,11 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Watchdog", "is_comm_error"]
+__all__ = ["Watchdog", "is_comm_error", "guard"]
 
 log = logging.getLogger(__name__)
 
@@ -219,3 +221,41 @@ class Watchdog:
             ranks = sorted(errors)
             return ranks, "; ".join(f"rank {r} failed: {errors[r].split('|', 1)[1]}" for r in ranks)
         return [], "no rank reported a failure (a peer may be too slow: see the timeout)"
+
+
+@contextmanager
+def guard(dog: Watchdog | None, what: str, *, grace: float = 3.0) -> Iterator[None]:
+    """Turn a failure inside the block into a report, or into a ``RankFailedError`` naming the peer.
+
+    An error of this rank's own code is reported to the others (``own``) and
+    re-raised; a transport error (a peer went away) is reported as ``peer`` and
+    becomes :class:`~placement.distributed.errors.RankFailedError` naming the
+    rank that failed first (:meth:`Watchdog.diagnose`). Without a watchdog the
+    error passes unchanged.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> dog = Watchdog(dist.HashStore(), rank=0, world_size=2)
+        >>> with guard(dog, "run"):
+        ...     raise ValueError("bad input")
+        Traceback (most recent call last):
+        ...
+        ValueError: bad input
+    """
+    from placement.distributed.errors import RankFailedError
+
+    try:
+        yield
+    except RankFailedError:
+        raise
+    except Exception as exc:
+        if dog is None:
+            raise
+        if not is_comm_error(exc):
+            dog.report(exc, own=True)
+            raise
+        dog.report(exc, own=False)
+        ranks, message = dog.diagnose(grace=grace)
+        raise RankFailedError(
+            f"{what} on rank {dog.rank} stopped: {message} (rank {dog.rank} saw: {exc})", ranks=ranks
+        ) from exc

@@ -211,13 +211,13 @@ def draw(
     if target is None:
         return drawing
     if fmt == "dot":
-        _write_atomic(target, dot.encode())
+        write_output(target, dot.encode())
         drawing.path, drawing.format = target, "dot"
         return drawing
     data = _render(dot, fmt)
     if data is None:
         dot_path = target.with_suffix(".dot")
-        _write_atomic(dot_path, dot.encode())
+        write_output(dot_path, dot.encode())
         drawing.path, drawing.format = dot_path, "dot"
         drawing.note = (
             f"Graphviz 'dot' was not found, so the graph went to {dot_path} (DOT source); install "
@@ -226,7 +226,7 @@ def draw(
         )
         log.warning("%s", drawing.note)
         return drawing
-    _write_atomic(target, data)
+    write_output(target, data)
     drawing.path, drawing.format, drawing.rendered = target, fmt, True
     log.info("drew %d ops (%d boxes) to %s", n_ops, builder.boxes, target)
     return drawing
@@ -289,8 +289,12 @@ def _render(dot: str, fmt: str) -> bytes | None:
         raise PlacementError(f"Graphviz dot failed: {stderr[-1] if stderr else err}") from err
 
 
-def _write_atomic(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` atomically (an old file survives any failure)."""
+def write_output(target: Path, data: bytes) -> None:
+    """Write a picture or report to ``target`` atomically (an old file survives any failure).
+
+    Raises:
+        ModelSaveError: the file cannot be written (the message names it).
+    """
     from placement.graph.serialize import write_atomic
 
     try:

@@ -3,6 +3,13 @@
 - :mod:`~placement.runtime.stages`: cut a placed graph into per-device stages (an acyclic
   stage graph), with the transfers between them.
 - :mod:`~placement.runtime.ort`: ``Runner``/``run``, one ONNX Runtime session per stage.
+- :mod:`~placement.runtime.program`: the compiled run of a ``Runner`` (typed stage, host-value
+  and transfer steps over a value table).
+- :mod:`~placement.runtime.pipeline`: the micro-batch schedule both runtimes share (``chunks=``,
+  ``Runner.stream``, pipelined ``to_torch`` forward and backward).
+- :mod:`~placement.runtime.links`: ``measure_links``, timing real copies between devices.
+- :mod:`~placement.runtime.layout`: stage-model rewrites that keep ONNX Runtime's blocked
+  convolution layout across a cut (a BatchNormalization cut from its Conv).
 - :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 - :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).

@@ -11,10 +11,15 @@ and says so once (a ``logging`` warning).
 Data flow (precomputed at construction, so a run is a short loop):
 
 * graph inputs become ``OrtValue`` s on the device they are fed on;
-* each stage runs with ``InferenceSession.run_with_iobinding``: inputs are bound
-  as ``OrtValue`` s (``bind_ortvalue_input``) and outputs are bound to the
-  stage's device (``bind_output(name, "cuda", device_id)`` on a GPU), so
-  activations stay on the device between stages;
+* each stage runs on ``OrtValue`` s, so activations stay on the device between
+  stages: a GPU stage with ``InferenceSession.run_with_iobinding``, inputs bound
+  with ``bind_ortvalue_input`` and outputs with ``bind_output(name, "cuda",
+  device_id)``; a CPU stage with one call of the session's native
+  ``run_with_ort_values`` (no binding to set up and clear per run); see
+  :class:`placement.runtime.program.StageStep`;
+* a BatchNormalization that a cut separated from its Conv runs, in a CPU stage's
+  session, as the equivalent depthwise Conv, so ONNX Runtime keeps its blocked
+  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.layout`);
 * a dynamic copy is a *transfer*, not a session op: the blob is moved to the
   destination device (see :func:`placement.runtime.program.transfer_kind`): nothing to do between two
   logical devices on one physical GPU (the value is shared), a device-to-device
@@ -70,6 +75,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -88,10 +94,11 @@ from placement.graph.model import (
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
+from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.program import Program, StageExec, compile_program
 from placement.runtime.stages import Stage, split_stages
 
-__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options"]
+__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +408,7 @@ class Runner:
             tuple(id(v) for v in graph.outputs),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
-            tuple([md.get(DEVICE_KEY) for md in (self._watched if watched is None else watched)]),
+            tuple(map(dict.get, self._watched if watched is None else watched, repeat(DEVICE_KEY))),
         )
 
     def _rebuild(self) -> None:
@@ -487,21 +494,7 @@ class Runner:
         )
 
     def _build_session(self, stage: Stage, physical: PhysicalDevice) -> ort.InferenceSession:
-        options = session_options(physical, threads=self._session_threads)
-        options.logid = f"stage{stage.index}-{stage.device.slug}"
-        provider = physical.ort_provider
-        providers: list[Any] = [provider]
-        if physical.is_cuda:
-            providers.append("CPUExecutionProvider")
-        try:
-            return _session(stage.model, options, providers)
-        except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise PlacementError(
-                f"cannot build the ONNX Runtime session of stage {stage.index} "
-                f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
-                f"{stage.ops[0]!r}): {first}"
-            ) from err
+        return stage_session(stage, physical, threads=self._session_threads)
 
     # -- running -----------------------------------------------------------------------
 
@@ -509,6 +502,45 @@ class Runner:
         program = self._program
         assert program is not None
         return program.run(arrays)
+
+
+def stage_session(
+    stage: Stage, physical: PhysicalDevice, *, threads: int | None = None
+) -> ort.InferenceSession:
+    """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
+
+    Options from :func:`session_options`; the CUDA provider with the GPU's
+    ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
+    session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
+    :mod:`placement.runtime.layout`).
+
+    Raises:
+        PlacementError: ONNX Runtime cannot build the session (names the stage, its
+            devices and first op).
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> from placement.runtime.stages import partition
+        >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
+        >>> [i.name for i in stage_session(stage, PhysicalDevice("cpu")).get_inputs()]
+        ['input']
+    """
+    options = session_options(physical, threads=threads)
+    options.logid = f"stage{stage.index}-{stage.device.slug}"
+    providers: list[Any] = [physical.ort_provider]
+    if physical.is_cuda:
+        providers.append("CPUExecutionProvider")
+    try:
+        model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
+        return _session(model, options, providers)
+    except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlacementError(
+            f"cannot build the ONNX Runtime session of stage {stage.index} "
+            f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
+            f"{stage.ops[0]!r}): {first}"
+        ) from err
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:

@@ -6,8 +6,9 @@ one session per stage; :func:`compile_program` then turns the partition into a
 ``torch.fx.Interpreter`` walks its nodes), each step reading and writing a
 *value table* (key -> ``OrtValue`` or host value):
 
-* :class:`StageStep` runs a stage session with ``run_with_iobinding``: inputs are
-  bound as ``OrtValue`` s, outputs are allocated on the stage's device;
+* :class:`StageStep` runs a stage session on ``OrtValue`` s: on the CPU with the
+  session's native ``run_with_ort_values`` (one call; the run allocates fresh outputs),
+  on a GPU with ``run_with_iobinding`` (outputs bound to, and allocated on, the GPU);
 * :class:`HostStep` runs a stage whose boundary carries sequences, optionals or
   string tensors with ``InferenceSession.run`` (which takes and returns them as
   lists, ``None`` and object arrays);
@@ -65,16 +66,28 @@ _warned_d2d_fallback = False
 
 @dataclass
 class StageExec:
-    """A stage with its physical device and session (and, once compiled, its binding)."""
+    """A stage with its physical device and session (and, once compiled, how it runs).
+
+    Attributes:
+        stage, physical, session: the stage, its device and its session.
+        binding: the stage's own ``IOBinding`` (stages on a GPU; None on the CPU).
+        out_device: where a GPU stage's outputs are allocated.
+        direct: for a stage on the CPU, the session's native ``run_with_ort_values``
+            (see :meth:`StageStep.call`); None where outputs are bound instead.
+    """
 
     stage: Stage
     physical: PhysicalDevice
     session: ort.InferenceSession
     binding: Any = None
     out_device: tuple[str, int] = ("cpu", 0)
+    direct: Any = None
 
     def new_binding(self, outputs: tuple[str, ...]) -> Any:
-        """An ``IOBinding`` of this stage's session with ``outputs`` bound to its device."""
+        """An ``IOBinding`` of this stage's session with ``outputs`` bound to its device
+        (None for a stage that runs without one, see :meth:`StageStep.call`)."""
+        if self.direct is not None:
+            return None
         binding = self.session.io_binding()
         device_type, device_id = self.out_device
         for name in outputs:
@@ -96,7 +109,10 @@ class StageExec:
 
 @dataclass(frozen=True)
 class StageStep:
-    """Run a stage session through an ``IOBinding`` (activations stay on the device).
+    """Run a stage session on ``OrtValue`` s (activations stay on the device).
+
+    :meth:`run` is :meth:`inputs`, :meth:`call`, :meth:`store` in turn (separate
+    so that ``benchmarks/runtime.py --explain`` can time each).
 
     Attributes:
         exec: the stage, its device and session.
@@ -111,30 +127,61 @@ class StageStep:
     free: tuple[str, ...] = ()
 
     def run(self, values: dict[str, Any], binding: Any = None) -> None:
-        """Run on ``values`` through ``binding`` (default: the stage's own binding;
-        a pipeline gives each worker its own)."""
-        ex = self.exec
-        binding = ex.binding if binding is None else binding
+        """Run on ``values`` (``binding``: an ``IOBinding`` of a GPU stage's session
+        to use instead of the stage's own; a pipeline gives each worker its own)."""
+        self.store(values, self.call(self.inputs(values), binding))
+
+    def inputs(self, values: dict[str, Any]) -> dict[str, ort.OrtValue]:
+        """The session's inputs, read from ``values`` (host tensors from a host-value
+        stage become ``OrtValue`` s on the stage's device, in ``values`` too)."""
+        physical = self.exec.physical
+        feeds = {}
         for name, key in self.bind:
             value = values[key]
-            if not isinstance(value, ort.OrtValue):  # a tensor from a host-value stage
-                value = values[key] = ortvalue(value, ex.physical)
+            if not isinstance(value, ort.OrtValue):
+                value = values[key] = ortvalue(value, physical)
+            feeds[name] = value
+        return feeds
+
+    def call(self, feeds: dict[str, ort.OrtValue], binding: Any = None) -> list[ort.OrtValue]:
+        """Run the session on ``feeds``; the outputs, in fresh buffers on the stage's device.
+
+        A stage on the CPU calls the session's native ``run_with_ort_values``
+        (outputs are allocated by the run, one call, none of the Python checks the
+        public wrapper repeats each run); a stage on a GPU runs through an
+        ``IOBinding`` whose outputs are bound to its device (``run_with_ort_values``
+        would hand them back in host memory), cleared and bound again after the run
+        so the next run allocates fresh buffers (returned arrays are never overwritten).
+        """
+        ex = self.exec
+        if ex.direct is not None:
+            try:
+                native = ex.direct({name: v._ortvalue for name, v in feeds.items()}, self.outputs, None)
+            except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+                raise ex.error(err) from err
+            return [ort.OrtValue(native[i]) for i in range(len(self.outputs))]
+        binding = ex.binding if binding is None else binding
+        for name, value in feeds.items():
             binding.bind_ortvalue_input(name, value)
         try:
             ex.session.run_with_iobinding(binding)
-        except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+        except Exception as err:
             binding.clear_binding_inputs()
             raise ex.error(err) from err
-        for name, value in zip(self.outputs, binding.get_outputs()):
-            values[name] = value
-        # Release this run's values from the binding and re-bind the outputs, so the
-        # next run allocates fresh buffers (returned arrays are never overwritten).
+        outputs = binding.get_outputs()
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         device_type, device_id = ex.out_device
         for name in self.outputs:
             binding.bind_output(name, device_type, device_id)
-        _drop(values, self.free)
+        return outputs
+
+    def store(self, values: dict[str, Any], outputs: list[ort.OrtValue]) -> None:
+        """Put the outputs into ``values``; drop the keys this step read last."""
+        for name, value in zip(self.outputs, outputs):
+            values[name] = value
+        for key in self.free:
+            del values[key]
 
 
 @dataclass(frozen=True)
@@ -307,6 +354,7 @@ class _Compiler:
             self._append(HostStep(ex, bind, outputs), [key for _, key in bind])
         else:
             ex.out_device = ("cuda", ex.physical.index) if ex.physical.is_cuda else ("cpu", 0)
+            ex.direct = _direct_run(ex.session, ex.physical)
             ex.binding = ex.new_binding(outputs)
             self._append(StageStep(ex, bind, outputs), [key for _, key in bind])
         for out in outputs:
@@ -389,6 +437,13 @@ def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: boo
     logical devices are separate contexts on the CPU, so they copy (``"host"``),
     like real devices; otherwise ``"h2d"``, ``"d2h"`` or ``"d2d"``.
 
+    Why emulated devices copy although sharing would be safe (ONNX Runtime never
+    writes into a value it is fed, and nothing else here does): an emulated device
+    stands for a GPU with its own memory, so a run pays the transfer that the real
+    devices will pay (a memcpy, some 50 us per MB here; what the planner's ``"memcpy"`` link
+    and :func:`placement.measure_links` charge), and a value on one device is never
+    the same buffer as on another. The copy is the split's price, not overhead.
+
     Example:
         >>> cpu = PhysicalDevice("cpu", 0, emulated=True)
         >>> transfer_kind(cpu, cpu, same_logical=False), transfer_kind(cpu, cpu, same_logical=True)
@@ -451,6 +506,20 @@ def to_numpy(value: Any) -> Any:
     if not isinstance(array, np.ndarray) or array.flags.owndata:
         return array
     return np.asarray(_KeepAlive(value, array))
+
+
+def _direct_run(session: ort.InferenceSession, physical: PhysicalDevice) -> Any:
+    """The native ``run_with_ort_values`` of a CPU stage's session, or None.
+
+    ``InferenceSession.run_with_ort_values`` re-validates its inputs and their
+    owning sessions in Python on every call (tens of microseconds, more than the
+    run of a small stage); the native method it wraps takes the same values. None
+    for a GPU stage (it binds its outputs to the device instead) or where this
+    onnxruntime build has no such method (the stage then binds on the CPU).
+    """
+    if physical.is_cuda:
+        return None
+    return getattr(getattr(session, "_sess", None), "run_with_ort_values", None)
 
 
 def _host_values(session: ort.InferenceSession) -> bool:

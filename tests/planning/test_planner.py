@@ -247,12 +247,9 @@ def test_parse_bytes_rejects(spec):
 
 
 def test_auto_place_refuses_models_with_copies(exported):
-    inject = getattr(pl, "inject_cross_device_copies", None)
-    if inject is None:
-        pytest.skip("copy injection not available yet")
     model, _, _ = exported("mlp")
     pl.balance(model, [2, 3])
-    inject(model)
+    pl.inject_cross_device_copies(model)
     with pytest.raises(pl.PlanError, match="copies"):
         pl.auto_place(model, devices=2, cost="size")
 

@@ -221,16 +221,28 @@ def test_stages_on_their_logical_devices(exported):
     assert all(s.get_providers() == ["CPUExecutionProvider"] for s in sessions)
 
 
-def test_emulation_is_announced_once(exported, monkeypatch, caplog):
+def test_emulation_is_announced_once(exported, monkeypatch):
+    # The module's own logger is replaced (not read through caplog), so the test does not
+    # depend on how earlier tests in this worker left logging configured.
+    warned: list[str] = []
+    real = device_map_module.log
+
+    class Log:
+        def warning(self, msg: str, *args: object) -> None:
+            warned.append(msg % args)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    monkeypatch.setattr(device_map_module, "log", Log())
     monkeypatch.setattr(device_map_module, "_warned_emulation", False)
     monkeypatch.setattr(device_map_module, "cuda_device_count", lambda runtime="torch": 0)
     model, _, args = exported("mlp")
     place_shift(model, 2)
-    with caplog.at_level(logging.WARNING):
-        pl.run(model, args)
-        pl.run(model, args)
-    messages = [r.getMessage() for r in caplog.records if "EMULATING" in r.getMessage()]
-    assert len(messages) == 1 and "cuda:0, cuda:1" in messages[0]
+    pl.run(model, args)
+    pl.run(model, args)
+    messages = [m for m in warned if "EMULATING" in m]
+    assert len(messages) == 1 and "cuda:0, cuda:1" in messages[0], warned
 
 
 def test_missing_gpu_in_an_explicit_map_is_an_error(exported):
@@ -375,9 +387,28 @@ def test_intermediate_values_are_freed_after_last_use(exported):
 def test_runtime_benchmark_smoke():
     from benchmarks.runtime import measure_ort
 
-    row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1)
+    row = measure_ort("mlp", "tiny", devices=2, repeats=2, warmup=1, explain=True, block=2)
     assert row["stages"] == 2 and row["max_abs_diff"] < 1e-4
     assert row["single_ms"] > 0 and row["placed_ms"] > 0 and row["ratio"] > 0
+    causes = {"cut", "transfers", "binding", "checks", "outputs", "other"}
+    assert causes <= set(row["explain"])
+    assert row["explain"]["total"] == pytest.approx(sum(row["explain"][c] for c in causes), abs=1e-3)
+
+
+def test_cpu_stages_run_without_bindings_and_hand_out_fresh_outputs(exported):
+    """A stage on the CPU calls its session once per run (no IOBinding); each run's
+    outputs are new buffers, so earlier results stay as they were."""
+    model, _, (x,) = exported("mlp")
+    place_shift(model, 2)
+    runner = pl.Runner(model, device_map="cpu")
+    stages = [step for step in runner.program.steps if isinstance(step, StageStep)]
+    assert stages and all(s.exec.direct is not None and s.exec.binding is None for s in stages)
+    values = runner.program.feed([x.numpy()])
+    first = stages[0].call(stages[0].inputs(values))
+    second = stages[0].call(stages[0].inputs(values))
+    assert all(isinstance(v, ort.OrtValue) for v in first)
+    assert first[0].data_ptr() != second[0].data_ptr()
+    np.testing.assert_array_equal(first[0].numpy(), second[0].numpy())
 
 
 # --- values that are not numeric tensors -------------------------------------------------
