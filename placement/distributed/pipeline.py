@@ -226,7 +226,10 @@ class DistributedPipeline:
             chunks: micro-batches (default: the constructor's, else from rank 0's rows).
 
         Returns:
-            On the last rank, numpy arrays (owning their memory) in graph-output order.
+            On the last rank, numpy arrays in graph-output order. Each views a fresh
+            tensor of this run (the schedule concatenates micro-batch results into new
+            tensors) and keeps it alive, so no copy is made and later runs never
+            overwrite it.
         """
         args = self._inputs(inputs) if self.is_first else ()
         n = self._chunks(chunks, args)
@@ -236,7 +239,7 @@ class DistributedPipeline:
         if not self.is_last:
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        return [np.array(t.detach().cpu().numpy(), copy=True) for t in outs]
+        return [t.detach().cpu().numpy() for t in outs]
 
     def train_step(
         self, inputs: Any = None, target: Any = None, *, chunks: int | None = None

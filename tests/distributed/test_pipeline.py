@@ -103,7 +103,7 @@ def zoo_run(tmp_path_factory):
 def test_outputs_equal_pl_run(zoo_run, name, ranks):
     results, expected = zoo_run
     got, want = results[f"{name}{ranks}/out"], expected[f"{name}{ranks}/out"]
-    assert len(got) == len(want) and results[f"{name}{ranks}/owndata"]
+    assert len(got) == len(want) and results[f"{name}{ranks}/kept"]
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
