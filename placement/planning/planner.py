@@ -971,6 +971,7 @@ def auto_place(
     repeats: int = 5,
     links: LinksLike = "auto",
     fusion: bool = True,
+    optimized_profile: bool = False,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -1001,6 +1002,11 @@ def auto_place(
             (Conv+BatchNormalization(+Add)+Relu, MatMul+Add(+activation)) what ONNX
             Runtime loses by running its halves apart, measured (see
             :mod:`placement.planning.fusion`).
+        optimized_profile: with ``cost="time"``, time ops in an ONNX Runtime session
+            with graph optimisations on (fused nodes' times given to their ops; see
+            :func:`placement.profile`), so the plan is balanced for the ONNX Runtime
+            executor. Default off: ops timed one by one, which balances op-by-op
+            runtimes (``pl.to_torch``, torch eager).
 
     Raises:
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
@@ -1026,7 +1032,9 @@ def auto_place(
     if cost == "time":
         cost = _time_or_flops(model)
     link_model = resolve_links(links) if cost == "time" else None
-    prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
+    prof = profile(
+        model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats, optimized=optimized_profile
+    )
     costs = prof.costs(cost)
     info = GraphInfo(model)
     cuts = None
