@@ -1,9 +1,7 @@
 """Benchmark: pipelined execution over micro-batches, both runtimes, side by side in one run.
 
 Bench-size ``gpt`` and ``resnet`` are exported with a dynamic batch and placed on
-two logical devices by ``pl.auto_place(devices=2)``: the ONNX Runtime rows with
-``optimized_profile=True`` (op times from an optimised session, what the stage
-sessions run), the torch rows with op-by-op times. On CPU every logical device
+two logical devices by ``pl.auto_place(devices=2)``. On CPU every logical device
 is emulated with its own session / worker thread, so two stages can use two
 cores at once. A mini-batch is 8 of the model's example batches (GPT: 16
 sequences of 128 tokens; ResNet: 64 images of 64x64), so ``chunks=8`` gives
@@ -107,15 +105,11 @@ def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
     return net.eval(), torch.cat([x] * CHUNKS).contiguous(), int(x.shape[0])
 
 
-def _place(
-    net: torch.nn.Module, x: torch.Tensor, sample: int, *, optimized: bool = False
-) -> tuple[pl.Model, pl.Model, Any]:
+def _place(net: torch.nn.Module, x: torch.Tensor, sample: int) -> tuple[pl.Model, pl.Model, Any]:
     batch = torch.export.Dim("batch")
     model = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
     unplaced = model.copy()
-    plan = pl.auto_place(
-        model, devices=2, sample_inputs=[x[:sample]], repeats=3, optimized_profile=optimized
-    )
+    plan = pl.auto_place(model, devices=2, sample_inputs=[x[:sample]], repeats=3)
     pl.inject_cross_device_copies(model)
     return unplaced, model, plan
 
@@ -206,8 +200,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> dict[str, Any]:
     torch.manual_seed(0)
     net, x, sample = _build(name)
-    unplaced, model, plan = _place(net, x, sample)  # op-by-op times: balanced for the torch rows
-    _, ort_model, _ = _place(net, x, sample, optimized=True)  # optimised-session times: for ORT
+    unplaced, model, plan = _place(net, x, sample)
     xs = x.numpy()
     cpu = PhysicalDevice("cpu")
     single = ort.InferenceSession(
@@ -216,8 +209,8 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
         providers=["CPUExecutionProvider"],
     )
     feed_name = single.get_inputs()[0].name
-    piped = pl.Runner(ort_model, device_map="cpu", chunks=chunks, threads_per_stage=1)
-    streamer = pl.Runner(ort_model, device_map="cpu", threads_per_stage=1)
+    piped = pl.Runner(model, device_map="cpu", chunks=chunks, threads_per_stage=1)
+    streamer = pl.Runner(model, device_map="cpu", threads_per_stage=1)
     stream_batches = [xs[i : i + sample] for i in range(0, len(xs), sample)]
     n_stages = len(piped.stages)
 
@@ -245,7 +238,6 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
         "chunks": chunks,
         "stages": n_stages,
         "plan_devices": [str(d) for d in model.devices],
-        "ort_plan": "auto_place(optimized_profile=True)",
         "ort": {
             "single_s": ort_times["single"],
             "run_s": ort_times["run"],
@@ -304,7 +296,7 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
 
     if sweep:
         runners = {
-            k: pl.Runner(ort_model, device_map="cpu", chunks=k, threads_per_stage=1) for k in (1, 2, 4, 8, 16)
+            k: pl.Runner(model, device_map="cpu", chunks=k, threads_per_stage=1) for k in (1, 2, 4, 8, 16)
         }
         fns: dict[str, Callable[[], Any]] = {"single": lambda: single.run(None, {feed_name: xs})}
         for k, r in runners.items():

@@ -133,3 +133,18 @@ def test_profiler_failures_are_plan_errors(exported):
     with pytest.raises(pl.PlanError, match="profiling failed"):
         pl.auto_place(model, devices=2, sample_inputs=[tokens], repeats=1)
     assert [str(d) for d in model.devices] == ["cuda:0"]  # the model is unchanged
+
+
+def test_optimized_profile_gives_fused_nodes_to_their_ops(exported):
+    """ONNX Runtime fuses Conv+BatchNormalization(+Add)+Relu into one node named after
+    the chain's output: with ``optimized=True`` one op of each chain carries its time
+    and the ops folded into it cost nothing; op-by-op timing gives every op a time."""
+    model, _, _ = exported("resnet")
+    prof = pl.profile(model, repeats=1, optimized=True)
+    plain = pl.profile(model, repeats=1)
+    assert prof is not plain and prof.has_time and prof.total_time_s > 0
+    assert set(prof.ops) == set(plain.ops) and all(p.time_s >= 0 for p in prof.ops.values())
+    timed = {name for name, p in prof.ops.items() if p.time_s > 0}
+    convs = [name for name, p in prof.ops.items() if p.op_type == "Conv"]
+    assert len(timed) < len(prof.ops) and not set(convs) <= timed  # fused away
+    assert all(plain.ops[name].time_s > 0 for name in convs)
