@@ -4,6 +4,8 @@ What this package holds:
 
 * :mod:`~placement.distributed.ranks`: which logical devices each rank runs
   (default one per rank, in pipeline order; ``ranks="cuda:0+cuda:1,cuda:2"`` groups them).
+* :mod:`~placement.distributed.member`: :class:`RankMember`, what every rank-side runner
+  shares (joining the group as one rank of the placement, input checks, the heartbeat).
 * :mod:`~placement.distributed.split`: the lowered model (:func:`placement.to_torch`)
   cut into a chain of ``torch.fx`` stage modules, one per rank.
 * :mod:`~placement.distributed.pipeline`: :class:`DistributedPipeline`, this rank's

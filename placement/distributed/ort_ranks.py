@@ -47,7 +47,6 @@ Example (one process, a 1-rank world)::
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,10 +57,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from placement.distributed.errors import NotAPipelineError, WorldSizeError
-from placement.distributed.pipeline import rank_device
-from placement.distributed.ranks import RanksLike, format_groups, rank_groups
-from placement.distributed.watchdog import Watchdog, guard
+from placement.distributed.errors import NotAPipelineError
+from placement.distributed.member import RankMember
+from placement.distributed.ranks import RanksLike, format_groups
 from placement.errors import InputError, PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
@@ -77,9 +75,6 @@ log = logging.getLogger(__name__)
 
 #: dims of a shape header (a dynamic wire sends ``[ndim, d0, d1, ...]`` padded to this + 1)
 _MAX_DIMS = 8
-
-#: runners built so far per group (by global ranks), for distinct watchdog namespaces
-_instances: dict[tuple[int, ...], itertools.count[int]] = {}
 
 
 @dataclass(frozen=True)
@@ -272,7 +267,7 @@ def rank_program(
     return compile_program(model, plan.partition, execs, device_map)
 
 
-class DistributedRunner:
+class DistributedRunner(RankMember):
     """This rank's stage sessions of a placed model, run as one rank of a pipeline (inference).
 
     Build it on every rank of ``group`` (collectively, in the same order on every rank).
@@ -286,7 +281,7 @@ class DistributedRunner:
             by the graph's batch size (sent to the other ranks each call).
         group: the process group (default: the world); its ranks are the stages.
         device: this rank's physical device (default
-            :func:`~placement.distributed.pipeline.rank_device`); all the rank's
+            :func:`~placement.distributed.member.rank_device`); all the rank's
             logical devices run on it, sharing values.
         device_map: the rank's logical devices -> physical ones instead (see
             :class:`placement.Runner`), e.g. ``"auto"`` to emulate each on the CPU.
@@ -313,31 +308,16 @@ class DistributedRunner:
         heartbeat: float = 0.25,
         grace: float = 3.0,
     ) -> None:
-        from placement.runtime.inputs import input_specs
-
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-        if not isinstance(model, Model):
-            from placement.graph.serialize import load
-
-            model = load(model)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.groups = rank_groups(model, ranks=ranks)
-        if self.world_size != len(self.groups):
-            raise WorldSizeError(
-                world_size=self.world_size, expected=len(self.groups), groups=format_groups(self.groups)
-            )
-        self.device = torch.device(device) if device is not None else rank_device()
-        self.chunks = chunks
-        self.grace = grace
-        self.input_names = list(model.inputs)
-        self.output_names = list(model.outputs)
-        self._specs = input_specs(model.graph)
-        first = self._specs[0].shape if self._specs else ()
-        self.micro_batch: int | None = first[0] if first and isinstance(first[0], int) else None
-
+        model = self._join_group(
+            model,
+            kind="ort",
+            ranks=ranks,
+            chunks=chunks,
+            group=group,
+            device=device,
+            heartbeat=heartbeat,
+            grace=grace,
+        )
         self.plan = rank_plan(model, self.groups, self.rank)
         mine = self.plan.devices
         if device_map is None:
@@ -349,25 +329,6 @@ class DistributedRunner:
         outputs = self.plan.partition.outputs
         self._send_index = [outputs.index(w.blob) for w in self.plan.sends]
         self._prepost = all(w.static for w in self.plan.receives)
-        self._peers = (
-            [dist.get_global_rank(group, r) for r in range(self.world_size)]
-            if group is not None
-            else list(range(self.world_size))
-        )
-        members = tuple(self._peers)
-        instance = next(_instances.setdefault(members, itertools.count()))
-        store = _default_store()
-        self._dog = (
-            Watchdog(
-                store,
-                rank=self.rank,
-                world_size=self.world_size,
-                interval=heartbeat,
-                namespace=f"ort{'-'.join(map(str, members))}.{instance}/",
-            )
-            if store is not None
-            else None
-        )
         log.info(
             "rank %d/%d runs %s on %s: %d stage session(s), %d value(s) in and %d out per micro-batch",
             self.rank,
@@ -380,16 +341,6 @@ class DistributedRunner:
         )
 
     # -- public -------------------------------------------------------------------------------
-
-    @property
-    def is_first(self) -> bool:
-        """True on the rank that takes the graph inputs."""
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the rank that returns the graph outputs."""
-        return self.rank == self.world_size - 1
 
     def run(self, inputs: Any = None, *, chunks: int | None = None) -> list[np.ndarray] | None:
         """Run the placed model on a batch: graph outputs on the last rank, None elsewhere.
@@ -408,8 +359,8 @@ class DistributedRunner:
             RankFailedError: another rank failed (names it).
             InputError: bad inputs on rank 0.
         """
-        with guard(self._dog, "run", grace=self.grace):
-            arrays = self._inputs(inputs) if self.is_first else []
+        with self._guard("run"):
+            arrays = self._check_inputs(inputs) if self.is_first else []
             n = self._chunks(chunks, arrays)
             parts = [list(p) for p in zip(*(np.array_split(a, n) for a in arrays))] if arrays else []
             results: list[list[Any]] = []
@@ -432,28 +383,6 @@ class DistributedRunner:
             return None
         return results[0] if n == 1 else self._join(results)
 
-    def report_failure(self, exc: BaseException) -> None:
-        """Tell the other ranks that this rank fails with ``exc`` (they name it in their error)."""
-        if self._dog is not None:
-            self._dog.report(exc, own=True)
-
-    def barrier(self) -> None:
-        """Wait for every rank (raises RankFailedError naming a failed rank)."""
-        with guard(self._dog, "barrier", grace=self.grace):
-            dist.barrier(group=self.group)
-
-    def close(self) -> None:
-        """Stop this rank's heartbeat (the process group stays; destroy it yourself)."""
-        if self._dog is not None:
-            self._dog.stop()
-            self._dog = None
-
-    def __enter__(self) -> DistributedRunner:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"DistributedRunner(rank {self.rank}/{self.world_size}, "
@@ -462,25 +391,6 @@ class DistributedRunner:
         )
 
     # -- internals ------------------------------------------------------------------------
-
-    def _inputs(self, inputs: Any) -> list[Any]:
-        from placement.runtime.inputs import InputSpec, normalize_inputs
-
-        if inputs is None:
-            raise InputError(f"rank 0 needs the graph inputs ({', '.join(map(repr, self.input_names))})")
-        specs = [
-            InputSpec(s.name, s.dtype, (None, *s.shape[1:]) if s.shape else s.shape) for s in self._specs
-        ]
-        arrays = normalize_inputs(inputs, specs)
-        if self.micro_batch is not None:
-            for spec, array in zip(self._specs, arrays):
-                rows = array.shape[0] if array.ndim else 0
-                if rows % self.micro_batch or rows == 0:
-                    raise InputError(
-                        f"input {spec.name!r} has {rows} rows; the placed graph's batch is "
-                        f"{self.micro_batch}, so give a multiple of it (one micro-batch each)"
-                    )
-        return arrays
 
     def _chunks(self, chunks: int | None, arrays: list[Any]) -> int:
         n = chunks or self.chunks
@@ -606,11 +516,3 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     if dtype == np.bool_:
         return torch.uint8
     return torch.from_numpy(np.empty(0, dtype)).dtype
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception as err:  # a process group without a store: failures are not diagnosed
-        log.debug("no store for failure reports: %s", err)
-        return None

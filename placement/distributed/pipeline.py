@@ -44,11 +44,8 @@ Example (one process, a 1-rank pipeline)::
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +53,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from placement.distributed.errors import RankFailedError, WorldSizeError
-from placement.distributed.ranks import RanksLike, format_groups, rank_groups
+from placement.distributed.member import RankMember, rank_device
+from placement.distributed.ranks import RanksLike, format_groups
 from placement.distributed.split import RankSplit, split_by_rank
-from placement.distributed.watchdog import Watchdog, is_comm_error
 from placement.errors import InputError, PlacementError
 from placement.graph.model import Model
 
@@ -70,24 +66,8 @@ log = logging.getLogger(__name__)
 #: Schedule names accepted by ``schedule=`` (torch.distributed.pipelining classes).
 SCHEDULES = ("gpipe", "1f1b")
 
-#: pipelines built so far per group (by global ranks): every rank of a group counts alike
-_instances: dict[tuple[int, ...], itertools.count[int]] = {}
 
-
-def rank_device(backend: str | None = None) -> torch.device:
-    """The physical device of this process: ``cuda:LOCAL_RANK`` under NCCL, else the CPU.
-
-    Example:
-        >>> rank_device("gloo")
-        device(type='cpu')
-    """
-    backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-class DistributedPipeline:
+class DistributedPipeline(RankMember):
     """This rank's stage of a placed model, run with a ``torch.distributed.pipelining`` schedule.
 
     Build it on every rank of ``group`` (collectively, in the same order on every rank).
@@ -130,34 +110,21 @@ class DistributedPipeline:
         from torch.distributed.pipelining import PipelineStage
 
         from placement.runtime import to_torch  # wherever the lowering module lives
-        from placement.runtime.inputs import input_specs
 
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-        if not isinstance(model, Model):
-            from placement.graph.serialize import load
-
-            model = load(model)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.groups = rank_groups(model, ranks=ranks)
-        if self.world_size != len(self.groups):
-            raise WorldSizeError(
-                world_size=self.world_size, expected=len(self.groups), groups=format_groups(self.groups)
-            )
-        self.device = torch.device(device) if device is not None else rank_device()
+        model = self._join_group(
+            model,
+            kind="pipe",
+            ranks=ranks,
+            chunks=chunks,
+            group=group,
+            device=device,
+            heartbeat=heartbeat,
+            grace=grace,
+        )
         self.schedule_name = schedule
-        self.chunks = chunks
         self.loss_fn = loss_fn
-        self.grace = grace
-        self.input_names = list(model.inputs)
-        self.output_names = list(model.outputs)
-        self._specs = input_specs(model.graph)
-        first = self._specs[0].shape if self._specs else ()
-        self.micro_batch: int | None = first[0] if first and isinstance(first[0], int) else None
 
         phys = str(self.device)
         module = to_torch(model, device_map={str(d): phys for group_ in self.groups for d in group_})
@@ -169,23 +136,6 @@ class DistributedPipeline:
         self.stage = PipelineStage(self.module, self.rank, self.world_size, self.device, group=group)
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._shared = self._shared_parameters(module)
-        self._global_ranks = (
-            [dist.get_global_rank(group, r) for r in range(self.world_size)] if group else None
-        )
-        members = tuple(self._global_ranks or range(self.world_size))
-        instance = next(_instances.setdefault(members, itertools.count()))
-        store = _default_store()
-        self._dog = (
-            Watchdog(
-                store,
-                rank=self.rank,
-                world_size=self.world_size,
-                interval=heartbeat,
-                namespace=f"pipe{'-'.join(map(str, members))}.{instance}/",
-            )
-            if store is not None
-            else None
-        )
         log.info(
             "rank %d/%d runs %s on %s (%d nodes; %d values to the next rank)",
             self.rank,
@@ -197,16 +147,6 @@ class DistributedPipeline:
         )
 
     # -- public -------------------------------------------------------------------------------
-
-    @property
-    def is_first(self) -> bool:
-        """True on the rank that takes the graph inputs."""
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the rank that produces the graph outputs (and the loss)."""
-        return self.rank == self.world_size - 1
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """This rank's parameters (give them to this rank's optimizer)."""
@@ -274,28 +214,6 @@ class DistributedPipeline:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
 
-    def report_failure(self, exc: BaseException) -> None:
-        """Tell the other ranks that this rank fails with ``exc`` (they name it in their error)."""
-        if self._dog is not None:
-            self._dog.report(exc, own=True)
-
-    def barrier(self) -> None:
-        """Wait for every rank of the pipeline (raises RankFailedError naming a failed rank)."""
-        with self._guard("barrier"):
-            dist.barrier(group=self.group)
-
-    def close(self) -> None:
-        """Stop this rank's heartbeat (the process group stays; destroy it yourself)."""
-        if self._dog is not None:
-            self._dog.stop()
-            self._dog = None
-
-    def __enter__(self) -> DistributedPipeline:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"DistributedPipeline(rank {self.rank}/{self.world_size}, "
@@ -305,24 +223,7 @@ class DistributedPipeline:
     # -- internals ------------------------------------------------------------------------
 
     def _inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
-        from placement.runtime.inputs import InputSpec, normalize_inputs
-
-        if inputs is None:
-            raise InputError(f"rank 0 needs the graph inputs ({', '.join(map(repr, self.input_names))})")
-        # any number of rows: the batch dimension is checked against the micro-batch below
-        specs = [
-            InputSpec(s.name, s.dtype, (None, *s.shape[1:]) if s.shape else s.shape) for s in self._specs
-        ]
-        arrays = normalize_inputs(inputs, specs)
-        if self.micro_batch is not None:
-            for spec, array in zip(self._specs, arrays):
-                rows = array.shape[0] if array.ndim else 0
-                if rows % self.micro_batch or rows == 0:
-                    raise InputError(
-                        f"input {spec.name!r} has {rows} rows; the placed graph's batch is "
-                        f"{self.micro_batch}, so give a multiple of it (one micro-batch each)"
-                    )
-        return tuple(torch.from_numpy(a).to(self.device) for a in arrays)
+        return tuple(torch.from_numpy(a).to(self.device) for a in self._check_inputs(inputs))
 
     def _chunks(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> int:
         n = chunks or self.chunks
@@ -331,7 +232,7 @@ class DistributedPipeline:
         if self.micro_batch is None:
             raise InputError("the graph's batch dimension is not static: pass chunks=")
         box = [args[0].shape[0] // self.micro_batch if self.is_first else None]
-        src = self._global_ranks[0] if self._global_ranks else 0
+        src = self._peers[0]
         with self._guard("sending the number of micro-batches"):
             dist.broadcast_object_list(box, src=src, group=self.group)
         return int(box[0])  # type: ignore[arg-type]
@@ -372,33 +273,6 @@ class DistributedPipeline:
                 param = self.module.get_parameter(path)
                 param.grad = flat[offset : offset + n].view(shape).clone()
             offset += n
-
-    @contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except RankFailedError:
-            raise
-        except Exception as exc:
-            if self._dog is None:
-                raise
-            if not is_comm_error(exc):
-                self._dog.report(exc, own=True)
-                raise
-            self._dog.report(exc, own=False)
-            ranks, message = self._dog.diagnose(grace=self.grace)
-            raise RankFailedError(
-                f"{what} on rank {self.rank} stopped: {message} (rank {self.rank} saw: {exc})",
-                ranks=ranks,
-            ) from exc
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception as err:  # a process group without a store: failures are not diagnosed
-        log.debug("no store for failure reports: %s", err)
-        return None
 
 
 def free_port() -> int:
