@@ -260,18 +260,7 @@ class GraphInfo:
         input counts when its first reader lies before ``i`` (it is fed where first used);
         load-time values (computed from parameters alone) count 0.
         """
-        seen: set[int] = set()
-        total = 0
-        for pos in range(i, j):
-            for b in self.op_inputs[pos]:
-                if b in seen:
-                    continue
-                producer = self.blob_producer[b]
-                first = producer if producer >= 0 else self.blob_consumers[b][0]
-                if first < i:
-                    seen.add(b)
-                    total += self.step_bytes[b]
-        return total
+        return sum(self.step_bytes[b] for b in self.blobs_into(i, j))
 
     # -- memory of an arbitrary placement --------------------------------------------
 
