@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -89,10 +89,14 @@ class StageExec:
         if self.direct is not None:
             return None
         binding = self.session.io_binding()
+        self.bind_outputs(binding, outputs)
+        return binding
+
+    def bind_outputs(self, binding: Any, outputs: tuple[str, ...]) -> None:
+        """Bind ``outputs`` of ``binding`` to this stage's device (fresh buffers each run)."""
         device_type, device_id = self.out_device
         for name in outputs:
             binding.bind_output(name, device_type, device_id)
-        return binding
 
     def error(self, err: Exception) -> PlacementError:
         """ONNX Runtime failed while running this stage: say which stage, device and ops."""
@@ -171,17 +175,14 @@ class StageStep:
         outputs = binding.get_outputs()
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        device_type, device_id = ex.out_device
-        for name in self.outputs:
-            binding.bind_output(name, device_type, device_id)
+        ex.bind_outputs(binding, self.outputs)
         return outputs
 
     def store(self, values: dict[str, Any], outputs: list[ort.OrtValue]) -> None:
         """Put the outputs into ``values``; drop the keys this step read last."""
         for name, value in zip(self.outputs, outputs):
             values[name] = value
-        for key in self.free:
-            del values[key]
+        _drop(values, self.free)
 
 
 @dataclass(frozen=True)
@@ -418,13 +419,7 @@ class _Compiler:
         for key, i in last.items():
             if key not in keep:
                 frees[i].append(key)
-        return [_replace_free(step, tuple(free)) for step, free in zip(self.steps, frees)]
-
-
-def _replace_free(step: Step, free: tuple[str, ...]) -> Step:
-    from dataclasses import replace
-
-    return replace(step, free=free)
+        return [replace(step, free=tuple(free)) for step, free in zip(self.steps, frees)]
 
 
 # --- values ------------------------------------------------------------------------------
