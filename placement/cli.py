@@ -421,13 +421,9 @@ def _write_text(target: Path, text: str) -> None:
 
 def _write_bytes(target: Path, data: bytes) -> None:
     """Write atomically: a failure never leaves a half-written file or clobbers an old one."""
-    from placement.errors import ModelSaveError
-    from placement.graph.serialize import write_atomic
+    from placement.graph.serialize import write_file
 
-    try:
-        write_atomic(target, data)
-    except OSError as err:
-        raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
+    write_file(target, data)
 
 
 def _collapse_option(text: str) -> bool | str:

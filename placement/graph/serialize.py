@@ -60,6 +60,8 @@ __all__ = [
     "load",
     "to_proto",
     "split_weights",
+    "write_atomic",
+    "write_file",
     "CONFIGURATION_NAME",
     "MAX_IR_VERSION",
     "TWO_GB",
@@ -629,6 +631,28 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file
             os.unlink(tmp)
         raise
     log.debug("wrote %s %s (%d bytes)", what, target, len(data))
+
+
+def write_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """:func:`write_atomic` for user-facing outputs: any failure is a ``ModelSaveError``.
+
+    Raises:
+        ModelSaveError: the file cannot be written (the message names it); an old
+            file at ``path`` is left as it was.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "out.txt")
+        >>> write_file(path, b"hi")
+        >>> write_file(os.path.join(path, "inside"), b"hi")
+        Traceback (most recent call last):
+        ...
+        placement.errors.ModelSaveError: cannot write ...
+    """
+    try:
+        write_atomic(path, data)
+    except OSError as err:
+        raise ModelSaveError(f"cannot write {str(path)!r}: {err}") from err
 
 
 def _umask() -> int:

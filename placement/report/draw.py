@@ -55,6 +55,7 @@ import onnx_ir as ir
 from placement.errors import ModelSaveError, PlacementError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_scope, value_nbytes
+from placement.graph.serialize import write_file
 from placement.report.summary import format_bytes
 
 __all__ = ["draw", "Drawing", "device_colour", "scope_of", "DEVICE_PALETTE", "CPU_COLOUR", "FORMATS"]
@@ -211,13 +212,13 @@ def draw(
     if target is None:
         return drawing
     if fmt == "dot":
-        write_output(target, dot.encode())
+        write_file(target, dot.encode())
         drawing.path, drawing.format = target, "dot"
         return drawing
     data = _render(dot, fmt)
     if data is None:
         dot_path = target.with_suffix(".dot")
-        write_output(dot_path, dot.encode())
+        write_file(dot_path, dot.encode())
         drawing.path, drawing.format = dot_path, "dot"
         drawing.note = (
             f"Graphviz 'dot' was not found, so the graph went to {dot_path} (DOT source); install "
@@ -226,7 +227,7 @@ def draw(
         )
         log.warning("%s", drawing.note)
         return drawing
-    write_output(target, data)
+    write_file(target, data)
     drawing.path, drawing.format, drawing.rendered = target, fmt, True
     log.info("drew %d ops (%d boxes) to %s", n_ops, builder.boxes, target)
     return drawing
@@ -287,20 +288,6 @@ def _render(dot: str, fmt: str) -> bytes | None:
     except graphviz.CalledProcessError as err:  # a dot crash on our source is a bug worth naming
         stderr = (err.stderr or b"").decode(errors="replace").strip().splitlines()
         raise PlacementError(f"Graphviz dot failed: {stderr[-1] if stderr else err}") from err
-
-
-def write_output(target: Path, data: bytes) -> None:
-    """Write a picture or report to ``target`` atomically (an old file survives any failure).
-
-    Raises:
-        ModelSaveError: the file cannot be written (the message names it).
-    """
-    from placement.graph.serialize import write_atomic
-
-    try:
-        write_atomic(target, data)
-    except OSError as err:
-        raise ModelSaveError(f"cannot write {str(target)!r}: {err}") from err
 
 
 def _stage_names(model: Model) -> dict[str, int]:

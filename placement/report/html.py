@@ -42,7 +42,8 @@ from typing import Any
 from placement.errors import ModelSaveError
 from placement.graph.device import Device
 from placement.graph.model import COPY_KEY, Model, node_device, value_nbytes
-from placement.report.draw import Drawing, device_colour, draw, write_output
+from placement.graph.serialize import write_file
+from placement.report.draw import Drawing, device_colour, draw
 from placement.report.summary import Summary, format_bytes, summary
 
 __all__ = ["write_report", "Report", "copy_traffic"]
@@ -169,7 +170,7 @@ def write_report(
         parts.append(f'<p class="bad">{html.escape(drawing.note or "")}</p>')
         parts.append(f"<pre>{html.escape(drawing.dot)}</pre>")
     parts.append("</body></html>")
-    write_output(target, "\n".join(parts).encode("utf-8"))
+    write_file(target, "\n".join(parts).encode("utf-8"))
     log.info("wrote the report to %s", target)
     return Report(path=target, summary=report, drawing=drawing, traffic=traffic)
 
