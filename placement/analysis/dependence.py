@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from placement.graph.model import COPY_KEY
+from placement.graph.model import COPY_KEY, graph_nodes
 
 __all__ = [
     "NONDETERMINISTIC_OPS",
@@ -113,17 +113,19 @@ def activation_values(graph: ir.Graph) -> list[ir.Value]:
     consumed: set[ir.Value] = set()
     candidates: list[ir.Value] = []
     is_independent, consume, extend = independent.__contains__, consumed.add, candidates.extend
-    for node in graph:
+    for node in graph_nodes(graph):  # slots read directly: see graph_nodes
         hit = False
-        for value in node.inputs:
-            if value is not None and not is_independent(value) and not value.is_initializer():
+        for value in node._inputs:
+            if value is not None and not value._is_initializer and not is_independent(value):
                 hit = True
                 consume(value)
         if not hit:
-            independent.update(node.outputs)
-        elif COPY_KEY not in node.metadata_props:
-            extend(node.outputs)
-    return [v for v in candidates if v in consumed or v.is_graph_output()]
+            independent.update(node._outputs)
+        else:
+            props = node._metadata_props
+            if not props or COPY_KEY not in props:
+                extend(node._outputs)
+    return [v for v in candidates if v in consumed or v._is_graph_output]
 
 
 def _has_subgraph(node: ir.Node) -> bool:

@@ -57,6 +57,7 @@ __all__ = [
     "set_node_device",
     "is_copy_node",
     "node_scope",
+    "graph_nodes",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,41 @@ _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
+
+
+def graph_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The nodes of ``graph`` in order, as a list (a snapshot, like ``list(graph)``).
+
+    Walks the links of onnx_ir's node list directly, which skips the per-node
+    checks of its safe-mutation iterator (a fifth of a pass's scan on big graphs);
+    falls back to ``list(graph)`` if onnx_ir's internals differ from 1.1's.
+
+    Passes over million-op graphs also read a few of onnx_ir's slots directly
+    (``Node._inputs``/``_outputs``/``_metadata_props``, ``Value._name``/``_is_initializer``):
+    each property call costs about 0.1 us, several per op per scan.
+    ``tests/graph/test_model.py`` checks those slots exist.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> x = ir.Value(name="x")
+        >>> relu = ir.Node("", "Relu", [x], name="relu")
+        >>> graph = ir.Graph([x], relu.outputs, nodes=[relu])
+        >>> [node.name for node in graph_nodes(graph)]
+        ['relu']
+    """
+    nodes = getattr(graph, "_nodes", None)
+    root = getattr(nodes, "_root", None)
+    if root is None or getattr(root, "next", None) is None:
+        return list(graph)
+    out: list[ir.Node] = []
+    keep = out.append
+    box = root.next
+    while box is not root:
+        value = box.value
+        if value is not None:  # an erased box (removed while iterating elsewhere)
+            keep(value)
+        box = box.next
+    return out
 
 
 def node_device(node: ir.Node) -> Device:

@@ -53,7 +53,7 @@ from onnx_ir.passes import PassResult
 
 from placement.errors import VerificationError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY
+from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, graph_nodes
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
 __all__ = [
@@ -224,41 +224,50 @@ class _Injection:
         origin, dev_of, home_pos, copies = scan.origin, scan.dev_of, scan.home_pos, scan.copies
         spec_device: dict[str | None, Device] = {}
         dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
-        self._nodes = nodes = list(graph)  # walked again for names only if copies are made
-        for pos, node in enumerate(nodes):
-            props = node.metadata_props
-            spec = props.get(DEVICE_KEY)
+        self._nodes = nodes = graph_nodes(graph)  # walked again for names only if copies are made
+        for pos, node in enumerate(nodes):  # slots read directly: see graph_nodes
+            props = node._metadata_props
+            spec = props.get(DEVICE_KEY) if props else None
             device = spec_device.get(spec)
             if device is None:
                 device = spec_device[spec] = self.reader.of(node)  # raises naming the op
-            if COPY_KEY in props:
-                inputs, outputs = node.inputs, node.outputs
+            if props and COPY_KEY in props:
+                inputs, outputs = node._inputs, node._outputs
                 if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
                     raise VerificationError(f"copy {node.name!r} must have exactly one input and one output")
                 source = origin_get(inputs[0], inputs[0])
-                if source not in dev_of and source not in inputs_ and not source.is_initializer():
+                if source not in dev_of and source not in inputs_ and not source._is_initializer:
                     self._not_topological(node, source)
                 origin[outputs[0]] = source
                 copies.append((node, pos, source, device))
                 continue
-            for index, value in enumerate(node.inputs):
+            index = -1
+            for value in node._inputs:
+                index += 1
                 if value is None:
                     continue
                 source = origin_get(value, value) if origin else value
                 where = dev_get(source)
+                if where is device and source is value:
+                    continue
                 if where is None:  # a graph input or a parameter, read for the first time
                     if source in inputs_:
                         where = in_dev
                     else:  # a parameter lives where its first reader runs
-                        if not source.is_initializer():
+                        if not source._is_initializer:
                             self._not_topological(node, source)
                         where = device
                         home_pos[source] = pos
                     dev_of[source] = where
-                if where is not device or source is not value:
-                    record((node, index, value, source, device, pos))
-            for value in node.outputs:
-                dev_of[value] = device
+                    if where is device and source is value:
+                        continue
+                record((node, index, value, source, device, pos))
+            outputs = node._outputs
+            if len(outputs) == 1:
+                dev_of[outputs[0]] = device
+            else:
+                for value in outputs:
+                    dev_of[value] = device
         self._produced = dev_of.keys()  # every blob read or produced by a non-copy op
         self._copy_nodes = [node for node, _, _, _ in copies]
         return scan

@@ -55,7 +55,7 @@ from onnx_ir.passes import PassResult
 
 from placement.errors import DeviceError, NotAnActivationError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY
+from placement.graph.model import COPY_KEY, DEVICE_KEY, graph_nodes
 from placement.passes.activations import describe_non_activation
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 _MAX_NAMED = 5  # offenders quoted in one error message
 _UNSEEN = object()
-_NAME = operator.attrgetter("name")
+_NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 
 @dataclasses.dataclass
@@ -211,24 +211,24 @@ class _Shift:
         loners = scan.loners
         is_independent, consume = independent.__contains__, consumed.add
         target_get = target_of.get
-        for node in self.graph:
-            props = node.metadata_props
-            spec = props.get(DEVICE_KEY)
+        for node in graph_nodes(self.graph):  # slots read directly: see graph_nodes
+            props = node._metadata_props
+            spec = props.get(DEVICE_KEY) if props else None
             target = target_get(spec, _UNSEEN)
             if target is _UNSEEN:
                 device = reader.of(node)  # raises DeviceError naming the op
                 device_of[spec] = device
                 target = target_of[spec] = sources.get(device)
-            inputs = node.inputs
             hit = False
-            for value in inputs:
-                if value is not None and not is_independent(value) and not value.is_initializer():
+            for value in node._inputs:
+                if value is not None and not value._is_initializer and not is_independent(value):
                     hit = True
                     consume(value)
-            outputs = node.outputs
+            outputs = node._outputs
             if not hit:
                 independent.update(outputs)
-            if COPY_KEY in props:
+            if props and COPY_KEY in props:
+                inputs = node._inputs
                 if inputs and inputs[0] is not None:
                     origin[outputs[0]] = origin.get(inputs[0], inputs[0])
                 continue
@@ -245,7 +245,7 @@ class _Shift:
                 if not hit and outputs:
                     loners.append(node)
         scan.unfed = unfed
-        scan.acts = [v for v in candidates if v in consumed or v.is_graph_output()]
+        scan.acts = [v for v in candidates if v in consumed or v._is_graph_output]
         return scan
 
     def _validate(self, scan: _Scan) -> set[ir.Value]:
@@ -291,7 +291,10 @@ class _Shift:
         done = 0
         try:
             for node, spec in moves:
-                node.metadata_props[DEVICE_KEY] = spelled[spec]
+                props = node._metadata_props  # slot read directly: see graph_nodes
+                if props is None:
+                    props = node.metadata_props
+                props[DEVICE_KEY] = spelled[spec]
                 done += 1
         except BaseException:
             for node, spec in moves[:done]:
@@ -453,7 +456,7 @@ def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> l
     # fast path: names in producer order (a slice of get_activation_blobs): a merge, no hashing
     keep, count, wanted = found.append, 0, names[0]
     for value in acts:
-        name = value.name
+        name = value._name  # slot read directly: see graph_nodes
         if name is wanted or name == wanted:
             keep(value)
             count += 1
