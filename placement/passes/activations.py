@@ -23,11 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import onnx_ir as ir
 
 from placement.analysis.dependence import activation_values
 from placement.graph.model import COPY_KEY, Model
 from placement.passes.base import as_ir_model, no_gc
+
+_NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 __all__ = ["get_activation_blobs", "activation_values", "describe_non_activation"]
 
@@ -53,7 +57,8 @@ def get_activation_blobs(model: Model) -> list[str]:
         True
     """
     with no_gc():
-        return [value.name or "" for value in activation_values(as_ir_model(model).graph)]
+        values = activation_values(as_ir_model(model).graph)
+        return [name or "" for name in map(_NAME, values)]
 
 
 def describe_non_activation(graph: ir.Graph, value: ir.Value) -> str:

@@ -66,7 +66,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NAME = operator.attrgetter("name")
+_NAME = operator.attrgetter("_name")  # Node.name and Value.name without the property call (see graph_nodes)
 _COPY_LIKE = re.compile(r"_(?:cuda|cpu)_\d").search  # what every name made here contains
 
 #: A required copy: (the blob, ``id`` of its interned destination device; hashing ids is cheap).
@@ -323,16 +323,17 @@ class _Injection:
             self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
         self._apply_outputs(decision.outputs, needs, keep, dev_of)
         created: dict[_Key, ir.Node] = {}
+        new_copy = self._new_copy
         for key, need in needs.items():
             if key not in keep:
-                created[key] = node = self._new_copy(need)
+                created[key] = node = new_copy(need)
                 if need.output_slot >= 0:
                     graph.outputs[need.output_slot] = node.outputs[0]
         for slot, first in decision.repeated:  # a blob listed twice as a graph output stays so
             if graph.outputs[slot] is not graph.outputs[first]:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
-        targets = {key: node.outputs[0] for key, node in (*keep.items(), *created.items())}
+        targets = {key: node._outputs[0] for key, node in (*keep.items(), *created.items())}
         rewired = 0
         for node, index, value, source, device, _ in scan.uses:
             want = source if dev_of[source] is device else targets[(source, id(device))]
@@ -355,9 +356,8 @@ class _Injection:
         for node, need in decision.misplaced:
             self._place(node, need)
             result.moved += 1
-        for key, node in created.items():
-            self._place(node, needs[key])
-            result.added += 1
+        self._place_new(created, needs)
+        result.added += len(created)
         self._record_io_devices(scan.in_dev, decision.out_dev)
 
         result.copies = len(keep) + len(created) + len(decision.protected)
@@ -478,28 +478,38 @@ class _Injection:
             self.result.renamed += 1
 
     def _new_copy(self, need: _Need) -> ir.Node:
+        """A copy of ``need.origin`` to ``need.device``, not yet in the graph (see the module doc)."""
         source, device = need.origin, need.device
         spelled = self._spelled.get(device)
         if spelled is None:
             spelled = self._spelled[device] = (str(device), device.slug)
         spec, slug = spelled
+        names = self._names()
         if need.output_slot >= 0:
             name = need.output_name
-            self._names().add(name)
+            names.add(name)
             node_name = f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{slug}"
-        else:
-            base = self._bases.get(source) or source.name or "blob"
-            name = self._unique_value(f"{base}_{slug}")
+        else:  # slots read directly (see graph_nodes): the properties cost more than the rest
+            name = f"{self._bases.get(source) or source._name or 'blob'}_{slug}"
+            if name in names:
+                name = self._unique_value(name)
+            else:
+                names.add(name)
             node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
-        shape = source.shape
-        out = ir.Value(name=name, type=source.type, shape=ir.Shape(shape) if shape is not None else None)
-        static = source.is_initializer() and not source.is_graph_input()  # copy_kind, inlined
+        node_names = self._node_names
+        if node_names is None or node_name in node_names:
+            node_name = self._unique_node(node_name)
+        else:
+            node_names.add(node_name)
+        shape = source._shape
+        out = ir.Value(name=name, type=source._type, shape=ir.Shape(shape) if shape is not None else None)
+        static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
         return ir.Node(
             "",
             COPY_OP_TYPE,
             (source,),
             outputs=(out,),
-            name=self._unique_node(node_name),
+            name=node_name,
             metadata_props={DEVICE_KEY: spec, COPY_KEY: "static" if static else "dynamic"},
         )
 
@@ -508,6 +518,30 @@ class _Injection:
             self.graph.insert_before(need.first_node, node)
         elif node.graph is None:
             self.graph.append(node)
+
+    def _place_new(self, created: dict[_Key, ir.Node], needs: dict[_Key, _Need]) -> None:
+        """Insert new copies: those before the same op in one call, in order; output-only ones last.
+
+        The same order as placing them one by one: each goes just before its first reader,
+        after copies placed there earlier, and copies only graph outputs read are appended.
+        """
+        before: dict[ir.Node, list[ir.Node]] = {}
+        last: list[ir.Node] = []
+        for key, node in created.items():
+            first = needs[key].first_node
+            if first is None:
+                last.append(node)
+            else:
+                group = before.get(first)
+                if group is None:
+                    before[first] = [node]
+                else:
+                    group.append(node)
+        insert_before = self.graph.insert_before
+        for first, nodes in before.items():
+            insert_before(first, nodes)
+        if last:
+            self.graph.extend(last)
 
     def _record_io_devices(self, in_dev: Device, out_dev: Device) -> None:
         props = self.model.metadata_props

@@ -47,7 +47,7 @@ import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from typing import Any, cast
 
 import onnx_ir as ir
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _MAX_NAMED = 5  # offenders quoted in one error message
 _UNSEEN = object()
+_SPEC = operator.itemgetter(1)  # of a _Move
 _NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 
@@ -128,9 +129,9 @@ class ShiftActivationDevicesPass(PlacementPass):
     ) -> None:
         super().__init__(debug=debug, check_onnx=check_onnx)
         names = [activations] if isinstance(activations, str) else list(activations)
-        for name in names:
-            if not isinstance(name, str):
-                raise UnknownBlobError(f"activation names are strings, got {name!r}")
+        if not all(map(isinstance, names, repeat(str))):  # checked in C; then find the offender
+            bad = next(name for name in names if not isinstance(name, str))
+            raise UnknownBlobError(f"activation names are strings, got {bad!r}")
         self.activations = names
         self.shifts = parse_shifts(shifts)
 
@@ -304,7 +305,7 @@ class _Shift:
                     node.metadata_props[DEVICE_KEY] = spec
             raise
         moved: dict[tuple[Device, Device], int] = {}
-        for spec, count in Counter(spec for _, spec in moves).items():
+        for spec, count in Counter(map(_SPEC, moves)).items():
             pair = (device_of[spec], cast(Device, target_of[spec]))
             moved[pair] = moved.get(pair, 0) + count
         return moved
