@@ -45,7 +45,6 @@ import dataclasses
 import logging
 import operator
 import re
-from collections.abc import Iterable
 from typing import cast
 
 import onnx_ir as ir
@@ -192,9 +191,11 @@ class _Injection:
         self._value_names: set[str] | None = None
         self._node_names: set[str] | None = None
         self._bases: dict[ir.Value, str] = {}
-        self._produced: Iterable[ir.Value] = ()
+        #: names seen by the scan while each op was at hand (a later walk over a million cold
+        #: objects cost 0.8 s): every op's, and the outputs' of non-copy ops
+        self._op_names: list[str | None] = []
+        self._blob_names: list[str | None] = []
         self._copy_nodes: list[ir.Node] = []
-        self._nodes: list[ir.Node] = []  # the ops as scanned, before any change
         self._spelled: dict[Device, tuple[str, str]] = {}  # device -> (annotation, name part)
 
     def run(self) -> CopyResult:
@@ -224,13 +225,15 @@ class _Injection:
         origin, dev_of, home_pos, copies = scan.origin, scan.dev_of, scan.home_pos, scan.copies
         spec_device: dict[str | None, Device] = {}
         dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
-        self._nodes = nodes = graph_nodes(graph)  # walked again for names only if copies are made
+        nodes = graph_nodes(graph)
+        op_name, blob_name = self._op_names.append, self._blob_names.append
         for pos, node in enumerate(nodes):  # slots read directly: see graph_nodes
             props = node._metadata_props
             spec = props.get(DEVICE_KEY) if props else None
             device = spec_device.get(spec)
             if device is None:
                 device = spec_device[spec] = self.reader.of(node)  # raises naming the op
+            op_name(node._name)
             if props and COPY_KEY in props:
                 inputs, outputs = node._inputs, node._outputs
                 if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
@@ -264,11 +267,13 @@ class _Injection:
                 record((node, index, value, source, device, pos))
             outputs = node._outputs
             if len(outputs) == 1:
-                dev_of[outputs[0]] = device
+                value = outputs[0]
+                dev_of[value] = device
+                blob_name(value._name)
             else:
                 for value in outputs:
                     dev_of[value] = device
-        self._produced = dev_of.keys()  # every blob read or produced by a non-copy op
+                    blob_name(value._name)
         self._copy_nodes = [node for node, _, _, _ in copies]
         return scan
 
@@ -468,11 +473,11 @@ class _Injection:
         """Rename a blob, keeping the set of taken names current."""
         if value.name == name:
             return
-        if self._value_names is not None:
-            if value.name:
-                self._value_names.discard(value.name)
-            if name:
-                self._value_names.add(name)
+        names = self._names()  # the names as scanned, then every rename
+        if value.name:
+            names.discard(value.name)
+        if name:
+            names.add(name)
         value.name = name
         if count:
             self.result.renamed += 1
@@ -561,7 +566,7 @@ class _Injection:
         """
         if self._value_names is None:
             graph = self.graph
-            names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self._produced))))  # non-copy ops'
+            names = set(filter(_COPY_LIKE, filter(None, self._blob_names)))  # non-copy ops'
             names.update(filter(_COPY_LIKE, filter(None, map(_NAME, graph.inputs))))
             names.update(filter(_COPY_LIKE, filter(None, graph.initializers)))
             names.update(filter(_COPY_LIKE, filter(None, (n.outputs[0].name for n in self._copy_nodes))))
@@ -579,7 +584,7 @@ class _Injection:
 
     def _unique_node(self, base: str) -> str:
         if self._node_names is None:
-            self._node_names = set(filter(_COPY_LIKE, filter(None, map(_NAME, self._nodes))))
+            self._node_names = set(filter(_COPY_LIKE, filter(None, self._op_names)))
         name, k = base, 0
         while name in self._node_names:
             k += 1

@@ -58,3 +58,22 @@ def test_networkx_view_and_copy():
 
 def test_repr_mentions_devices():
     assert "cuda:0" in repr(mlp_graph(1))
+
+
+def test_graph_nodes_is_the_graph_order_after_edits():
+    import onnx_ir as ir
+
+    from placement.graph.model import graph_nodes
+
+    model = mlp_graph()
+    graph = model.graph
+    first, last = graph[0], graph[-1]
+    extra = ir.Node("", "Identity", [first.outputs[0]], name="extra")
+    graph.insert_after(first, extra)
+    graph.remove(last, safe=False)
+    assert graph_nodes(graph) == list(graph)
+    # passes read these onnx_ir slots directly (see graph_nodes): fail loudly if they move
+    assert {"_inputs", "_outputs", "_metadata_props", "_name"} <= set(ir.Node.__slots__)
+    assert {"_name", "_shape", "_type", "_is_initializer", "_is_graph_input", "_is_graph_output"} <= set(
+        ir.Value.__slots__
+    )

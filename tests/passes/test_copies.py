@@ -424,3 +424,23 @@ def test_copy_reading_a_later_blob_is_an_error() -> None:
     with pytest.raises(pl.VerificationError, match="copy_h1_cuda_1.*h1"):
         pl.inject_cross_device_copies(model)
     assert snapshot(model) == before
+
+
+def test_copies_for_one_reader_go_before_it_in_first_use_order() -> None:
+    # copies are inserted in one call per first reader: the order must be what inserting
+    # them one by one gives (input order of the first reader), each just before it
+    b = GraphBuilder()
+    x = b.input("x")
+    a = b.op("Tanh", [x], "a", device=0)
+    c = b.op("Neg", [x], "c", device=0)
+    d = b.op("Abs", [x], "d", device=0)
+    y = b.op("Sum", [d, a, c], "y", device=1)
+    z = b.op("Sum", [c, y], "z", device=2)
+    b.output(z)
+    model = b.build()
+    inject_twice(model, output_device=2)
+    names = op_order(model)
+    at_y, at_z = names.index("y"), names.index("z")
+    assert names[at_y - 3 : at_y] == ["copy_d_cuda_1", "copy_a_cuda_1", "copy_c_cuda_1"]
+    assert names[at_z - 2 : at_z] == ["copy_c_cuda_2", "copy_y_cuda_2"]
+    assert reads(model, "y") == ("d_cuda_1", "a_cuda_1", "c_cuda_1")
