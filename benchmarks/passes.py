@@ -19,7 +19,8 @@ with Python's garbage collector in its normal state; the table shows the best ru
 and the load average, since shared machines make single runs noisy.
 
 Prints a table of ops/s per size and the scaling ratio (time at 1M / time at 100k;
-linear is 10x, the target is at most 12x) and writes ``benchmarks/results/passes.json``.
+linear is 10x, the target is at most 12x) and writes ``benchmarks/results/passes.json``
+(``passes_<scenario>.json`` for the other scenarios).
 
 Usage::
 
@@ -48,6 +49,8 @@ from placement.graph.model import DEVICE_KEY
 
 RESULTS = Path(__file__).resolve().parent / "results" / "passes.json"
 WIDTH = 8
+#: seconds allowed at 1M ops (issue 13): copy-heavy scatter < 8 s, half < 5 s
+TARGET_1M_S = {"half": 5.0, "scatter": 8.0, "stages": 10.0}
 
 
 def build(n_ops: int) -> pl.Model:
@@ -168,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--scenario", choices=["half", "stages", "scatter"], default="half")
     parser.add_argument("--check", action="store_true", help="verify every placed model (not timed)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--output", type=Path, default=None, help="default: results/passes.json, passes_<scenario>.json"
+    )
     args = parser.parse_args(argv)
+    if args.output is None:
+        name = "passes.json" if args.scenario == "half" else f"passes_{args.scenario}.json"
+        args.output = RESULTS.with_name(name)
 
     from rich.console import Console
     from rich.table import Table
@@ -208,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ratio is not None and ratio_median is not None:
         total = by_ops[1_000_000]["best_s"]
-        ok = ratio <= 12 and total < 10
+        target = TARGET_1M_S.get(args.scenario, 10.0)
+        ok = ratio <= 12 and total < target
         console.print(
             f"scaling 100k -> 1M: {ratio:.2f}x best, {ratio_median:.2f}x median "
-            f"(linear: 10x, target <= 12x); 1M ops in {total:.2f} s (target < 10 s): "
+            f"(linear: 10x, target <= 12x); 1M ops in {total:.2f} s (target < {target:g} s): "
             f"{'OK' if ok else 'MISSED'}"
         )
 
