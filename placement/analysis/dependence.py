@@ -109,15 +109,14 @@ def activation_values(graph: ir.Graph) -> list[ir.Value]:
         >>> [v.name for v in activation_values(model.graph)]
         ['linear', 'relu', 'linear_1', 'relu_1', 'linear_2']
     """
-    # parameters count as independent: one set lookup per read, no visit to the value itself
-    independent: set[ir.Value | None] = {None, *graph.initializers.values()}
+    independent: set[ir.Value] = set()
     consumed: set[ir.Value] = set()
     candidates: list[ir.Value] = []
     is_independent, consume, extend = independent.__contains__, consumed.add, candidates.extend
     for node in graph_nodes(graph):  # slots read directly: see graph_nodes
         hit = False
         for value in node._inputs:
-            if not is_independent(value):
+            if value is not None and not value._is_initializer and not is_independent(value):
                 hit = True
                 consume(value)
         if not hit:

@@ -206,9 +206,7 @@ class _Shift:
         scan = _Scan()
         device_of, target_of, sources, reader = scan.device_of, scan.target_of, self.sources, self.reader
         candidates, owners, owner_specs, origin = scan.candidates, scan.owners, scan.owner_specs, scan.origin
-        # outputs of ops reading no graph input (see activations), and parameters: one set
-        # lookup per read, no visit to the value itself
-        independent: set[ir.Value | None] = {None, *self.graph.initializers.values()}
+        independent: set[ir.Value] = set()  # outputs of ops reading no graph input (see activations)
         consumed: set[ir.Value] = set()
         unfed = 0
         loners = scan.loners
@@ -224,7 +222,7 @@ class _Shift:
                 target = target_of[spec] = sources.get(device)
             hit = False
             for value in node._inputs:
-                if not is_independent(value):
+                if value is not None and not value._is_initializer and not is_independent(value):
                     hit = True
                     consume(value)
             outputs = node._outputs
