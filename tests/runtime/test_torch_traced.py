@@ -98,3 +98,19 @@ def test_untraceable_stage_and_failed_trace_fall_back():
     broken = TracedStage(_Fn(lambda x: {"y": x + 1}), warmup=0)
     assert torch.equal(_run(broken, torch.ones(2))["y"], torch.full((2,), 2.0))
     assert broken.disabled.startswith("tracing failed")
+
+
+def test_grad_traces_give_the_modules_gradients():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    stage = TracedStage(net, warmup=1, grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(3):
+        got = torch.autograd.grad(stage(x).square().sum(), [x, *net.parameters()])
+        want = torch.autograd.grad(net(x).square().sum(), [x, *net.parameters()])
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    _run(stage, x), _run(stage, x)  # no grad: a trace of its own
+    assert stage.traced == 2
+    plain = TracedStage(net, warmup=0)  # grad=False: grad-mode calls run the module
+    plain(x)
+    assert plain.traced == 0

@@ -9,7 +9,11 @@ and runs them through the stages on the workers of
 :mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
 so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
 micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
-stage waits (an event) only for the micro-batch it reads.
+stage waits (an event) only for the micro-batch it reads. On the CPU, once a
+micro-batch shape recurs (more than ``chunks`` calls), a stage runs as a
+TorchScript trace of its code (:mod:`placement.runtime.lowering.traced`): no
+Python per op, and the two workers do not take turns on the GIL
+(``module.trace_stages = False`` switches it off).
 
 Training: when gradients are needed, the whole pipeline is one autograd
 function. Each (stage, micro-batch) keeps its own small autograd graph on
@@ -165,6 +169,7 @@ class PipelinedModule(torch.nn.Module):
                 stage.module,
                 fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
                 warmup=chunks,
+                grad=True,
                 untraceable=f"nondeterministic op(s) {', '.join(random)}" if random else None,
             )
         self._pl_inputs = env_inputs
@@ -176,11 +181,12 @@ class PipelinedModule(torch.nn.Module):
 
     @property
     def trace_stages(self) -> bool:
-        """Whether inference calls run the stages as per-shape TorchScript traces (default ``True``).
+        """Whether the stages run as per-signature TorchScript traces (default ``True``).
 
-        See :mod:`placement.runtime.lowering.traced`: without grad, a stage input signature
-        seen in more than ``chunks`` calls is traced once and then runs without Python
-        (and without the GIL); stages whose code depends on input values run untraced.
+        See :mod:`placement.runtime.lowering.traced`: a stage input signature (shapes,
+        grad mode) seen in more than ``chunks`` calls is traced once and then runs without
+        Python (and without the GIL), forward and, through autograd, backward; stages whose
+        code depends on input values run untraced. Outputs and gradients are the same.
         """
         return all(s.call.enabled for s in self._pl_stages)
 

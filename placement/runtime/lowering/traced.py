@@ -1,25 +1,29 @@
-"""A pipeline stage run for inference as a TorchScript trace, one per input signature.
+"""A pipeline stage run as a TorchScript trace, one per input signature.
 
 A lowered stage is an fx ``GraphModule`` whose forward is Python: every op is a
 Python call (argument parsing, the op rule's wrapper, ``tolist`` of shape
 tensors) made while holding the GIL. A micro-batched forward pays that once per
 micro-batch and stage, and two stage workers running such code at the same time
-contend for the one GIL. For inference (grad mode off) a :class:`TracedStage`
-records the stage with ``torch.jit.trace`` and then runs the recorded graph:
-TorchScript's interpreter executes it in C++ and releases the GIL for the whole
-call, so the Python cost goes and the two workers no longer serialise on it.
-Graph-executor optimisation is switched off for these calls
+contend for the one GIL. A :class:`TracedStage` records the stage with
+``torch.jit.trace`` and then runs the recorded graph: TorchScript's interpreter
+executes it in C++ and releases the GIL for the whole call, so the Python cost
+goes and the two workers no longer serialise on it. Graph-executor
+optimisation is switched off for these calls
 (``torch.jit.optimized_execution(False)``, thread-local): no profiling runs, no
-fusion, just the recorded ops, so outputs equal the fx module's exactly.
+fusion, no differentiable subgraphs, just the recorded aten ops, so outputs
+equal the fx module's exactly. With ``grad=True`` the trace also runs with
+grad mode on: each recorded op goes through autograd as in eager mode, so
+``torch.autograd.grad`` of its outputs gives the fx module's gradients.
 
 A trace is a recording: every Python value the stage's code computed from a
 tensor (a reshape target read with ``tolist``, a ``bool`` of a condition) is
 frozen into it. So a trace is only reused for calls that would have computed
 the same Python values:
 
-* **Per signature.** Traces are keyed by the shape, dtype and device of every
-  stage input; a micro-batch of another size gets (after ``warmup`` calls) its
-  own trace and never reuses one recorded for a different shape.
+* **Per signature.** Traces are keyed by the shape and dtype of every stage
+  input, the grad mode and (with grad) which inputs require grad; a micro-batch
+  of another size gets (after ``warmup`` calls) its own trace and never reuses
+  one recorded for a different shape.
 * **Provenance.** While tracing, a ``TorchFunctionMode`` follows which stage
   inputs every tensor was computed from (shapes and metadata do not count). If
   a Python value was read from a tensor that depends on an input's *values*,
@@ -30,8 +34,8 @@ the same Python values:
   also rules tracing out.
 * **Fallbacks.** A stage with a nondeterministic ONNX op is never traced; a
   trace that fails, or a traced call that raises, falls back to the fx module
-  (which then raises its own readable error); grad mode on, non-tensor inputs,
-  or an input not on the CPU run the fx module.
+  (which then raises its own readable error); non-tensor inputs, an input not
+  on the CPU, or grad mode on without ``grad=True`` run the fx module.
 
 Tracing costs about one stage call, so it waits until a signature has been seen
 ``warmup`` times (one-shot forwards never trace); a stage keeps at most
@@ -152,6 +156,7 @@ class TracedStage:
         warmup: calls of one signature before it is traced.
         max_traces: most traces kept; further signatures run ``module``.
         untraceable: why ``module`` must never be traced (such as a nondeterministic op), or ``None``.
+        grad: also trace (and run traced) calls made with grad mode on.
 
     Attributes: ``enabled`` (the switch: ``False`` runs ``module`` always),
     ``traced`` (traces made), ``disabled`` (why the stage runs untraced from now
@@ -166,11 +171,13 @@ class TracedStage:
         warmup: int = 2,
         max_traces: int = 8,
         untraceable: str | None = None,
+        grad: bool = False,
     ) -> None:
         self.module = module
         self.warmup = warmup
         self.max_traces = max_traces
         self.enabled = True
+        self.grad = grad
         self.disabled: str | None = untraceable
         self.traced = 0
         self._fixed = frozenset(fixed)
@@ -180,7 +187,7 @@ class TracedStage:
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        if not self.enabled or self.disabled is not None or torch.is_grad_enabled():
+        if not self.enabled or self.disabled is not None or (torch.is_grad_enabled() and not self.grad):
             return self.module(*args)
         key = self._key(args)
         if key is None:
@@ -202,12 +209,15 @@ class TracedStage:
             return self.module(*args)
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...] | None:
-        key: list[Any] = []
+        grad = torch.is_grad_enabled()
+        key: list[Any] = [grad]
         for n, arg in enumerate(args):
             if not isinstance(arg, torch.Tensor) or arg.device.type != "cpu":
                 return None
             if n not in self._fixed:
-                key.append((tuple(arg.shape), arg.dtype))
+                key.append((tuple(arg.shape), arg.dtype, grad and arg.requires_grad))
+            elif grad:
+                key.append(arg.requires_grad)
         for n in self._keyed:
             arg = args[n]
             if arg.numel() > MAX_KEYED_ELEMENTS:
