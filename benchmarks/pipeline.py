@@ -23,6 +23,16 @@ all), and throughput is compared:
   single session, and the idle share ``1 - T(chunks=1) / (N * T(chunks=k))``
   next to GPipe's bubble ``(N-1)/(k+N-1)`` (N = 2 stages).
 
+Training on CPU: each pipeline worker thread gets its own glibc malloc arena,
+and glibc unmaps an arena's heaps once they are free, so every training step
+page-faults its activations and gradients in again (tens of thousands of
+faults, ~5-9% of the step's CPU time on bench gpt; the single-threaded eager
+baseline allocates from the main arena and does not). ``--malloc-arena-max 1``
+(glibc's ``mallopt(M_ARENA_MAX, 1)`` before any thread starts, the same as
+``MALLOC_ARENA_MAX=1``) puts every thread on the main arena; a caching
+allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) does the same job. Off by
+default; the setting is recorded in the results.
+
 Contenders alternate call by call (the order flips every round) so load from
 other processes hits all of them; the table shows medians. Results are written
 to ``benchmarks/results/pipeline.json``.
@@ -36,6 +46,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import logging
@@ -315,6 +326,15 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
     return rows
 
 
+def _malloc_arena_max(n: int) -> bool:
+    """glibc's ``mallopt(M_ARENA_MAX, n)``; ``False`` where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, n))  # M_ARENA_MAX is -8 in glibc's malloc.h
+    except (OSError, AttributeError):
+        return False
+
+
 def _environment() -> dict[str, Any]:
     try:
         load = os.getloadavg()
@@ -423,12 +443,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="glibc mallopt(M_ARENA_MAX, N) before any thread starts (see the module docstring)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.malloc_arena_max is not None and not _malloc_arena_max(args.malloc_arena_max):
+        log.warning("mallopt(M_ARENA_MAX) is not available (not glibc?): --malloc-arena-max ignored")
+        args.malloc_arena_max = None
     torch.set_num_threads(1)
     repeats = args.repeats or (5 if args.quick else 15)
     results = []
     env = _environment()
+    env["malloc_arena_max"] = args.malloc_arena_max
     for name in args.models:
         sweep = not args.quick or name == args.models[0]
         results.append(measure(name, repeats=repeats, sweep=sweep))
