@@ -1091,9 +1091,7 @@ def auto_place(
                 "auto_place: links into some device differ by source; copies are planned on the "
                 "link from the previous device (exact only when all links into a device are alike)"
             )
-    problem = PartitionProblem(
-        costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts
-    )
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
     if objective == "throughput":
         bound = problem.min_bottleneck()
         ends = problem.min_transfer(bound)

@@ -167,9 +167,7 @@ def calibrate(
     """
     if rounds < 0 or repeats < 1 or threads < 1:
         raise PlanError(f"need rounds >= 0, repeats >= 1, threads >= 1; got {rounds}, {repeats}, {threads}")
-    feeds = (
-        make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
-    )
+    feeds = make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     options: dict[str, Any] = dict(
         sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime="ort"
     )
@@ -264,6 +262,4 @@ def _time_all(timers: list[_StageTimer], repeats: int) -> list[list[float]]:
             start = clock()
             session.run(None, feed)
             best[key] = min(best[key], clock() - start)
-    return [
-        timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)
-    ]
+    return [timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]
