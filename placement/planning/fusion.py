@@ -48,12 +48,16 @@ import numpy as np
 from placement.graph.model import Model
 from placement.planning.profile import GraphInfo, fingerprint
 
-__all__ = ["PATTERNS", "find_chains", "fused_cuts", "fusion_cut_costs"]
+__all__ = ["PATTERNS", "READ_BACK_LIMIT", "find_chains", "fused_cuts", "fusion_cut_costs"]
 
 log = logging.getLogger(__name__)
 
 _CACHE_KEY = "placement.fusion_cut_costs"
 _FUSED_KEY = "placement.fused_cuts"
+
+#: :func:`fused_cuts` reads ONNX Runtime's optimised graph back only for models with at
+#: most this many bytes of weights (it is written to a temporary file, weights included).
+READ_BACK_LIMIT = 2**31
 
 _ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "Gelu", "FastGelu"})
 
@@ -111,8 +115,10 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
     inside :func:`find_chains`' chains are forbidden as well. Load-time blobs (computed
     from parameters alone) are ignored: they never cross a cut at run time.
 
-    When the model cannot be optimised and read back (ONNX Runtime rejects it), only
-    the chains are forbidden (logged). Cached on the model per structure fingerprint.
+    When the model cannot be optimised and read back (ONNX Runtime rejects it), or its
+    weights exceed :data:`READ_BACK_LIMIT` (ONNX Runtime writes the optimised model
+    with its weights to disk), only the chains are forbidden (logged). Cached on the
+    model per structure fingerprint.
 
     Example:
         >>> import placement as pl
@@ -134,11 +140,17 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
     for start, end in find_chains(info):
         for c in range(start + 1, end):
             allowed[c] = False
-    try:
-        alive = _optimized_value_names(model)
-    except Exception as err:  # ORT rejects the model: keep the chains only
-        log.info("fusion: cannot read ONNX Runtime's optimised graph (%s); only chains are kept whole", err)
-        alive = None
+    weights = sum(info.param_bytes)
+    alive = None
+    if weights > READ_BACK_LIMIT:
+        log.info("fusion: %d bytes of weights; only chains are kept whole", weights)
+    else:
+        try:
+            alive = _optimized_value_names(model)
+        except Exception as err:  # ORT rejects the model: keep the chains only
+            log.info(
+                "fusion: cannot read ONNX Runtime's optimised graph (%s); only chains are kept whole", err
+            )
     if alive is not None:
         # a blob made (or first fed) at position p and last read at q crosses cuts p+1..q
         diff = [0] * (n + 2)

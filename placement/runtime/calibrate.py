@@ -11,8 +11,9 @@ its edges. :func:`calibrate` closes the loop on the real thing:
 2. build the plan's stage sessions exactly as :class:`placement.Runner` does
    (:func:`placement.runtime.stages.split_stages`, :func:`placement.runtime.ort.stage_session`,
    ``threads`` intra-op threads each) and time them on the sample inputs, each
-   stage alone, stages alternating round by round, keeping each stage's fastest
-   round (the least disturbed by other processes);
+   stage alone, stages alternating round by round (the order reversed every other
+   round), keeping each stage's median (on a shared machine whose other processes
+   preempt most runs the median is far steadier than the fastest run);
 3. scale the op costs of each part by its measured / predicted time and re-plan
    with those costs (``auto_place(op_costs=...)``); repeat for ``rounds`` rounds or
    until a plan repeats;
@@ -42,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ def calibrate(
     *,
     sample_inputs: Any = None,
     rounds: int = 3,
-    repeats: int = 10,
+    repeats: int = 11,
     threads: int = 1,
     device_map: DeviceMapLike = "auto",
     profile_repeats: int = 5,
@@ -151,7 +152,7 @@ def calibrate(
             step's worth (a micro-batch for ``chunks=k``, a stream element for
             ``Runner.stream``); default :func:`placement.planning.profile.make_sample_inputs`.
         rounds: re-plans at most (0: time the uncalibrated plan only).
-        repeats: timed rounds per comparison (each stage's fastest round is kept).
+        repeats: timed rounds per comparison (each stage's median is kept).
         threads: intra-op threads per stage session, as ``Runner(threads_per_stage=...)``.
         device_map: where the stage sessions run, as for :class:`placement.Runner`.
         profile_repeats: ``repeats`` of the initial profile.
@@ -251,15 +252,16 @@ class _StageTimer:
 
 
 def _time_all(timers: list[_StageTimer], repeats: int) -> list[list[float]]:
-    """Per timer, per part: the fastest of ``repeats`` rounds, every stage session of
+    """Per timer, per part: the median of ``repeats`` rounds, every stage session of
     every timer run alone once per round, the order reversed every other round."""
     runs = [(t, s) for t in range(len(timers)) for s in range(len(timers[t].runs))]
-    best = {key: math.inf for key in runs}
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key in runs}
     clock = time.perf_counter
     for r in range(repeats):
         for key in runs if r % 2 == 0 else reversed(runs):
             session, feed = timers[key[0]].runs[key[1]]
             start = clock()
             session.run(None, feed)
-            best[key] = min(best[key], clock() - start)
+            samples[key].append(clock() - start)
+    best = {key: statistics.median(values) for key, values in samples.items()}
     return [timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]
