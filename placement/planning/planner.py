@@ -53,6 +53,21 @@ the links from :func:`placement.measure_links` between two devices); otherwise t
 planner charges a copy on the link from the previous device in the pipeline, and
 the plan reports the times on the true links.
 
+Which runtime (``runtime=``, ``cost="time"``): the ONNX Runtime executor runs each
+stage as one *optimised* session (fused kernels, blocked convolution layouts), torch
+runs op by op; per-op times differ between the two (a ResNet's Conv+BN+ReLU is much
+cheaper fused), so a plan balanced for one can be unbalanced for the other. The
+default ``"ort"`` times ops in an optimised session (each fused node's time to the op
+it came from) and allows only cuts that split no fused group
+(:func:`placement.planning.fusion.fused_cuts`: exact, read from ONNX Runtime's own
+optimised graph, so no timing noise); ``"torch"`` times ops one by one and charges
+measured fusion cut costs. Fusion is a property of the graph that a measured penalty
+could only estimate (and on a loaded machine such penalties read 0-7 ms at
+neighbouring cuts), which is why it is a constraint here. What per-op times still
+miss (session call overhead, layout conversions at a stage's edges, profiling noise)
+is corrected by calibrating on the measured stage sessions
+(:func:`placement.runtime.calibrate.calibrate`, which re-plans with ``op_costs=``).
+
 Bytes copied per step count one copy per (blob, reading device), as
 ``inject_cross_device_copies`` makes them; graph inputs are fed where first read;
 blobs computed from parameters alone are load-time values the runtimes
