@@ -90,6 +90,7 @@ _VALUE_SHAPED = frozenset(
 )  # fmt: skip
 _INDEXING = frozenset({"__getitem__", "index", "index_select", "take"})
 
+_MAX_FAILURES = 3  # failed traces before a stage gives up tracing
 _trace_lock = threading.Lock()  # tracing swaps the process-wide warning filters
 
 
@@ -147,7 +148,7 @@ class _Provenance(TorchFunctionMode):
 
 
 class TracedStage:
-    """Calls ``module`` (a stage's ``GraphModule``); without grad, through per-signature traces.
+    """Calls ``module`` (a stage's ``GraphModule``) through per-signature traces where that is safe.
 
     Args:
         module: the stage's module; called with its positional inputs.
@@ -185,6 +186,7 @@ class TracedStage:
         self._traces: dict[tuple[Any, ...], Any] = {}
         self._seen: dict[tuple[Any, ...], int] = {}
         self._lock = threading.Lock()
+        self._failures = 0
 
     def __call__(self, *args: Any) -> Any:
         if not self.enabled or self.disabled is not None or (torch.is_grad_enabled() and not self.grad):
@@ -240,7 +242,12 @@ class TracedStage:
                 self._disable(str(err))
                 return None
             except Exception as err:  # noqa: BLE001 - tracing is an optimisation; fx still runs
-                self._disable(f"tracing failed: {type(err).__name__}: {err}")
+                # Such as a bad batch (the fx module then raises its error): try again later,
+                # give up after a few failures.
+                self._failures += 1
+                log.debug("tracing a stage failed (%d): %s: %s", self._failures, type(err).__name__, err)
+                if self._failures >= _MAX_FAILURES:
+                    self._disable(f"tracing failed: {type(err).__name__}: {err}")
                 return None
             read = mode.read
             bad = [
