@@ -91,6 +91,7 @@ _VALUE_SHAPED = frozenset(
 _INDEXING = frozenset({"__getitem__", "index", "index_select", "take"})
 
 _MAX_FAILURES = 3  # failed traces before a stage gives up tracing
+_MAX_SEEN = 1024  # signatures counted at once
 _trace_lock = threading.Lock()  # tracing swaps the process-wide warning filters
 
 
@@ -197,6 +198,8 @@ class TracedStage:
         trace = self._traces.get(key)
         if trace is None:
             seen = self._seen.get(key, 0) + 1
+            if len(self._seen) >= _MAX_SEEN:  # many distinct shapes: counts start again
+                self._seen.clear()
             self._seen[key] = seen
             if seen <= self.warmup or len(self._traces) >= self.max_traces:
                 return self.module(*args)
