@@ -1,7 +1,12 @@
 """Benchmark: pipelined execution over micro-batches, both runtimes, side by side in one run.
 
 Bench-size ``gpt`` and ``resnet`` are exported with a dynamic batch and placed on
-two logical devices by ``pl.auto_place(devices=2)``. On CPU every logical device
+two logical devices, once per runtime: the ONNX Runtime rows run the plan of
+``calibrate(model, devices=2)`` (:mod:`placement.runtime.calibrate`:
+``auto_place(runtime="ort")``, optimised-session op times and no cut inside a fused
+group, then re-planned on the measured times of its 1-thread stage sessions;
+``--no-calibrate``: the ``auto_place(runtime="ort")`` plan alone), the torch rows the
+plan of ``auto_place(devices=2, runtime="torch")`` (ops timed one by one). On CPU every logical device
 is emulated with its own session / worker thread, so two stages can use two
 cores at once. A mini-batch is 8 of the model's example batches (GPT: 16
 sequences of 128 tokens; ResNet: 64 images of 64x64), so ``chunks=8`` gives
@@ -16,12 +21,22 @@ all), and throughput is compared:
 * **torch**: the eager module vs ``pl.to_torch(model, chunks=8)``: forward
   (no grad) >= 1.6, and a training step (forward + backward of a squared-output
   loss, ``checkpoint="never"``) >= 1.5. torchgpipe's ``GPipe`` on the same
-  model as an ``nn.Sequential`` (balance taken from our plan, devices
+  model as an ``nn.Sequential`` (balance taken from our torch plan, devices
   ``["cpu", "cpu"]``, same chunks) in the same table, when installed
   (``pip install torchgpipe``; a benchmark-only dependency).
 * **chunks sweep**: ``Runner.run`` with chunks 1, 2, 4, 8, 16: speedup over the
   single session, and the idle share ``1 - T(chunks=1) / (N * T(chunks=k))``
   next to GPipe's bubble ``(N-1)/(k+N-1)`` (N = 2 stages).
+
+Training on CPU: each pipeline worker thread gets its own glibc malloc arena,
+and glibc unmaps an arena's heaps once they are free, so every training step
+page-faults its activations and gradients in again (tens of thousands of
+faults, ~5-9% of the step's CPU time on bench gpt; the single-threaded eager
+baseline allocates from the main arena and does not). ``--malloc-arena-max 1``
+(glibc's ``mallopt(M_ARENA_MAX, 1)`` before any thread starts, the same as
+``MALLOC_ARENA_MAX=1``) puts every thread on the main arena; a caching
+allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) does the same job. Off by
+default; the setting is recorded in the results.
 
 Contenders alternate call by call (the order flips every round) so load from
 other processes hits all of them; the table shows medians. Results are written
@@ -36,6 +51,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import logging
@@ -59,6 +75,7 @@ import torch  # noqa: E402
 import placement as pl  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.models import gpt, resnet  # noqa: E402
+from placement.runtime.calibrate import calibrate  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
 from placement.runtime.pipeline import bubble_fraction  # noqa: E402
@@ -105,13 +122,32 @@ def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
     return net.eval(), torch.cat([x] * CHUNKS).contiguous(), int(x.shape[0])
 
 
-def _place(net: torch.nn.Module, x: torch.Tensor, sample: int) -> tuple[pl.Model, pl.Model, Any]:
+def _place(
+    net: torch.nn.Module, x: torch.Tensor, sample: int, *, calibrated: bool = True
+) -> tuple[pl.Model, pl.Model, pl.Model, dict[str, Any]]:
+    """The unplaced model, its ORT placement, its torch placement (copies injected), plan facts."""
     batch = torch.export.Dim("batch")
-    model = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
-    unplaced = model.copy()
-    plan = pl.auto_place(model, devices=2, sample_inputs=[x[:sample]], repeats=3)
-    pl.inject_cross_device_copies(model)
-    return unplaced, model, plan
+    unplaced = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
+    ort_model, torch_model = unplaced.copy(), unplaced.copy()
+    example = [x[:sample]]
+    info: dict[str, Any] = {}
+    if calibrated:
+        result = calibrate(ort_model, devices=2, sample_inputs=example, profile_repeats=3, device_map="cpu")
+        info["ort_calibration"] = [
+            {"predicted_ms": [s * 1e3 for s in t.predicted_s], "measured_ms": [s * 1e3 for s in t.measured_s]}
+            for t in result.trials
+        ]
+        info["ort_chosen"] = result.chosen
+        ort_plan = result.plan
+    else:
+        ort_plan = pl.auto_place(ort_model, devices=2, sample_inputs=example, repeats=3, runtime="ort")
+    torch_plan = pl.auto_place(torch_model, devices=2, sample_inputs=example, repeats=3, runtime="torch")
+    for plan, key in ((ort_plan, "ort"), (torch_plan, "torch")):
+        info[f"{key}_plan_ms"] = [d.stage_cost / 1e6 for d in plan.devices]
+        info[f"{key}_last_op_on_first"] = plan.devices[0].last_op
+    pl.inject_cross_device_copies(ort_model)
+    pl.inject_cross_device_copies(torch_model)
+    return unplaced, ort_model, torch_model, info
 
 
 # --- torchgpipe's view of the zoo models: nn.Sequential -------------------------------------
@@ -197,10 +233,12 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> dict[str, Any]:
+def measure(
+    name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS, calibrated: bool = True
+) -> dict[str, Any]:
     torch.manual_seed(0)
     net, x, sample = _build(name)
-    unplaced, model, plan = _place(net, x, sample)
+    unplaced, model, torch_model, plan_info = _place(net, x, sample, calibrated=calibrated)
     xs = x.numpy()
     cpu = PhysicalDevice("cpu")
     single = ort.InferenceSession(
@@ -238,6 +276,7 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
         "chunks": chunks,
         "stages": n_stages,
         "plan_devices": [str(d) for d in model.devices],
+        "plans": plan_info,
         "ort": {
             "single_s": ort_times["single"],
             "run_s": ort_times["run"],
@@ -255,9 +294,9 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
     }
 
     # torch: eager vs pipelined lowering vs torchgpipe, forward and a training step.
-    lowered = pl.to_torch(model, device_map="cpu")
-    pmod = pl.to_torch(model, device_map="cpu", chunks=chunks, checkpoint="never")
-    gp = _torchgpipe(name, net, model, chunks)
+    lowered = pl.to_torch(torch_model, device_map="cpu")
+    pmod = pl.to_torch(torch_model, device_map="cpu", chunks=chunks, checkpoint="never")
+    gp = _torchgpipe(name, net, torch_model, chunks)
     with torch.no_grad():
         torch.testing.assert_close(pmod(x), net(x), atol=1e-3, rtol=1e-3)
 
@@ -313,6 +352,15 @@ def measure(name: str, *, repeats: int, sweep: bool, chunks: int = CHUNKS) -> di
             for k in runners
         ]
     return rows
+
+
+def _malloc_arena_max(n: int) -> bool:
+    """glibc's ``mallopt(M_ARENA_MAX, n)``; ``False`` where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, n))  # M_ARENA_MAX is -8 in glibc's malloc.h
+    except (OSError, AttributeError):
+        return False
 
 
 def _environment() -> dict[str, Any]:
@@ -397,6 +445,16 @@ def _print(results: list[dict[str, Any]]) -> None:
                     )
     console.print(table)
     for res in results:
+        plans = res["plans"]
+        for k, trial in enumerate(plans.get("ort_calibration", [])):
+            mark = "chosen" if k == plans["ort_chosen"] else ""
+            pred = " | ".join(f"{t:.2f}" for t in trial["predicted_ms"])
+            meas = " | ".join(f"{t:.2f}" for t in trial["measured_ms"])
+            console.print(
+                f"{res['model']} ORT calibration trial {k}: predicted {pred} ms, "
+                f"stage sessions measured {meas} ms {mark}"
+            )
+    for res in results:
         if "sweep" not in res:
             continue
         sweep = Table(title=f"{res['model']}: ORT Runner.run throughput vs chunks ({res['stages']} stages)")
@@ -423,15 +481,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="glibc mallopt(M_ARENA_MAX, N) before any thread starts (see the module docstring)",
+    )
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="ORT rows on the auto_place(runtime='ort') plan, without calibration on measured stages",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.malloc_arena_max is not None and not _malloc_arena_max(args.malloc_arena_max):
+        log.warning("mallopt(M_ARENA_MAX) is not available (not glibc?): --malloc-arena-max ignored")
+        args.malloc_arena_max = None
     torch.set_num_threads(1)
     repeats = args.repeats or (5 if args.quick else 15)
     results = []
     env = _environment()
+    env["malloc_arena_max"] = args.malloc_arena_max
     for name in args.models:
         sweep = not args.quick or name == args.models[0]
-        results.append(measure(name, repeats=repeats, sweep=sweep))
+        results.append(measure(name, repeats=repeats, sweep=sweep, calibrated=not args.no_calibrate))
     _print(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {

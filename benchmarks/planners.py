@@ -15,7 +15,8 @@ Method (the same models, device counts, measurements and scoring for every plann
    one cost model every plan is scored with.
 2. Planners:
 
-   * **ours**: ``pl.auto_place(model, devices=N, max_memory=..., cost="time")``, the exact
+   * **ours**: ``pl.auto_place(model, devices=N, max_memory=..., cost="time", runtime="torch")``
+     (op-by-op times, the cost model every plan is scored with), the exact
      bottleneck-optimal contiguous partition of the op order under the budgets.
    * **torchgpipe**: ``torchgpipe.balance.balance_cost``, the partition step of
      ``torchgpipe_balancing.balance_by_time``. ``balance_by_time`` itself needs an
@@ -247,11 +248,21 @@ def run(
             for scenario, b in (("no budget", None), (f"budget {format_bytes(budget)}", budget)):
                 start = time.perf_counter()
                 max_memory = {k: b for k in range(n)} if b is not None else None
-                pl.auto_place(model, devices=n, max_memory=max_memory, cost="time", links=None, fusion=False)
+                pl.auto_place(
+                    model,
+                    devices=n,
+                    max_memory=max_memory,
+                    cost="time",
+                    links=None,
+                    fusion=False,
+                    runtime="torch",
+                )
                 elapsed = time.perf_counter() - start
                 plain = _score(model, info, costs, n, b)
                 _reset(model)
-                pl.auto_place(model, devices=n, max_memory=max_memory, cost="time", links=link_model)
+                pl.auto_place(
+                    model, devices=n, max_memory=max_memory, cost="time", links=link_model, runtime="torch"
+                )
                 linked = _score(model, info, costs, n, b, link_model, cuts)
                 rows.append(_row(name, n, scenario, "ours", plain, b, elapsed, linked))
                 if "torchgpipe" in peers:

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from placement.report import summary
     from placement.report.draw import draw
     from placement.report.html import write_report
+    from placement.runtime.calibrate import Calibration, calibrate
     from placement.runtime.lowering import to_torch
     from placement.runtime.ort import Runner, run
 
@@ -110,6 +111,8 @@ _LAZY = {
     "write_report": "placement.report.html",
     "Runner": "placement.runtime.ort",
     "run": "placement.runtime.ort",
+    "calibrate": "placement.runtime.calibrate",
+    "Calibration": "placement.runtime.calibrate",
     "to_torch": "placement.runtime.lowering",
 }
 
@@ -160,6 +163,8 @@ __all__ = [
     # runtime
     "Runner",
     "run",
+    "calibrate",
+    "Calibration",
     "to_torch",
     # report
     "summary",

@@ -138,9 +138,20 @@ def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
         devices = 2
     if isinstance(devices, int) and devices < 1:
         raise pl.PlanError(f"--devices must be at least 1, got {devices}")
+    runtime = getattr(args, "runtime", "ort")
+    if getattr(args, "calibrate", False):
+        if args.cost != "time" or runtime != "ort" or args.objective != "throughput":
+            raise pl.PlanError(
+                "--calibrate times ONNX Runtime stage sessions: use it with --cost time, "
+                "--runtime ort and --objective throughput"
+            )
+        with _step(console, "profiling, planning and timing stage sessions (calibration)"):
+            return pl.calibrate(model, devices, budgets).plan
     what = "profiling and planning" if args.cost == "time" else "planning"
-    with _step(console, f"{what} ({args.cost} cost, {args.objective})"):
-        return pl.auto_place(model, devices, budgets, cost=args.cost, objective=args.objective)
+    with _step(console, f"{what} ({args.cost} cost, {args.objective}, for {runtime})"):
+        return pl.auto_place(
+            model, devices, budgets, cost=args.cost, objective=args.objective, runtime=runtime
+        )
 
 
 def _is_placed(model: Any) -> bool:
@@ -151,11 +162,11 @@ def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split:
     """Place ``model`` as the options say; returns the plan (or None). Copies are injected."""
     plan = None
     if getattr(args, "plan", None):
-        if args.auto or args.max_memory:
-            raise pl.PlanError("--plan applies a saved plan: leave out --auto and --max-memory")
+        if args.auto or args.max_memory or args.calibrate:
+            raise pl.PlanError("--plan applies a saved plan: leave out --auto, --max-memory and --calibrate")
         plan = pl.Plan.load(args.plan)
         plan.apply(model)
-    elif args.auto or args.max_memory:
+    elif args.auto or args.max_memory or args.calibrate:
         plan = _auto_plan(model, args, console)
     elif args.devices is not None or default_split is not None:
         count = args.devices if args.devices is not None else default_split
@@ -540,6 +551,19 @@ def _add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | N
         default="throughput",
         choices=["throughput", "latency"],
         help="planner objective (default throughput: smallest bottleneck)",
+    )
+    p.add_argument(
+        "--runtime",
+        default="ort",
+        choices=["ort", "torch"],
+        help="with --cost time, the executor the plan is balanced for: ONNX Runtime's optimised "
+        "sessions (ort, the default; no cut inside a fused group) or op by op (torch, for to_torch)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --cost time: re-plan on the measured times of the plan's ONNX Runtime stage "
+        "sessions and keep the best measured plan (pl.calibrate; a few seconds more)",
     )
 
 

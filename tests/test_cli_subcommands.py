@@ -95,6 +95,22 @@ def test_place_auto_with_budgets_prints_its_plan(work):
     pl.verify(pl.load(work / "p.onnx"))
 
 
+def test_place_calibrated_times_stage_sessions(work):
+    out = _ok(
+        cli("place", "mlp.onnx", "--calibrate", "--cost", "time", "--devices", "2", "-o", "c.onnx", cwd=work)
+    )
+    assert "plan (throughput, cost=time)" in out and "saved c.onnx" in out
+    pl.verify(pl.load(work / "c.onnx"))  # (the tiny mlp is best left on one device: copies cost more)
+
+
+def test_calibrate_needs_measured_ort_costs(work):
+    result = cli(
+        "plan", "mlp.onnx", "--calibrate", "--runtime", "torch", "--cost", "time", "-o", "p.json", cwd=work
+    )
+    assert result.returncode == 2 and "--calibrate" in result.stderr and "--runtime ort" in result.stderr
+    assert not (work / "p.json").exists()
+
+
 def test_run_a_placed_file_matches_torch(work, files):
     out = _ok(
         cli(

@@ -18,6 +18,13 @@ blocked convolution layout) is timed too, and every cut has convolutions on both
 as inside a real stage.
 Chains with the same op types, attributes and shapes are timed once.
 
+:func:`fused_cuts` is the cheap, exact alternative used when planning for the ONNX
+Runtime executor (``auto_place(runtime="ort")``): it asks ONNX Runtime itself which
+blobs its graph optimisations fuse away and forbids every cut that one of them would
+cross (plus cuts inside the chains above, which the CPU's blocked-layout convolutions
+fuse at the highest level). No timing, so no noise; the cuts that remain are where an
+optimised stage session starts and ends with the same fused kernels as the whole model.
+
 Example:
     >>> import placement as pl
     >>> from placement.planning.profile import GraphInfo
@@ -41,11 +48,16 @@ import numpy as np
 from placement.graph.model import Model
 from placement.planning.profile import GraphInfo, fingerprint
 
-__all__ = ["PATTERNS", "find_chains", "fusion_cut_costs"]
+__all__ = ["PATTERNS", "READ_BACK_LIMIT", "find_chains", "fused_cuts", "fusion_cut_costs"]
 
 log = logging.getLogger(__name__)
 
 _CACHE_KEY = "placement.fusion_cut_costs"
+_FUSED_KEY = "placement.fused_cuts"
+
+#: :func:`fused_cuts` reads ONNX Runtime's optimised graph back only for models with at
+#: most this many bytes of weights (it is written to a temporary file, weights included).
+READ_BACK_LIMIT = 2**31
 
 _ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "Gelu", "FastGelu"})
 
@@ -85,6 +97,120 @@ def _feeds_only(info: GraphInfo, src: int, dst: int) -> bool:
         if info.blob_consumers[b] == [dst] and not info.blob_is_output[b]:
             return True
     return False
+
+
+def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
+    """Allowed cut points ``0..n``: False where a cut would split a group ONNX Runtime fuses.
+
+    The model is optimised once by ONNX Runtime (``ORT_ENABLE_EXTENDED``, the CPU
+    provider; nothing is run) and the optimised graph's value names are read back:
+    ONNX Runtime keeps the name of every blob that still exists after its fusions
+    (a fused node computes its last op's output under that op's output name), so a
+    data-dependent blob that is gone was computed *inside* a fused kernel
+    (``MatMul`` + ``Mul`` as ``FusedMatMul``, ``Add`` + ``Gelu`` as ``BiasGelu``,
+    ``Conv`` + ``BatchNormalization``, ``Add`` + ``LayerNormalization`` as
+    ``SkipLayerNormalization``, ...). A cut that such a blob would cross is forbidden.
+    The level above (``ORT_ENABLE_ALL``) also folds ``Add`` and the activation after a
+    convolution into its blocked-layout (NCHWc) kernel under a renamed value, so cuts
+    inside :func:`find_chains`' chains are forbidden as well. Load-time blobs (computed
+    from parameters alone) are ignored: they never cross a cut at run time.
+
+    When the model cannot be optimised and read back (ONNX Runtime rejects it), or its
+    weights exceed :data:`READ_BACK_LIMIT` (ONNX Runtime writes the optimised model
+    with its weights to disk), only the chains are forbidden (logged). Cached on the
+    model per structure fingerprint.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import resnet
+        >>> model = pl.from_torch(*resnet.build("tiny"))
+        >>> info = GraphInfo(model)
+        >>> allowed = fused_cuts(model, info)
+        >>> conv = next(p for p in range(len(info)) if info.nodes[p].op_type == "Conv")
+        >>> info.nodes[conv + 1].op_type, allowed[conv + 1]  # Conv | BatchNormalization: fused
+        ('BatchNormalization', False)
+    """
+    fp = fingerprint(model)
+    cached = model.ir_model.meta.get(_FUSED_KEY)
+    if isinstance(cached, tuple) and cached[0] == fp:
+        return list(cached[1])
+    info = info if info is not None else GraphInfo(model)
+    n = len(info)
+    allowed = [True] * (n + 1)
+    for start, end in find_chains(info):
+        for c in range(start + 1, end):
+            allowed[c] = False
+    weights = sum(info.param_bytes)
+    alive = None
+    if weights > READ_BACK_LIMIT:
+        log.info("fusion: %d bytes of weights; only chains are kept whole", weights)
+    else:
+        try:
+            alive = _optimized_value_names(model)
+        except Exception as err:  # ORT rejects the model: keep the chains only
+            log.info(
+                "fusion: cannot read ONNX Runtime's optimised graph (%s); only chains are kept whole", err
+            )
+    if alive is not None:
+        # a blob made (or first fed) at position p and last read at q crosses cuts p+1..q
+        diff = [0] * (n + 2)
+        for b, consumers in enumerate(info.blob_consumers):
+            if not consumers or info.blob_names[b] in alive:
+                continue
+            producer = info.blob_producer[b]
+            if producer >= 0 and not info.data_dependent[producer]:
+                continue
+            first = producer if producer >= 0 else consumers[0]
+            if consumers[-1] > first:
+                diff[first + 1] += 1
+                diff[consumers[-1] + 1] -= 1
+        crossing = 0
+        for c in range(n + 1):
+            crossing += diff[c]
+            if crossing:
+                allowed[c] = False
+    allowed[0] = allowed[n] = True
+    log.info("fusion: %d of %d cut points split a fused group", allowed.count(False), max(n - 1, 0))
+    model.ir_model.meta[_FUSED_KEY] = (fp, list(allowed))
+    return allowed
+
+
+def _optimized_value_names(model: Model) -> set[str]:
+    """Names of the values in ONNX Runtime's optimised graph of ``model`` (CPU, extended level)."""
+    import os
+    import shutil
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    from placement.graph.serialize import split_weights
+
+    proto, weights = split_weights(model)
+    tmp = tempfile.mkdtemp(prefix="placement-fused-")
+    try:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        # the optimised model's weights go to a side file that is never read back
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "weights.bin"
+        )
+        if weights:
+            options.add_external_initializers(
+                list(weights), [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+            )
+        ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    names = {v.name for v in optimized.graph.input} | {v.name for v in optimized.graph.output}
+    for node in optimized.graph.node:
+        names.update(node.input)
+        names.update(node.output)
+    return names
 
 
 def fusion_cut_costs(

@@ -53,6 +53,21 @@ the links from :func:`placement.measure_links` between two devices); otherwise t
 planner charges a copy on the link from the previous device in the pipeline, and
 the plan reports the times on the true links.
 
+Which runtime (``runtime=``, ``cost="time"``): the ONNX Runtime executor runs each
+stage as one *optimised* session (fused kernels, blocked convolution layouts), torch
+runs op by op; per-op times differ between the two (a ResNet's Conv+BN+ReLU is much
+cheaper fused), so a plan balanced for one can be unbalanced for the other. The
+default ``"ort"`` times ops in an optimised session (each fused node's time to the op
+it came from) and allows only cuts that split no fused group
+(:func:`placement.planning.fusion.fused_cuts`: exact, read from ONNX Runtime's own
+optimised graph, so no timing noise); ``"torch"`` times ops one by one and charges
+measured fusion cut costs. Fusion is a property of the graph that a measured penalty
+could only estimate (and on a loaded machine such penalties read 0-7 ms at
+neighbouring cuts), which is why it is a constraint here. What per-op times still
+miss (session call overhead, layout conversions at a stage's edges, profiling noise)
+is corrected by calibrating on the measured stage sessions
+(:func:`placement.runtime.calibrate.calibrate`, which re-plans with ``op_costs=``).
+
 Bytes copied per step count one copy per (blob, reading device), as
 ``inject_cross_device_copies`` makes them; graph inputs are fed where first read;
 blobs computed from parameters alone are load-time values the runtimes
@@ -105,6 +120,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("throughput", "latency")
+#: What ``auto_place(runtime=...)`` balances a plan for.
+RUNTIMES = ("ort", "torch")
 
 _UNITS = {
     "": 1,
@@ -586,6 +603,8 @@ class Plan:
         overhead: per step, the summed transfer times and cut costs (ns; 0 without a
             link model or cut costs): what the latency objective minimises.
         links: the link model planned with (see :meth:`Links.to_dict`), or None.
+        runtime: the executor the op times were taken for (``auto_place(runtime=...)``):
+            ``"ort"`` or ``"torch"``.
     """
 
     assignment: dict[str, str]
@@ -600,6 +619,7 @@ class Plan:
     fingerprint: str = ""
     overhead: int = 0
     links: dict[str, Any] | None = None
+    runtime: str = "ort"
 
     @property
     def ratio(self) -> float:
@@ -960,6 +980,18 @@ def _cut_bytes(info: GraphInfo, c: int) -> int:
     return total
 
 
+def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str, float]) -> list[int]:
+    unknown = [name for name in op_costs if name not in info.position]
+    if unknown:
+        raise UnknownOpError(f"op_costs names op {unknown[0]!r}, which is not in the model")
+    result = list(costs)
+    for name, value in op_costs.items():
+        if not value >= 0 or not math.isfinite(value):
+            raise PlanError(f"op_costs[{name!r}] must be a finite non-negative number, got {value!r}")
+        result[info.position[name]] = round(value)
+    return result
+
+
 def auto_place(
     model: Model,
     devices: int | Sequence[DeviceLike] | None = None,
@@ -971,7 +1003,8 @@ def auto_place(
     repeats: int = 5,
     links: LinksLike = "auto",
     fusion: bool = True,
-    optimized_profile: bool = False,
+    runtime: str = "ort",
+    op_costs: Mapping[str, float] | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -998,15 +1031,28 @@ def auto_place(
             :class:`~placement.planning.links.Link`, a mapping
             ``(source, destination) -> link``, links measured by
             :func:`placement.measure_links`, or None (transfers cost nothing).
-        fusion: with ``cost="time"``, charge a cut inside a fusable pattern
-            (Conv+BatchNormalization(+Add)+Relu, MatMul+Add(+activation)) what ONNX
-            Runtime loses by running its halves apart, measured (see
-            :mod:`placement.planning.fusion`).
-        optimized_profile: with ``cost="time"``, time ops in an ONNX Runtime session
-            with graph optimisations on (fused nodes' times given to their ops; see
-            :func:`placement.profile`), so the plan is balanced for the ONNX Runtime
-            executor. Default off: ops timed one by one, which balances op-by-op
-            runtimes (``pl.to_torch``, torch eager).
+        fusion: with ``cost="time"``, respect what ONNX Runtime fuses. For
+            ``runtime="ort"``: never cut inside a group its graph optimisations fuse
+            into one kernel (read from its optimised graph, no timing; see
+            :func:`placement.planning.fusion.fused_cuts`). For ``runtime="torch"``:
+            charge a cut inside a fusable pattern (Conv+BatchNormalization(+Add)+Relu,
+            MatMul+Add(+activation)) what ONNX Runtime loses by running its halves
+            apart, measured (:func:`placement.planning.fusion.fusion_cut_costs`).
+        runtime: which executor the plan is balanced for (``cost="time"`` only).
+            ``"ort"`` (default; ``pl.Runner``, ``pl.run``, the saved ONNX): ops are
+            timed in one ONNX Runtime session with graph optimisations on, as the
+            stage sessions run, each fused or re-laid-out node's time going to the op
+            it came from (:func:`placement.profile` with ``optimized=True``), and no
+            part boundary splits a fused group. ``"torch"`` (``pl.to_torch``, torch
+            eager; op-by-op runtimes): ops are timed one by one with optimisations
+            off. The two differ most on convolutional nets, whose fused
+            Conv+BN+ReLU kernels run much faster than their ops one by one. For a
+            plan balanced on *measured* stage sessions, see
+            :func:`placement.runtime.calibrate.calibrate`.
+        op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
+            the profiled cost of those ops; other ops keep theirs. Calibration
+            (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
+            costs scaled to measured stage times.
 
     Raises:
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
@@ -1025,6 +1071,8 @@ def auto_place(
         raise PlanError(f"unknown cost {cost!r}; expected one of {', '.join(COST_KINDS)}")
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
+    if runtime not in RUNTIMES:
+        raise PlanError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
     if cost != "time" and links is not None and links is not False and links != "auto":
@@ -1033,15 +1081,21 @@ def auto_place(
         cost = _time_or_flops(model)
     link_model = resolve_links(links) if cost == "time" else None
     prof = profile(
-        model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats, optimized=optimized_profile
+        model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats, optimized=runtime == "ort"
     )
     costs = prof.costs(cost)
     info = GraphInfo(model)
+    if op_costs is not None:
+        costs = _override_costs(info, costs, op_costs)
+    allowed = constant_glue(info)
     cuts = None
     if fusion and cost == "time" and len(device_list) > 1:
-        from placement.planning.fusion import fusion_cut_costs
+        from placement.planning.fusion import fused_cuts, fusion_cut_costs
 
-        cuts = fusion_cut_costs(model, info, repeats=repeats)
+        if runtime == "ort":
+            allowed = [a and f for a, f in zip(allowed, fused_cuts(model, info))]
+        else:
+            cuts = fusion_cut_costs(model, info, repeats=repeats)
     links_in = None
     if link_model is not None:
         links_in = [
@@ -1052,9 +1106,7 @@ def auto_place(
                 "auto_place: links into some device differ by source; copies are planned on the "
                 "link from the previous device (exact only when all links into a device are alike)"
             )
-    problem = PartitionProblem(
-        costs, budgets, info, allowed_cuts=constant_glue(info), links_in=links_in, cut_costs=cuts
-    )
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
     if objective == "throughput":
         bound = problem.min_bottleneck()
         ends = problem.min_transfer(bound)
@@ -1072,6 +1124,7 @@ def auto_place(
         links=link_model,
         cut_costs=cuts,
     )
+    plan.runtime = runtime
     plan.apply(model)
     log.info(
         "auto_place: %d ops on %d devices, bottleneck %.3f x lower bound, %d bytes copied per step",

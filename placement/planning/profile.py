@@ -716,9 +716,11 @@ def profile(
         optimized: time a session with ONNX Runtime's graph optimisations on and give
             each fused or re-laid-out node's time to the op it came from (ops fused
             into another cost 0). This is what the ONNX Runtime executor's stage
-            sessions run, so a plan balanced on it is balanced for ONNX Runtime; the
-            default (optimisations off, every op timed alone) matches op-by-op
-            runtimes such as torch eager and the ``pl.to_torch`` lowering.
+            sessions run, so a plan balanced on it is balanced for ONNX Runtime
+            (``auto_place(runtime="ort")``, its default, profiles this way); the
+            default here (optimisations off, every op timed alone) matches op-by-op
+            runtimes such as torch eager and the ``pl.to_torch`` lowering
+            (``auto_place(runtime="torch")``).
 
     Returns:
         A :class:`Profile`; :attr:`Profile.costs` gives integer cost vectors.

@@ -7,6 +7,8 @@
   and transfer steps over a value table).
 - :mod:`~placement.runtime.pipeline`: the micro-batch schedule both runtimes share (``chunks=``,
   ``Runner.stream``, pipelined ``to_torch`` forward and backward).
+- :mod:`~placement.runtime.calibrate`: ``calibrate``, plans re-balanced on the measured
+  times of their ONNX Runtime stage sessions.
 - :mod:`~placement.runtime.links`: ``measure_links``, timing real copies between devices.
 - :mod:`~placement.runtime.layout`: stage-model rewrites that keep ONNX Runtime's blocked
   convolution layout across a cut (a BatchNormalization cut from its Conv).
@@ -30,12 +32,15 @@ Example:
 
 from __future__ import annotations
 
+from placement.runtime.calibrate import Calibration, calibrate
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
 from placement.runtime.lowering import to_torch
 from placement.runtime.ort import Runner, RunnerStats, run
 from placement.runtime.stages import Partition, Stage, partition, split_stages
 
 __all__ = [
+    "Calibration",
+    "calibrate",
     "PhysicalDevice",
     "resolve_device_map",
     "Runner",

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -207,125 +208,50 @@ def split_stages(model: Model) -> Partition:
         (1, [], ['input'])
     """
     graph = model.graph
-    initializers = graph.initializers
-    graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
-
     consts = load_time_values(graph)
-
-    # Where does each copy's blob come from?  copy output value -> root source value.
-    copy_root: dict[ir.Value, ir.Value] = {}
-    static_copies: dict[str, str] = {}
-    transfers: list[Transfer] = []
-    compute: list[ir.Node] = []
-    for node in graph:
-        if is_copy_node(node) and len(node.inputs) == 1 and len(node.outputs) == 1:
-            src = node.inputs[0]
-            if src is None:
-                raise PlacementError(f"copy {node.name!r} has no input")
-            root = copy_root.get(src, src)
-            out = node.outputs[0]
-            copy_root[out] = root
-            if root.producer() is None and root.name in initializers:
-                static_copies[out.name or ""] = root.name or ""
-            elif out not in consts:  # a copy of a load-time value is rematerialised instead
-                transfers.append(
-                    Transfer(
-                        op=node.name or "",
-                        source=src.name or "",
-                        target=out.name or "",
-                        src_device=model.blob_device(src),
-                        device=node_device(node),
-                    )
-                )
-        else:
-            compute.append(node)
-
-    stage_of_node, stage_device, stage_nodes, sg = _assign(compute, copy_root, consts)
+    copies = _scan_copies(model, consts)
+    stage_of_node, stage_device, stage_nodes, sg = _assign(copies.compute, copies.root, consts)
 
     # Execution order: topological order of the stage graph, ties by creation order.
     order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
     renumber = {old: new for new, old in enumerate(order)}
-
-    readers: dict[ir.Value, set[int]] = {}
-    for node in graph:
-        sid = stage_of_node.get(node)
-        for value in _reads(node, graph):
-            # A copy reads its source outside every stage (-1 marks "outside").
-            readers.setdefault(value, set()).add(-1 if sid is None else sid)
-    graph_outputs = set(graph.outputs)
-
-    stages: list[Stage] = []
+    readers = _readers(graph, stage_of_node)
     position = {node: i for i, node in enumerate(graph)}
+    stages: list[Stage] = []
     for old in order:
         nodes = stage_nodes[old]
-        device = stage_device[old]
-        produced = {v for n in nodes for v in n.outputs}
-        inputs: list[ir.Value] = []
-        params: list[tuple[str, ir.Value]] = []  # (name in stage, parameter value)
-        extra: set[ir.Node] = set()  # load-time ops of other stages, rematerialised here
-        seen: set[ir.Value] = set()
-        pending = [(node, value) for node in nodes for value in _reads(node, graph)]
-        while pending:
-            node, value = pending.pop(0)
-            if value in produced or value in seen:
-                continue
-            seen.add(value)
-            name = value.name or ""
-            producer = value.producer()
-            if name in initializers and producer is None:
-                params.append((name, value))
-            elif name in static_copies:
-                params.append((name, initializers[static_copies[name]]))
-            elif value in consts and producer is not None:
-                extra.add(producer)
-                pending.extend((producer, v) for v in _reads(producer, graph))
-            elif producer is None and name not in graph_inputs:
-                raise PlacementError(
-                    f"op {node.name!r} reads blob {name!r}, which is neither produced, "
-                    "a graph input nor a parameter"
-                )
-            else:
-                inputs.append(value)
-        outputs = [
-            v
-            for n in nodes
-            for v in n.outputs
-            if v.name and (v in graph_outputs or (v not in consts and readers.get(v, set()) - {old}))
-        ]
+        inputs, params, extra = _boundary(model, nodes, copies.static, consts)
+        outputs = _stage_outputs(graph, nodes, consts, readers, old)
         body = sorted(set(nodes) | extra, key=position.__getitem__)
-        depends = sorted({renumber[p] for p in sg.predecessors(old)})
-        stage_model = _stage_model(model, body, inputs, outputs, params, renumber[old])
         stage = Stage(
             index=renumber[old],
-            device=device,
+            device=stage_device[old],
             ops=tuple(n.name or "" for n in nodes),
             inputs=tuple(v.name or "" for v in inputs),
             outputs=tuple(v.name or "" for v in outputs),
             parameters=tuple(name for name, _ in params),
-            depends_on=tuple(depends),
-            model=stage_model,
+            depends_on=tuple(sorted({renumber[p] for p in sg.predecessors(old)})),
+            model=_stage_model(model, body, inputs, outputs, params, renumber[old]),
             load_time_ops=tuple(n.name or "" for n in body if n in extra),
         )
         stage.fingerprint = _fingerprint(stage, body, params)
         stages.append(stage)
 
-    input_devices = {name: model.blob_device(model.value(name)) for name in model.inputs}
-    output_devices = {v.name or "": model.blob_device(v) for v in graph.outputs}
     log.debug(
         "partitioned %d ops into %d stages (%d transfers, %d static copies)",
-        len(compute),
+        len(copies.compute),
         len(stages),
-        len(transfers),
-        len(static_copies),
+        len(copies.transfers),
+        len(copies.static),
     )
     return Partition(
         stages=stages,
-        transfers=transfers,
-        static_copies=static_copies,
+        transfers=copies.transfers,
+        static_copies=copies.static,
         inputs=list(model.inputs),
         outputs=list(model.outputs),
-        input_devices=input_devices,
-        output_devices=output_devices,
+        input_devices={name: model.blob_device(model.value(name)) for name in model.inputs},
+        output_devices={v.name or "": model.blob_device(v) for v in graph.outputs},
     )
 
 
@@ -352,6 +278,112 @@ def stage_graph(stages: Sequence[Stage]) -> nx.DiGraph:
 
 
 # --- internals -------------------------------------------------------------------------
+
+
+@dataclass
+class _Copies:
+    """What the copy ops of a graph mean to the stages (see :func:`_scan_copies`)."""
+
+    root: dict[ir.Value, ir.Value] = field(default_factory=dict)  # copy output -> first source
+    static: dict[str, str] = field(default_factory=dict)  # static copy blob -> its parameter
+    transfers: list[Transfer] = field(default_factory=list)  # the run-time copies
+    compute: list[ir.Node] = field(default_factory=list)  # every other op, in graph order
+
+
+def _scan_copies(model: Model, consts: set[ir.Value]) -> _Copies:
+    """Sort the ops: copies of parameters (static), copies of load-time values
+    (rematerialised where read, so neither), run-time transfers, and compute ops."""
+    initializers = model.graph.initializers
+    found = _Copies()
+    for node in model.graph:
+        if not (is_copy_node(node) and len(node.inputs) == 1 and len(node.outputs) == 1):
+            found.compute.append(node)
+            continue
+        src = node.inputs[0]
+        if src is None:
+            raise PlacementError(f"copy {node.name!r} has no input")
+        root = found.root.get(src, src)
+        out = node.outputs[0]
+        found.root[out] = root
+        if root.producer() is None and root.name in initializers:
+            found.static[out.name or ""] = root.name or ""
+        elif out not in consts:
+            found.transfers.append(
+                Transfer(
+                    op=node.name or "",
+                    source=src.name or "",
+                    target=out.name or "",
+                    src_device=model.blob_device(src),
+                    device=node_device(node),
+                )
+            )
+    return found
+
+
+def _readers(graph: ir.Graph, stage_of_node: dict[ir.Node, int]) -> dict[ir.Value, set[int]]:
+    """Blob -> the stages reading it (``-1`` for a copy, which reads outside every stage)."""
+    readers: dict[ir.Value, set[int]] = {}
+    for node in graph:
+        sid = stage_of_node.get(node, -1)
+        for value in _reads(node, graph):
+            readers.setdefault(value, set()).add(sid)
+    return readers
+
+
+def _boundary(
+    model: Model, nodes: list[ir.Node], static: dict[str, str], consts: set[ir.Value]
+) -> tuple[list[ir.Value], list[tuple[str, ir.Value]], set[ir.Node]]:
+    """A stage's inputs (first-use order), the parameters it carries as (name in the
+    stage, parameter value), and the load-time ops of other stages it recomputes."""
+    graph = model.graph
+    initializers = graph.initializers
+    graph_inputs = {v.name for v in graph.inputs if v.name not in initializers}
+    produced = {v for n in nodes for v in n.outputs}
+    inputs: list[ir.Value] = []
+    params: list[tuple[str, ir.Value]] = []
+    extra: set[ir.Node] = set()
+    seen: set[ir.Value] = set()
+    pending = deque((node, value) for node in nodes for value in _reads(node, graph))
+    while pending:
+        node, value = pending.popleft()
+        if value in produced or value in seen:
+            continue
+        seen.add(value)
+        name = value.name or ""
+        producer = value.producer()
+        if name in initializers and producer is None:
+            params.append((name, value))
+        elif name in static:
+            params.append((name, initializers[static[name]]))
+        elif value in consts and producer is not None:
+            extra.add(producer)
+            pending.extend((producer, v) for v in _reads(producer, graph))
+        elif producer is None and name not in graph_inputs:
+            raise PlacementError(
+                f"op {node.name!r} reads blob {name!r}, which is neither produced, "
+                "a graph input nor a parameter"
+            )
+        else:
+            inputs.append(value)
+    return inputs, params, extra
+
+
+def _stage_outputs(
+    graph: ir.Graph,
+    nodes: list[ir.Node],
+    consts: set[ir.Value],
+    readers: dict[ir.Value, set[int]],
+    stage: int,
+) -> list[ir.Value]:
+    """Blobs of the stage that are graph outputs or read outside it (load-time values
+    are recomputed by their readers instead)."""
+    graph_outputs = set(graph.outputs)
+    return [
+        v
+        for n in nodes
+        for v in n.outputs
+        if v.name and (v in graph_outputs or (v not in consts and readers.get(v, set()) - {stage}))
+    ]
 
 
 def _assign(

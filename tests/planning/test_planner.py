@@ -422,3 +422,50 @@ def test_fusion_chains_and_cut_costs_on_resnet(exported):
     inside = {c for a, b in chains for c in range(a + 1, b)} | {b for _, b in chains}  # and boundaries
     assert all(cuts[c] == (0, 0) for c in range(len(info) + 1) if c not in inside)
     assert all(before >= after >= 0 for before, after in cuts)
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_fused_groups_are_never_cut(exported, name):
+    """``runtime="ort"`` reads ONNX Runtime's optimised graph: a blob it fuses away
+    (Conv -> BatchNormalization, Add -> Gelu as BiasGelu, MatMul -> Mul as FusedMatMul)
+    never crosses a part boundary, whatever the op costs say."""
+    from placement.planning.fusion import fused_cuts
+
+    model, net, args = exported(name)
+    info = GraphInfo(model)
+    allowed = fused_cuts(model, info)
+    assert allowed[0] and allowed[-1] and not all(allowed)
+    for a, b in find_chains(info):
+        assert not any(allowed[a + 1 : b])
+    # costs that pull the cut into every forbidden position in turn: the plan moves off it
+    forbidden = [c for c in range(1, len(info)) if not allowed[c]][:: max(1, len(info) // 12)]
+    for c in forbidden:
+        costs = {n: 1.0 for n in info.names}
+        costs[info.names[c - 1]] = costs[info.names[c]] = 10.0**6
+        plan = pl.auto_place(model, devices=2, repeats=1, op_costs=costs, links=None)
+        assert plan.runtime == "ort"
+        ends = [sum(d.ops for d in plan.devices[: k + 1]) for k in range(len(plan.devices))]
+        assert all(allowed[e] for e in ends)
+    assert_matches_torch(model, net, args)
+
+
+def test_runtime_torch_is_the_op_by_op_plan(exported):
+    model, _, _ = exported("mlp")
+    plan = pl.auto_place(model, devices=2, repeats=1, runtime="torch", fusion=False)
+    assert plan.runtime == "torch" and pl.Plan.from_json(plan.to_json()) == plan
+    assert plan.total_cost == sum(pl.profile(model, repeats=1).costs("time"))
+    with pytest.raises(pl.PlanError, match="unknown runtime"):
+        pl.auto_place(model, devices=2, runtime="tensorrt")
+
+
+def test_op_costs_override_the_profile(exported):
+    model, _, _ = exported("mlp")
+    names = [op.name for op in model.ops]
+    costs = {n: 1.0 for n in names}
+    costs[names[-1]] = 100.0
+    plan = pl.auto_place(model, devices=2, op_costs=costs, links=None, fusion=False)
+    assert plan.devices[1].ops == 1 and plan.bottleneck == 100
+    with pytest.raises(pl.UnknownOpError, match="no_such_op"):
+        pl.auto_place(model, devices=2, op_costs={"no_such_op": 1.0})
+    with pytest.raises(pl.PlanError, match="non-negative"):
+        pl.auto_place(model, devices=2, op_costs={names[0]: -1.0})

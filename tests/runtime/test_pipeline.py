@@ -287,6 +287,52 @@ def test_torch_stage_error_propagates():
         pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="sometimes")
 
 
+def test_pipelined_gpt_traced_stages_equal_untraced_for_every_batch():
+    model, _, (idx,) = _placed("gpt")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    plain = pl.to_torch(model, device_map="cpu", chunks=2)
+    plain.trace_stages = False
+    assert piped.trace_stages and not plain.trace_stages
+    with torch.no_grad():
+        # micro-batches of 2 + 2, 3 + 2, 2 + 1 and 1: each size is traced on its 3rd call (chunks + 1)
+        for batch in (4, 4, 5, 5, 5, 3, 3, 1):
+            assert torch.equal(piped(idx[:batch]), plain(idx[:batch]))
+    calls = [s.call for s in piped._pl_stages]
+    assert all(c.disabled is None for c in calls), [c.disabled for c in calls]
+    assert all(c.traced == 3 for c in calls), [c.traced for c in calls]
+    assert not any(c.traced for c in (s.call for s in plain._pl_stages))
+
+
+def test_pipelined_gpt_traced_training_gives_the_same_gradients():
+    model, _, (idx,) = _placed("gpt")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="except_last")
+    plain = pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="except_last")
+    plain.load_state_dict(piped.state_dict())
+    plain.trace_stages = False
+    for _ in range(3):  # the second step runs traced stages (with grad, and without for checkpointing)
+        for module in (piped, plain):
+            module.zero_grad(set_to_none=True)
+            (module(idx[:4]).float() ** 2).mean().backward()
+        want, got = _grads(plain), _grads(piped)
+        assert want.keys() == got.keys() and want
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    assert all(s.call.traced and s.call.disabled is None for s in piped._pl_stages)
+
+
+def test_pipelined_traced_stage_error_is_the_modules():
+    model, _, (idx,) = _placed("gpt")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    with torch.no_grad():
+        piped(idx[:4])
+        piped(idx[:4])
+        assert piped._pl_stages[0].call.traced == 1
+        bad = idx[:4].clone()
+        bad[3, 0] = 10_000  # out of the vocabulary, in micro-batch 1
+        with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 1: IndexError"):
+            piped(bad)
+
+
 def test_train_example_round_trip(tmp_path):
     from examples.train_pipelined import train
 

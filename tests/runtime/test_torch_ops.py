@@ -379,6 +379,13 @@ def test_direct_emission_is_plain_torch():
     assert RULES["Reshape"].direct(("x", [0, -1]), {}, [None, None]) is None  # 0 needs the rule
 
 
+def test_direct_slice_from_int64_min_is_an_open_start():
+    # exporters write "from the start" as INT64_MIN (Hugging Face's shape[:-2]); torch warns
+    # when it has to truncate such a bound, so the emitted slice leaves the start open
+    kind, fn, (_, index), _ = RULES["Slice"].direct(("x", [-(2**63)], [-2], [0]), {}, [None] * 4)
+    assert fn is operator.getitem and index == (slice(None, -2, None),)
+
+
 def test_torch_dtype():
     assert torch_dtype(onnx.TensorProto.FLOAT16) is torch.float16
     assert torch_dtype(onnx.TensorProto.BFLOAT16) is torch.bfloat16

@@ -9,7 +9,11 @@ and runs them through the stages on the workers of
 :mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
 so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
 micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
-stage waits (an event) only for the micro-batch it reads.
+stage waits (an event) only for the micro-batch it reads. On the CPU, once a
+micro-batch shape recurs (more than ``chunks`` calls), a stage runs as a
+TorchScript trace of its code (:mod:`placement.runtime.lowering.traced`): no
+Python per op, and the two workers do not take turns on the GIL
+(``module.trace_stages = False`` switches it off).
 
 Training: when gradients are needed, the whole pipeline is one autograd
 function. Each (stage, micro-batch) keeps its own small autograd graph on
@@ -55,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +67,11 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model
 from placement.runtime.lowering.lower import OP_META
+from placement.runtime.lowering.traced import TracedStage
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
 from placement.runtime.stages import partition
 
@@ -84,6 +90,7 @@ class _Stage:
     outs: list[tuple[str, int | None]]  # env key -> index into its result (None: the result itself)
     device: torch.device
     consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
+    call: Any = None  # a TracedStage of ``module``: traces it for inference (see traced.py)
 
 
 def pipeline_module(
@@ -100,7 +107,10 @@ def pipeline_module(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)
-    return PipelinedModule(module, _stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes)
+    untraceable = {op.name for op in model.ops if op.op_type in NONDETERMINISTIC_OPS}
+    return PipelinedModule(
+        module, _stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
+    )
 
 
 def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
@@ -132,6 +142,7 @@ class PipelinedModule(torch.nn.Module):
         chunks: int,
         checkpoint: str,
         axes: BatchAxes,
+        untraceable: Collection[str] = (),
     ) -> None:
         super().__init__()
         # The lowered module's parameters and buffers, under the same paths.
@@ -152,12 +163,37 @@ class PipelinedModule(torch.nn.Module):
         self._in_axes = [axes.inputs[name] for name in self.input_names]
         self._out_axes = [axes.outputs[name] for name in self.output_names]
         stages, env_inputs, outputs = _split(module, stage_of_op)
+        for stage in stages:
+            random = sorted({n.meta.get(OP_META) for n in stage.module.graph.nodes} & set(untraceable))
+            stage.call = TracedStage(
+                stage.module,
+                fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
+                warmup=chunks,
+                grad=True,
+                untraceable=f"nondeterministic op(s) {', '.join(random)}" if random else None,
+            )
         self._pl_inputs = env_inputs
         object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
         self._pl_outputs = outputs
         log.info(
             "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
         )
+
+    @property
+    def trace_stages(self) -> bool:
+        """Whether the stages run as per-signature TorchScript traces (default ``True``).
+
+        See :mod:`placement.runtime.lowering.traced`: a stage input signature (shapes,
+        grad mode) seen in more than ``chunks`` calls is traced once and then runs without
+        Python (and without the GIL), forward and, through autograd, backward; stages whose
+        code depends on input values run untraced. Outputs and gradients are the same.
+        """
+        return all(s.call.enabled for s in self._pl_stages)
+
+    @trace_stages.setter
+    def trace_stages(self, value: bool) -> None:
+        for s in self._pl_stages:
+            s.call.enabled = bool(value)
 
     @property
     def stages(self) -> list[fx.GraphModule]:
@@ -324,7 +360,7 @@ def _signal(env: dict[str, Any], device: torch.device) -> None:
 
 
 def _call(stage: _Stage, args: list[Any]) -> dict[str, Any]:
-    result = stage.module(*args)
+    result = stage.call(*args)
     return {key: result if index is None else result[index] for key, index in stage.outs}
 
 

@@ -153,7 +153,8 @@ def _direct_slice(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes)
         return None
     for start, end, axis, step in zip(starts, ends, axes, steps):
         stop = None if end >= _INT64_MAX // 2 else end
-        index[axis + offset] = slice(start or None, stop, None if step == 1 else step)
+        begin = None if start == 0 or start <= -(_INT64_MAX // 2) else start  # INT64_MIN: from the start
+        index[axis + offset] = slice(begin, stop, None if step == 1 else step)
     if offset:
         index.insert(0, Ellipsis)
     return "call_function", operator.getitem, (args[0], tuple(index)), {}

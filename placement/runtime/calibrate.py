@@ -1,0 +1,267 @@
+"""Calibration: plans balanced on *measured* ONNX Runtime stage sessions.
+
+``auto_place(model, devices=N)`` balances per-op times from one profiling run
+(:func:`placement.profile`). On a loaded machine those times are noisy, and what a
+stage session really costs also holds what no per-op time shows: its own call
+overhead, the layout conversions at its boundaries, kernels fused differently at
+its edges. :func:`calibrate` closes the loop on the real thing:
+
+1. plan with ``auto_place(runtime="ort")`` (optimised-session op times, no cut
+   inside a fused group);
+2. build the plan's stage sessions exactly as :class:`placement.Runner` does
+   (:func:`placement.runtime.stages.split_stages`, :func:`placement.runtime.ort.stage_session`,
+   ``threads`` intra-op threads each) and time them on the sample inputs, each
+   stage alone, stages alternating round by round (the order reversed every other
+   round), keeping each stage's median (on a shared machine whose other processes
+   preempt most runs the median is far steadier than the fastest run);
+3. scale the op costs of each part by its measured / predicted time and re-plan
+   with those costs (``auto_place(op_costs=...)``); repeat for ``rounds`` rounds or
+   until a plan repeats;
+4. time every distinct plan met once more, all of them alternating in the same
+   rounds (so load hits them alike), and keep the one with the smallest measured
+   bottleneck (the slowest stage). The first plan is among them, so the result's
+   measured bottleneck is never worse than the uncalibrated plan's in that
+   comparison.
+
+Costs: one ``auto_place`` per round (the profile is cached; each re-plan is the exact
+planner on new costs) plus building and timing the stage sessions; a few seconds
+for the zoo's bench models. The stage sessions of all plans met are held until the
+end, so memory peaks at about ``rounds + 1`` copies of the weights' packed forms.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> from placement.runtime.calibrate import calibrate
+    >>> model = pl.from_torch(*mlp.build("tiny"))
+    >>> result = calibrate(model, devices=2, rounds=1, repeats=3, device_map="cpu")
+    >>> result.plan is result.trials[result.chosen].plan, result.plan.runtime
+    (True, 'ort')
+    >>> result.bottleneck_s <= result.trials[0].bottleneck_s
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from placement.errors import PlanError
+from placement.graph.device import Device, DeviceLike
+from placement.graph.model import Model
+from placement.planning.planner import Plan, auto_place
+from placement.planning.profile import GraphInfo, _normalise_inputs, make_sample_inputs, profile
+from placement.runtime.device_map import DeviceMapLike, resolve_device_map
+from placement.runtime.ort import stage_session
+from placement.runtime.stages import split_stages
+
+__all__ = ["Calibration", "Trial", "calibrate"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trial:
+    """One plan met during calibration.
+
+    Attributes:
+        plan: the plan.
+        predicted_s: per part (device, in plan order), the op costs the plan was made
+            with, in seconds.
+        measured_s: per part, its stage sessions' measured time in seconds, from the
+            final comparison of all trials (:func:`calibrate`, step 4).
+    """
+
+    plan: Plan
+    predicted_s: list[float]
+    measured_s: list[float] = field(default_factory=list)
+
+    @property
+    def bottleneck_s(self) -> float:
+        """The slowest part's measured time (what bounds pipelined throughput)."""
+        return max(self.measured_s, default=0.0)
+
+    @property
+    def balance(self) -> float:
+        """``sum / max`` of the measured part times: the best speed-up a pipeline of
+        these stages can reach over running them one after another (N when even)."""
+        top = self.bottleneck_s
+        return sum(self.measured_s) / top if top > 0 else 1.0
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` found.
+
+    Attributes:
+        plan: the chosen plan (applied to the model).
+        trials: every distinct plan met, the uncalibrated one first.
+        chosen: index of the chosen trial.
+    """
+
+    plan: Plan
+    trials: list[Trial]
+    chosen: int
+
+    @property
+    def bottleneck_s(self) -> float:
+        """The chosen plan's measured bottleneck in seconds."""
+        return self.trials[self.chosen].bottleneck_s
+
+    def __str__(self) -> str:
+        lines = []
+        for k, t in enumerate(self.trials):
+            mark = "*" if k == self.chosen else " "
+            pred = " | ".join(f"{s * 1e3:.2f}" for s in t.predicted_s)
+            meas = " | ".join(f"{s * 1e3:.2f}" for s in t.measured_s)
+            lines.append(
+                f"{mark} trial {k}: predicted {pred} ms, measured {meas} ms, balance {t.balance:.3f}"
+            )
+        return "\n".join(lines)
+
+
+def calibrate(
+    model: Model,
+    devices: int | Sequence[DeviceLike] | None = None,
+    max_memory: Mapping[Any, int | float | str] | None = None,
+    *,
+    sample_inputs: Any = None,
+    rounds: int = 3,
+    repeats: int = 11,
+    threads: int = 1,
+    device_map: DeviceMapLike = "auto",
+    profile_repeats: int = 5,
+    links: Any = "auto",
+    fusion: bool = True,
+) -> Calibration:
+    """Plan for the ONNX Runtime executor, correcting the plan by timing its stage sessions.
+
+    See the module docstring for the loop. The chosen plan is applied to ``model`` in
+    place (as ``auto_place`` does); its :class:`Plan` figures are the predictions it was
+    made with (op costs scaled to measured stage times after the first round).
+
+    Args:
+        model: the model (no copies yet), placed in place.
+        devices, max_memory: as for :func:`placement.auto_place`.
+        sample_inputs: the inputs stages are profiled and timed on: one pipeline
+            step's worth (a micro-batch for ``chunks=k``, a stream element for
+            ``Runner.stream``); default :func:`placement.planning.profile.make_sample_inputs`.
+        rounds: re-plans at most (0: time the uncalibrated plan only).
+        repeats: timed rounds per comparison (each stage's median is kept).
+        threads: intra-op threads per stage session, as ``Runner(threads_per_stage=...)``.
+        device_map: where the stage sessions run, as for :class:`placement.Runner`.
+        profile_repeats: ``repeats`` of the initial profile.
+        links, fusion: as for :func:`placement.auto_place` (``runtime="ort"``).
+
+    Returns:
+        A :class:`Calibration`: the chosen plan, every trial with its predicted and
+        measured part times.
+
+    Raises:
+        PlanError: bad arguments (and whatever ``auto_place`` raises).
+        PlacementError: a stage session cannot be built or run (names the stage).
+    """
+    if rounds < 0 or repeats < 1 or threads < 1:
+        raise PlanError(f"need rounds >= 0, repeats >= 1, threads >= 1; got {rounds}, {repeats}, {threads}")
+    feeds = make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+    options: dict[str, Any] = dict(
+        sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime="ort"
+    )
+    plan = auto_place(model, devices, max_memory, **options)
+    if plan.cost_kind != "time":  # too large to time: nothing to calibrate
+        return Calibration(plan=plan, trials=[Trial(plan, [0.0] * len(plan.devices))], chosen=0)
+    info = GraphInfo(model)
+    base = profile(model, sample_inputs=feeds, repeats=profile_repeats, optimized=True).costs("time")
+    costs = {info.names[pos]: float(c) for pos, c in enumerate(base)}
+    order = [Device.parse(d.device) for d in plan.devices]
+    trials: list[Trial] = []
+    timers: list[_StageTimer] = []
+    seen: dict[tuple[str, ...], int] = {}
+    for r in range(rounds + 1):
+        key = tuple(plan.assignment[name] for name in info.names)
+        if key in seen:
+            log.info("calibrate: round %d repeats trial %d; stopping", r, seen[key])
+            break
+        seen[key] = len(trials)
+        trial = Trial(plan, [d.cost / 1e9 for d in plan.devices])
+        timer = _StageTimer(model, order, feeds, threads=threads, device_map=device_map)
+        trials.append(trial)
+        timers.append(timer)
+        if r == rounds:
+            break
+        measured = _time_all([timer], repeats)[0]
+        log.info(
+            "calibrate: trial %d predicted %s ms, measured %s ms",
+            len(trials) - 1,
+            [round(p * 1e3, 2) for p in trial.predicted_s],
+            [round(m * 1e3, 2) for m in measured],
+        )
+        for k, device in enumerate(order):
+            predicted = trial.predicted_s[k]
+            if predicted <= 0 or measured[k] <= 0:
+                continue
+            scale = measured[k] / predicted
+            for name, dev in plan.assignment.items():
+                if dev == str(device) and name in costs:
+                    costs[name] *= scale
+        plan = auto_place(model, devices, max_memory, op_costs=costs, **options)
+    for trial, measured in zip(trials, _time_all(timers, repeats)):
+        trial.measured_s = measured
+    chosen = min(range(len(trials)), key=lambda k: (trials[k].bottleneck_s, k))
+    best = trials[chosen].plan
+    best.apply(model)
+    log.info("calibrate: chose trial %d of %d\n%s", chosen, len(trials), Calibration(best, trials, chosen))
+    return Calibration(plan=best, trials=trials, chosen=chosen)
+
+
+class _StageTimer:
+    """The stage sessions of the model's current placement, with feeds to run each alone."""
+
+    def __init__(
+        self,
+        model: Model,
+        order: list[Device],
+        inputs: dict[str, np.ndarray],
+        *,
+        threads: int,
+        device_map: DeviceMapLike,
+    ) -> None:
+        parts = split_stages(model)
+        physical = resolve_device_map(model.devices, device_map, runtime="ort")
+        self.part_of = [order.index(stage.device) for stage in parts.stages]
+        self.parts = len(order)
+        self.runs: list[tuple[Any, dict[str, Any]]] = []
+        env: dict[str, Any] = dict(inputs)
+        for stage in parts.stages:
+            session = stage_session(stage, physical[stage.device], threads=threads)
+            feed = {name: env[name] for name in stage.inputs}
+            outputs = session.run(list(stage.outputs), feed)  # also the warm-up run
+            env.update(zip(stage.outputs, outputs))
+            self.runs.append((session, feed))
+
+    def per_part(self, stage_times: list[float]) -> list[float]:
+        totals = [0.0] * self.parts
+        for k, seconds in zip(self.part_of, stage_times):
+            totals[k] += seconds
+        return totals
+
+
+def _time_all(timers: list[_StageTimer], repeats: int) -> list[list[float]]:
+    """Per timer, per part: the median of ``repeats`` rounds, every stage session of
+    every timer run alone once per round, the order reversed every other round."""
+    runs = [(t, s) for t in range(len(timers)) for s in range(len(timers[t].runs))]
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key in runs}
+    clock = time.perf_counter
+    for r in range(repeats):
+        for key in runs if r % 2 == 0 else reversed(runs):
+            session, feed = timers[key[0]].runs[key[1]]
+            start = clock()
+            session.run(None, feed)
+            samples[key].append(clock() - start)
+    best = {key: statistics.median(values) for key, values in samples.items()}
+    return [timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]

@@ -1,0 +1,34 @@
+"""Tests for ``placement.runtime.calibrate``: plans re-balanced on measured stage sessions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import placement as pl
+from placement.runtime.calibrate import calibrate
+
+
+def test_calibration_never_chooses_worse_than_the_first_plan(exported):
+    model, net, args = exported("resnet")
+    result = calibrate(model, devices=2, rounds=2, repeats=3, profile_repeats=1, device_map="cpu")
+    trials = result.trials
+    assert 1 <= len(trials) <= 3 and result.plan is trials[result.chosen].plan
+    assert all(len(t.measured_s) == 2 and min(t.measured_s) > 0 for t in trials)
+    assert result.bottleneck_s == min(t.bottleneck_s for t in trials) <= trials[0].bottleneck_s
+    assigned = [t.plan.assignment for t in trials]
+    assert all(a != b for i, a in enumerate(assigned) for b in assigned[i + 1 :])  # distinct plans
+    # the chosen plan is applied, and the placed model still computes the module
+    assert {op.name: str(op.device) for op in model.ops} == result.plan.assignment
+    pl.inject_cross_device_copies(model)
+    (y,) = pl.run(model, [a.numpy() for a in args], device_map="cpu")
+    np.testing.assert_allclose(y, net(*args).detach().numpy(), rtol=1e-3, atol=1e-4)
+    assert "trial 0" in str(result)
+
+
+def test_calibrate_arguments(exported):
+    model, _, _ = exported("mlp")
+    with pytest.raises(pl.PlanError, match="rounds"):
+        calibrate(model, devices=2, rounds=-1)
+    result = calibrate(model, devices=2, rounds=0, repeats=1, device_map="cpu")
+    assert len(result.trials) == 1 and result.chosen == 0
