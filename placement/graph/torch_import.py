@@ -189,7 +189,16 @@ def _export_torchscript(
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][
         : len(args)
     ]
+    var = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+    if var is not None and len(positional) < len(args):  # forward(*args): args_0, args_1, ...
+        positional += [f"{var}_{i}" for i in range(len(args) - len(positional))]
     names = positional + list(kwargs or {}) if len(positional) == len(args) else None
+    if dynamic_shapes is not None and names is None:
+        log.warning(
+            "TorchScript exporter: cannot name %s's inputs from its forward signature, so "
+            "dynamic_shapes is ignored and every dimension is static",
+            type(module).__name__,
+        )
     buffer = io.BytesIO()
     with _eval_mode(module), _quiet_exporter(keep_warnings=True) as caught:
         torch.onnx.export(
@@ -252,7 +261,13 @@ def _dynamic_axes(dynamic_shapes: Any, names: list[str] | None) -> dict[str, lis
     """``dynamic_shapes`` (per input: a dict of dims, or None) as ``dynamic_axes``."""
     if dynamic_shapes is None or names is None:
         return None
-    items = dynamic_shapes.items() if isinstance(dynamic_shapes, Mapping) else zip(names, dynamic_shapes)
+    if isinstance(dynamic_shapes, Mapping):
+        items: Any = dynamic_shapes.items()
+    else:  # per forward parameter; a ``*args`` parameter's entry is a tuple, one per argument
+        flat: list[Any] = []
+        for spec in dynamic_shapes:
+            flat.extend(spec if isinstance(spec, (tuple, list)) else [spec])
+        items = zip(names, flat)
     axes = {str(k): sorted(int(d) for d in dims) for k, dims in items if isinstance(dims, Mapping) and dims}
     return axes or None
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,22 @@ def test_zoo_through_the_torchscript_exporter(exported, name):
     want = [t.numpy() for t in (out if isinstance(out, (tuple, list)) else (out,))]
     for got, ref in zip(pl.run(model, list(args)), want):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+class _VarArgs(torch.nn.Module):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return args[0] * 2 + args[1]
+
+
+def test_torchscript_exporter_keeps_dynamic_dims_of_var_positional_inputs():
+    # forward(*args): torch.export wants one dynamic_shapes entry for the *args parameter
+    args = (torch.randn(4, 3), torch.randn(4, 3))
+    batch = torch.export.Dim("batch")
+    model = pl.from_torch(
+        _VarArgs(), args, dynamic_shapes=(({0: batch}, {0: batch}),), exporter="torchscript"
+    )
+    assert model.inputs == ["args_0", "args_1"]
+    dims = [model.value(name).shape[0] for name in model.inputs]
+    assert all(not isinstance(d, int) for d in dims), dims  # symbolic, not the example's 4
+    (out,) = pl.run(model, [np.ones((2, 3), np.float32), np.ones((2, 3), np.float32)])
+    assert out.shape == (2, 3) and np.all(out == 3)
