@@ -130,10 +130,9 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
         >>> info.nodes[conv + 1].op_type, allowed[conv + 1]  # Conv | BatchNormalization: fused
         ('BatchNormalization', False)
     """
-    fp = fingerprint(model)
-    cached = model.ir_model.meta.get(_FUSED_KEY)
-    if isinstance(cached, tuple) and cached[0] == fp:
-        return list(cached[1])
+    fp, cached = _cached(model, _FUSED_KEY)
+    if cached is not None:
+        return cached
     info = info if info is not None else GraphInfo(model)
     n = len(info)
     allowed = [True] * (n + 1)
@@ -171,7 +170,7 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
                 allowed[c] = False
     allowed[0] = allowed[n] = True
     log.info("fusion: %d of %d cut points split a fused group", allowed.count(False), max(n - 1, 0))
-    model.ir_model.meta[_FUSED_KEY] = (fp, list(allowed))
+    _remember(model, _FUSED_KEY, fp, allowed)
     return allowed
 
 
@@ -222,16 +221,15 @@ def fusion_cut_costs(
     alone) leave that chain at zero and are logged. Cached on the model per
     structure fingerprint (like the profile), so placing ops keeps it valid.
     """
-    fp = fingerprint(model)
-    cached = model.ir_model.meta.get(_CACHE_KEY)
-    if isinstance(cached, tuple) and cached[0] == fp:
-        return list(cached[1])
+    fp, cached = _cached(model, _CACHE_KEY)
+    if cached is not None:
+        return cached
     info = info if info is not None else GraphInfo(model)
     n = len(info)
     result = [(0, 0)] * (n + 1)
     chains = find_chains(info)
     if not chains:
-        model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
+        _remember(model, _CACHE_KEY, fp, result)
         return result
     measured: dict[Any, list[int]] = {}
     try:
@@ -262,8 +260,22 @@ def fusion_cut_costs(
         len(measured),
         max((a + b for a, b in result), default=0) / 1e6,
     )
-    model.ir_model.meta[_CACHE_KEY] = (fp, list(result))
+    _remember(model, _CACHE_KEY, fp, result)
     return result
+
+
+def _cached(model: Model, key: str) -> tuple[str, list[Any] | None]:
+    """(the model's structure fingerprint, a copy of what is cached under ``key`` for it or None)."""
+    fp = fingerprint(model)
+    cached = model.ir_model.meta.get(key)
+    if isinstance(cached, tuple) and cached[0] == fp:
+        return fp, list(cached[1])
+    return fp, None
+
+
+def _remember(model: Model, key: str, fp: str, value: list[Any]) -> None:
+    """Cache a copy of ``value`` on the model under ``key`` for structure ``fp``."""
+    model.ir_model.meta[key] = (fp, list(value))
 
 
 def _signature(info: GraphInfo, start: int, end: int) -> Any:

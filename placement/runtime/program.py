@@ -180,9 +180,7 @@ class StageStep:
 
     def store(self, values: dict[str, Any], outputs: list[ort.OrtValue]) -> None:
         """Put the outputs into ``values``; drop the keys this step read last."""
-        for name, value in zip(self.outputs, outputs):
-            values[name] = value
-        _drop(values, self.free)
+        _store(values, self.outputs, outputs, self.free)
 
 
 @dataclass(frozen=True)
@@ -201,9 +199,7 @@ class HostStep:
             results = self.exec.session.run(list(self.outputs), feeds)
         except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
             raise self.exec.error(err) from err
-        for name, value in zip(self.outputs, results):
-            values[name] = value
-        _drop(values, self.free)
+        _store(values, self.outputs, results, self.free)
 
 
 @dataclass(frozen=True)
@@ -544,6 +540,12 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_host_copy(v) for v in value]
     return value
+
+
+def _store(values: dict[str, Any], names: tuple[str, ...], results: list[Any], free: tuple[str, ...]) -> None:
+    """Put a stage's ``results`` into ``values`` under ``names``, then drop the keys in ``free``."""
+    values.update(zip(names, results))
+    _drop(values, free)
 
 
 def _drop(values: dict[str, Any], keys: tuple[str, ...]) -> None:
