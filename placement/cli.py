@@ -158,15 +158,25 @@ def _is_placed(model: Any) -> bool:
     return len(model.devices) > 1 or any(op.is_copy for op in model.iter_ops())
 
 
+def _wants_planner(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the automatic planner (--auto, --max-memory or --calibrate)."""
+    return bool(args.auto or args.max_memory or args.calibrate)
+
+
+def _wants_placement(args: argparse.Namespace) -> bool:
+    """Whether the options ask to place the model (a split, the planner or a saved plan)."""
+    return args.devices is not None or bool(args.plan) or _wants_planner(args)
+
+
 def _place(model: Any, args: argparse.Namespace, console: Any, *, default_split: int | None) -> Any:
     """Place ``model`` as the options say; returns the plan (or None). Copies are injected."""
     plan = None
     if getattr(args, "plan", None):
-        if args.auto or args.max_memory or args.calibrate:
+        if _wants_planner(args):
             raise pl.PlanError("--plan applies a saved plan: leave out --auto, --max-memory and --calibrate")
         plan = pl.Plan.load(args.plan)
         plan.apply(model)
-    elif args.auto or args.max_memory or args.calibrate:
+    elif _wants_planner(args):
         plan = _auto_plan(model, args, console)
     elif args.devices is not None or default_split is not None:
         count = args.devices if args.devices is not None else default_split
@@ -446,7 +456,7 @@ def _cmd_draw(args: argparse.Namespace, console: Any) -> int:
 
     target = _check_output(args.output, list(FORMATS), "the picture")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
-    if args.devices is not None or args.auto or args.max_memory or args.plan:
+    if _wants_placement(args):
         _place(model, args, console, default_split=None)
     with _step(console, f"drawing {len(model.ops)} ops with Graphviz"):
         drawing = pl.draw(model, target, collapse=_collapse_option(args.collapse), max_nodes=args.max_nodes)
@@ -463,8 +473,7 @@ def _cmd_report(args: argparse.Namespace, console: Any) -> int:
     target = _check_output(args.output, [".html", ".htm"], "the report")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     plan = None
-    wants_plan = args.devices is not None or args.max_memory or args.auto or args.plan
-    if wants_plan or not _is_placed(model):
+    if _wants_placement(args) or not _is_placed(model):
         if any(op.is_copy for op in model.iter_ops()):
             raise pl.PlanError(f"{args.model} is already placed: report it as it is (leave out --devices)")
         if args.plan:
