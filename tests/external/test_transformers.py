@@ -57,6 +57,14 @@ ARCHITECTURES: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor,
         transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=1, **SMALL)),
         (_ids(),),
     ),
+    "gpt2": lambda: (
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64, use_cache=False
+            )
+        ),
+        (_ids(),),
+    ),
     "bert": lambda: (transformers.BertModel(transformers.BertConfig(**SMALL)), (_ids(), _mask())),
     "distilbert": lambda: (
         transformers.DistilBertModel(

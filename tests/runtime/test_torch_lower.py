@@ -385,50 +385,6 @@ def test_training_gpt_updates_tied_weights_once(exported):
     assert losses[-1] < losses[0]
 
 
-# --- Hugging Face transformers (when installed) ----------------------------------------------
-
-
-def _hf_models():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64)
-    )
-    bert = transformers.BertModel(
-        transformers.BertConfig(
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            hidden_size=32,
-            intermediate_size=64,
-            vocab_size=100,
-            max_position_embeddings=64,
-        )
-    )
-    ids = torch.randint(0, 100, (2, 8))
-    return {
-        "gpt2": (gpt2.eval(), (ids,), {"use_cache": False}),
-        "bert": (bert.eval(), (ids, torch.ones(2, 8, dtype=torch.long)), {}),
-    }
-
-
-class _FirstOutput(torch.nn.Module):
-    def __init__(self, net: torch.nn.Module, kwargs: dict) -> None:
-        super().__init__()
-        self.net, self.kwargs = net, kwargs
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.net(*args, **self.kwargs)[0]
-
-
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_hugging_face_models(name: str):
-    net, args, kwargs = _hf_models()[name]
-    wrapped = _FirstOutput(net, kwargs).eval()
-    model = place(pl.from_torch(wrapped, args), "random", 3, seed=1)
-    module = pl.to_torch(model, device_map={d: SHARED for d in model.devices})
-    torch.testing.assert_close(run(module, args), expected_outputs(wrapped, args), **TOL)
-
-
 # --- real GPUs ------------------------------------------------------------------------------------
 
 
