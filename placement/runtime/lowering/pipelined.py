@@ -498,6 +498,7 @@ class _PipelineFunction(torch.autograd.Function):
             for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
                 _accumulate(genv, key, part)
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
+        owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
         def make(stage: _Stage) -> Any:
             params = [
@@ -533,10 +534,10 @@ class _PipelineFunction(torch.autograd.Function):
                     for n, g in zip(arg_slots, grads[: len(arg_slots)]):
                         if g is not None:
                             _accumulate(genv, stage.args[n], g)
-                    acc = param_grads[stage.index]
+                    acc, mine = param_grads[stage.index], owned[stage.index]
                     for (_, key), g in zip(params, grads[len(arg_slots) :]):
                         if g is not None:
-                            _accumulate(acc, key, g)
+                            _accumulate_owned(acc, mine, key, g)
                 _signal(genv, stage.device)
                 return genv
 
@@ -574,3 +575,19 @@ class _PipelineFunction(torch.autograd.Function):
 
 def _accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:
     env[key] = grad if key not in env else env[key] + grad
+
+
+def _accumulate_owned(acc: dict[str, torch.Tensor], owned: set[str], key: str, grad: torch.Tensor) -> None:
+    """Sum a parameter's gradient over micro-batches, allocating one accumulator, not one per micro-batch.
+
+    The first gradient is kept as it is (autograd may hand out a tensor it shares);
+    the second makes a new accumulator, which later ones are added to in place.
+    """
+    total = acc.get(key)
+    if total is None:
+        acc[key] = grad
+    elif key in owned:
+        total.add_(grad)
+    else:
+        acc[key] = total + grad
+        owned.add(key)
