@@ -51,6 +51,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from placement.errors import VerificationError
+from placement.graph import edit
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, graph_nodes
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
@@ -327,23 +328,18 @@ class _Injection:
         for node in decision.remove:
             self._set_name(node.outputs[0], None, count=False)  # leaves the graph; frees the name
         self._apply_outputs(decision.outputs, needs, keep, dev_of)
-        created: dict[_Key, ir.Node] = {}
-        new_copy = self._new_copy
-        for key, need in needs.items():
-            if key not in keep:
-                created[key] = node = new_copy(need)
-                if need.output_slot >= 0:
-                    graph.outputs[need.output_slot] = node.outputs[0]
+        created = self._new_copies(needs, keep)
         for slot, first in decision.repeated:  # a blob listed twice as a graph output stays so
             if graph.outputs[slot] is not graph.outputs[first]:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
         targets = {key: node._outputs[0] for key, node in (*keep.items(), *created.items())}
         rewired = 0
+        rewire = edit.rewire  # replace_input_with, in bulk: see placement.graph.edit
         for node, index, value, source, device, _ in scan.uses:
             want = source if dev_of[source] is device else targets[(source, id(device))]
             if want is not value:
-                node.replace_input_with(index, want)
+                rewire(node, index, want)
                 rewired += 1
         result.rewired += rewired
         for key, node in keep.items():
@@ -482,6 +478,54 @@ class _Injection:
         if count:
             self.result.renamed += 1
 
+    def _new_copies(self, needs: dict[_Key, _Need], keep: dict[_Key, ir.Node]) -> dict[_Key, ir.Node]:
+        """The copies to create (every need no kept copy meets), not yet in the graph.
+
+        Named in ``needs`` order; a copy that is a graph output takes its slot. Copies of
+        blobs inside the graph, the bulk of a big injection, are made here in one loop
+        (the rest of :meth:`_new_copy`, inlined: a million-op graph makes 250k of them).
+        """
+        created: dict[_Key, ir.Node] = {}
+        graph, bases, spelled = self.graph, self._bases, self._spelled
+        names = self._names()
+        node_names = self._node_names
+        if node_names is None:
+            node_names = self._node_names = set(filter(_COPY_LIKE, filter(None, self._op_names)))
+        Node, Value, Shape = ir.Node, ir.Value, ir.Shape
+        for key, need in needs.items():
+            if key in keep:
+                continue
+            if need.output_slot >= 0:
+                created[key] = node = self._new_copy(need)
+                graph.outputs[need.output_slot] = node.outputs[0]
+                continue
+            source, device = need.origin, need.device
+            pair = spelled.get(device)
+            if pair is None:
+                pair = spelled[device] = (str(device), device.slug)
+            name = f"{bases.get(source) or source._name or 'blob'}_{pair[1]}"  # slots: see graph_nodes
+            if name in names:
+                name = self._unique_value(name)
+            else:
+                names.add(name)
+            node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
+            if node_name in node_names:
+                node_name = self._unique_node(node_name)
+            else:
+                node_names.add(node_name)
+            shape = source._shape
+            out = Value(name=name, type=source._type, shape=Shape(shape) if shape is not None else None)
+            static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
+            created[key] = Node(
+                "",
+                COPY_OP_TYPE,
+                (source,),
+                outputs=(out,),
+                name=node_name,
+                metadata_props={DEVICE_KEY: pair[0], COPY_KEY: "static" if static else "dynamic"},
+            )
+        return created
+
     def _new_copy(self, need: _Need) -> ir.Node:
         """A copy of ``need.origin`` to ``need.device``, not yet in the graph (see the module doc)."""
         source, device = need.origin, need.device
@@ -525,26 +569,20 @@ class _Injection:
             self.graph.append(node)
 
     def _place_new(self, created: dict[_Key, ir.Node], needs: dict[_Key, _Need]) -> None:
-        """Insert new copies: those before the same op in one call, in order; output-only ones last.
+        """Insert new copies, each just before its first reader, in order; output-only ones last.
 
-        The same order as placing them one by one: each goes just before its first reader,
-        after copies placed there earlier, and copies only graph outputs read are appended.
+        The same order as placing them one by one: copies placed before the same op
+        earlier stay ahead of later ones, and copies only graph outputs read are appended.
         """
-        before: dict[ir.Node, list[ir.Node]] = {}
+        inserts: list[tuple[ir.Node, ir.Node]] = []
         last: list[ir.Node] = []
         for key, node in created.items():
             first = needs[key].first_node
             if first is None:
                 last.append(node)
             else:
-                group = before.get(first)
-                if group is None:
-                    before[first] = [node]
-                else:
-                    group.append(node)
-        insert_before = self.graph.insert_before
-        for first, nodes in before.items():
-            insert_before(first, nodes)
+                inserts.append((node, first))
+        edit.insert_each(self.graph, inserts)  # graph.insert_before, in bulk
         if last:
             self.graph.extend(last)
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress, repeat
 from typing import Any, cast
@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 
 _MAX_NAMED = 5  # offenders quoted in one error message
 _UNSEEN = object()
-_SPEC = operator.itemgetter(1)  # of a _Move
+_NODE, _SPEC = operator.itemgetter(0), operator.itemgetter(1)  # of a _Move
+_PROPS = operator.attrgetter("_metadata_props")  # Node.metadata_props without creating it
 _NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 
@@ -270,16 +271,7 @@ class _Shift:
             # some op on a source device has no output activation: rules 2-3 read labels
             moves, seen = _propagate(self.graph, scan.origin, act_set, shifted, device_of, target_of)
         else:  # fast path: rule 1 decides every op: the producers of listed activations move
-            found: dict[ir.Node, str | None] = {}
-            seen = 0
-            listed = map(shifted.__contains__, candidates)
-            for node, spec in compress(zip(scan.owners, scan.owner_specs), listed):
-                target = target_of[spec]
-                if target is not None:
-                    seen += 1
-                    if target is not device_of[spec]:
-                        found[node] = spec
-            moves = list(found.items())
+            moves, seen = _listed_producers(scan, shifted)
         if scan.loners:
             moves = _follow_readers(self.graph, scan.loners, moves, device_of, target_of)
         return _Plan(moves, len(shifted) - seen)
@@ -289,16 +281,17 @@ class _Shift:
         """Re-annotate the moving ops, all or nothing; returns ops moved per device pair."""
         device_of, target_of = scan.device_of, scan.target_of
         spelled = {spec: str(target) for spec, target in target_of.items() if target is not None}
-        done = 0
         try:
+            props = list(map(_PROPS, map(_NODE, moves)))  # slot read directly: see graph_nodes
+            if None in props:
+                props = [node.metadata_props for node, _ in moves]  # creates the missing ones
+            # props[DEVICE_KEY] = spelled[spec] for every move, looped in C (deque drains the map)
+            deque(
+                map(operator.setitem, props, repeat(DEVICE_KEY), map(spelled.__getitem__, map(_SPEC, moves))),
+                0,
+            )
+        except BaseException:  # put every op back (those not reached yet are unchanged)
             for node, spec in moves:
-                props = node._metadata_props  # slot read directly: see graph_nodes
-                if props is None:
-                    props = node.metadata_props
-                props[DEVICE_KEY] = spelled[spec]
-                done += 1
-        except BaseException:
-            for node, spec in moves[:done]:
                 if spec is None:
                     node.metadata_props.pop(DEVICE_KEY, None)
                 else:
@@ -332,6 +325,24 @@ class _Shift:
                 log.debug(
                     "  %s (%s): %s -> %s", node.name, node.op_type, scan.device_of[spec], scan.target_of[spec]
                 )
+
+
+def _listed_producers(scan: _Scan, shifted: set[ir.Value]) -> tuple[list[_Move], int]:
+    """Rule 1 alone: the ops producing listed activations on a source device move.
+
+    Returns the moves (each op once, graph order) and how many listed activations sit on a
+    source device. The per-candidate work runs in C (``map``/``compress`` over the
+    candidates): half a million listed activations are common.
+    """
+    device_of, target_of, specs = scan.device_of, scan.target_of, scan.owner_specs
+    on_source = {spec for spec, target in target_of.items() if target is not None}
+    moving = {spec for spec in on_source if target_of[spec] is not device_of[spec]}
+    listed = list(map(shifted.__contains__, scan.candidates))
+    seen = sum(compress(map(on_source.__contains__, specs), listed))
+    if not moving:
+        return [], seen
+    moves = compress(zip(scan.owners, specs), map(operator.and_, listed, map(moving.__contains__, specs)))
+    return list(dict(moves).items()), seen  # an op with several listed outputs moves once
 
 
 def _propagate(

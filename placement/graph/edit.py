@@ -1,0 +1,165 @@
+"""Bulk graph edits for passes over million-op graphs: the one module that writes onnx_ir's slots.
+
+onnx_ir's public mutators are exact but pay per call for generality: ``Node.replace_input_with``
+rebuilds the input tuple through a generator and calls four methods, ``Graph.insert_before``
+goes through three layers of calls per node. Copy injection makes a quarter of a million
+such edits on a million-op graph, where those layers were half the pass. The functions
+here do the same edits with onnx_ir's own data structures written directly:
+
+* :func:`rewire` is ``node.replace_input_with(index, value)``;
+* :func:`insert_before` is ``graph.insert_before(node, new_nodes)`` for new nodes, and
+  :func:`insert_each` the same for many ``(new node, anchor)`` pairs in one call.
+
+They leave the IR exactly as the public methods would (inputs, ``value.uses()`` and its
+order, ``node.graph``, the node order, the graph's name registry); ``tests/graph/test_edit.py``
+proves it against the public methods. Where an edit is outside the fast path's
+assumptions (a node with sharding specs, an unnamed or already placed node), they call the
+public method. If onnx_ir's internals differ from what this module was written against
+(checked once at import: :data:`FAST`), every call goes through the public methods, and a
+test fails so that the difference is noticed.
+
+Nothing else in ``placement`` writes onnx_ir's private slots.
+
+Example:
+    >>> import onnx_ir as ir
+    >>> x, y = ir.Value(name="x"), ir.Value(name="y")
+    >>> relu = ir.Node("", "Relu", [x], name="relu")
+    >>> graph = ir.Graph([x, y], relu.outputs, nodes=[relu])
+    >>> rewire(relu, 0, y)
+    >>> relu.inputs[0].name, len(x.uses()), len(y.uses())
+    ('y', 0, 1)
+    >>> neg = ir.Node("", "Neg", [y], name="neg")
+    >>> insert_before(graph, relu, [neg])
+    >>> [node.name for node in graph], neg.graph is graph
+    (['neg', 'relu'], True)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Any
+
+import onnx_ir as ir
+from onnx_ir import _core as _ir_core  # Usage: the key type of Value._uses
+
+__all__ = ["FAST", "rewire", "insert_before", "insert_each", "internals_supported"]
+
+_Usage = _ir_core.Usage
+_new_tuple = tuple.__new__
+_NAME = operator.attrgetter("_name")
+
+#: Slots of onnx_ir's classes this module reads or writes (onnx_ir 1.1).
+_NODE_SLOTS = {"_inputs", "_outputs", "_graph", "_name", "device_configurations"}
+_VALUE_SLOTS = {"_uses", "_name"}
+_LIST_FIELDS = {"_root", "_length", "_value_ids_to_boxes"}
+_BOX_SLOTS = {"prev", "next", "value", "owning_list"}
+_AUTHORITY_FIELDS = {"_node_names", "_value_names"}
+
+
+def internals_supported() -> bool:
+    """True when onnx_ir's private layout is the one this module writes (checked on a tiny graph)."""
+    try:
+        if not (_NODE_SLOTS <= set(ir.Node.__slots__) and _VALUE_SLOTS <= set(ir.Value.__slots__)):
+            return False
+        x = ir.Value(name="x")
+        node = ir.Node("", "Relu", [x], name="relu")
+        graph = ir.Graph([x], node.outputs, nodes=[node])
+        nodes, authority = graph._nodes, graph._name_authority
+        box = nodes._value_ids_to_boxes[id(node)]
+        return (
+            all(hasattr(nodes, field) for field in _LIST_FIELDS)
+            and _BOX_SLOTS <= set(type(box).__slots__)
+            and box.value is node
+            and box.owning_list is nodes
+            and nodes._root.next is box
+            and all(isinstance(getattr(authority, f, None), set) for f in _AUTHORITY_FIELDS)
+            and "relu" in authority._node_names
+            and dict(x._uses) == {_Usage(node, 0): None}
+            and node._inputs == (x,)
+            and node._graph is graph
+        )
+    except Exception:  # any surprise: use the public methods
+        return False
+
+
+#: True when the fast paths are in use (onnx_ir's internals are as expected).
+FAST = internals_supported()
+
+
+def rewire(node: ir.Node, index: int, value: ir.Value | None) -> None:
+    """``node.replace_input_with(index, value)``, with the slots written directly.
+
+    Input ``index`` of ``node`` becomes ``value``; the old input forgets this use and
+    ``value`` records it last in its uses, as the public method does.
+
+    Raises:
+        ValueError: ``index`` is out of range.
+    """
+    if not FAST or node.device_configurations:  # sharding specs: the public method drops them
+        node.replace_input_with(index, value)
+        return
+    inputs = node._inputs
+    if index < 0 or index >= len(inputs):
+        raise ValueError(f"Index out of range: {index}")
+    old = inputs[index]
+    node._inputs = (*inputs[:index], value, *inputs[index + 1 :])
+    if old is not None:
+        old._uses.pop((node, index))  # Usage is a NamedTuple: equal to the plain tuple
+    if value is not None:
+        value._uses[_new_tuple(_Usage, (node, index))] = (
+            None  # Usage(node, index), without its Python __new__
+        )
+
+
+def insert_before(graph: ir.Graph, node: ir.Node, new_nodes: Sequence[ir.Node]) -> None:
+    """``graph.insert_before(node, new_nodes)`` for nodes in no graph, with the slots written directly.
+
+    The new nodes go just before ``node`` in the given order, belong to ``graph`` and
+    have their names (and their outputs') registered with the graph, as the public
+    method does. When a node is unnamed, has an unnamed output, already belongs to a
+    graph or comes twice, the call goes through the public method (which names it, or raises).
+
+    Raises:
+        ValueError: ``node`` is not in ``graph``.
+    """
+    if len({id(new) for new in new_nodes}) != len(new_nodes):
+        graph.insert_before(node, new_nodes)  # a node twice: the public method moves it
+        return
+    insert_each(graph, zip(new_nodes, repeat(node)))
+
+
+def insert_each(graph: ir.Graph, pairs: Iterable[tuple[ir.Node, ir.Node]]) -> None:
+    """``graph.insert_before(anchor, new)`` for each ``(new, anchor)`` pair, in order, in one call.
+
+    Each new node goes just before its anchor, after the nodes inserted before that anchor
+    earlier (so the pairs need not be grouped by anchor). Anchors must be nodes of the
+    graph that are not among the new nodes. See :func:`insert_before`.
+    """
+    if not FAST:
+        for new, anchor in pairs:
+            graph.insert_before(anchor, new)
+        return
+    nodes: Any = graph._nodes
+    boxes = nodes._value_ids_to_boxes
+    node_names = graph._name_authority._node_names
+    value_names = graph._name_authority._value_names
+    make_box = type(nodes._root)
+    for new, anchor in pairs:
+        box = boxes.get(id(anchor))
+        if box is None or box.value is not anchor:
+            raise ValueError(f"Value {anchor!r} is not in the list")
+        outputs = new._outputs
+        name = new._name
+        if new._graph is not None or name is None or not all(map(_NAME, outputs)):
+            graph.insert_before(anchor, new)  # names it, or raises for a node of another graph
+            continue
+        node_names.add(name)
+        value_names.update(map(_NAME, outputs))
+        new._graph = graph
+        before = box.prev
+        new_box = make_box(nodes, new)
+        before.next, new_box.prev, new_box.next, box.prev = new_box, before, box, new_box
+        boxes[id(new)] = new_box
+        nodes._length += 1
