@@ -104,7 +104,9 @@ def rewire(node: ir.Node, index: int, value: ir.Value | None) -> None:
     if index < 0 or index >= len(inputs):
         raise ValueError(f"Index out of range: {index}")
     old = inputs[index]
-    node._inputs = (*inputs[:index], value, *inputs[index + 1 :])
+    changed = list(inputs)
+    changed[index] = value
+    node._inputs = tuple(changed)
     if old is not None:
         old._uses.pop((node, index))  # Usage is a NamedTuple: equal to the plain tuple
     if value is not None:

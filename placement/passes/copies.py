@@ -103,7 +103,7 @@ def copy_kind(source: ir.Value) -> str:
     return "static" if source.is_initializer() and not source.is_graph_input() else "dynamic"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Need:
     """A required copy of ``origin`` to ``device``: where its first reader sits."""
 
@@ -113,6 +113,7 @@ class _Need:
     first_node: ir.Node | None = None
     output_slot: int = -1  # >= 0 when this copy is graph output number ``output_slot``
     output_name: str = ""
+    copy: ir.Value | None = None  # the blob the copy produces, once it exists (set by _apply)
 
 
 class InjectCrossDeviceCopiesPass(PlacementPass):
@@ -177,6 +178,8 @@ class _Decision:
     keep: dict[_Key, ir.Node] = dataclasses.field(default_factory=dict)
     remove: list[ir.Node] = dataclasses.field(default_factory=list)
     misplaced: list[tuple[ir.Node, _Need]] = dataclasses.field(default_factory=list)
+    #: for each of ``_Scan.uses``: the copy its reader must read, ``None``: the blob itself
+    readers: list[_Need | None] = dataclasses.field(default_factory=list)
 
 
 class _Injection:
@@ -192,10 +195,11 @@ class _Injection:
         self._value_names: set[str] | None = None
         self._node_names: set[str] | None = None
         self._bases: dict[ir.Value, str] = {}
-        #: names seen by the scan while each op was at hand (a later walk over a million cold
-        #: objects cost 0.8 s): every op's, and the outputs' of non-copy ops
-        self._op_names: list[str | None] = []
-        self._blob_names: list[str | None] = []
+        #: names seen by the scan while each op was at hand, those containing ``_c`` (every
+        #: copy-like name does): every op's, and the outputs' of non-copy ops. Filtering there,
+        #: while the string is in cache, spares walking (and freeing) two million cold strings.
+        self._op_names: list[str] = []
+        self._blob_names: list[str] = []
         self._copy_nodes: list[ir.Node] = []
         self._spelled: dict[Device, tuple[str, str]] = {}  # device -> (annotation, name part)
 
@@ -234,7 +238,9 @@ class _Injection:
             device = spec_device.get(spec)
             if device is None:
                 device = spec_device[spec] = self.reader.of(node)  # raises naming the op
-            op_name(node._name)
+            name = node._name
+            if name and "_c" in name:
+                op_name(name)
             if props and COPY_KEY in props:
                 inputs, outputs = node._inputs, node._outputs
                 if len(inputs) != 1 or len(outputs) != 1 or inputs[0] is None:
@@ -270,11 +276,15 @@ class _Injection:
             if len(outputs) == 1:
                 value = outputs[0]
                 dev_of[value] = device
-                blob_name(value._name)
+                name = value._name
+                if name and "_c" in name:
+                    blob_name(name)
             else:
                 for value in outputs:
                     dev_of[value] = device
-                    blob_name(value._name)
+                    name = value._name
+                    if name and "_c" in name:
+                        blob_name(name)
         self._copy_nodes = [node for node, _, _, _ in copies]
         return scan
 
@@ -286,15 +296,18 @@ class _Injection:
         out_dev = self.output_device or self._default_output_device(outputs) or scan.in_dev
         decision = _Decision(outputs=outputs, protected=protected, repeated=repeated, out_dev=out_dev)
         needs, keep = decision.needs, decision.keep
+        reads = decision.readers.append
         for node, _, _, source, device, pos in scan.uses:
             if dev_of[source] is device:
+                reads(None)
                 continue
             key = (source, id(device))
             need = needs.get(key)
             if need is None:
-                needs[key] = _Need(source, device, pos, node)
+                needs[key] = need = _Need(source, device, pos, node)
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, node
+            reads(need)
         for slot, _, source, name in outputs:
             if dev_of.get(source) is not out_dev:
                 need = needs.setdefault((source, id(out_dev)), _Need(source, out_dev))
@@ -333,11 +346,13 @@ class _Injection:
             if graph.outputs[slot] is not graph.outputs[first]:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
-        targets = {key: node._outputs[0] for key, node in (*keep.items(), *created.items())}
+        for copies in (keep, created):
+            for key, node in copies.items():
+                needs[key].copy = node._outputs[0]
         rewired = 0
         rewire = edit.rewire  # replace_input_with, in bulk: see placement.graph.edit
-        for node, index, value, source, device, _ in scan.uses:
-            want = source if dev_of[source] is device else targets[(source, id(device))]
+        for (node, index, value, source, _, _), need in zip(scan.uses, decision.readers):
+            want = source if need is None else need.copy
             if want is not value:
                 rewire(node, index, want)
                 rewired += 1
@@ -345,7 +360,7 @@ class _Injection:
         for key, node in keep.items():
             source = needs[key].origin
             if node.inputs[0] is not source:
-                node.replace_input_with(0, source)
+                rewire(node, 0, source)
                 result.rewired += 1
             kind = copy_kind(source)
             if node.metadata_props.get(COPY_KEY) != kind:
@@ -490,7 +505,7 @@ class _Injection:
         names = self._names()
         node_names = self._node_names
         if node_names is None:
-            node_names = self._node_names = set(filter(_COPY_LIKE, filter(None, self._op_names)))
+            node_names = self._node_names = set(filter(_COPY_LIKE, self._op_names))
         Node, Value, Shape = ir.Node, ir.Value, ir.Shape
         for key, need in needs.items():
             if key in keep:
@@ -604,7 +619,7 @@ class _Injection:
         """
         if self._value_names is None:
             graph = self.graph
-            names = set(filter(_COPY_LIKE, filter(None, self._blob_names)))  # non-copy ops'
+            names = set(filter(_COPY_LIKE, self._blob_names))  # non-copy ops'
             names.update(filter(_COPY_LIKE, filter(None, map(_NAME, graph.inputs))))
             names.update(filter(_COPY_LIKE, filter(None, graph.initializers)))
             names.update(filter(_COPY_LIKE, filter(None, (n.outputs[0].name for n in self._copy_nodes))))
@@ -622,7 +637,7 @@ class _Injection:
 
     def _unique_node(self, base: str) -> str:
         if self._node_names is None:
-            self._node_names = set(filter(_COPY_LIKE, filter(None, self._op_names)))
+            self._node_names = set(filter(_COPY_LIKE, self._op_names))
         name, k = base, 0
         while name in self._node_names:
             k += 1

@@ -250,9 +250,9 @@ class _Shift:
         scan.acts = [v for v in candidates if v in consumed or v._is_graph_output]
         return scan
 
-    def _validate(self, scan: _Scan) -> set[ir.Value]:
+    def _validate(self, scan: _Scan) -> _Listed:
         """The listed activations; raise naming unknown blobs, non-activations or unused sources."""
-        shifted = set(_resolve_names(self.graph, scan.acts, self.names))
+        shifted = _resolve_names(self.graph, scan.acts, self.names)
         in_use = set(scan.device_of.values())
         for source in self.sources:
             if source not in in_use:
@@ -262,19 +262,20 @@ class _Shift:
                 )
         return shifted
 
-    def _plan(self, scan: _Scan, shifted: set[ir.Value]) -> _Plan:
+    def _plan(self, scan: _Scan, listed: _Listed) -> _Plan:
         """Label propagation over the ops on source devices (read only): which ops move."""
         device_of, target_of, candidates, acts = scan.device_of, scan.target_of, scan.candidates, scan.acts
         dead_outputs = len(acts) < len(candidates)
         act_set = set(acts) if scan.unfed or dead_outputs else set()
         if scan.unfed or (dead_outputs and _has_op_without_activations(candidates, act_set, target_of)):
             # some op on a source device has no output activation: rules 2-3 read labels
+            shifted = set(listed.values)
             moves, seen = _propagate(self.graph, scan.origin, act_set, shifted, device_of, target_of)
         else:  # fast path: rule 1 decides every op: the producers of listed activations move
-            moves, seen = _listed_producers(scan, shifted)
+            moves, seen = _listed_producers(scan, listed.over(scan))
         if scan.loners:
             moves = _follow_readers(self.graph, scan.loners, moves, device_of, target_of)
-        return _Plan(moves, len(shifted) - seen)
+        return _Plan(moves, len(listed.values) - seen)
 
     @staticmethod
     def _apply(scan: _Scan, moves: list[_Move]) -> dict[tuple[Device, Device], int]:
@@ -327,17 +328,16 @@ class _Shift:
                 )
 
 
-def _listed_producers(scan: _Scan, shifted: set[ir.Value]) -> tuple[list[_Move], int]:
+def _listed_producers(scan: _Scan, listed: list[bool]) -> tuple[list[_Move], int]:
     """Rule 1 alone: the ops producing listed activations on a source device move.
 
     Returns the moves (each op once, graph order) and how many listed activations sit on a
-    source device. The per-candidate work runs in C (``map``/``compress`` over the
-    candidates): half a million listed activations are common.
+    source device. ``listed`` flags the candidates that are listed. The per-candidate work
+    runs in C (``map``/``compress``): half a million listed activations are common.
     """
     device_of, target_of, specs = scan.device_of, scan.target_of, scan.owner_specs
     on_source = {spec for spec, target in target_of.items() if target is not None}
     moving = {spec for spec in on_source if target_of[spec] is not device_of[spec]}
-    listed = list(map(shifted.__contains__, scan.candidates))
     seen = sum(compress(map(on_source.__contains__, specs), listed))
     if not moving:
         return [], seen
@@ -460,28 +460,58 @@ def _follow(
     return device
 
 
-def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> list[ir.Value]:
-    """The named activations in producer order; raise naming unknown names or non-activations."""
-    found: list[ir.Value] = []
+@dataclasses.dataclass
+class _Listed:
+    """The listed activations: ``values`` (distinct, producer order) and, when the names were
+    in producer order, ``flags``: for each activation of the scan, whether it is listed."""
+
+    values: list[ir.Value]
+    flags: list[bool] | None = None
+
+    def over(self, scan: _Scan) -> list[bool]:
+        """For each candidate of ``scan``, whether it is listed."""
+        if self.flags is not None and len(scan.acts) == len(scan.candidates):
+            return self.flags  # every candidate is an activation: the flags line up
+        return list(map(set(self.values).__contains__, scan.candidates))
+
+
+def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> _Listed:
+    """The named activations; raise naming unknown names or non-activations."""
     if not names:
-        return found
-    # fast path: names in producer order (a slice of get_activation_blobs): a merge, no hashing
-    keep, count, wanted = found.append, 0, names[0]
-    for value in acts:
-        name = value._name  # slot read directly: see graph_nodes
-        if name is wanted or name == wanted:
-            keep(value)
-            count += 1
-            if count == len(names):
-                return found
-            wanted = names[count]
+        return _Listed([], [False] * len(acts))
+    flags = _merge(acts, names)
+    if flags is not None:  # names in producer order (a slice of get_activation_blobs)
+        return _Listed(list(compress(acts, flags)), flags)
     # any order, duplicates, or bad names
     names_set = set(names)
     found = list(compress(acts, map(names_set.__contains__, map(_NAME, acts))))
     if len(found) < len(names_set):
         have = {v.name for v in found}
         _raise_for(graph, [name for name in names if name not in have])
-    return found
+    return _Listed(found)
+
+
+def _merge(acts: list[ir.Value], names: list[str]) -> list[bool] | None:
+    """Which activations are named, if ``names`` lists activations in producer order; else None.
+
+    A merge of two ordered lists: no hashing, and names compare by identity first (they
+    are usually the very strings ``get_activation_blobs`` returned).
+    """
+    flags: list[bool] = []
+    flag = flags.append
+    count, total, wanted = 0, len(names), names[0]
+    for value in acts:
+        name = value._name  # slot read directly: see graph_nodes
+        if name is wanted or name == wanted:
+            flag(True)
+            count += 1
+            if count == total:
+                flags.extend(repeat(False, len(acts) - len(flags)))
+                return flags
+            wanted = names[count]
+        else:
+            flag(False)
+    return None
 
 
 def _raise_for(graph: ir.Graph, missing: list[str]) -> None:
