@@ -506,7 +506,7 @@ class _Injection:
         node_names = self._node_names
         if node_names is None:
             node_names = self._node_names = set(filter(_COPY_LIKE, self._op_names))
-        Node, Value, Shape = ir.Node, ir.Value, ir.Shape
+        new_node, Value, Shape = edit.new_node, ir.Value, ir.Shape
         for key, need in needs.items():
             if key in keep:
                 continue
@@ -531,11 +531,11 @@ class _Injection:
             shape = source._shape
             out = Value(name=name, type=source._type, shape=Shape(shape) if shape is not None else None)
             static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
-            created[key] = Node(
+            created[key] = new_node(  # ir.Node(...), faster: see placement.graph.edit
                 "",
                 COPY_OP_TYPE,
                 (source,),
-                outputs=(out,),
+                out,
                 name=node_name,
                 metadata_props={DEVICE_KEY: pair[0], COPY_KEY: "static" if static else "dynamic"},
             )

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress, repeat
 from typing import Any, cast
@@ -65,8 +65,7 @@ log = logging.getLogger(__name__)
 
 _MAX_NAMED = 5  # offenders quoted in one error message
 _UNSEEN = object()
-_NODE, _SPEC = operator.itemgetter(0), operator.itemgetter(1)  # of a _Move
-_PROPS = operator.attrgetter("_metadata_props")  # Node.metadata_props without creating it
+_SPEC = operator.itemgetter(1)  # of a _Move
 _NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 
@@ -282,17 +281,16 @@ class _Shift:
         """Re-annotate the moving ops, all or nothing; returns ops moved per device pair."""
         device_of, target_of = scan.device_of, scan.target_of
         spelled = {spec: str(target) for spec, target in target_of.items() if target is not None}
+        done = 0
         try:
-            props = list(map(_PROPS, map(_NODE, moves)))  # slot read directly: see graph_nodes
-            if None in props:
-                props = [node.metadata_props for node, _ in moves]  # creates the missing ones
-            # props[DEVICE_KEY] = spelled[spec] for every move, looped in C (deque drains the map)
-            deque(
-                map(operator.setitem, props, repeat(DEVICE_KEY), map(spelled.__getitem__, map(_SPEC, moves))),
-                0,
-            )
-        except BaseException:  # put every op back (those not reached yet are unchanged)
             for node, spec in moves:
+                props = node._metadata_props  # slot read directly: see graph_nodes
+                if props is None:
+                    props = node.metadata_props
+                props[DEVICE_KEY] = spelled[spec]
+                done += 1
+        except BaseException:
+            for node, spec in moves[:done]:
                 if spec is None:
                     node.metadata_props.pop(DEVICE_KEY, None)
                 else:

@@ -135,3 +135,40 @@ def test_public_fallback_when_internals_differ(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(edit, "FAST", False)
     test_rewire_matches_replace_input_with()
     test_insert_before_matches_public_insert_before()
+    test_new_node_matches_the_constructor()
+
+
+def _slots(node: ir.Node) -> dict[str, object]:
+    """Every slot of ``node`` comparable across two graphs (objects by name or content)."""
+    out: dict[str, object] = {}
+    for slot in ir.Node.__slots__:
+        value = getattr(node, slot)
+        if slot in ("_inputs", "_outputs"):
+            value = [(v.name, v.producer() is node, v.index()) if v is not None else None for v in value]
+        elif slot == "_attributes":
+            value = (type(value), dict(value), value._owner is node)
+        elif slot == "_graph":
+            value = value is not None and node in value
+        out[slot] = value
+    return out
+
+
+def test_new_node_matches_the_constructor():
+    built = {}
+    for fast in (False, True):
+        graph = _graph()
+        x, y = graph.inputs
+        out = ir.Value(name="x_copy", type=_FLOAT, shape=ir.Shape([2]))
+        props = {"placement.device": "cuda:1"}
+        if fast:
+            node = edit.new_node("", "Identity", (x, None, x), out, name="copy", metadata_props=props)
+        else:
+            node = ir.Node("", "Identity", (x, None, x), outputs=(out,), name="copy", metadata_props=props)
+        assert node.metadata_props is props and out.producer() is node
+        edit.insert_before(graph, _node(graph, "mul"), [node]) if fast else graph.insert_before(
+            _node(graph, "mul"), [node]
+        )
+        built[fast] = (_slots(node), _state(graph))
+    assert built[True] == built[False]
+    with pytest.raises(ValueError, match="producer"):
+        edit.new_node("", "Identity", [None], _graph()[0].outputs[0], name="n", metadata_props=None)
