@@ -7,6 +7,7 @@ such edits on a million-op graph, where those layers were half the pass. The fun
 here do the same edits with onnx_ir's own data structures written directly:
 
 * :func:`new_node` is ``ir.Node(domain, op_type, inputs, outputs=(output,), ...)``;
+* :func:`copy_shape` is ``ir.Shape(shape)``;
 * :func:`rewire` is ``node.replace_input_with(index, value)``;
 * :func:`insert_before` is ``graph.insert_before(node, new_nodes)`` for new nodes, and
   :func:`insert_each` the same for many ``(new node, anchor)`` pairs in one call.
@@ -46,7 +47,7 @@ import onnx_ir as ir
 from onnx_ir import _core as _ir_core  # Usage: the key type of Value._uses
 from onnx_ir import _graph_containers as _ir_containers  # Attributes: a node's attribute dict
 
-__all__ = ["FAST", "new_node", "rewire", "insert_before", "insert_each", "internals_supported"]
+__all__ = ["FAST", "copy_shape", "new_node", "rewire", "insert_before", "insert_each", "internals_supported"]
 
 _Usage = _ir_core.Usage
 _new_tuple = tuple.__new__
@@ -65,12 +66,22 @@ _BOX_SLOTS = {"prev", "next", "value", "owning_list"}
 _AUTHORITY_FIELDS = {"_node_names", "_value_names"}
 
 
+def _state_of(obj: object) -> set[str]:
+    """The attribute names an object holds (slots and ``__dict__``)."""
+    names = set(getattr(obj, "__dict__", ()))
+    for cls in type(obj).__mro__:
+        names.update(slot for slot in getattr(cls, "__slots__", ()) if hasattr(obj, slot))
+    return names
+
+
 def internals_supported() -> bool:
     """True when onnx_ir's private layout is the one this module writes (checked on a tiny graph)."""
     try:
         if not (_NODE_SLOTS == set(ir.Node.__slots__) and _VALUE_SLOTS <= set(ir.Value.__slots__)):
             return False
         if not isinstance(ir.Node("", "Relu", [])._attributes, _ir_containers.Attributes):
+            return False
+        if _state_of(ir.Shape([1, "n"])) != {"_dims", "_denotations", "_frozen"}:
             return False
         x = ir.Value(name="x")
         node = ir.Node("", "Relu", [x], name="relu")
@@ -138,6 +149,18 @@ def new_node(
         if value is not None:
             value._uses[_new_tuple(_Usage, (node, index))] = None
     return node
+
+
+def copy_shape(shape: ir.Shape) -> ir.Shape:
+    """``ir.Shape(shape)``: a new, unfrozen shape with the same dims and no denotations."""
+    if not FAST:
+        return ir.Shape(shape)
+    dims = shape._dims  # already ints and SymbolicDims: the constructor would keep them as they are
+    new = _new_object(ir.Shape)
+    new._dims = list(dims)
+    new._denotations = [None] * len(dims)
+    new._frozen = False
+    return new
 
 
 def rewire(node: ir.Node, index: int, value: ir.Value | None) -> None:

@@ -506,7 +506,7 @@ class _Injection:
         node_names = self._node_names
         if node_names is None:
             node_names = self._node_names = set(filter(_COPY_LIKE, self._op_names))
-        new_node, Value, Shape = edit.new_node, ir.Value, ir.Shape
+        new_node, copy_shape, Value = edit.new_node, edit.copy_shape, ir.Value
         for key, need in needs.items():
             if key in keep:
                 continue
@@ -529,7 +529,7 @@ class _Injection:
             else:
                 node_names.add(node_name)
             shape = source._shape
-            out = Value(name=name, type=source._type, shape=Shape(shape) if shape is not None else None)
+            out = Value(name=name, type=source._type, shape=copy_shape(shape) if shape is not None else None)
             static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
             created[key] = new_node(  # ir.Node(...), faster: see placement.graph.edit
                 "",

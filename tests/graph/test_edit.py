@@ -136,6 +136,7 @@ def test_public_fallback_when_internals_differ(monkeypatch: pytest.MonkeyPatch):
     test_rewire_matches_replace_input_with()
     test_insert_before_matches_public_insert_before()
     test_new_node_matches_the_constructor()
+    test_copy_shape_matches_the_constructor()
 
 
 def _slots(node: ir.Node) -> dict[str, object]:
@@ -172,3 +173,16 @@ def test_new_node_matches_the_constructor():
     assert built[True] == built[False]
     with pytest.raises(ValueError, match="producer"):
         edit.new_node("", "Identity", [None], _graph()[0].outputs[0], name="n", metadata_props=None)
+
+
+def test_copy_shape_matches_the_constructor():
+    for shape in (ir.Shape([1, 8]), ir.Shape(["batch", None, 3], denotations=["N", None, "C"]), ir.Shape([])):
+        shape.freeze()
+        public, fast = ir.Shape(shape), edit.copy_shape(shape)
+        assert edit._state_of(fast) == edit._state_of(public) == {"_dims", "_denotations", "_frozen"}
+        assert fast == public and fast._denotations == public._denotations and not fast.frozen
+        assert fast._dims == public._dims and fast._dims is not shape._dims
+        assert all(a is b for a, b in zip(fast.dims, public.dims))  # the same SymbolicDim objects
+        if len(fast):
+            fast[0] = 7  # unfrozen, and a copy: the source keeps its dims
+            assert shape[0] != 7
