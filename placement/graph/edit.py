@@ -90,7 +90,8 @@ def internals_supported() -> bool:
         box = nodes._value_ids_to_boxes[id(node)]
         return (
             all(hasattr(nodes, field) for field in _LIST_FIELDS)
-            and _BOX_SLOTS <= set(type(box).__slots__)
+            and _BOX_SLOTS == set(type(box).__slots__)
+            and not hasattr(box, "__dict__")
             and box.value is node
             and box.owning_list is nodes
             and nodes._root.next is box
@@ -222,21 +223,22 @@ def insert_each(graph: ir.Graph, pairs: Iterable[tuple[ir.Node, ir.Node]]) -> No
     boxes = nodes._value_ids_to_boxes
     node_names = graph._name_authority._node_names
     value_names = graph._name_authority._value_names
-    make_box = type(nodes._root)
+    link_box = type(nodes._root)
     for new, anchor in pairs:
         box = boxes.get(id(anchor))
         if box is None or box.value is not anchor:
             raise ValueError(f"Value {anchor!r} is not in the list")
-        outputs = new._outputs
         name = new._name
-        if new._graph is not None or name is None or not all(map(_NAME, outputs)):
+        output_names = list(map(_NAME, new._outputs))
+        if new._graph is not None or name is None or None in output_names:
             graph.insert_before(anchor, new)  # names it, or raises for a node of another graph
             continue
         node_names.add(name)
-        value_names.update(map(_NAME, outputs))
+        value_names.update(output_names)
         new._graph = graph
         before = box.prev
-        new_box = make_box(nodes, new)
-        before.next, new_box.prev, new_box.next, box.prev = new_box, before, box, new_box
+        new_box = _new_object(link_box)  # _LinkBox(nodes, new), its four slots set once
+        new_box.value, new_box.owning_list, new_box.prev, new_box.next = new, nodes, before, box
+        before.next = box.prev = new_box
         boxes[id(new)] = new_box
         nodes._length += 1

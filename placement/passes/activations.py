@@ -58,7 +58,8 @@ def get_activation_blobs(model: Model) -> list[str]:
     """
     with no_gc():
         values = activation_values(as_ir_model(model).graph)
-        return [name or "" for name in map(_NAME, values)]
+        names = list(map(_NAME, values))
+        return [name or "" for name in names] if None in names else names
 
 
 def describe_non_activation(graph: ir.Graph, value: ir.Value) -> str:

@@ -346,9 +346,8 @@ class _Injection:
             if graph.outputs[slot] is not graph.outputs[first]:
                 graph.outputs[slot] = graph.outputs[first]
                 result.modified = True
-        for copies in (keep, created):
-            for key, node in copies.items():
-                needs[key].copy = node._outputs[0]
+        for key, node in keep.items():  # (created copies are linked to their needs already)
+            needs[key].copy = node._outputs[0]
         rewired = 0
         rewire = edit.rewire  # replace_input_with, in bulk: see placement.graph.edit
         for (node, index, value, source, _, _), need in zip(scan.uses, decision.readers):
@@ -372,7 +371,7 @@ class _Injection:
         for node, need in decision.misplaced:
             self._place(node, need)
             result.moved += 1
-        self._place_new(created, needs)
+        self._place_new(created)
         result.added += len(created)
         self._record_io_devices(scan.in_dev, decision.out_dev)
 
@@ -493,14 +492,15 @@ class _Injection:
         if count:
             self.result.renamed += 1
 
-    def _new_copies(self, needs: dict[_Key, _Need], keep: dict[_Key, ir.Node]) -> dict[_Key, ir.Node]:
+    def _new_copies(self, needs: dict[_Key, _Need], keep: dict[_Key, ir.Node]) -> list[tuple[_Need, ir.Node]]:
         """The copies to create (every need no kept copy meets), not yet in the graph.
 
         Named in ``needs`` order; a copy that is a graph output takes its slot. Copies of
         blobs inside the graph, the bulk of a big injection, are made here in one loop
         (the rest of :meth:`_new_copy`, inlined: a million-op graph makes 250k of them).
         """
-        created: dict[_Key, ir.Node] = {}
+        created: list[tuple[_Need, ir.Node]] = []
+        add = created.append
         graph, bases, spelled = self.graph, self._bases, self._spelled
         names = self._names()
         node_names = self._node_names
@@ -511,8 +511,9 @@ class _Injection:
             if key in keep:
                 continue
             if need.output_slot >= 0:
-                created[key] = node = self._new_copy(need)
-                graph.outputs[need.output_slot] = node.outputs[0]
+                node = self._new_copy(need)
+                need.copy = graph.outputs[need.output_slot] = node.outputs[0]
+                add((need, node))
                 continue
             source, device = need.origin, need.device
             pair = spelled.get(device)
@@ -531,7 +532,8 @@ class _Injection:
             shape = source._shape
             out = Value(name=name, type=source._type, shape=copy_shape(shape) if shape is not None else None)
             static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
-            created[key] = new_node(  # ir.Node(...), faster: see placement.graph.edit
+            need.copy = out
+            node = new_node(  # ir.Node(...), faster: see placement.graph.edit
                 "",
                 COPY_OP_TYPE,
                 (source,),
@@ -539,6 +541,7 @@ class _Injection:
                 name=node_name,
                 metadata_props={DEVICE_KEY: pair[0], COPY_KEY: "static" if static else "dynamic"},
             )
+            add((need, node))
         return created
 
     def _new_copy(self, need: _Need) -> ir.Node:
@@ -583,7 +586,7 @@ class _Injection:
         elif node.graph is None:
             self.graph.append(node)
 
-    def _place_new(self, created: dict[_Key, ir.Node], needs: dict[_Key, _Need]) -> None:
+    def _place_new(self, created: list[tuple[_Need, ir.Node]]) -> None:
         """Insert new copies, each just before its first reader, in order; output-only ones last.
 
         The same order as placing them one by one: copies placed before the same op
@@ -591,8 +594,8 @@ class _Injection:
         """
         inserts: list[tuple[ir.Node, ir.Node]] = []
         last: list[ir.Node] = []
-        for key, node in created.items():
-            first = needs[key].first_node
+        for need, node in created:
+            first = need.first_node
             if first is None:
                 last.append(node)
             else:

@@ -166,6 +166,7 @@ class _Scan:
     #: ops on source devices that read no activation or write nothing (rules 2-3 decide them)
     unfed: int = 0
     loners: list[ir.Node] = dataclasses.field(default_factory=list)  # such ops computing from parameters
+    several_outputs: bool = False  # some candidate's op has several outputs (owners repeat)
 
 
 @dataclasses.dataclass
@@ -241,6 +242,7 @@ class _Shift:
                 else:
                     owners.extend([node] * len(outputs))
                     owner_specs.extend([spec] * len(outputs))
+                    scan.several_outputs = True
             elif target is not None:
                 unfed += 1
                 if not hit and outputs:
@@ -336,11 +338,16 @@ def _listed_producers(scan: _Scan, listed: list[bool]) -> tuple[list[_Move], int
     device_of, target_of, specs = scan.device_of, scan.target_of, scan.owner_specs
     on_source = {spec for spec, target in target_of.items() if target is not None}
     moving = {spec for spec in on_source if target_of[spec] is not device_of[spec]}
-    seen = sum(compress(map(on_source.__contains__, specs), listed))
+    if on_source.issuperset(device_of):  # every op is on a source device
+        seen = sum(listed)
+    else:
+        seen = sum(compress(map(on_source.__contains__, specs), listed))
     if not moving:
         return [], seen
     moves = compress(zip(scan.owners, specs), map(operator.and_, listed, map(moving.__contains__, specs)))
-    return list(dict(moves).items()), seen  # an op with several listed outputs moves once
+    if scan.several_outputs:
+        return list(dict(moves).items()), seen  # an op with several listed outputs moves once
+    return list(moves), seen
 
 
 def _propagate(
