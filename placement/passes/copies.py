@@ -160,10 +160,16 @@ class _Scan:
     in_dev: Device
     origin: dict[ir.Value, ir.Value] = dataclasses.field(default_factory=dict)  # copy output -> blob
     dev_of: dict[ir.Value, Device] = dataclasses.field(default_factory=dict)  # blob -> its device
-    home_pos: dict[ir.Value, int] = dataclasses.field(default_factory=dict)  # parameter -> first reader
+    #: each parameter read, and the position of its first (non-copy) reader, in read order
+    params: list[ir.Value] = dataclasses.field(default_factory=list)
+    param_pos: list[int] = dataclasses.field(default_factory=list)
     copies: list[tuple[ir.Node, int, ir.Value, Device]] = dataclasses.field(default_factory=list)
     #: reads to look at: (reader, input index, blob read, blob it carries, reader's device, position)
     uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device, int]] = dataclasses.field(default_factory=list)
+
+    def home_positions(self) -> dict[ir.Value, int]:
+        """Parameter -> position of its first reader (where the parameter lives)."""
+        return dict(zip(self.params, self.param_pos))
 
 
 @dataclasses.dataclass
@@ -227,7 +233,8 @@ class _Injection:
         inputs_ = {v for v in graph.inputs if not v.is_initializer()}
         scan = _Scan(in_dev=self.input_device or self._default_input_device(inputs_))
         in_dev = scan.in_dev
-        origin, dev_of, home_pos, copies = scan.origin, scan.dev_of, scan.home_pos, scan.copies
+        origin, dev_of, copies = scan.origin, scan.dev_of, scan.copies
+        param, param_pos = scan.params.append, scan.param_pos.append  # two appends: cheaper than a dict
         spec_device: dict[str | None, Device] = {}
         dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
         nodes = graph_nodes(graph)
@@ -267,7 +274,8 @@ class _Injection:
                         if not source._is_initializer:
                             self._not_topological(node, source)
                         where = device
-                        home_pos[source] = pos
+                        param(source)
+                        param_pos(pos)
                     dev_of[source] = where
                     if where is device and source is value:
                         continue
@@ -321,6 +329,7 @@ class _Injection:
                     if same and self.reader.of(producer) == need.device:
                         keep[(need.origin, id(need.device))] = producer
         kept = set(keep.values())
+        home_pos = scan.home_positions() if scan.copies else {}
         for node, pos, source, device in scan.copies:
             if node in protected:
                 continue
@@ -330,7 +339,7 @@ class _Injection:
                 decision.remove.append(node)
                 continue
             keep[key] = node
-            if (need.first_pos >= 0 and pos > need.first_pos) or pos < scan.home_pos.get(source, -1):
+            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(source, -1):
                 decision.misplaced.append((node, need))
         return decision
 
