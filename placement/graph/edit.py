@@ -79,7 +79,8 @@ def internals_supported() -> bool:
     try:
         if not (_NODE_SLOTS == set(ir.Node.__slots__) and _VALUE_SLOTS <= set(ir.Value.__slots__)):
             return False
-        if not isinstance(ir.Node("", "Relu", [])._attributes, _ir_containers.Attributes):
+        attributes = ir.Node("", "Relu", [])._attributes
+        if type(attributes) is not _ir_containers.Attributes or list(vars(attributes)) != ["_owner", "data"]:
             return False
         if _state_of(ir.Shape([1, "n"])) != {"_dims", "_denotations", "_frozen"}:
             return False
@@ -138,7 +139,8 @@ def new_node(
     node._inputs = inputs = tuple(inputs)
     output._producer, output._index = node, 0
     node._outputs = (output,)
-    node._attributes = _ir_containers.Attributes((), owner=node)
+    node._attributes = attributes = _new_object(_ir_containers.Attributes)  # Attributes((), owner=node):
+    attributes._owner, attributes.data = node, {}  # what it and UserDict.__init__ set, in that order
     node._overload = ""
     node._version = None
     node._metadata = None

@@ -147,7 +147,7 @@ def _slots(node: ir.Node) -> dict[str, object]:
         if slot in ("_inputs", "_outputs"):
             value = [(v.name, v.producer() is node, v.index()) if v is not None else None for v in value]
         elif slot == "_attributes":
-            value = (type(value), dict(value), value._owner is node)
+            value = (type(value), list(vars(value)), dict(value), value._owner is node)
         elif slot == "_graph":
             value = value is not None and node in value
         out[slot] = value
