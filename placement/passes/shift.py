@@ -484,9 +484,7 @@ def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> _
     """The named activations; raise naming unknown names or non-activations."""
     if not names:
         return _Listed([], [False] * len(acts))
-    flags = _same_strings(acts, names)
-    if flags is None:
-        flags = _merge(acts, names)
+    flags = _merge(acts, names)
     if flags is not None:  # names in producer order (a slice of get_activation_blobs)
         return _Listed(list(compress(acts, flags)), flags)
     # any order, duplicates, or bad names
@@ -496,20 +494,6 @@ def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> _
         have = {v.name for v in found}
         _raise_for(graph, [name for name in names if name not in have])
     return _Listed(found)
-
-
-def _same_strings(acts: list[ir.Value], names: list[str]) -> list[bool] | None:
-    """Which activations are named, when every name is the very string object of one
-    activation's name (what ``get_activation_blobs`` returns); else None.
-
-    Looped in C over string identities: no string is read or hashed.
-    """
-    wanted = set(map(id, names))
-    if len(wanted) != len(names):
-        return None  # a name twice: the general path decides
-    flags = list(map(wanted.__contains__, map(id, map(_NAME, acts))))
-    matched = set(map(id, map(_NAME, compress(acts, flags))))
-    return flags if len(matched) == len(names) == flags.count(True) else None
 
 
 def _merge(acts: list[ir.Value], names: list[str]) -> list[bool] | None:

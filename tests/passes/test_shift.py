@@ -291,21 +291,6 @@ def test_ops_computing_from_parameters_follow_their_readers(exported):
 
 @pytest.mark.parametrize("order", ["given", "reversed", "twice"])
 def test_names_equal_by_value_or_by_identity_shift_alike(order: str) -> None:
-    # the returned strings themselves take a fast path; equal copies, any order or repeats the general one
-    results = []
-    for fresh in (False, True):
-        model = chain(8)
-        acts = pl.get_activation_blobs(model)
-        names = [name.encode().decode() for name in acts[2:6]] if fresh else acts[2:6]
-        names = {"given": names, "reversed": names[::-1], "twice": names + names[:1]}[order]
-        result = pl.shift_activation_devices(model, names, {0: 1})
-        results.append((snapshot(model), result.moved))
-    assert results[0] == results[1]
-    assert results[0][1] == {(pl.Device("cuda", 0), pl.Device("cuda", 1)): 4}
-
-
-@pytest.mark.parametrize("order", ["given", "reversed", "twice"])
-def test_names_equal_by_value_or_by_identity_shift_alike(order: str) -> None:
     # get_activation_blobs' own strings in producer order take the merge; any other form the general path
     results = []
     for fresh in (False, True):
