@@ -164,8 +164,11 @@ class _Scan:
     params: list[ir.Value] = dataclasses.field(default_factory=list)
     param_pos: list[int] = dataclasses.field(default_factory=list)
     copies: list[tuple[ir.Node, int, ir.Value, Device]] = dataclasses.field(default_factory=list)
-    #: reads to look at: (reader, input index, blob read, blob it carries, reader's device, position)
-    uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device, int]] = dataclasses.field(default_factory=list)
+    #: reads to look at: (reader, input index, blob read, blob it carries, reader's device or
+    #: ``None`` when that is the carried blob's device, reader's position)
+    uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device | None, int]] = dataclasses.field(
+        default_factory=list
+    )
 
     def home_positions(self) -> dict[ir.Value, int]:
         """Parameter -> position of its first reader (where the parameter lives)."""
@@ -279,7 +282,7 @@ class _Injection:
                     dev_of[source] = where
                     if where is device and source is value:
                         continue
-                record((node, index, value, source, device, pos))
+                record((node, index, value, source, device if where is not device else None, pos))
             outputs = node._outputs
             if len(outputs) == 1:
                 value = outputs[0]
@@ -306,7 +309,7 @@ class _Injection:
         needs, keep = decision.needs, decision.keep
         reads = decision.readers.append
         for node, _, _, source, device, pos in scan.uses:
-            if dev_of[source] is device:
+            if device is None:  # on the blob's own device (reading it through a copy)
                 reads(None)
                 continue
             key = (source, id(device))
