@@ -83,7 +83,8 @@ def graph_nodes(graph: ir.Graph) -> list[ir.Node]:
     Passes over million-op graphs also read a few of onnx_ir's slots directly
     (``Node._inputs``/``_outputs``/``_metadata_props``, ``Value._name``/``_is_initializer``):
     each property call costs about 0.1 us, several per op per scan.
-    ``tests/graph/test_model.py`` checks those slots exist.
+    ``tests/graph/test_model.py`` checks those slots exist. Writing slots is confined to
+    :mod:`placement.graph.edit` (bulk node creation, rewiring and insertion for passes).
 
     Example:
         >>> import onnx_ir as ir
