@@ -115,7 +115,6 @@ def blocked_plan(program: Program, optimized: Callable[[StageExec], onnx.ModelPr
             (called only for stages at candidate boundaries, possibly more than once).
     """
     producer, readers = _readers(program)
-    graph = optimized
     plan = BlockedPlan()
     for blob, ex in producer.items():
         reads = readers.get(blob, [])
@@ -123,10 +122,10 @@ def blocked_plan(program: Program, optimized: Callable[[StageExec], onnx.ModelPr
             continue
         if not _has_conv(ex) or not all(_has_conv(r) for r, _ in reads if r is not None):
             continue
-        made = graph(ex)
+        made = optimized(ex)
         if made is None or blob not in blocked_outputs(made):
             continue
-        if not all(_reads_blocked(graph(r), name) for r, name in reads if r is not None):
+        if not all(_reads_blocked(optimized(r), name) for r, name in reads if r is not None):
             continue
         plan.outputs.setdefault(ex.stage.index, set()).add(blob)
         for r, name in reads:
