@@ -8,9 +8,11 @@ its edges. :func:`calibrate` closes the loop on the real thing:
 
 1. plan with ``auto_place(runtime="ort")`` (optimised-session op times, no cut
    inside a fused group);
-2. build the plan's stage sessions exactly as :class:`placement.Runner` does
-   (:func:`placement.runtime.stages.split_stages`, :func:`placement.runtime.ort.stage_session`,
-   ``threads`` intra-op threads each) and time them on the sample inputs, each
+2. build the plan's stage sessions as :class:`placement.Runner` does
+   (:func:`placement.runtime.stages.split_stages`, :func:`placement.runtime.sessions.stage_session`,
+   ``threads`` intra-op threads each; boundaries in plain NCHW, since each stage is
+   fed the sample's own values, so a convolutional stage is timed with the two
+   layout conversions a runner's ``keep_layout`` saves) and time them on the sample inputs, each
    stage alone, stages alternating round by round (the order reversed every other
    round), keeping each stage's median (on a shared machine whose other processes
    preempt most runs the median is far steadier than the fastest run);

@@ -41,11 +41,13 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
-__all__ = ["batchnorm_as_conv"]
+__all__ = ["NCHWC_DOMAIN", "batchnorm_as_conv", "blocked_inputs", "blocked_outputs", "keep_blocked"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +110,118 @@ def _qualifies(node: ir.Node) -> bool:
 
 
 _BLOCKED_READERS = frozenset({"Conv", "Add", "Relu"})
+
+
+# --- blocked boundaries ----------------------------------------------------------------------
+
+#: The domain of ONNX Runtime's blocked-layout kernels (CPU execution provider).
+NCHWC_DOMAIN = "com.microsoft.nchwc"
+
+
+def blocked_outputs(proto: onnx.ModelProto) -> dict[str, str]:
+    """Graph outputs of an ONNX Runtime-optimised stage that leave the blocked layout at the end.
+
+    Returns ``{output: blocked tensor}`` for every graph output produced by a
+    ``ReorderOutput`` back to NCHW (not channels-last) from a blocked tensor.
+
+    Example:
+        >>> from onnx import helper
+        >>> node = helper.make_node("ReorderOutput", ["b"], ["y"], domain=NCHWC_DOMAIN, channels=8)
+        >>> graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", 1, None)])
+        >>> blocked_outputs(helper.make_model(graph))
+        {'y': 'b'}
+    """
+    graph = proto.graph
+    outputs = {o.name for o in graph.output}
+    found: dict[str, str] = {}
+    for node in graph.node:
+        if _is_reorder(node, "ReorderOutput") and node.output[0] in outputs:
+            found[node.output[0]] = node.input[0]
+    return found
+
+
+def blocked_inputs(proto: onnx.ModelProto) -> set[str]:
+    """Graph inputs of an ONNX Runtime-optimised stage that go straight into the blocked layout.
+
+    An input qualifies when every node reading it is a ``ReorderInput`` from NCHW
+    (not channels-last) and it is not also a graph output.
+
+    Example:
+        >>> from onnx import helper
+        >>> node = helper.make_node("ReorderInput", ["x"], ["b"], domain=NCHWC_DOMAIN)
+        >>> graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", 1, None)], [])
+        >>> blocked_inputs(helper.make_model(graph))
+        {'x'}
+    """
+    graph = proto.graph
+    names = {i.name for i in graph.input} - {o.name for o in graph.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            if name in names:
+                readers.setdefault(name, []).append(node)
+    return {
+        name
+        for name, nodes in readers.items()
+        if all(_is_reorder(n, "ReorderInput") and n.input[0] == name for n in nodes)
+    }
+
+
+def keep_blocked(proto: onnx.ModelProto, outputs: Iterable[str], inputs: Iterable[str]) -> onnx.ModelProto:
+    """A copy of an optimised stage whose ``outputs`` stay blocked and whose ``inputs`` arrive blocked.
+
+    The ``ReorderOutput`` before each output and the ``ReorderInput`` after each
+    input are removed, and their tensors renamed to the boundary's name, so the
+    stage before a boundary hands over the blocked tensor and the stage after it
+    reads it as it is: no conversion out of the blocked layout and back in. The
+    boundary's channel dimension becomes unknown (blocked tensors pad it to the
+    block size). Only for stages built on the same machine with the same ONNX
+    Runtime (the block size is the CPU's).
+
+    Example:
+        >>> from onnx import helper
+        >>> nodes = [helper.make_node("ReorderInput", ["x"], ["b"], domain=NCHWC_DOMAIN),
+        ...          helper.make_node("Relu", ["b"], ["c"]),
+        ...          helper.make_node("ReorderOutput", ["c"], ["y"], domain=NCHWC_DOMAIN, channels=8)]
+        >>> info = lambda n: helper.make_tensor_value_info(n, 1, [1, 8, 2, 2])
+        >>> proto = helper.make_model(helper.make_graph(nodes, "g", [info("x")], [info("y")]))
+        >>> kept = keep_blocked(proto, ["y"], ["x"])
+        >>> [(n.op_type, list(n.input), list(n.output)) for n in kept.graph.node]
+        [('Relu', ['x'], ['y'])]
+    """
+    proto_copy = onnx.ModelProto()
+    proto_copy.CopyFrom(proto)
+    graph = proto_copy.graph
+    outputs, inputs = set(outputs), set(inputs)
+    rename: dict[str, str] = {}
+    keep: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if _is_reorder(node, "ReorderOutput") and node.output[0] in outputs:
+            rename[node.input[0]] = node.output[0]
+        elif _is_reorder(node, "ReorderInput") and node.input[0] in inputs:
+            rename[node.output[0]] = node.input[0]
+        else:
+            keep.append(node)
+    del graph.node[:]
+    for node in keep:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+        for i, name in enumerate(node.output):
+            node.output[i] = rename.get(name, name)
+        graph.node.append(node)
+    for info in [*graph.output, *graph.input]:
+        if info.name in outputs | inputs:
+            dims = info.type.tensor_type.shape.dim
+            if len(dims) > 1:
+                dims[1].Clear()
+    stale = set(rename)  # value infos of the removed tensors
+    kept_info = [v for v in graph.value_info if v.name not in stale]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    return proto_copy
+
+
+def _is_reorder(node: onnx.NodeProto, op_type: str) -> bool:
+    if node.op_type != op_type or node.domain != NCHWC_DOMAIN or not node.input or not node.output:
+        return False
+    return all(a.name != "channels_last" or a.i == 0 for a in node.attribute)

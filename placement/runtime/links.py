@@ -2,9 +2,12 @@
 
 :func:`measure_links` moves tensors of two sizes between every ordered pair of
 devices exactly as :class:`placement.Runner` moves a blob between stages (the same
-transfer kinds: GPU to GPU, host to GPU, GPU to host, or, for logical devices
-emulated on the CPU, a fresh copy in host memory), and fits a latency and a
-bandwidth per pair. The result feeds ``pl.auto_place(..., links=...)``.
+transfer kinds: GPU to GPU, host to GPU, GPU to host; logical devices emulated on
+the CPU share host memory, so their "copy" hands the value over and the fitted link
+is all but free, which is what the emulation pays), and fits a latency and a
+bandwidth per pair. The result feeds ``pl.auto_place(..., links=...)``; to plan for
+GPUs while running emulated, give their links instead (``links="nvlink"``, or the
+default, typical links by device type).
 
 Example:
     >>> import placement as pl

@@ -25,8 +25,11 @@ Data flow (precomputed at construction, so a run is a short loop):
   logical devices on one physical GPU (the value is shared), a device-to-device
   ``onnxruntime.copy_tensors`` between two GPUs (falling back, once logged, to
   a host round trip when this onnxruntime build has no such data transfer), a
-  host <-> GPU copy, or, on CPU emulation, a fresh ``OrtValue`` (a real copy, as
-  on separate devices);
+  host <-> GPU copy, or, between logical devices emulated on the CPU, nothing
+  either (they all live in host memory, and no session writes what it is fed);
+* where a blob passes between two CPU stages' convolutions it stays in ONNX
+  Runtime's blocked layout (``keep_layout``, :mod:`placement.runtime.boundaries`):
+  no conversion out of it at the end of one stage and back in at the start of the next;
 * static copies (of parameters) need nothing at run time: each stage carries
   the parameters it reads as initializers, so they reach its device once, when
   its session loads (never through a protobuf: the stage's proto holds only its
@@ -94,8 +97,8 @@ from placement.graph.model import (
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.program import Program, StageExec, compile_program
+from placement.runtime.sessions import ort_log_severity, session_options, stage_session
 from placement.runtime.stages import Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
@@ -122,53 +125,6 @@ class RunnerStats:
     partitions: int = 0
     runs: int = 0
     transfers: int = 0
-
-
-def ort_log_severity() -> int:
-    """ONNX Runtime's log severity for stage sessions, from the ``placement`` logger's level.
-
-    Errors only (3) by default, so sessions do not print ONNX Runtime's warnings;
-    with the ``placement`` logger at INFO (the CLI's ``-v``) warnings too (2), and
-    at DEBUG (``-vv``) ONNX Runtime's info messages (1).
-
-    Example:
-        >>> ort_log_severity()
-        3
-    """
-    logger = logging.getLogger("placement")
-    if logger.isEnabledFor(logging.DEBUG):
-        return 1
-    if logger.isEnabledFor(logging.INFO):
-        return 2
-    return 3
-
-
-def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
-    """The ``SessionOptions`` a stage session gets.
-
-    Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
-    intra-op threads (default: ONNX Runtime's choice, one per physical core), ONNX
-    Runtime's logging at error level unless the ``placement`` logger asks for more
-    (:func:`ort_log_severity`), and
-    ``session.force_spinning_stop``: a stage's worker threads spin while it runs
-    (fast) but stop spinning when its run ends, so a finished stage does not keep
-    cores busy while the next stage runs. (A process-wide shared thread pool,
-    ``use_per_session_threads = False``, would also do, but it forces every other
-    session in the process to use the global pool, so a library cannot choose it.)
-
-    Example:
-        >>> opts = session_options(PhysicalDevice("cpu"))
-        >>> opts.get_session_config_entry("session.force_spinning_stop")
-        '1'
-    """
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if threads:
-        options.intra_op_num_threads = threads
-    options.log_severity_level = ort_log_severity()
-    options.add_session_config_entry("session.force_spinning_stop", "1")
-    return options
 
 
 class Runner:
@@ -198,6 +154,10 @@ class Runner:
         keep_sessions: keep the sessions of stages that a re-placement made
             unused, so that switching back to an earlier placement costs nothing
             (modelsplit's ``enable_clone``: memory for speed). Default: release them.
+        keep_layout: where a blob passes between two CPU stages' convolutions, hand
+            it over in ONNX Runtime's blocked layout instead of converting it out and
+            back in (:mod:`placement.runtime.boundaries`; :attr:`blocked_boundaries`
+            lists those blobs). Outputs are identical either way.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -230,6 +190,7 @@ class Runner:
         chunks: int = 1,
         batch_axes: Mapping[str, int | None] | None = None,
         threads_per_stage: int | None = None,
+        keep_layout: bool = True,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -237,6 +198,11 @@ class Runner:
         self.stats = RunnerStats()
         self.auto_update = auto_update
         self.keep_sessions = keep_sessions
+        self.keep_layout = keep_layout
+        #: boundary blobs handed between CPU stages in the blocked layout (see ``keep_layout``)
+        self.blocked_boundaries: list[str] = []
+        self._blocked_sessions: dict[tuple[str, ...], ort.InferenceSession] = {}
+        self._optimized_graphs: dict[tuple[str, ...], Any] = {}  # stage -> ORT's optimised graph
         self._device_map_arg = device_map
         self._threads = threads
         if not isinstance(chunks, int) or chunks < 1:
@@ -480,6 +446,7 @@ class Runner:
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
         self._program = compile_program(model, part, execs, self._device_map)
+        self._keep_layout(model, part, execs)
         self.stats.transfers = self._program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -493,6 +460,31 @@ class Runner:
             self._program.n_transfers,
         )
 
+    def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec]) -> None:
+        """Rebuild CPU stages so their convolutional boundaries stay blocked (see
+        :mod:`placement.runtime.boundaries`), and recompile the program for them."""
+        self.blocked_boundaries = []
+        on_cpu = [ex for ex in execs.values() if not ex.physical.is_cuda]
+        if not self.keep_layout or len(on_cpu) < 2:
+            return
+        from placement.runtime.boundaries import keep_blocked_boundaries
+
+        assert self._program is not None
+        plan = keep_blocked_boundaries(
+            self._program, self._session_threads, self._blocked_sessions, self._optimized_graphs
+        )
+        if self.keep_sessions:
+            self._blocked_sessions.update(plan.sessions)
+        else:
+            self._blocked_sessions = plan.sessions
+        self.stats.sessions_built += plan.built
+        if not self.keep_sessions:
+            current = {ex.stage.fingerprint for ex in execs.values()}
+            self._optimized_graphs = {k: g for k, g in self._optimized_graphs.items() if k[0] in current}
+        if plan.blobs:
+            self.blocked_boundaries = plan.blobs
+            self._program = compile_program(model, part, execs, self._device_map)
+
     def _build_session(self, stage: Stage, physical: PhysicalDevice) -> ort.InferenceSession:
         return stage_session(stage, physical, threads=self._session_threads)
 
@@ -502,45 +494,6 @@ class Runner:
         program = self._program
         assert program is not None
         return program.run(arrays)
-
-
-def stage_session(
-    stage: Stage, physical: PhysicalDevice, *, threads: int | None = None
-) -> ort.InferenceSession:
-    """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
-
-    Options from :func:`session_options`; the CUDA provider with the GPU's
-    ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
-    session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
-    :mod:`placement.runtime.layout`).
-
-    Raises:
-        PlacementError: ONNX Runtime cannot build the session (names the stage, its
-            devices and first op).
-
-    Example:
-        >>> import placement as pl
-        >>> from placement.models import mlp
-        >>> from placement.runtime.stages import partition
-        >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
-        >>> [i.name for i in stage_session(stage, PhysicalDevice("cpu")).get_inputs()]
-        ['input']
-    """
-    options = session_options(physical, threads=threads)
-    options.logid = f"stage{stage.index}-{stage.device.slug}"
-    providers: list[Any] = [physical.ort_provider]
-    if physical.is_cuda:
-        providers.append("CPUExecutionProvider")
-    try:
-        model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
-        return _session(model, options, providers)
-    except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PlacementError(
-            f"cannot build the ONNX Runtime session of stage {stage.index} "
-            f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
-            f"{stage.ops[0]!r}): {first}"
-        ) from err
 
 
 def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
@@ -581,21 +534,3 @@ def _stale_copies(model: Model) -> bool:
         if any(node_device(use.node) != device for use in node.outputs[0].uses()):
             return True
     return False
-
-
-def _session(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
-    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf.
-
-    The proto holds only the graph (so no 2 GB limit); each large weight is handed
-    to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
-    for a model loaded lazily), which the session copies onto its device once.
-    """
-    from placement.graph.serialize import split_weights
-
-    proto, weights = split_weights(model)
-    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
-    if values:
-        options.add_external_initializers(list(weights), values)
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
-    session._placement_weights = values  # the session may read them for as long as it lives
-    return session

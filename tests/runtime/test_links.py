@@ -1,4 +1,4 @@
-"""Tests for ``pl.measure_links``: real copies between emulated devices, fitted links."""
+"""Tests for ``pl.measure_links``: copies timed between (emulated) devices, fitted links."""
 
 from __future__ import annotations
 

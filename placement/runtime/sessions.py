@@ -1,0 +1,134 @@
+"""How a stage becomes an ONNX Runtime session: options, providers, weights.
+
+:func:`stage_session` builds the session of one stage exactly as
+:class:`placement.Runner` does (:func:`session_options`, the stage's execution
+provider, weights handed over as ``OrtValue`` s instead of through a protobuf);
+:mod:`placement.runtime.calibrate`, the distributed ranks and
+:mod:`placement.runtime.boundaries` build theirs the same way.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> from placement.runtime.stages import partition
+    >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
+    >>> stage_session(stage, PhysicalDevice("cpu")).get_outputs()[0].name
+    'linear_2'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import onnxruntime as ort
+
+from placement.errors import PlacementError
+from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.layout import batchnorm_as_conv
+from placement.runtime.stages import Stage
+
+__all__ = ["ort_log_severity", "session_from_ir", "session_options", "stage_session"]
+
+
+def ort_log_severity() -> int:
+    """ONNX Runtime's log severity for stage sessions, from the ``placement`` logger's level.
+
+    Errors only (3) by default, so sessions do not print ONNX Runtime's warnings;
+    with the ``placement`` logger at INFO (the CLI's ``-v``) warnings too (2), and
+    at DEBUG (``-vv``) ONNX Runtime's info messages (1).
+
+    Example:
+        >>> ort_log_severity()
+        3
+    """
+    logger = logging.getLogger("placement")
+    if logger.isEnabledFor(logging.DEBUG):
+        return 1
+    if logger.isEnabledFor(logging.INFO):
+        return 2
+    return 3
+
+
+def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
+    """The ``SessionOptions`` a stage session gets.
+
+    Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
+    intra-op threads (default: ONNX Runtime's choice, one per physical core), ONNX
+    Runtime's logging at error level unless the ``placement`` logger asks for more
+    (:func:`ort_log_severity`), and
+    ``session.force_spinning_stop``: a stage's worker threads spin while it runs
+    (fast) but stop spinning when its run ends, so a finished stage does not keep
+    cores busy while the next stage runs. (A process-wide shared thread pool,
+    ``use_per_session_threads = False``, would also do, but it forces every other
+    session in the process to use the global pool, so a library cannot choose it.)
+
+    Example:
+        >>> opts = session_options(PhysicalDevice("cpu"))
+        >>> opts.get_session_config_entry("session.force_spinning_stop")
+        '1'
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if threads:
+        options.intra_op_num_threads = threads
+    options.log_severity_level = ort_log_severity()
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
+
+
+def stage_session(
+    stage: Stage, physical: PhysicalDevice, *, threads: int | None = None
+) -> ort.InferenceSession:
+    """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
+
+    Options from :func:`session_options`; the CUDA provider with the GPU's
+    ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
+    session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
+    :mod:`placement.runtime.layout`).
+
+    Raises:
+        PlacementError: ONNX Runtime cannot build the session (names the stage, its
+            devices and first op).
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> from placement.runtime.stages import partition
+        >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
+        >>> [i.name for i in stage_session(stage, PhysicalDevice("cpu")).get_inputs()]
+        ['input']
+    """
+    options = session_options(physical, threads=threads)
+    options.logid = f"stage{stage.index}-{stage.device.slug}"
+    providers: list[Any] = [physical.ort_provider]
+    if physical.is_cuda:
+        providers.append("CPUExecutionProvider")
+    try:
+        model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
+        return session_from_ir(model, options, providers)
+    except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlacementError(
+            f"cannot build the ONNX Runtime session of stage {stage.index} "
+            f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
+            f"{stage.ops[0]!r}): {first}"
+        ) from err
+
+
+def session_from_ir(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
+    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf.
+
+    The proto holds only the graph (so no 2 GB limit); each large weight is handed
+    to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
+    for a model loaded lazily), which the session copies onto its device once.
+    """
+    from placement.graph.serialize import split_weights
+
+    proto, weights = split_weights(model)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
+    if values:
+        options.add_external_initializers(list(weights), values)
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
+    session._placement_weights = values  # the session may read them for as long as it lives
+    return session
