@@ -186,3 +186,14 @@ def test_copy_shape_matches_the_constructor():
         if len(fast):
             fast[0] = 7  # unfrozen, and a copy: the source keeps its dims
             assert shape[0] != 7
+
+
+def test_rewire_of_a_sharded_node_drops_its_spec_like_the_public_method():
+    def edits(graph: ir.Graph, fast: bool) -> None:
+        sub = _node(graph, "sub")
+        spec = ir.ShardingSpec(value=sub.inputs[1], device=(0, 1))
+        sub.device_configurations = (ir.NodeDeviceConfiguration(sharding_specs=(spec,)),)
+        (edit.rewire if fast else ir.Node.replace_input_with)(sub, 1, graph.inputs[1])
+        assert sub.device_configurations[0].sharding_specs == ()
+
+    _same(edits)
