@@ -17,7 +17,8 @@ The two contenders of each pair alternate run by run (the order flips every
 iteration), so drift and other load on the machine hit both; latencies are
 medians. Without GPUs every logical device is emulated on the CPU with its own
 sessions, so the ONNX Runtime ratio measures what placement itself costs:
-extra sessions, lost fusions at the cut, transfers, Python glue.
+extra sessions, lost fusions at the cut, transfers (handovers: emulated devices
+share host memory, so nothing is copied), Python glue.
 
 ``--explain`` adds, per row, the placed run's overhead over the single session by
 cause (medians of runs alternated with the single session, each cause timed on its
@@ -70,6 +71,7 @@ import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
+from placement.runtime.program import TransferStep  # noqa: E402
 
 __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 
@@ -165,7 +167,9 @@ def measure_ort(
 
     Returns:
         A dict with ``model``, ``size``, ``devices``, ``ops``, ``copies``,
-        ``stages``, ``transfers`` (per run), ``device_map``, ``single_ms`` /
+        ``stages``, ``transfers`` (cross-device handovers per run), ``moved`` (those
+        that copy data; none between emulated devices), ``blocked`` (boundaries kept in
+        ONNX Runtime's blocked layout), ``device_map``, ``single_ms`` /
         ``placed_ms`` (medians), ``ratio`` (placed / single), ``ratio_min``
         (fastest run over fastest run, less sensitive to load) and
         ``max_abs_diff`` (placed vs single outputs).
@@ -201,7 +205,9 @@ def measure_ort(
         "ops": len(placed.ops),
         "copies": sum(op.is_copy for op in placed.ops),
         "stages": len(runner.stages),
-        "transfers": runner.stats.transfers,
+        "transfers": sum(isinstance(step, TransferStep) for step in runner.program.steps),
+        "moved": runner.stats.transfers,  # of those, the ones that copy data (emulated devices share)
+        "blocked": list(runner.blocked_boundaries),
         "device_map": {str(k): str(v) for k, v in sorted(runner.device_map.items())},
         "emulated": any(p.emulated for p in runner.device_map.values()),
         "single_ms": round(single_ms, 4),
