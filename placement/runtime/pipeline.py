@@ -335,6 +335,11 @@ class StageWorkers:
         names: a readable name per stage (used in error messages and thread names).
         context: optional factory of a context manager each worker enters
             around its loop (thread-local state: grad mode, a CUDA stream).
+        inline_last: run the last stage on the caller's thread, inside :meth:`result`
+            (entering ``context`` around each call), instead of on a worker of its own.
+            The caller waits in :meth:`result` anyway; on the CPU this saves a thread
+            hand-off per micro-batch and a glibc malloc arena whose memory would be
+            returned to the system and faulted in again every step.
 
     Example:
         >>> with StageWorkers([lambda i, x: x + 1, lambda i, x: x * 10], ["add", "mul"]) as workers:
@@ -350,6 +355,7 @@ class StageWorkers:
         names: Sequence[str] | None = None,
         *,
         context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+        inline_last: bool = False,
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
@@ -360,9 +366,14 @@ class StageWorkers:
         self._failed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pending = 0
+        self._running = False
+        #: the last stage runs on the caller's thread, in :meth:`result` (one thread fewer)
+        self._inline = self._fns[-1] if inline_last else None
+        self._final = self._queues[-2] if inline_last else self._queues[-1]  # what the caller reads
 
     def __enter__(self) -> StageWorkers:
-        for j in range(len(self._fns)):
+        self._running = True
+        for j in range(len(self._fns) - (self._inline is not None)):
             thread = threading.Thread(
                 target=self._loop, args=(j,), name=f"placement-pipeline-{self.names[j]}", daemon=True
             )
@@ -380,7 +391,7 @@ class StageWorkers:
 
     def submit(self, microbatch: int, payload: Any) -> None:
         """Hand micro-batch ``microbatch`` to the first stage."""
-        if not self._threads:
+        if not self._running:
             raise RuntimeError("the pipeline is not running (use it as a context manager)")
         self._pending += 1
         self._queues[0].put((microbatch, payload))
@@ -393,17 +404,28 @@ class StageWorkers:
         """
         if self._pending <= 0:
             raise RuntimeError("no micro-batch in flight")
-        item = self._queues[-1].get()
+        item = self._final.get()
         if isinstance(item, _Failure):
             self._pending = 0
             raise self._error(item)
         self._pending -= 1
-        return item[1]
+        if self._inline is None:
+            return item[1]
+        i, payload = item
+        last = len(self._fns) - 1
+        try:
+            with self._context(last) if self._context is not None else contextlib.nullcontext():
+                return self._inline(i, payload)
+        except BaseException as err:  # noqa: BLE001 - re-raised naming the stage
+            self._failed.set()
+            self._pending = 0
+            raise self._error(_Failure(last, i, err)) from err
 
     def close(self) -> None:
         """Stop and join every worker (idempotent)."""
-        if not self._threads:
+        if not self._running:
             return
+        self._running = False
         self._failed.set()  # queued work is skipped, not run
         self._queues[0].put(_STOP)
         for thread in self._threads:
@@ -424,12 +446,12 @@ class StageWorkers:
     def _loop(self, j: int) -> None:
         fn = self._fns[j]
         q_in, q_out = self._queues[j], self._queues[j + 1]
-        final = self._queues[-1]
+        final = self._final
         with self._context(j) if self._context is not None else contextlib.nullcontext():
             while True:
                 item = q_in.get()
                 if item is _STOP:
-                    if j + 1 < len(self._fns):
+                    if j + 1 < len(self._threads):
                         q_out.put(_STOP)
                     return
                 if self._failed.is_set():

@@ -9,6 +9,7 @@ checkpoint mode.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -134,6 +135,51 @@ def test_stream_closed_early_stops_workers():
     gen = stream_microbatches([lambda i, x: x], iter(range(100)), window=4)
     assert next(gen) == 0
     gen.close()  # the autouse fixture checks that the worker is gone
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_inline_last_stage_runs_on_the_caller_in_order(n_stages):
+    caller = threading.get_ident()
+    where: list[tuple[int, bool]] = []
+    entered: list[int] = []
+
+    @contextlib.contextmanager
+    def context(j):
+        entered.append(j)
+        yield
+
+    def stage(j):
+        def fn(i, x):
+            if j == n_stages - 1:
+                where.append((i, threading.get_ident() == caller))
+            return x + [j]
+
+        return fn
+
+    with StageWorkers([stage(j) for j in range(n_stages)], context=context, inline_last=True) as workers:
+        assert len(workers._threads) == n_stages - 1
+        for i in range(4):
+            workers.submit(i, [i])
+        assert [workers.result() for _ in range(4)] == [[i, *range(n_stages)] for i in range(4)]
+    assert where == [(i, True) for i in range(4)]
+    assert entered.count(n_stages - 1) == 4  # the caller enters the last stage's context per call
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_inline_last_stage_errors_name_stage_and_microbatch(failing):
+    def stage(j):
+        def fn(i, x):
+            if j == failing and i == 1:
+                raise ValueError("boom")
+            return x
+
+        return fn
+
+    with pytest.raises(pl.PipelineError, match=rf"stage {failing} \(s{failing}\) failed on micro-batch 1"):
+        with StageWorkers([stage(0), stage(1)], ["s0", "s1"], inline_last=True) as workers:
+            for i in range(3):
+                workers.submit(i, i)
+            [workers.result() for _ in range(3)]  # the autouse fixture checks no worker is left
 
 
 def test_workers_need_context_manager():

@@ -345,6 +345,11 @@ def _stage_context(stages: list[_Stage], grad: bool) -> Any:
     return enter
 
 
+def _on_cpu(stages: list[_Stage]) -> bool:
+    """Whether every stage runs on the CPU (its last stage may then run on the caller's thread)."""
+    return all(s.device.type == "cpu" for s in stages)
+
+
 def _wait(env: dict[str, Any]) -> None:
     """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
     event = env.pop("__event__", None)
@@ -400,7 +405,12 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.
         return fn
 
     envs = _microbatch_envs(module, inputs)
-    with StageWorkers([make(s) for s in stages], _names(stages), context=_stage_context(stages, False)) as w:
+    with StageWorkers(
+        [make(s) for s in stages],
+        _names(stages),
+        context=_stage_context(stages, False),
+        inline_last=_on_cpu(stages),
+    ) as w:
         for i, env in enumerate(envs):
             w.submit(i, env)
         done = [w.result() for _ in envs]
@@ -471,7 +481,10 @@ class _PipelineFunction(torch.autograd.Function):
             return fn
 
         with StageWorkers(
-            [make(s) for s in stages], _names(stages), context=_stage_context(stages, True)
+            [make(s) for s in stages],
+            _names(stages),
+            context=_stage_context(stages, True),
+            inline_last=_on_cpu(stages),
         ) as w:
             for i, env in enumerate(envs):
                 w.submit(i, env)
@@ -544,7 +557,9 @@ class _PipelineFunction(torch.autograd.Function):
             return fn
 
         rev = list(reversed(stages))
-        with StageWorkers([make(s) for s in rev], _names(rev), context=_stage_context(rev, True)) as w:
+        with StageWorkers(
+            [make(s) for s in rev], _names(rev), context=_stage_context(rev, True), inline_last=_on_cpu(rev)
+        ) as w:
             for i in reversed(range(n_mb)):
                 w.submit(i, genvs[i])
             done = [w.result() for _ in range(n_mb)]
