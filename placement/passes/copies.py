@@ -507,9 +507,10 @@ class _Injection:
     def _new_copies(self, needs: dict[_Key, _Need], keep: dict[_Key, ir.Node]) -> list[tuple[_Need, ir.Node]]:
         """The copies to create (every need no kept copy meets), not yet in the graph.
 
-        Named in ``needs`` order; a copy that is a graph output takes its slot. Copies of
-        blobs inside the graph, the bulk of a big injection, are made here in one loop
-        (the rest of :meth:`_new_copy`, inlined: a million-op graph makes 250k of them).
+        Named in ``needs`` order (see the module doc): a copy that is a graph output
+        takes the output's name and slot; any other is named after its blob and device.
+        One loop with the IR's slots read directly (see ``graph_nodes``) and nodes made
+        through :mod:`placement.graph.edit`: a million-op graph makes 250k of them.
         """
         created: list[tuple[_Need, ir.Node]] = []
         add = created.append
@@ -522,21 +523,21 @@ class _Injection:
         for key, need in needs.items():
             if key in keep:
                 continue
-            if need.output_slot >= 0:
-                node = self._new_copy(need)
-                need.copy = graph.outputs[need.output_slot] = node.outputs[0]
-                add((need, node))
-                continue
             source, device = need.origin, need.device
             pair = spelled.get(device)
             if pair is None:
                 pair = spelled[device] = (str(device), device.slug)
-            name = f"{bases.get(source) or source._name or 'blob'}_{pair[1]}"  # slots: see graph_nodes
-            if name in names:
-                name = self._unique_value(name)
-            else:
+            if need.output_slot >= 0:
+                name = need.output_name
                 names.add(name)
-            node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
+                node_name = f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{pair[1]}"
+            else:
+                name = f"{bases.get(source) or source._name or 'blob'}_{pair[1]}"
+                if name in names:
+                    name = self._unique_value(name)
+                else:
+                    names.add(name)
+                node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
             if node_name in node_names:
                 node_name = self._unique_node(node_name)
             else:
@@ -553,44 +554,10 @@ class _Injection:
                 name=node_name,
                 metadata_props={DEVICE_KEY: pair[0], COPY_KEY: "static" if static else "dynamic"},
             )
+            if need.output_slot >= 0:
+                graph.outputs[need.output_slot] = out
             add((need, node))
         return created
-
-    def _new_copy(self, need: _Need) -> ir.Node:
-        """A copy of ``need.origin`` to ``need.device``, not yet in the graph (see the module doc)."""
-        source, device = need.origin, need.device
-        spelled = self._spelled.get(device)
-        if spelled is None:
-            spelled = self._spelled[device] = (str(device), device.slug)
-        spec, slug = spelled
-        names = self._names()
-        if need.output_slot >= 0:
-            name = need.output_name
-            names.add(name)
-            node_name = f"copy_{name}" if _COPY_LIKE(name) else f"copy_{name}_{slug}"
-        else:  # slots read directly (see graph_nodes): the properties cost more than the rest
-            name = f"{self._bases.get(source) or source._name or 'blob'}_{slug}"
-            if name in names:
-                name = self._unique_value(name)
-            else:
-                names.add(name)
-            node_name = f"copy_{name}"  # the name ends in _<slug>(_<k>): copy-like already
-        node_names = self._node_names
-        if node_names is None or node_name in node_names:
-            node_name = self._unique_node(node_name)
-        else:
-            node_names.add(node_name)
-        shape = source._shape
-        out = ir.Value(name=name, type=source._type, shape=ir.Shape(shape) if shape is not None else None)
-        static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
-        return ir.Node(
-            "",
-            COPY_OP_TYPE,
-            (source,),
-            outputs=(out,),
-            name=node_name,
-            metadata_props={DEVICE_KEY: spec, COPY_KEY: "static" if static else "dynamic"},
-        )
 
     def _place(self, node: ir.Node, need: _Need) -> None:
         if need.first_node is not None:
