@@ -369,11 +369,12 @@ class StageWorkers:
         self._running = False
         #: the last stage runs on the caller's thread, in :meth:`result` (one thread fewer)
         self._inline = self._fns[-1] if inline_last else None
-        self._final = self._queues[-2] if inline_last else self._queues[-1]  # what the caller reads
+        self._workers = len(self._fns) - 1 if inline_last else len(self._fns)  # stages on threads
+        self._final = self._queues[self._workers]  # what the caller reads: the last worker's output
 
     def __enter__(self) -> StageWorkers:
         self._running = True
-        for j in range(len(self._fns) - (self._inline is not None)):
+        for j in range(self._workers):
             thread = threading.Thread(
                 target=self._loop, args=(j,), name=f"placement-pipeline-{self.names[j]}", daemon=True
             )
@@ -451,7 +452,7 @@ class StageWorkers:
             while True:
                 item = q_in.get()
                 if item is _STOP:
-                    if j + 1 < len(self._threads):
+                    if j + 1 < self._workers:
                         q_out.put(_STOP)
                     return
                 if self._failed.is_set():

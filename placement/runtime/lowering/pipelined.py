@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,9 +345,16 @@ def _stage_context(stages: list[_Stage], grad: bool) -> Any:
     return enter
 
 
-def _on_cpu(stages: list[_Stage]) -> bool:
-    """Whether every stage runs on the CPU (its last stage may then run on the caller's thread)."""
-    return all(s.device.type == "cpu" for s in stages)
+def _workers(stages: list[_Stage], make: Callable[[_Stage], Any], *, grad: bool) -> StageWorkers:
+    """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
+    each: grad mode and CUDA stream per worker; when every stage is on the CPU the last runs on
+    the caller's thread, which waits for results anyway."""
+    return StageWorkers(
+        [make(s) for s in stages],
+        _names(stages),
+        context=_stage_context(stages, grad),
+        inline_last=all(s.device.type == "cpu" for s in stages),
+    )
 
 
 def _wait(env: dict[str, Any]) -> None:
@@ -405,12 +412,7 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.
         return fn
 
     envs = _microbatch_envs(module, inputs)
-    with StageWorkers(
-        [make(s) for s in stages],
-        _names(stages),
-        context=_stage_context(stages, False),
-        inline_last=_on_cpu(stages),
-    ) as w:
+    with _workers(stages, make, grad=False) as w:
         for i, env in enumerate(envs):
             w.submit(i, env)
         done = [w.result() for _ in envs]
@@ -480,12 +482,7 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        with StageWorkers(
-            [make(s) for s in stages],
-            _names(stages),
-            context=_stage_context(stages, True),
-            inline_last=_on_cpu(stages),
-        ) as w:
+        with _workers(stages, make, grad=True) as w:
             for i, env in enumerate(envs):
                 w.submit(i, env)
             run.envs = [w.result() for _ in envs]
@@ -556,10 +553,7 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        rev = list(reversed(stages))
-        with StageWorkers(
-            [make(s) for s in rev], _names(rev), context=_stage_context(rev, True), inline_last=_on_cpu(rev)
-        ) as w:
+        with _workers(list(reversed(stages)), make, grad=True) as w:
             for i in reversed(range(n_mb)):
                 w.submit(i, genvs[i])
             done = [w.result() for _ in range(n_mb)]
