@@ -71,7 +71,6 @@ import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
-from placement.runtime.program import TransferStep  # noqa: E402
 
 __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 
@@ -205,7 +204,7 @@ def measure_ort(
         "ops": len(placed.ops),
         "copies": sum(op.is_copy for op in placed.ops),
         "stages": len(runner.stages),
-        "transfers": sum(isinstance(step, TransferStep) for step in runner.program.steps),
+        "transfers": runner.program.n_handovers,
         "moved": runner.stats.transfers,  # of those, the ones that copy data (emulated devices share)
         "blocked": list(runner.blocked_boundaries),
         "device_map": {str(k): str(v) for k, v in sorted(runner.device_map.items())},

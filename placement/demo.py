@@ -130,7 +130,6 @@ def run_demo(
 
     import placement as pl
     from placement import models
-    from placement.runtime.program import TransferStep
 
     console = console or Console()
     name = model_name or models.DEFAULT_MODEL
@@ -174,9 +173,8 @@ def run_demo(
         result.device_map = {str(k): str(v) for k, v in sorted(physical.items())}
         result.emulated = any(p.emulated for p in physical.values())
         result.stages = [(s.index, str(s.device), str(physical[s.device]), len(s.ops)) for s in runner.stages]
-        handovers = sum(isinstance(step, TransferStep) for step in runner.program.steps)
-        copied = runner.stats.transfers  # handovers that copy data (none between emulated devices)
-        ort_result.detail = f"{len(result.stages)} sessions, {handovers} transfers/run ({copied} copying)"
+        moves, copying = runner.program.n_handovers, runner.program.n_transfers  # emulated: none copy
+        ort_result.detail = f"{len(result.stages)} sessions, {moves} transfers/run ({copying} copying)"
     except Exception as err:  # report, do not crash the demo
         log.debug("onnxruntime failed", exc_info=True)
         ort_result.ok, ort_result.error = False, f"{type(err).__name__}: {err}"

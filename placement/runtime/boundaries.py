@@ -47,14 +47,11 @@ import onnxruntime as ort
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import blocked_inputs, blocked_outputs, keep_blocked
 from placement.runtime.program import HostStep, Program, StageExec, StageStep, TransferStep
-from placement.runtime.sessions import session_from_ir, session_options
+from placement.runtime.sessions import session_options, stage_session
 
 __all__ = ["BlockedPlan", "blocked_plan", "blocked_session", "keep_blocked_boundaries", "optimized_graph"]
 
 log = logging.getLogger(__name__)
-
-#: Optimised graphs keep weights of this many bytes or more in a side file.
-_EXTERNAL_MIN_BYTES = 1024
 
 
 @dataclass
@@ -146,22 +143,12 @@ def _has_conv(ex: StageExec) -> bool:
 def optimized_graph(ex: StageExec, threads: int | None, workdir: Path) -> onnx.ModelProto:
     """ONNX Runtime's optimised graph of a CPU stage, written under ``workdir`` (weights beside it).
 
-    The session is built as :func:`placement.runtime.sessions.stage_session` builds it,
-    once more, with ``optimized_model_filepath`` set; the graph is loaded without its
-    weights, which stay in ``workdir`` for :func:`blocked_session`.
+    The stage's session is built once more, by :func:`placement.runtime.sessions.stage_session`
+    with ``optimized_path`` set; the graph is loaded without its weights, which stay in
+    ``workdir`` for :func:`blocked_session`.
     """
-    from placement.runtime.layout import batchnorm_as_conv
-
-    options = session_options(ex.physical, threads=threads)
     path = workdir / f"stage{ex.stage.index}.onnx"
-    options.optimized_model_filepath = str(path)
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_file_name", f"stage{ex.stage.index}.weights"
-    )
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
-    )
-    session_from_ir(batchnorm_as_conv(ex.stage.model), options, [ex.physical.ort_provider])
+    stage_session(ex.stage, ex.physical, threads=threads, optimized_path=path)
     return onnx.load(str(path), load_external_data=False)
 
 

@@ -473,12 +473,11 @@ class Runner:
         plan = keep_blocked_boundaries(
             self._program, self._session_threads, self._blocked_sessions, self._optimized_graphs
         )
+        self.stats.sessions_built += plan.built
         if self.keep_sessions:
             self._blocked_sessions.update(plan.sessions)
-        else:
+        else:  # keep only what the current stages use
             self._blocked_sessions = plan.sessions
-        self.stats.sessions_built += plan.built
-        if not self.keep_sessions:
             current = {ex.stage.fingerprint for ex in execs.values()}
             self._optimized_graphs = {k: g for k, g in self._optimized_graphs.items() if k[0] in current}
         if plan.blobs:

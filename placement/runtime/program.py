@@ -60,7 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: How a blob moves between two physical devices (see :func:`transfer_kind`).
-ALIAS, HOST_COPY, TO_GPU, TO_HOST, GPU_TO_GPU = "alias", "host", "h2d", "d2h", "d2d"
+ALIAS, TO_GPU, TO_HOST, GPU_TO_GPU = "alias", "h2d", "d2h", "d2d"
 _warned_d2d_fallback = False
 
 
@@ -259,6 +259,11 @@ class Program:
         """Transfers per run that move data (aliases excluded)."""
         return sum(1 for step in self.steps if isinstance(step, TransferStep) and step.moves_data)
 
+    @property
+    def n_handovers(self) -> int:
+        """Transfers per run between devices, aliases included (what separate GPUs would copy)."""
+        return sum(1 for step in self.steps if isinstance(step, TransferStep))
+
     def feed(self, arrays: list[Any]) -> dict[str, Any]:
         """The value table of one run, holding the graph inputs on their devices."""
         return {
@@ -429,8 +434,7 @@ def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: boo
     which all live in host memory; otherwise ``"h2d"``, ``"d2h"`` or ``"d2d"``.
     Sharing is safe: ONNX Runtime never writes into a value it is fed, a run's
     outputs are freshly allocated, and nothing else here writes into a value.
-    (``"host"``, a copy in host memory, remains for values :func:`move` is asked to
-    copy explicitly.) The torch lowering behaves the same way: ``tensor.to`` the
+    The torch lowering behaves the same way: ``tensor.to`` the
     device a tensor is already on returns it as is.
 
     Emulated devices used to copy, to "pay what a real GPU pair pays"; but a host
@@ -466,8 +470,6 @@ def move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtVal
     """``value`` moved to ``physical`` the way ``kind`` says (an alias returns it as is)."""
     if kind == ALIAS:
         return value
-    if kind == HOST_COPY:
-        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
     if kind == TO_HOST:
         return ort.OrtValue.ortvalue_from_numpy(value.numpy())
     if kind == TO_GPU:

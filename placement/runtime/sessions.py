@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
@@ -28,6 +29,10 @@ from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.stages import Stage
 
 __all__ = ["ort_log_severity", "session_from_ir", "session_options", "stage_session"]
+
+#: An optimised graph written by :func:`stage_session` keeps weights of this many bytes or more
+#: in a side file.
+_EXTERNAL_MIN_BYTES = 1024
 
 
 def ort_log_severity() -> int:
@@ -78,14 +83,20 @@ def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> 
 
 
 def stage_session(
-    stage: Stage, physical: PhysicalDevice, *, threads: int | None = None
+    stage: Stage,
+    physical: PhysicalDevice,
+    *,
+    threads: int | None = None,
+    optimized_path: Path | None = None,
 ) -> ort.InferenceSession:
     """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
 
     Options from :func:`session_options`; the CUDA provider with the GPU's
     ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
     session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
-    :mod:`placement.runtime.layout`).
+    :mod:`placement.runtime.layout`). With ``optimized_path``, ONNX Runtime also
+    writes the graph it optimised there, weights of a kilobyte or more beside it in
+    ``<name>.weights`` (see :mod:`placement.runtime.boundaries`).
 
     Raises:
         PlacementError: ONNX Runtime cannot build the session (names the stage, its
@@ -101,6 +112,14 @@ def stage_session(
     """
     options = session_options(physical, threads=threads)
     options.logid = f"stage{stage.index}-{stage.device.slug}"
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{optimized_path.stem}.weights"
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
+        )
     providers: list[Any] = [physical.ort_provider]
     if physical.is_cuda:
         providers.append("CPUExecutionProvider")

@@ -18,7 +18,7 @@ from placement.graph.serialize import to_proto
 from placement.runtime import device_map as device_map_module
 from placement.runtime import ort as rort
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.program import StageStep, TransferStep, move, transfer_kind
+from placement.runtime.program import StageStep, TransferStep, transfer_kind
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import GraphBuilder, churn
 
@@ -364,13 +364,6 @@ def test_transfer_kinds():
     assert kind(gpu0, cpu_a, same_logical=False) == "d2h"
     assert kind(cpu_a, gpu1, same_logical=False) == "h2d"
     assert kind(PhysicalDevice("cpu"), PhysicalDevice("cpu"), same_logical=False) == "alias"
-
-
-def test_host_copy_makes_a_separate_value():
-    value = ort.OrtValue.ortvalue_from_numpy(np.arange(6, dtype=np.float32))
-    moved = move(value, "host", PhysicalDevice("cpu", 0, emulated=True))
-    assert moved.data_ptr() != value.data_ptr()
-    np.testing.assert_array_equal(moved.numpy(), value.numpy())
 
 
 def test_intermediate_values_are_freed_after_last_use(exported):
