@@ -47,7 +47,7 @@ import onnxruntime as ort
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import blocked_inputs, blocked_outputs, keep_blocked
 from placement.runtime.program import HostStep, Program, StageExec, StageStep, TransferStep
-from placement.runtime.sessions import session_options, stage_session
+from placement.runtime.sessions import stage_options, stage_session
 
 __all__ = ["BlockedPlan", "blocked_plan", "blocked_session", "keep_blocked_boundaries", "optimized_graph"]
 
@@ -168,7 +168,7 @@ def blocked_session(
     """
     path = workdir / f"{name}.blocked.onnx"
     onnx.save(keep_blocked(proto, outputs, inputs), str(path))
-    options = session_options(physical, threads=threads)
+    options = stage_options(physical, threads=threads)
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(str(path), options, providers=[physical.ort_provider])
 

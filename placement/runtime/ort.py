@@ -371,7 +371,7 @@ class Runner:
         return (
             len(graph),
             len(graph.initializers),
-            tuple(id(v) for v in graph.outputs),
+            tuple(map(id, graph.outputs)),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
             tuple(map(dict.get, self._watched if watched is None else watched, repeat(DEVICE_KEY))),

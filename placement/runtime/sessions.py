@@ -28,7 +28,7 @@ from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.stages import Stage
 
-__all__ = ["ort_log_severity", "session_from_ir", "session_options", "stage_session"]
+__all__ = ["ort_log_severity", "session_from_ir", "session_options", "stage_options", "stage_session"]
 
 #: An optimised graph written by :func:`stage_session` keeps weights of this many bytes or more
 #: in a side file.
@@ -82,6 +82,33 @@ def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> 
     return options
 
 
+def stage_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
+    """The ``SessionOptions`` of a stage session: :func:`session_options`, and on the CPU
+    no memory pattern.
+
+    With a memory pattern (ONNX Runtime's default) a session plans one block for its
+    intermediate values, but allocates its graph *outputs* outside that block. A whole
+    model has few outputs; a stage's outputs are the activations that cross to the
+    next stage, and each run wrote them into arena memory that the run had not
+    touched (cold in the caches). Without the pattern, every value comes from the
+    arena as the run goes, so a stage's output lands in a chunk freed moments
+    before. Measured on this project's bench models placed on two emulated devices
+    (alternating blocks of runs, 1 thread): resnet 1.030 -> 1.024 and gpt 1.013 ->
+    1.004 times the single session, while the single session itself runs the same
+    with or without the pattern (1.002, 1.000). GPU sessions keep the pattern.
+
+    Example:
+        >>> stage_options(PhysicalDevice("cpu")).enable_mem_pattern
+        False
+        >>> stage_options(PhysicalDevice("cuda", 0)).enable_mem_pattern
+        True
+    """
+    options = session_options(physical, threads=threads)
+    if not physical.is_cuda:
+        options.enable_mem_pattern = False
+    return options
+
+
 def stage_session(
     stage: Stage,
     physical: PhysicalDevice,
@@ -91,7 +118,7 @@ def stage_session(
 ) -> ort.InferenceSession:
     """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
 
-    Options from :func:`session_options`; the CUDA provider with the GPU's
+    Options from :func:`stage_options`; the CUDA provider with the GPU's
     ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
     session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
     :mod:`placement.runtime.layout`). With ``optimized_path``, ONNX Runtime also
@@ -110,7 +137,7 @@ def stage_session(
         >>> [i.name for i in stage_session(stage, PhysicalDevice("cpu")).get_inputs()]
         ['input']
     """
-    options = session_options(physical, threads=threads)
+    options = stage_options(physical, threads=threads)
     options.logid = f"stage{stage.index}-{stage.device.slug}"
     if optimized_path is not None:
         options.optimized_model_filepath = str(optimized_path)
