@@ -365,13 +365,18 @@ class Runner:
     def _snapshot(self, watched: list[dict[str, str]] | None = None) -> tuple[Any, ...]:
         """A cheap fingerprint of the model's placement: every op's device label (read
         through metadata dicts cached at the last build), the op and parameter counts,
-        the graph outputs and the input/output devices."""
+        the graph outputs and the input/output devices.
+
+        It runs before every run, after the last run's kernels have pushed its objects
+        out of the caches, so it reads as little as it can: onnx_ir's initializer and
+        output containers (a ``UserDict`` and a ``UserList``) through their ``data``,
+        which skips their Python-level ``__len__`` and ``__iter__``."""
         graph = self.model.graph
         props = self.model.ir_model.metadata_props
         return (
             len(graph),
-            len(graph.initializers),
-            tuple(map(id, graph.outputs)),
+            len(graph.initializers.data),
+            tuple(map(id, graph.outputs.data)),
             props.get(INPUT_DEVICE_KEY),
             props.get(OUTPUT_DEVICE_KEY),
             tuple(map(dict.get, self._watched if watched is None else watched, repeat(DEVICE_KEY))),
