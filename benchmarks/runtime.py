@@ -35,6 +35,9 @@ downloaded; bench size: 6 layers, d=256, 4 heads, sequence 128, batch 2, vocabul
 gpt), written without any of our code. It needs the optional ``transformers`` package
 (``pip install transformers``; a benchmark extra, never a requirement of the library).
 ``--block N`` alternates blocks of N runs instead of single runs (steady state).
+``--trials K`` (default 3) times K fresh pairs of contenders, ``--repeats`` runs each,
+and reports the median of their ratios: where a session's memory lands moves its
+speed by about 1% for its whole life, more than the repeats of one pair average out.
 
 Usage::
 
@@ -49,6 +52,7 @@ Writes ``benchmarks/results/runtime.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -153,6 +157,7 @@ def measure_ort(
     plan: str = "half",
     explain: bool = False,
     block: int = 1,
+    trials: int = 1,
 ) -> dict[str, Any]:
     """Time ``pl.Runner`` on the placed model against one session of the unplaced model.
 
@@ -160,6 +165,14 @@ def measure_ort(
     (``pl.auto_place`` with its defaults). ``explain``: add ``explain``, the
     per-run overhead by cause in ms (module docstring). ``block``: alternate blocks of
     this many runs.
+
+    ``trials``: build both contenders afresh this many times (new sessions, new
+    input arrays) and time each pair (``repeats`` runs each). Where a session's
+    arenas and weights land in memory shifts its speed by about 1% for the life
+    of the session (the same single session built twice in one process differs
+    that much, run for run alternated), which no number of repeats averages out;
+    fresh pairs do. ``ratio`` is then the median of the per-pair ratios, the
+    milliseconds the medians over all runs.
 
     Both use :func:`placement.runtime.ort.session_options` with ``threads``
     intra-op threads (None: ONNX Runtime's default).
@@ -169,7 +182,8 @@ def measure_ort(
         ``stages``, ``transfers`` (cross-device handovers per run), ``moved`` (those
         that copy data; none between emulated devices), ``blocked`` (boundaries kept in
         ONNX Runtime's blocked layout), ``device_map``, ``single_ms`` /
-        ``placed_ms`` (medians), ``ratio`` (placed / single), ``ratio_min``
+        ``placed_ms`` (medians), ``ratio`` (placed / single; with ``trials``, the
+        median of ``ratio_trials``), ``ratio_min``
         (fastest run over fastest run, less sensitive to load) and
         ``max_abs_diff`` (placed vs single outputs).
 
@@ -181,19 +195,27 @@ def measure_ort(
     net, args = build_model(model_name, size, seed=seed)
     model = pl.from_torch(net, args)
     placed = _place(model.copy(), devices, plan, args)
-    runner = pl.Runner(placed, device_map=device_map, threads=threads)
-    physical = runner.device_map[min(runner.device_map)]
-    provider, options = physical.ort_provider
-    providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
-    single = ort.InferenceSession(
-        to_proto(model).SerializeToString(), session_options(physical, threads=threads), providers=providers
-    )
-    feeds = {name: a.numpy() for name, a in zip(model.inputs, args)}
-    got = runner.run(feeds)
-    want = single.run(None, feeds)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
-    contenders = {"single": lambda: single.run(None, feeds), "placed": lambda: runner.run(feeds)}
-    times = _alternate(contenders, repeats, warmup, block)
+    proto = to_proto(model).SerializeToString()
+    times: dict[str, list[float]] = {"single": [], "placed": []}
+    ratios, diff = [], 0.0
+    for _ in range(max(1, trials)):
+        runner = pl.Runner(placed, device_map=device_map, threads=threads)
+        physical = runner.device_map[min(runner.device_map)]
+        provider, options = physical.ort_provider
+        providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
+        single = ort.InferenceSession(proto, session_options(physical, threads=threads), providers=providers)
+        feeds = {name: a.numpy().copy() for name, a in zip(model.inputs, args)}
+        got = runner.run(feeds)
+        want = single.run(None, feeds)
+        diff = max(diff, *(float(np.max(np.abs(a - b))) for a, b in zip(got, want)))
+        contenders = {
+            "single": functools.partial(single.run, None, feeds),
+            "placed": functools.partial(runner.run, feeds),
+        }
+        pair = _alternate(contenders, repeats, warmup, block)
+        ratios.append(statistics.median(pair["placed"]) / statistics.median(pair["single"]))
+        for name, spent in pair.items():
+            times[name] += spent
     single_ms = statistics.median(times["single"]) * 1e3
     placed_ms = statistics.median(times["placed"]) * 1e3
     row = {
@@ -211,11 +233,13 @@ def measure_ort(
         "emulated": any(p.emulated for p in runner.device_map.values()),
         "single_ms": round(single_ms, 4),
         "placed_ms": round(placed_ms, 4),
-        "ratio": round(placed_ms / single_ms, 4),
+        "ratio": round(statistics.median(ratios), 4),
+        "ratio_trials": [round(r, 4) for r in ratios],
         "ratio_min": round(min(times["placed"]) / min(times["single"]), 4),
         "max_abs_diff": diff,
         "repeats": repeats,
         "block": block,
+        "trials": len(ratios),
         "threads": threads,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -387,6 +411,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
         "ORT single ms",
         "ORT placed ms",
         "ORT ratio",
+        "ORT per pair",
         "torch eager ms",
         "torch lowered ms",
         "torch ratio",
@@ -413,6 +438,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> Any:
             f"{row['single_ms']:.2f}",
             f"{row['placed_ms']:.2f}",
             ratio(row["ratio"], ORT_TARGET),
+            " ".join(f"{r:.3f}" for r in row.get("ratio_trials", [])),
             f"{t['eager_ms']:.2f}" if t else "-",
             f"{t['lowered_ms']:.2f}" if t else "-",
             ratio(t.get("ratio"), TORCH_TARGET),
@@ -462,6 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--explain", action="store_true", help="per-run overhead by cause")
     parser.add_argument("--block", type=int, default=1, help="alternate blocks of this many runs")
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=3,
+        help="fresh (single session, runner) pairs per row; the ratio is the median of theirs",
+    )
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs of each first")
     parser.add_argument(
         "--threads", type=int, default=None, help="ORT intra-op threads per session (default: ORT's choice)"
@@ -490,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         explain=ns.explain,
                         block=ns.block,
                         warmup=ns.warmup,
+                        trials=ns.trials,
                     )
                 if torch_measure is not None and plan == "half" and name not in EXTERNAL:
                     with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
