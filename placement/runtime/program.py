@@ -344,16 +344,9 @@ class NativeRun:
         )
         if any(const is None and key in feeds for key, const in outputs):
             return None
-        last: dict[str, int] = {}
-        for i, (_, bind, _) in enumerate(stages):
-            for _, key in bind:
-                last[key] = i
-        keep = {key for key, const in outputs if const is None}
-        frees: list[list[str]] = [[] for _ in stages]
-        for key, i in last.items():
-            if key not in keep:
-                frees[i].append(key)
-        return cls(feeds, tuple((*stage, tuple(free)) for stage, free in zip(stages, frees)), outputs)
+        reads = [[key for _, key in bind] for _, bind, _ in stages]
+        frees = _last_reads(reads, {key for key, const in outputs if const is None})
+        return cls(feeds, tuple((*stage, free) for stage, free in zip(stages, frees)), outputs)
 
     def run(self, arrays: list[Any]) -> list[Any]:
         """One whole run on ``arrays`` (graph inputs in order): the graph outputs, in
@@ -510,15 +503,21 @@ class _Compiler:
 
     def _with_frees(self, keep: set[str]) -> list[Step]:
         """The steps, each freeing the keys it reads last (graph outputs are kept)."""
-        last: dict[str, int] = {}
-        for i, keys in enumerate(self.reads):
-            for key in keys:
-                last[key] = i
-        frees: list[list[str]] = [[] for _ in self.steps]
-        for key, i in last.items():
-            if key not in keep:
-                frees[i].append(key)
-        return [replace(step, free=tuple(free)) for step, free in zip(self.steps, frees)]
+        return [replace(step, free=free) for step, free in zip(self.steps, _last_reads(self.reads, keep))]
+
+
+def _last_reads(reads: list[list[str]], keep: set[str]) -> list[tuple[str, ...]]:
+    """Per step (``reads[i]``: the keys step ``i`` reads), the keys it is the last
+    reader of, except those in ``keep``: what it may free."""
+    last: dict[str, int] = {}
+    for i, keys in enumerate(reads):
+        for key in keys:
+            last[key] = i
+    frees: list[list[str]] = [[] for _ in reads]
+    for key, i in last.items():
+        if key not in keep:
+            frees[i].append(key)
+    return [tuple(free) for free in frees]
 
 
 # --- values ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """How a stage becomes an ONNX Runtime session: options, providers, weights.
 
 :func:`stage_session` builds the session of one stage exactly as
-:class:`placement.Runner` does (:func:`session_options`, the stage's execution
+:class:`placement.Runner` does (:func:`stage_options`, the stage's execution
 provider, weights handed over as ``OrtValue`` s instead of through a protobuf);
 :mod:`placement.runtime.calibrate`, the distributed ranks and
 :mod:`placement.runtime.boundaries` build theirs the same way.
@@ -55,7 +55,8 @@ def ort_log_severity() -> int:
 
 
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
-    """The ``SessionOptions`` a stage session gets.
+    """The ``SessionOptions`` every session here starts from (a stage session's are
+    :func:`stage_options`; the runtime benchmark's single session uses these as they are).
 
     Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
     intra-op threads (default: ONNX Runtime's choice, one per physical core), ONNX
