@@ -255,7 +255,7 @@ class Program:
         native: the same run without per-step Python, where every stage runs
             natively on the CPU and every transfer is an alias (see
             :class:`NativeRun`); None otherwise. :meth:`run` uses it; pipelines
-            and ``benchmarks/runtime.py --explain`` walk :attr:`steps`.
+            walk :attr:`steps`, one micro-batch at a time.
     """
 
     partition: Partition
