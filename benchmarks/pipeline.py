@@ -6,7 +6,10 @@ two logical devices, once per runtime: the ONNX Runtime rows run the plan of
 ``auto_place(runtime="ort")``, optimised-session op times and no cut inside a fused
 group, then re-planned on the measured times of its 1-thread stage sessions;
 ``--no-calibrate``: the ``auto_place(runtime="ort")`` plan alone), the torch rows the
-plan of ``auto_place(devices=2, runtime="torch")`` (ops timed one by one). On CPU every logical device
+plans of ``calibrate(model, devices=2, runtime="torch")`` (``auto_place(runtime="torch")``,
+ops timed one by one, then re-planned on the measured times of the lowered stages: their
+forward for the forward rows, forward and backward with ``training=True`` for the training
+rows; ``--no-calibrate``: ``auto_place`` alone). On CPU every logical device
 is emulated with its own session / worker thread, so two stages can use two
 cores at once. A mini-batch is 8 of the model's example batches (GPT: 16
 sequences of 128 tokens; ResNet: 64 images of 64x64), so ``chunks=8`` gives
@@ -41,7 +44,11 @@ allocator (jemalloc, tcmalloc via ``LD_PRELOAD``) does the same job. Off by
 default; the setting is recorded in the results.
 
 Contenders alternate call by call (the order flips every round) so load from
-other processes hits all of them; the table shows medians. Results are written
+other processes hits all of them; the table shows medians. The torch rows are
+timed ``--trials`` times (default 3), each trial with freshly built modules, and
+report the median of the per-trial ratios with every trial's ratio beside it: two
+busy cores make the pipelined contenders' speed move more from trial to trial
+than the one-thread eager baseline's. Results are written
 to ``benchmarks/results/pipeline.json``.
 
 Usage::
@@ -90,6 +97,8 @@ RESULTS = _ROOT / "benchmarks" / "results" / "pipeline.json"
 STREAM_LENGTH = 32
 TARGETS = {"ort_stream": 1.7, "ort_run_chunks8": 1.55, "torch_forward": 1.6, "torch_train": 1.5}
 CHUNKS = 8  # micro-batches per mini-batch; a micro-batch is the model's bench example batch
+#: torch rows: fresh (lowered, pipelined, torchgpipe) modules per trial; ratios are per-trial medians.
+TRIALS = 3
 
 
 #: Process CPU seconds per call of the last :func:`_alternate` (median), by contender.
@@ -127,32 +136,49 @@ def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
     return net.eval(), torch.cat([x] * CHUNKS).contiguous(), int(x.shape[0])
 
 
-def _place(
-    net: torch.nn.Module, x: torch.Tensor, sample: int, *, calibrated: bool = True
-) -> tuple[pl.Model, pl.Model, pl.Model, dict[str, Any]]:
-    """The unplaced model, its ORT placement, its torch placement (copies injected), plan facts."""
-    batch = torch.export.Dim("batch")
-    unplaced = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
-    ort_model, torch_model = unplaced.copy(), unplaced.copy()
-    example = [x[:sample]]
-    info: dict[str, Any] = {}
-    if calibrated:
-        result = calibrate(ort_model, devices=2, sample_inputs=example, profile_repeats=3, device_map="cpu")
-        info["ort_calibration"] = [
+def _calibration_info(result: Any) -> dict[str, Any]:
+    return {
+        "trials": [
             {"predicted_ms": [s * 1e3 for s in t.predicted_s], "measured_ms": [s * 1e3 for s in t.measured_s]}
             for t in result.trials
-        ]
-        info["ort_chosen"] = result.chosen
-        ort_plan = result.plan
+        ],
+        "chosen": result.chosen,
+    }
+
+
+def _place(
+    net: torch.nn.Module, x: torch.Tensor, sample: int, *, calibrated: bool = True
+) -> tuple[pl.Model, pl.Model, dict[str, pl.Model], dict[str, Any]]:
+    """The unplaced model, its ORT placement, its torch placements for forward and for a
+    training step (copies injected), plan facts."""
+    batch = torch.export.Dim("batch")
+    unplaced = pl.from_torch(net, (x,), dynamic_shapes=({0: batch},))
+    ort_model = unplaced.copy()
+    torch_models = {"forward": unplaced.copy(), "train": unplaced.copy()}
+    example = [x[:sample]]
+    info: dict[str, Any] = {"calibration": {}}
+    options: dict[str, Any] = dict(sample_inputs=example, profile_repeats=3, device_map="cpu")
+    plans = {}
+    if calibrated:
+        result = calibrate(ort_model, devices=2, **options)
+        info["calibration"]["ort"] = _calibration_info(result)
+        plans["ort"] = result.plan
+        for kind, model in torch_models.items():
+            result = calibrate(model, devices=2, runtime="torch", training=kind == "train", **options)
+            info["calibration"][f"torch_{kind}"] = _calibration_info(result)
+            plans[f"torch_{kind}"] = result.plan
     else:
-        ort_plan = pl.auto_place(ort_model, devices=2, sample_inputs=example, repeats=3, runtime="ort")
-    torch_plan = pl.auto_place(torch_model, devices=2, sample_inputs=example, repeats=3, runtime="torch")
-    for plan, key in ((ort_plan, "ort"), (torch_plan, "torch")):
+        plans["ort"] = pl.auto_place(ort_model, devices=2, sample_inputs=example, repeats=3, runtime="ort")
+        for kind, model in torch_models.items():
+            plans[f"torch_{kind}"] = pl.auto_place(
+                model, devices=2, sample_inputs=example, repeats=3, runtime="torch"
+            )
+    for key, plan in plans.items():
         info[f"{key}_plan_ms"] = [d.stage_cost / 1e6 for d in plan.devices]
         info[f"{key}_last_op_on_first"] = plan.devices[0].last_op
-    pl.inject_cross_device_copies(ort_model)
-    pl.inject_cross_device_copies(torch_model)
-    return unplaced, ort_model, torch_model, info
+    for model in (ort_model, *torch_models.values()):
+        pl.inject_cross_device_copies(model)
+    return unplaced, ort_model, torch_models, info
 
 
 # --- torchgpipe's view of the zoo models: nn.Sequential -------------------------------------
@@ -238,6 +264,66 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
+def _torch_rows(
+    name: str,
+    net: torch.nn.Module,
+    x: torch.Tensor,
+    models: dict[str, pl.Model],
+    *,
+    chunks: int,
+    repeats: int,
+    trials: int,
+) -> dict[str, Any]:
+    """torch: eager vs the plain and pipelined lowerings vs torchgpipe, forward and a training
+    step, ``trials`` times with fresh modules; ratios are medians of the per-trial ratios."""
+
+    def fwd(module: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.no_grad():
+                return module(x)
+
+        return call
+
+    def step(module: Any) -> Callable[[], Any]:
+        def call() -> None:
+            module.zero_grad(set_to_none=True)
+            _loss(module(x)).backward()
+
+        return call
+
+    runs: dict[str, list[dict[str, Any]]] = {"forward": [], "train": []}
+    balance = None
+    for _ in range(trials):
+        for kind, wrap, reps in (("forward", fwd, repeats), ("train", step, max(3, repeats // 2))):
+            model = models[kind]
+            lowered = pl.to_torch(model, device_map="cpu")
+            pmod = pl.to_torch(model, device_map="cpu", chunks=chunks, checkpoint="never")
+            if kind == "forward" and not runs["forward"]:
+                with torch.no_grad():
+                    torch.testing.assert_close(pmod(x), net(x), atol=1e-3, rtol=1e-3)
+            fns = {"eager": wrap(net), "lowered": wrap(lowered), "pipelined": wrap(pmod)}
+            gp = _torchgpipe(name, net, models["forward"], chunks)
+            if gp is not None:
+                fns["torchgpipe"], balance = wrap(gp[0]), gp[1]
+            times = _alternate(fns, reps)
+            runs[kind].append({"s": times, "cpu_s": dict(CPU_TIMES)})
+            del lowered, pmod, gp
+    result: dict[str, Any] = {"trials": trials, "torchgpipe_balance": balance}
+    for kind, key in (("forward", "forward"), ("train", "train")):
+        per_trial = [{k: r["s"]["eager"] / v for k, v in r["s"].items()} for r in runs[kind]]
+        names = list(per_trial[0])
+        result[f"{key}_ratio"] = {k: statistics.median(t[k] for t in per_trial) for k in names}
+        result[f"{key}_ratio_trials"] = {k: [t[k] for t in per_trial] for k in names}
+        result[f"{key}_s"] = {k: statistics.median(r["s"][k] for r in runs[kind]) for k in names}
+        result[f"{key}_parallelism"] = {
+            k: statistics.median(r["cpu_s"][k] / r["s"][k] for r in runs[kind]) for k in names
+        }
+        result[f"{key}_work"] = {
+            k: statistics.median(r["cpu_s"][k] / r["cpu_s"]["eager"] for r in runs[kind]) for k in names
+        }
+    return result
+
+
 def measure(
     name: str,
     *,
@@ -246,10 +332,11 @@ def measure(
     chunks: int = CHUNKS,
     calibrated: bool = True,
     stream_length: int = STREAM_LENGTH,
+    trials: int = TRIALS,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     net, x, sample = _build(name)
-    unplaced, model, torch_model, plan_info = _place(net, x, sample, calibrated=calibrated)
+    unplaced, model, torch_models, plan_info = _place(net, x, sample, calibrated=calibrated)
     xs = x.numpy()
     cpu = PhysicalDevice("cpu")
     single = ort.InferenceSession(
@@ -307,45 +394,7 @@ def measure(
         },
     }
 
-    # torch: eager vs pipelined lowering vs torchgpipe, forward and a training step.
-    lowered = pl.to_torch(torch_model, device_map="cpu")
-    pmod = pl.to_torch(torch_model, device_map="cpu", chunks=chunks, checkpoint="never")
-    gp = _torchgpipe(name, net, torch_model, chunks)
-    with torch.no_grad():
-        torch.testing.assert_close(pmod(x), net(x), atol=1e-3, rtol=1e-3)
-
-    def fwd(module: Any) -> Callable[[], Any]:
-        def call() -> Any:
-            with torch.no_grad():
-                return module(x)
-
-        return call
-
-    def step(module: Any) -> Callable[[], Any]:
-        def call() -> None:
-            module.zero_grad(set_to_none=True)
-            _loss(module(x)).backward()
-
-        return call
-
-    fwd_fns = {"eager": fwd(net), "lowered": fwd(lowered), "pipelined": fwd(pmod)}
-    train_fns = {"eager": step(net), "lowered": step(lowered), "pipelined": step(pmod)}
-    if gp is not None:
-        fwd_fns["torchgpipe"] = fwd(gp[0])
-        train_fns["torchgpipe"] = step(gp[0])
-    fwd_times = _alternate(fwd_fns, repeats)
-    fwd_cpu = dict(CPU_TIMES)
-    train_times = _alternate(train_fns, max(3, repeats // 2))
-    train_cpu = dict(CPU_TIMES)
-    rows["torch"] = {
-        "forward_s": fwd_times,
-        "train_s": train_times,
-        "forward_ratio": {k: fwd_times["eager"] / v for k, v in fwd_times.items()},
-        "train_ratio": {k: train_times["eager"] / v for k, v in train_times.items()},
-        "torchgpipe_balance": gp[1] if gp is not None else None,
-        "forward_parallelism": {k: fwd_cpu[k] / v for k, v in fwd_times.items()},
-        "train_parallelism": {k: train_cpu[k] / v for k, v in train_times.items()},
-    }
+    rows["torch"] = _torch_rows(name, net, x, torch_models, chunks=chunks, repeats=repeats, trials=trials)
 
     if sweep:
         runners = {
@@ -445,29 +494,30 @@ def _print(results: list[dict[str, Any]]) -> None:
                         "pipelined": "to_torch(chunks=8)",
                         "torchgpipe": f"torchgpipe GPipe{t['torchgpipe_balance']}",
                     }[contender]
-                    par = t["forward_parallelism" if kind == "forward" else "train_parallelism"]
-                    secs = t["forward_s" if kind == "forward" else "train_s"]
-                    work = par[contender] * secs[contender] / (par["eager"] * secs["eager"])
+                    prefix = "forward" if kind == "forward" else "train"
+                    par = t[f"{prefix}_parallelism"]
+                    work = t[f"{prefix}_work"][contender]
+                    each = " ".join(f"{v:.2f}" for v in t[f"{prefix}_ratio_trials"][contender])
                     table.add_row(
                         res["model"],
                         "torch",
                         f"{kind}: {label} / eager",
-                        f"{t[key][contender]:.2f}",
+                        f"{t[key][contender]:.2f} ({each})",
                         target if contender == "pipelined" else "",
                         f"{par[contender]:.2f} vs {par['eager']:.2f}",
                         f"{work:.2f}",
                     )
     console.print(table)
     for res in results:
-        plans = res["plans"]
-        for k, trial in enumerate(plans.get("ort_calibration", [])):
-            mark = "chosen" if k == plans["ort_chosen"] else ""
-            pred = " | ".join(f"{t:.2f}" for t in trial["predicted_ms"])
-            meas = " | ".join(f"{t:.2f}" for t in trial["measured_ms"])
-            console.print(
-                f"{res['model']} ORT calibration trial {k}: predicted {pred} ms, "
-                f"stage sessions measured {meas} ms {mark}"
-            )
+        for what, calibration in res["plans"]["calibration"].items():
+            for k, trial in enumerate(calibration["trials"]):
+                mark = "chosen" if k == calibration["chosen"] else ""
+                pred = " | ".join(f"{t:.2f}" for t in trial["predicted_ms"])
+                meas = " | ".join(f"{t:.2f}" for t in trial["measured_ms"])
+                console.print(
+                    f"{res['model']} {what} calibration trial {k}: predicted {pred} ms, "
+                    f"stages measured {meas} ms {mark}"
+                )
     for res in results:
         if "sweep" not in res:
             continue
@@ -511,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-calibrate",
         action="store_true",
-        help="ORT rows on the auto_place(runtime='ort') plan, without calibration on measured stages",
+        help="plans from auto_place alone (runtime 'ort' and 'torch'), not calibrated on measured stages",
+    )
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=None,
+        help=f"torch rows: fresh modules timed this many times, median ratio (default {TRIALS}; --quick 1)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -532,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep=sweep,
                 calibrated=not args.no_calibrate,
                 stream_length=args.stream_length,
+                trials=args.trials or (1 if args.quick else TRIALS),
             )
         )
     _print(results)

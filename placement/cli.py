@@ -140,13 +140,13 @@ def _auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
         raise pl.PlanError(f"--devices must be at least 1, got {devices}")
     runtime = getattr(args, "runtime", "ort")
     if getattr(args, "calibrate", False):
-        if args.cost != "time" or runtime != "ort" or args.objective != "throughput":
+        if args.cost != "time" or args.objective != "throughput":
             raise pl.PlanError(
-                "--calibrate times ONNX Runtime stage sessions: use it with --cost time, "
-                "--runtime ort and --objective throughput"
+                "--calibrate times the plan's stages: use it with --cost time and --objective throughput"
             )
-        with _step(console, "profiling, planning and timing stage sessions (calibration)"):
-            return pl.calibrate(model, devices, budgets).plan
+        what = "ONNX Runtime stage sessions" if runtime == "ort" else "lowered torch stages"
+        with _step(console, f"profiling, planning and timing {what} (calibration)"):
+            return pl.calibrate(model, devices, budgets, runtime=runtime).plan
     what = "profiling and planning" if args.cost == "time" else "planning"
     with _step(console, f"{what} ({args.cost} cost, {args.objective}, for {runtime})"):
         return pl.auto_place(
@@ -571,8 +571,9 @@ def _add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | N
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="with --cost time: re-plan on the measured times of the plan's ONNX Runtime stage "
-        "sessions and keep the best measured plan (pl.calibrate; a few seconds more)",
+        help="with --cost time: re-plan on the measured times of the plan's stages (ONNX Runtime "
+        "stage sessions, or with --runtime torch the lowered torch stages) and keep the best "
+        "measured plan (pl.calibrate; a few seconds more)",
     )
 
 

@@ -103,11 +103,15 @@ def test_place_calibrated_times_stage_sessions(work):
     pl.verify(pl.load(work / "c.onnx"))  # (the tiny mlp is best left on one device: copies cost more)
 
 
-def test_calibrate_needs_measured_ort_costs(work):
-    result = cli(
-        "plan", "mlp.onnx", "--calibrate", "--runtime", "torch", "--cost", "time", "-o", "p.json", cwd=work
-    )
-    assert result.returncode == 2 and "--calibrate" in result.stderr and "--runtime ort" in result.stderr
+def test_calibrate_for_torch_times_lowered_stages(work):
+    args = ("--calibrate", "--runtime", "torch", "--cost", "time", "--devices", "2", "-o", "p.json")
+    assert "saved p.json" in _ok(cli("plan", "mlp.onnx", *args, cwd=work))
+    assert json.loads((work / "p.json").read_text())["runtime"] == "torch"
+
+
+def test_calibrate_needs_measured_costs(work):
+    result = cli("plan", "mlp.onnx", "--calibrate", "--cost", "flops", "-o", "p.json", cwd=work)
+    assert result.returncode == 2 and "--calibrate" in result.stderr and "--cost time" in result.stderr
     assert not (work / "p.json").exists()
 
 

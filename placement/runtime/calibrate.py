@@ -1,4 +1,4 @@
-"""Calibration: plans balanced on *measured* ONNX Runtime stage sessions.
+"""Calibration: plans balanced on *measured* stages, ONNX Runtime sessions or lowered torch stages.
 
 ``auto_place(model, devices=N)`` balances per-op times from one profiling run
 (:func:`placement.profile`). On a loaded machine those times are noisy, and what a
@@ -25,6 +25,16 @@ its edges. :func:`calibrate` closes the loop on the real thing:
    measured bottleneck is never worse than the uncalibrated plan's in that
    comparison.
 
+``runtime="torch"`` runs the same loop for ``pl.to_torch(model, chunks=k)``: the
+plan is ``auto_place(runtime="torch")`` (ops timed one by one), and step 2 times
+the lowered stages as the pipeline runs them
+(:class:`placement.runtime.lowering.timing.LoweredStages`: the ``torch.fx``
+submodules of the pipeline's cut, warmed up into their TorchScript traces, with
+``torch.set_num_threads(threads)`` while timing), forward alone or, with
+``training=True``, forward and backward. Op-by-op ONNX Runtime times are a
+proxy for torch kernels; without this loop a torch plan's cut moves with the
+noise in them.
+
 Costs: one ``auto_place`` per round (the profile is cached; each re-plan is the exact
 planner on new costs) plus building and timing the stage sessions; a few seconds
 for the zoo's bench models. The stage sessions of all plans met are held until the
@@ -44,12 +54,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -61,6 +73,9 @@ from placement.planning.profile import GraphInfo, _normalise_inputs, make_sample
 from placement.runtime.device_map import DeviceMapLike, resolve_device_map
 from placement.runtime.ort import stage_session
 from placement.runtime.stages import split_stages
+
+if TYPE_CHECKING:
+    from placement.runtime.lowering.timing import LoweredStages
 
 __all__ = ["Calibration", "Trial", "calibrate"]
 
@@ -140,8 +155,10 @@ def calibrate(
     profile_repeats: int = 5,
     links: Any = "auto",
     fusion: bool = True,
+    runtime: str = "ort",
+    training: bool = False,
 ) -> Calibration:
-    """Plan for the ONNX Runtime executor, correcting the plan by timing its stage sessions.
+    """Plan for an executor, correcting the plan by timing its stages.
 
     See the module docstring for the loop. The chosen plan is applied to ``model`` in
     place (as ``auto_place`` does); its :class:`Plan` figures are the predictions it was
@@ -155,10 +172,17 @@ def calibrate(
             ``Runner.stream``); default :func:`placement.planning.profile.make_sample_inputs`.
         rounds: re-plans at most (0: time the uncalibrated plan only).
         repeats: timed rounds per comparison (each stage's median is kept).
-        threads: intra-op threads per stage session, as ``Runner(threads_per_stage=...)``.
-        device_map: where the stage sessions run, as for :class:`placement.Runner`.
+        threads: intra-op threads per stage session, as ``Runner(threads_per_stage=...)``;
+            for ``runtime="torch"``, torch's intra-op threads while timing (``torch.set_num_threads``,
+            restored afterwards).
+        device_map: where the stages run, as for :class:`placement.Runner` or
+            :func:`placement.to_torch`.
         profile_repeats: ``repeats`` of the initial profile.
-        links, fusion: as for :func:`placement.auto_place` (``runtime="ort"``).
+        links, fusion: as for :func:`placement.auto_place`.
+        runtime: ``"ort"`` (stage sessions, ``pl.Runner``) or ``"torch"`` (the lowered
+            stages of ``pl.to_torch(chunks=k)``).
+        training: with ``runtime="torch"``, time each stage's forward and backward
+            (balance a training step) instead of its forward.
 
     Returns:
         A :class:`Calibration`: the chosen plan, every trial with its predicted and
@@ -170,19 +194,47 @@ def calibrate(
     """
     if rounds < 0 or repeats < 1 or threads < 1:
         raise PlanError(f"need rounds >= 0, repeats >= 1, threads >= 1; got {rounds}, {repeats}, {threads}")
+    if runtime not in ("ort", "torch"):
+        raise PlanError(f"calibrate times 'ort' (ONNX Runtime) or 'torch' (lowered) stages, not {runtime!r}")
+    if training and runtime != "torch":
+        raise PlanError("training=True times torch stages' backward: use it with runtime='torch'")
     feeds = make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     options: dict[str, Any] = dict(
-        sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime="ort"
+        sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime=runtime
     )
     plan = auto_place(model, devices, max_memory, **options)
     if plan.cost_kind != "time":  # too large to time: nothing to calibrate
         return Calibration(plan=plan, trials=[Trial(plan, [0.0] * len(plan.devices))], chosen=0)
+    with _torch_threads(threads if runtime == "torch" else None):
+        return _calibrate(
+            model, devices, max_memory, plan, feeds, options,
+            rounds=rounds, repeats=repeats, threads=threads, device_map=device_map, training=training,
+        )  # fmt: skip
+
+
+def _calibrate(
+    model: Model,
+    devices: int | Sequence[DeviceLike] | None,
+    max_memory: Mapping[Any, int | float | str] | None,
+    plan: Plan,
+    feeds: dict[str, np.ndarray],
+    options: dict[str, Any],
+    *,
+    rounds: int,
+    repeats: int,
+    threads: int,
+    device_map: DeviceMapLike,
+    training: bool,
+) -> Calibration:
+    runtime = options["runtime"]
     info = GraphInfo(model)
-    base = profile(model, sample_inputs=feeds, repeats=profile_repeats, optimized=True).costs("time")
+    base = profile(model, sample_inputs=feeds, repeats=options["repeats"], optimized=runtime == "ort").costs(
+        "time"
+    )
     costs = {info.names[pos]: float(c) for pos, c in enumerate(base)}
     order = [Device.parse(d.device) for d in plan.devices]
     trials: list[Trial] = []
-    timers: list[_StageTimer] = []
+    timers: list[_StageTimer | LoweredStages] = []
     seen: dict[tuple[str, ...], int] = {}
     for r in range(rounds + 1):
         key = tuple(plan.assignment[name] for name in info.names)
@@ -191,7 +243,13 @@ def calibrate(
             break
         seen[key] = len(trials)
         trial = Trial(plan, [d.cost / 1e9 for d in plan.devices])
-        timer = _StageTimer(model, order, feeds, threads=threads, device_map=device_map)
+        timer: _StageTimer | LoweredStages
+        if runtime == "torch":
+            from placement.runtime.lowering.timing import LoweredStages
+
+            timer = LoweredStages(model, order, feeds, device_map=device_map, training=training)
+        else:
+            timer = _StageTimer(model, order, feeds, threads=threads, device_map=device_map)
         trials.append(trial)
         timers.append(timer)
         if r == rounds:
@@ -237,14 +295,14 @@ class _StageTimer:
         physical = resolve_device_map(model.devices, device_map, runtime="ort")
         self.part_of = [order.index(stage.device) for stage in parts.stages]
         self.parts = len(order)
-        self.runs: list[tuple[Any, dict[str, Any]]] = []
+        self.runs: list[Callable[[], Any]] = []
         env: dict[str, Any] = dict(inputs)
         for stage in parts.stages:
             session = stage_session(stage, physical[stage.device], threads=threads)
             feed = {name: env[name] for name in stage.inputs}
             outputs = session.run(list(stage.outputs), feed)  # also the warm-up run
             env.update(zip(stage.outputs, outputs))
-            self.runs.append((session, feed))
+            self.runs.append(functools.partial(session.run, None, feed))
 
     def per_part(self, stage_times: list[float]) -> list[float]:
         totals = [0.0] * self.parts
@@ -253,17 +311,33 @@ class _StageTimer:
         return totals
 
 
-def _time_all(timers: list[_StageTimer], repeats: int) -> list[list[float]]:
-    """Per timer, per part: the median of ``repeats`` rounds, every stage session of
+def _time_all(timers: Sequence[_StageTimer | LoweredStages], repeats: int) -> list[list[float]]:
+    """Per timer, per part: the median of ``repeats`` rounds, every stage of
     every timer run alone once per round, the order reversed every other round."""
     runs = [(t, s) for t in range(len(timers)) for s in range(len(timers[t].runs))]
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in runs}
     clock = time.perf_counter
     for r in range(repeats):
         for key in runs if r % 2 == 0 else reversed(runs):
-            session, feed = timers[key[0]].runs[key[1]]
+            run = timers[key[0]].runs[key[1]]
             start = clock()
-            session.run(None, feed)
+            run()
             samples[key].append(clock() - start)
     best = {key: statistics.median(values) for key, values in samples.items()}
     return [timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the block (``None``: untouched)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

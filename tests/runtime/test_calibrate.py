@@ -32,3 +32,44 @@ def test_calibrate_arguments(exported):
         calibrate(model, devices=2, rounds=-1)
     result = calibrate(model, devices=2, rounds=0, repeats=1, device_map="cpu")
     assert len(result.trials) == 1 and result.chosen == 0
+
+
+def test_torch_calibration_times_lowered_stages_and_keeps_the_pipeline_exact():
+    import torch
+
+    from placement.models import gpt
+
+    net, args = gpt.build("tiny")
+    model = pl.from_torch(net, args, dynamic_shapes=({0: torch.export.Dim("batch")},))
+    before = torch.get_num_threads()
+    options = dict(rounds=2, repeats=3, profile_repeats=1, device_map="cpu", sample_inputs=args)
+    result = calibrate(model, devices=2, runtime="torch", **options)
+    assert torch.get_num_threads() == before  # threads=1 only while timing
+    assert result.plan.runtime == "torch" and result.plan is result.trials[result.chosen].plan
+    assert all(len(t.measured_s) == 2 and min(t.measured_s) > 0 for t in result.trials)
+    assert result.bottleneck_s <= result.trials[0].bottleneck_s
+    assert {op.name: str(op.device) for op in model.ops} == result.plan.assignment
+    pl.inject_cross_device_copies(model)
+    batch = torch.cat([args[0]] * 2)
+    module = pl.to_torch(model, device_map="cpu", chunks=2)
+    with torch.no_grad():
+        torch.testing.assert_close(module(batch), net(batch), rtol=1e-4, atol=1e-5)
+
+
+def test_torch_calibration_for_training(exported):
+    model, _, _ = exported("mlp")
+    options = dict(rounds=1, repeats=3, device_map="cpu")
+    result = calibrate(model, devices=2, runtime="torch", training=True, **options)
+    assert result.plan.runtime == "torch"
+    # every trial timed per part (a part its plan leaves empty takes no time); the chosen one is applied
+    assert all(len(t.measured_s) == 2 and max(t.measured_s) > 0 for t in result.trials)
+    assert {op.name: str(op.device) for op in model.ops} == result.plan.assignment
+
+
+def test_calibrate_rejects_unknown_runtimes_and_training_without_torch(exported):
+    model, _, _ = exported("mlp")
+    with pytest.raises(pl.PlanError, match="'tvm'"):
+        calibrate(model, devices=2, runtime="tvm")
+    with pytest.raises(pl.PlanError, match="runtime='torch'"):
+        calibrate(model, devices=2, training=True)
+    assert len(model.devices) == 1  # untouched

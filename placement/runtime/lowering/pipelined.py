@@ -91,6 +91,7 @@ class _Stage:
     device: torch.device
     consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
     call: Any = None  # a TracedStage of ``module``: traces it for inference (see traced.py)
+    part: int = 0  # the stage of ``partition(model)`` it runs (``index`` skips stages with no code)
 
 
 def pipeline_module(
@@ -164,14 +165,7 @@ class PipelinedModule(torch.nn.Module):
         self._out_axes = [axes.outputs[name] for name in self.output_names]
         stages, env_inputs, outputs = _split(module, stage_of_op)
         for stage in stages:
-            random = sorted({n.meta.get(OP_META) for n in stage.module.graph.nodes} & set(untraceable))
-            stage.call = TracedStage(
-                stage.module,
-                fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
-                warmup=chunks,
-                grad=True,
-                untraceable=f"nondeterministic op(s) {', '.join(random)}" if random else None,
-            )
+            stage.call = _traced(stage, warmup=chunks, untraceable=untraceable)
         self._pl_inputs = env_inputs
         object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
         self._pl_outputs = outputs
@@ -271,7 +265,8 @@ def _split(
             stage = max(producers) if producers else 0
         assigned[node] = stage
     # Keep the numbering dense and in order.
-    order = {s: k for k, s in enumerate(sorted(set(assigned.values())))}
+    parts = sorted(set(assigned.values()))
+    order = {s: k for k, s in enumerate(parts)}
     split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
     stages: list[_Stage] = []
     by_call: dict[str, _Stage] = {}
@@ -287,7 +282,8 @@ def _split(
                 if not isinstance(a, fx.Node):
                     raise LoweringError(f"stage {node.target} reads a non-tensor argument {a!r}")
                 args.append(a.name)
-            stage = _Stage(len(stages), sub, args, [], _device_of(sub))
+            dense = int(str(node.target).rsplit("_", 1)[1])  # split_module names them submod_<partition>
+            stage = _Stage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
             stage.consts = {a: attrs[a] for a in args if a in attrs}
             stages.append(stage)
             by_call[node.name] = stage
@@ -310,6 +306,19 @@ def _split(
             raise LoweringError(f"cannot pipeline a graph output that is not a tensor ({item!r})")
         keys.append(item.name)
     return stages, inputs, keys
+
+
+def _traced(stage: _Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
+    """``stage.module`` as a :class:`TracedStage` (never traced when it holds an op of
+    ``untraceable``, the model's nondeterministic ops)."""
+    random = sorted({n.meta.get(OP_META) for n in stage.module.graph.nodes} & set(untraceable))
+    return TracedStage(
+        stage.module,
+        fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
+        warmup=warmup,
+        grad=True,
+        untraceable=f"nondeterministic op(s) {', '.join(random)}" if random else None,
+    )
 
 
 def _attribute(module: torch.nn.Module, path: str) -> Any:
