@@ -204,3 +204,24 @@ def test_saved_placed_model_runs_after_loading(name: str, exported: Any, tmp_pat
     loaded = pl.load(path)
     assert loaded.device_state() == model.device_state()
     np.testing.assert_allclose(pl.run(loaded, _numpy(args))[0], expected, **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_torch_calibrated_pipeline_trains_like_the_unsplit_module(name: str, exported: Any) -> None:
+    model, args, expected = exported(name, dynamic_batch=True)
+    options = dict(rounds=1, repeats=3, profile_repeats=1, device_map="cpu", sample_inputs=args)
+    result = pl.calibrate(model, devices=2, runtime="torch", training=True, **options)
+    assert result.plan.runtime == "torch" and result.bottleneck_s <= result.trials[0].bottleneck_s
+    pl.inject_cross_device_copies(model)
+    plain = pl.to_torch(model, device_map="cpu")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    for module in (plain, piped):
+        out = module(*args)
+        y = out[0] if isinstance(out, (list, tuple)) else out
+        y.float().square().mean().backward()
+        np.testing.assert_allclose(y.detach().numpy(), expected, **TOL)
+    grads = {key: p.grad for key, p in plain.named_parameters() if p.grad is not None}
+    assert grads and grads.keys() == {key for key, p in piped.named_parameters() if p.grad is not None}
+    for key, p in piped.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[key], rtol=1e-4, atol=1e-6)
