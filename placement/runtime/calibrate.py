@@ -8,12 +8,11 @@ its edges. :func:`calibrate` closes the loop on the real thing:
 
 1. plan with ``auto_place(runtime="ort")`` (optimised-session op times, no cut
    inside a fused group);
-2. build the plan's stage sessions as :class:`placement.Runner` does
-   (:func:`placement.runtime.stages.split_stages`, :func:`placement.runtime.sessions.stage_session`,
-   ``threads`` intra-op threads each; boundaries in plain NCHW, since each stage is
-   fed the sample's own values, so a convolutional stage is timed with the two
-   layout conversions a runner's ``keep_layout`` saves) and time them on the sample inputs, each
-   stage alone, stages alternating round by round (the order reversed every other
+2. build the plan's stage sessions as :class:`placement.Runner` builds them (its
+   program: ``threads`` intra-op threads per stage, the stage session options,
+   activations between convolutional CPU stages kept in ONNX Runtime's blocked
+   layout) and time them on the inputs a run of the sample hands each, each stage
+   alone, stages alternating round by round (the order reversed every other
    round), keeping each stage's median (on a shared machine whose other processes
    preempt most runs the median is far steadier than the fastest run);
 3. scale the op costs of each part by its measured / predicted time and re-plan
@@ -70,9 +69,7 @@ from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
 from placement.planning.planner import Plan, auto_place
 from placement.planning.profile import GraphInfo, _normalise_inputs, make_sample_inputs, profile
-from placement.runtime.device_map import DeviceMapLike, resolve_device_map
-from placement.runtime.ort import stage_session
-from placement.runtime.stages import split_stages
+from placement.runtime.device_map import DeviceMapLike
 
 if TYPE_CHECKING:
     from placement.runtime.lowering.timing import LoweredStages
@@ -280,7 +277,9 @@ def _calibrate(
 
 
 class _StageTimer:
-    """The stage sessions of the model's current placement, with feeds to run each alone."""
+    """The stage sessions of the model's current placement as :class:`placement.Runner` runs
+    them (its program: stage options, blocked boundaries between CPU stages), each runnable
+    alone on the inputs a run of the sample hands it."""
 
     def __init__(
         self,
@@ -291,18 +290,27 @@ class _StageTimer:
         threads: int,
         device_map: DeviceMapLike,
     ) -> None:
-        parts = split_stages(model)
-        physical = resolve_device_map(model.devices, device_map, runtime="ort")
-        self.part_of = [order.index(stage.device) for stage in parts.stages]
+        from placement.runtime.ort import Runner
+        from placement.runtime.program import HostStep, StageStep, _host
+
+        program = Runner(model, device_map=device_map, threads_per_stage=threads).program
+        values = program.feed([inputs[name] for name, _ in program.feeds])
+        self.part_of: list[int] = []
         self.parts = len(order)
         self.runs: list[Callable[[], Any]] = []
-        env: dict[str, Any] = dict(inputs)
-        for stage in parts.stages:
-            session = stage_session(stage, physical[stage.device], threads=threads)
-            feed = {name: env[name] for name in stage.inputs}
-            outputs = session.run(list(stage.outputs), feed)  # also the warm-up run
-            env.update(zip(stage.outputs, outputs))
-            self.runs.append(functools.partial(session.run, None, feed))
+        for step in program.steps:
+            if isinstance(step, StageStep):
+                feeds = step.inputs(values)
+                run: Callable[[], Any] = functools.partial(step.call, feeds)
+            elif isinstance(step, HostStep):
+                host = {name: _host(values[key]) for name, key in step.bind}
+                run = functools.partial(step.exec.session.run, list(step.outputs), host)
+            else:
+                step.run(values)
+                continue
+            step.run(values)  # also the warm-up run
+            self.runs.append(run)
+            self.part_of.append(order.index(step.exec.stage.device))
 
     def per_part(self, stage_times: list[float]) -> list[float]:
         totals = [0.0] * self.parts

@@ -73,3 +73,23 @@ def test_calibrate_rejects_unknown_runtimes_and_training_without_torch(exported)
     with pytest.raises(pl.PlanError, match="runtime='torch'"):
         calibrate(model, devices=2, training=True)
     assert len(model.devices) == 1  # untouched
+
+
+def test_ort_stages_are_timed_as_the_runner_runs_them(exported):
+    """The timed sessions are the runner's: the cut between two convolutions stays blocked."""
+    import onnxruntime as ort
+
+    from placement.graph.device import Device
+    from placement.planning.profile import make_sample_inputs
+    from placement.runtime.calibrate import _StageTimer
+
+    model, _, _ = exported("resnet")
+    model = pl.place_evenly(model, 2)
+    devices = [Device.parse("cuda:0"), Device.parse("cuda:1")]
+    timer = _StageTimer(model, devices, make_sample_inputs(model), threads=1, device_map="cpu")
+    assert timer.part_of == [0, 1] and pl.Runner(model, device_map="cpu").blocked_boundaries
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for run in timer.runs:  # both ends of the blocked boundary: ORT's optimised graphs, loaded as they are
+        assert run.func.__self__.exec.session.get_session_options().graph_optimization_level == off
+    outputs = [run() for run in timer.runs]
+    assert outputs[-1][0].numpy().shape == (2, 10)
