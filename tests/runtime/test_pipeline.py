@@ -322,6 +322,24 @@ def test_torch_checkpoint_modes_and_input_grads(checkpoint):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
+def test_torch_inference_outputs_are_ordinary_tensors():
+    """Forward without grad runs the workers in inference mode; what the caller gets is not an
+    inference tensor, so it can feed autograd afterwards (a frozen feature extractor)."""
+    model, net, (x,) = _placed("mlp")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    for p in piped.parameters():
+        p.requires_grad_(False)
+    for _ in range(4):  # past the warm-up: the stages run traced
+        with torch.no_grad():
+            out = piped(x)
+        frozen = piped(x)  # grad mode on, nothing requires grad: the forward-only path too
+    assert not out.is_inference() and not frozen.is_inference()
+    head = torch.ones(out.shape[-1], requires_grad=True)
+    (frozen * head).sum().backward()
+    torch.testing.assert_close(head.grad, net(x).detach().sum(0), atol=1e-5, rtol=1e-5)
+    out.add_(1)  # in place, outside inference mode
+
+
 def test_torch_stage_error_propagates():
     model, _, (idx,) = _placed("gpt")
     piped = pl.to_torch(model, device_map="cpu", chunks=3)

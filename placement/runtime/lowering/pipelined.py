@@ -339,12 +339,17 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 def _stage_context(stages: list[_Stage], grad: bool) -> Any:
-    """Per worker: the grad mode, and on a GPU the stage's own CUDA stream."""
+    """Per worker: the grad mode, and on a GPU the stage's own CUDA stream.
+
+    Without grad the workers run in ``torch.inference_mode()``: no version counters or
+    view tracking on the values between stages (1-3% of a bench GPT stage on the CPU).
+    Those values never leave the pipeline: the caller gets outputs concatenated outside
+    it, ordinary tensors."""
 
     @contextlib.contextmanager
     def enter(j: int) -> Iterator[None]:
         device = stages[min(j, len(stages) - 1)].device
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(True) if grad else torch.inference_mode():
             if device.type == "cuda":
                 with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
                     yield
