@@ -11,7 +11,8 @@ does, runs it once on sample inputs to give each stage its own inputs, and
 returns per stage a function that runs that stage alone, as the pipeline's
 worker would: forward without grad, or (``training=True``) forward with grad
 on detached inputs and backward through ``torch.autograd.grad`` with ones as
-output gradients, as the pipeline's backward does per stage.
+output gradients, as the pipeline's backward does per stage. A call on a GPU
+waits for its kernels (``torch.cuda.synchronize``), so it takes as long as its work.
 
 Example:
     >>> import placement as pl
@@ -118,23 +119,36 @@ class LoweredStages:
 
 def _forward(stage: _Stage, args: list[Any]) -> Callable[[], Any]:
     def run() -> Any:
-        with torch.no_grad():
-            return stage.call(*args)
+        with torch.inference_mode():  # as the pipeline's forward-only workers run
+            result = stage.call(*args)
+        _synchronize(stage.device)
+        return result
 
     return run
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for a GPU stage's kernels, so that the time of a call is the time of its work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _backward(stage: _Stage, args: list[Any]) -> Callable[[], Any]:
     consts = {n for n, a in enumerate(stage.args) if a in stage.consts}
 
     def run() -> tuple[torch.Tensor | None, ...]:
+        grads: tuple[torch.Tensor | None, ...]
         with torch.enable_grad():
             leaves = [a if n in consts else _detach(a, True) for n, a in enumerate(args)]
             result = stage.call(*leaves)
             outs = [t for t in (result if isinstance(result, (tuple, list)) else [result]) if t.requires_grad]
             wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not outs or not wrt:
-                return ()
-            return torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+            grads = (
+                torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+                if outs and wrt
+                else ()
+            )
+        _synchronize(stage.device)
+        return grads
 
     return run
