@@ -67,6 +67,7 @@ import numpy as np
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
+from placement.planning.frontend import transaction
 from placement.planning.planner import Plan, auto_place
 from placement.planning.profile import GraphInfo, _normalise_inputs, make_sample_inputs, profile
 from placement.runtime.device_map import DeviceMapLike
@@ -187,7 +188,9 @@ def calibrate(
 
     Raises:
         PlanError: bad arguments (and whatever ``auto_place`` raises).
-        PlacementError: a stage session cannot be built or run (names the stage).
+        PlacementError: a stage cannot be built or run (names the stage; for
+            ``runtime="torch"``, a ``LoweringError`` naming the op types without a
+            rule). On any error the model keeps the placement it had.
     """
     if rounds < 0 or repeats < 1 or threads < 1:
         raise PlanError(f"need rounds >= 0, repeats >= 1, threads >= 1; got {rounds}, {repeats}, {threads}")
@@ -199,14 +202,15 @@ def calibrate(
     options: dict[str, Any] = dict(
         sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime=runtime
     )
-    plan = auto_place(model, devices, max_memory, **options)
-    if plan.cost_kind != "time":  # too large to time: nothing to calibrate
-        return Calibration(plan=plan, trials=[Trial(plan, [0.0] * len(plan.devices))], chosen=0)
-    with _torch_threads(threads if runtime == "torch" else None):
-        return _calibrate(
-            model, devices, max_memory, plan, feeds, options,
-            rounds=rounds, repeats=repeats, threads=threads, device_map=device_map, training=training,
-        )  # fmt: skip
+    with transaction(model):  # a failure (a stage that cannot be built or run) restores the placement
+        plan = auto_place(model, devices, max_memory, **options)
+        if plan.cost_kind != "time":  # too large to time: nothing to calibrate
+            return Calibration(plan=plan, trials=[Trial(plan, [0.0] * len(plan.devices))], chosen=0)
+        with _torch_threads(threads if runtime == "torch" else None):
+            return _calibrate(
+                model, devices, max_memory, plan, feeds, options,
+                rounds=rounds, repeats=repeats, threads=threads, device_map=device_map, training=training,
+            )  # fmt: skip
 
 
 def _calibrate(

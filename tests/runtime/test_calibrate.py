@@ -93,3 +93,29 @@ def test_ort_stages_are_timed_as_the_runner_runs_them(exported):
         assert run.func.__self__.exec.session.get_session_options().graph_optimization_level == off
     outputs = [run() for run in timer.runs]
     assert outputs[-1][0].numpy().shape == (2, 10)
+
+
+def test_a_failed_calibration_leaves_the_placement_as_it_was():
+    """The torch lowering has no rule for DFT: calibrating for torch fails naming it, and every
+    op keeps the device it had (auto_place had already placed the model when timing failed)."""
+    import onnx
+    from onnx import helper
+
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+
+    weight = onnx.numpy_helper.from_array(np.eye(16, dtype=np.float32), "w")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
+        helper.make_node("DFT", ["u"], ["y"], name="dft", axis=1),
+    ]
+    axes = onnx.numpy_helper.from_array(np.array([2], dtype=np.int64), "axes")
+    graph = helper.make_graph(nodes, "g", [info("x", [4, 16])], [info("y", [4, 16, 2])], [weight, axes])
+    model = pl.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.set_device("relu", 1)
+    before = {op.name: str(op.device) for op in model.ops}
+    with pytest.raises(pl.LoweringError, match="DFT"):
+        calibrate(model, devices=2, rounds=1, repeats=1, profile_repeats=1, device_map="cpu", runtime="torch")
+    assert {op.name: str(op.device) for op in model.ops} == before
