@@ -8,7 +8,8 @@
 - :mod:`~placement.runtime.pipeline`: the micro-batch schedule both runtimes share (``chunks=``,
   ``Runner.stream``, pipelined ``to_torch`` forward and backward).
 - :mod:`~placement.runtime.calibrate`: ``calibrate``, plans re-balanced on the measured
-  times of their ONNX Runtime stage sessions.
+  times of their stages: ONNX Runtime stage sessions, or (``runtime="torch"``) the lowered
+  torch stages of :mod:`~placement.runtime.lowering.timing`.
 - :mod:`~placement.runtime.links`: ``measure_links``, timing real copies between devices.
 - :mod:`~placement.runtime.layout`: stage-model rewrites that keep ONNX Runtime's blocked
   convolution layout across a cut (a BatchNormalization cut from its Conv).

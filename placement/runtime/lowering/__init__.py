@@ -2,7 +2,9 @@
 
 ``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule``; ``ops`` is
 the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
-module per op family). Imports: ``placement.graph``, ``placement.errors`` and
+module per op family). ``pipelined`` runs the lowered module's stages over
+micro-batches (``to_torch(chunks=k)``), ``traced`` runs a stage as TorchScript
+traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``. Imports: ``placement.graph``, ``placement.errors`` and
 ``placement.runtime.device_map``.
 """
 
