@@ -4,8 +4,9 @@
 the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
 module per op family). ``pipelined`` runs the lowered module's stages over
 micro-batches (``to_torch(chunks=k)``), ``traced`` runs a stage as TorchScript
-traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``. Imports: ``placement.graph``, ``placement.errors`` and
-``placement.runtime.device_map``.
+traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``.
+Imports: the layers below ``placement.runtime`` and its ``device_map``,
+``stages`` and ``pipeline`` modules.
 """
 
 from __future__ import annotations
