@@ -295,7 +295,7 @@ class _StageTimer:
         device_map: DeviceMapLike,
     ) -> None:
         from placement.runtime.ort import Runner
-        from placement.runtime.program import HostStep, StageStep, _host
+        from placement.runtime.program import HostStep, StageStep
 
         program = Runner(model, device_map=device_map, threads_per_stage=threads).program
         values = program.feed([inputs[name] for name, _ in program.feeds])
@@ -303,24 +303,13 @@ class _StageTimer:
         self.parts = len(order)
         self.runs: list[Callable[[], Any]] = []
         for step in program.steps:
-            if isinstance(step, StageStep):
-                feeds = step.inputs(values)
-                run: Callable[[], Any] = functools.partial(step.call, feeds)
-            elif isinstance(step, HostStep):
-                host = {name: _host(values[key]) for name, key in step.bind}
-                run = functools.partial(step.exec.session.run, list(step.outputs), host)
-            else:
+            if not isinstance(step, (StageStep, HostStep)):  # a transfer
                 step.run(values)
                 continue
-            step.run(values)  # also the warm-up run
-            self.runs.append(run)
+            feeds = step.inputs(values)
+            step.store(values, step.call(feeds))  # also the warm-up run
+            self.runs.append(functools.partial(step.call, feeds))
             self.part_of.append(order.index(step.exec.stage.device))
-
-    def per_part(self, stage_times: list[float]) -> list[float]:
-        totals = [0.0] * self.parts
-        for k, seconds in zip(self.part_of, stage_times):
-            totals[k] += seconds
-        return totals
 
 
 def _time_all(timers: Sequence[_StageTimer | LoweredStages], repeats: int) -> list[list[float]]:
@@ -336,7 +325,22 @@ def _time_all(timers: Sequence[_StageTimer | LoweredStages], repeats: int) -> li
             run()
             samples[key].append(clock() - start)
     best = {key: statistics.median(values) for key, values in samples.items()}
-    return [timer.per_part([best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]
+    return [per_part(timer, [best[(t, s)] for s in range(len(timer.runs))]) for t, timer in enumerate(timers)]
+
+
+def per_part(timer: _StageTimer | LoweredStages, stage_times: Sequence[float]) -> list[float]:
+    """Per-stage times (in ``timer.runs`` order) summed into per-part times: ``timer.parts``
+    parts, stage ``s`` in part ``timer.part_of[s]``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> per_part(SimpleNamespace(part_of=[0, 1, 0], parts=2), [1.0, 2.0, 4.0])
+        [5.0, 2.0]
+    """
+    totals = [0.0] * timer.parts
+    for k, seconds in zip(timer.part_of, stage_times):
+        totals[k] += seconds
+    return totals
 
 
 @contextlib.contextmanager

@@ -190,7 +190,10 @@ class StageStep:
 
 @dataclass(frozen=True)
 class HostStep:
-    """Run a stage on host values (sequences, optionals or strings cross its boundary)."""
+    """Run a stage on host values (sequences, optionals or strings cross its boundary).
+
+    :meth:`run` is :meth:`inputs`, :meth:`call`, :meth:`store` in turn, as for :class:`StageStep`.
+    """
 
     exec: StageExec
     bind: tuple[tuple[str, str], ...]
@@ -199,12 +202,22 @@ class HostStep:
 
     def run(self, values: dict[str, Any], binding: Any = None) -> None:
         """Run on ``values`` with ``InferenceSession.run`` (``binding`` is unused)."""
-        feeds = {name: _host(values[key]) for name, key in self.bind}
+        self.store(values, self.call(self.inputs(values)))
+
+    def inputs(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The session's inputs, read from ``values`` as host values."""
+        return {name: _host(values[key]) for name, key in self.bind}
+
+    def call(self, feeds: dict[str, Any], binding: Any = None) -> list[Any]:
+        """Run the session on ``feeds``; its outputs as host values."""
         try:
-            results = self.exec.session.run(list(self.outputs), feeds)
+            return self.exec.session.run(list(self.outputs), feeds)
         except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
             raise self.exec.error(err) from err
-        _store(values, self.outputs, results, self.free)
+
+    def store(self, values: dict[str, Any], outputs: list[Any]) -> None:
+        """Put the outputs into ``values``; drop the keys this step read last."""
+        _store(values, self.outputs, outputs, self.free)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch
 from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.planning.profile import make_sample_inputs
+from placement.runtime.calibrate import per_part
 from placement.runtime.lowering.timing import LoweredStages
 
 DEVICES = [Device.parse("cuda:0"), Device.parse("cuda:1")]
@@ -28,7 +29,7 @@ def test_stages_map_to_their_parts_and_run_alone(exported):
     assert stages.part_of == [0, 1, 0] and len(stages.runs) == 3
     outputs = [run() for run in stages.runs]
     assert all(isinstance(o, (torch.Tensor, tuple)) for o in outputs)
-    assert stages.per_part([1.0, 2.0, 4.0]) == [5.0, 2.0]
+    assert per_part(stages, [1.0, 2.0, 4.0]) == [5.0, 2.0]
 
 
 def test_a_training_run_returns_the_stage_gradients_and_accumulates_none(exported):

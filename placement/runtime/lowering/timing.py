@@ -72,6 +72,8 @@ class LoweredStages:
             outputs with respect to its inputs and parameters (those that take one, in
             argument order; ``None`` where an input does not reach an output).
         part_of: per stage, its part (index into ``order``).
+        parts: how many parts (``len(order)``); :func:`placement.runtime.calibrate.per_part`
+            sums stage times into part times.
 
     Raises:
         LoweringError: the model cannot be lowered, or an input is missing (named).
@@ -108,13 +110,6 @@ class LoweredStages:
             for _ in range(WARMUP_CALLS):
                 run()
             self.runs.append(run)
-
-    def per_part(self, stage_times: Sequence[float]) -> list[float]:
-        """Sum per-stage times into per-part times (parts in ``order``)."""
-        totals = [0.0] * self.parts
-        for k, seconds in zip(self.part_of, stage_times):
-            totals[k] += seconds
-        return totals
 
 
 def _forward(stage: _Stage, args: list[Any]) -> Callable[[], Any]:
