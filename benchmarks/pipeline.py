@@ -322,16 +322,16 @@ def _torch_rows(
             runs[kind].append({"s": times, "cpu_s": dict(CPU_TIMES)})
             del lowered, pmod, gp
     result: dict[str, Any] = {"trials": trials, "torchgpipe_balance": balance}
-    for kind, key in (("forward", "forward"), ("train", "train")):
+    for kind in ("forward", "train"):
         per_trial = [{k: r["s"]["eager"] / v for k, v in r["s"].items()} for r in runs[kind]]
         names = list(per_trial[0])
-        result[f"{key}_ratio"] = {k: statistics.median(t[k] for t in per_trial) for k in names}
-        result[f"{key}_ratio_trials"] = {k: [t[k] for t in per_trial] for k in names}
-        result[f"{key}_s"] = {k: statistics.median(r["s"][k] for r in runs[kind]) for k in names}
-        result[f"{key}_parallelism"] = {
+        result[f"{kind}_ratio"] = {k: statistics.median(t[k] for t in per_trial) for k in names}
+        result[f"{kind}_ratio_trials"] = {k: [t[k] for t in per_trial] for k in names}
+        result[f"{kind}_s"] = {k: statistics.median(r["s"][k] for r in runs[kind]) for k in names}
+        result[f"{kind}_parallelism"] = {
             k: statistics.median(r["cpu_s"][k] / r["s"][k] for r in runs[kind]) for k in names
         }
-        result[f"{key}_work"] = {
+        result[f"{kind}_work"] = {
             k: statistics.median(r["cpu_s"][k] / r["cpu_s"]["eager"] for r in runs[kind]) for k in names
         }
     return result
