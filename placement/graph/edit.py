@@ -38,7 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import Any
@@ -47,12 +46,13 @@ import onnx_ir as ir
 from onnx_ir import _core as _ir_core  # Usage: the key type of Value._uses
 from onnx_ir import _graph_containers as _ir_containers  # Attributes: a node's attribute dict
 
+from placement.graph.model import name_of
+
 __all__ = ["FAST", "copy_shape", "new_node", "rewire", "insert_before", "insert_each", "internals_supported"]
 
 _Usage = _ir_core.Usage
 _new_tuple = tuple.__new__
 _new_object = object.__new__
-_NAME = operator.attrgetter("_name")
 
 #: Slots of onnx_ir's classes this module reads or writes (onnx_ir 1.1).
 #: Node's slots, all of them: new_node fills every one (a new slot means new state to set).
@@ -231,7 +231,7 @@ def insert_each(graph: ir.Graph, pairs: Iterable[tuple[ir.Node, ir.Node]]) -> No
         if box is None or box.value is not anchor:
             raise ValueError(f"Value {anchor!r} is not in the list")
         name = new._name
-        output_names = list(map(_NAME, new._outputs))
+        output_names = list(map(name_of, new._outputs))
         if new._graph is not None or name is None or None in output_names:
             graph.insert_before(anchor, new)  # names it, or raises for a node of another graph
             continue

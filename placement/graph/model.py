@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import operator
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ __all__ = [
     "is_copy_node",
     "node_scope",
     "graph_nodes",
+    "name_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
+
+#: ``Node.name`` / ``Value.name`` read from onnx_ir's ``_name`` slot, without the property
+#: call (see :func:`graph_nodes`; ``tests/graph/test_model.py`` checks the slot exists).
+name_of = operator.attrgetter("_name")
 
 
 def graph_nodes(graph: ir.Graph) -> list[ir.Node]:

@@ -23,15 +23,11 @@ Example:
 
 from __future__ import annotations
 
-import operator
-
 import onnx_ir as ir
 
 from placement.analysis.dependence import activation_values
-from placement.graph.model import COPY_KEY, Model
+from placement.graph.model import COPY_KEY, Model, name_of
 from placement.passes.base import as_ir_model, no_gc
-
-_NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 __all__ = ["get_activation_blobs", "activation_values", "describe_non_activation"]
 
@@ -58,7 +54,7 @@ def get_activation_blobs(model: Model) -> list[str]:
     """
     with no_gc():
         values = activation_values(as_ir_model(model).graph)
-        names = list(map(_NAME, values))
+        names = list(map(name_of, values))
         return [name or "" for name in names] if None in names else names
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import re
 from typing import cast
 
@@ -53,7 +52,14 @@ from onnx_ir.passes import PassResult
 from placement.errors import VerificationError
 from placement.graph import edit
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, graph_nodes
+from placement.graph.model import (
+    COPY_KEY,
+    DEVICE_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    graph_nodes,
+    name_of,
+)
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
 __all__ = [
@@ -66,7 +72,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NAME = operator.attrgetter("_name")  # Node.name and Value.name without the property call (see graph_nodes)
 _COPY_LIKE = re.compile(r"_(?:cuda|cpu)_\d").search  # what every name made here contains
 
 #: A required copy: (the blob, ``id`` of its interned destination device; hashing ids is cheap).
@@ -602,7 +607,7 @@ class _Injection:
         if self._value_names is None:
             graph = self.graph
             names = set(filter(_COPY_LIKE, self._blob_names))  # non-copy ops'
-            names.update(filter(_COPY_LIKE, filter(None, map(_NAME, graph.inputs))))
+            names.update(filter(_COPY_LIKE, filter(None, map(name_of, graph.inputs))))
             names.update(filter(_COPY_LIKE, filter(None, graph.initializers)))
             names.update(filter(_COPY_LIKE, filter(None, (n.outputs[0].name for n in self._copy_nodes))))
             self._value_names = names

@@ -55,7 +55,7 @@ from onnx_ir.passes import PassResult
 
 from placement.errors import DeviceError, NotAnActivationError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY, graph_nodes
+from placement.graph.model import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
 from placement.passes.activations import describe_non_activation
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 _MAX_NAMED = 5  # offenders quoted in one error message
 _UNSEEN = object()
 _SPEC = operator.itemgetter(1)  # of a _Move
-_NAME = operator.attrgetter("_name")  # Value.name without the property call (see graph_nodes)
 
 
 @dataclasses.dataclass
@@ -489,7 +488,7 @@ def _resolve_names(graph: ir.Graph, acts: list[ir.Value], names: list[str]) -> _
         return _Listed(list(compress(acts, flags)), flags)
     # any order, duplicates, or bad names
     names_set = set(names)
-    found = list(compress(acts, map(names_set.__contains__, map(_NAME, acts))))
+    found = list(compress(acts, map(names_set.__contains__, map(name_of, acts))))
     if len(found) < len(names_set):
         have = {v.name for v in found}
         _raise_for(graph, [name for name in names if name not in have])
