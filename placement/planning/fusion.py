@@ -71,24 +71,70 @@ PATTERNS: tuple[tuple[frozenset[str], tuple[frozenset[str], ...]], ...] = (
 )
 
 
-def find_chains(info: GraphInfo) -> list[tuple[int, int]]:
-    """Fusable chains as ``(start, end)`` position ranges (end exclusive, length >= 2)."""
+def find_chains(info: GraphInfo, *, adjacent: bool = True) -> list[tuple[int, int]]:
+    """Fusable chains as ``(start, end)`` position ranges (end exclusive, at least two chain ops).
+
+    Each op of a chain is the only reader of the output of the one before it. With
+    ``adjacent`` (what :func:`fusion_cut_costs` times) the chain's ops also follow one
+    another in the graph order. Without it they may have other ops between them, as
+    when an exporter computes a residual block's skip branch between its
+    BatchNormalization and its Add: the range then spans the ops between, since a cut
+    anywhere inside it splits the chain (what :func:`fused_cuts` forbids), and ranges
+    may overlap. An op joins one chain at most (one fused kernel).
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> import placement as pl
+        >>> from onnx import TensorProto, helper
+        >>> graph = helper.make_graph(
+        ...     [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        ...      helper.make_node("Conv", ["y", "w"], ["skip"], name="skip"),
+        ...      helper.make_node("Add", ["c", "skip"], ["s"], name="add"),
+        ...      helper.make_node("Relu", ["s"], ["r"], name="relu")],
+        ...     "block",
+        ...     [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, 4, 4]) for n in "xy"],
+        ...     [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)],
+        ...     [helper.make_tensor("w", TensorProto.FLOAT, [2, 2, 1, 1], [1.0] * 4)],
+        ... )
+        >>> model = pl.Model(ir.serde.deserialize_model(helper.make_model(graph)))
+        >>> info = GraphInfo(model)
+        >>> find_chains(info), find_chains(info, adjacent=False)
+        ([(1, 4)], [(0, 4)])
+    """
     chains = []
-    pos, n = 0, len(info)
-    while pos < n:
-        op = info.nodes[pos].op_type
-        stages = next((rest for head, rest in PATTERNS if op in head), None)
-        if stages is None:
-            pos += 1
+    claimed: set[int] = set()  # ops already in a chain
+    n = len(info)
+    for pos in range(n):
+        if pos in claimed:
             continue
-        end = pos + 1
+        stages = next((rest for head, rest in PATTERNS if info.nodes[pos].op_type in head), None)
+        if stages is None:
+            continue
+        last, members = pos, []
         for stage in stages:
-            if end < n and info.nodes[end].op_type in stage and _feeds_only(info, end - 1, end):
-                end += 1
-        if end - pos >= 2:
-            chains.append((pos, end))
-        pos = end
+            nxt = _sole_reader(info, last) if not adjacent else last + 1
+            if (
+                nxt is not None
+                and nxt < n
+                and nxt not in claimed
+                and info.nodes[nxt].op_type in stage
+                and _feeds_only(info, last, nxt)
+            ):
+                last = nxt
+                members.append(nxt)
+        if members:
+            chains.append((pos, last + 1))
+            claimed.update(members)
     return chains
+
+
+def _sole_reader(info: GraphInfo, src: int) -> int | None:
+    """The op reading an output of ``src`` that only it reads (see :func:`_feeds_only`)."""
+    for b in info.op_outputs[src]:
+        consumers = info.blob_consumers[b]
+        if len(set(consumers)) == 1 and consumers[0] > src and not info.blob_is_output[b]:
+            return consumers[0]
+    return None
 
 
 def _feeds_only(info: GraphInfo, src: int, dst: int) -> bool:
@@ -112,7 +158,8 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
     ``SkipLayerNormalization``, ...). A cut that such a blob would cross is forbidden.
     The level above (``ORT_ENABLE_ALL``) also folds ``Add`` and the activation after a
     convolution into its blocked-layout (NCHWc) kernel under a renamed value, so cuts
-    inside :func:`find_chains`' chains are forbidden as well. Load-time blobs (computed
+    inside :func:`find_chains`' chains are forbidden as well (``adjacent=False``: other
+    ops, such as a skip branch, may sit between a chain's ops). Load-time blobs (computed
     from parameters alone) are ignored: they never cross a cut at run time.
 
     When the model cannot be optimised and read back (ONNX Runtime rejects it), or its
@@ -136,7 +183,7 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
     info = info if info is not None else GraphInfo(model)
     n = len(info)
     allowed = [True] * (n + 1)
-    for start, end in find_chains(info):
+    for start, end in find_chains(info, adjacent=False):
         for c in range(start + 1, end):
             allowed[c] = False
     weights = sum(info.param_bytes)

@@ -424,6 +424,40 @@ def test_fusion_chains_and_cut_costs_on_resnet(exported):
     assert all(before >= after >= 0 for before, after in cuts)
 
 
+def test_a_chain_interleaved_with_a_skip_branch_is_kept_whole():
+    """An exporter may compute a residual block's skip branch between the BatchNormalization
+    and the Add: ONNX Runtime still fuses Conv + BatchNormalization + Add + Relu (its
+    blocked-layout convolution takes the skip as its sum input), so no cut may fall
+    between them, the one before the skip convolution included."""
+    import numpy as np
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from placement.planning.fusion import fused_cuts
+
+    rng = np.random.default_rng(0)
+    weights = {"w1": rng.random((8, 8, 3, 3)), "w2": rng.random((8, 8, 1, 1))}
+    weights |= {n: rng.random(8) + 0.5 for n in ("scale", "bias", "mean", "var")}
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["b"], name="bn"),
+            helper.make_node("Conv", ["y", "w2"], ["skip"], name="skip_conv"),
+            helper.make_node("Add", ["b", "skip"], ["s"], name="add"),
+            helper.make_node("Relu", ["s"], ["r"], name="relu"),
+        ],
+        "block",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 8, 8]) for n in "xy"],
+        [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a.astype(np.float32), n) for n, a in weights.items()],
+    )
+    model = pl.Model(ir.serde.deserialize_model(helper.make_model(graph)))
+    info = GraphInfo(model)
+    assert find_chains(info) == [(0, 2), (2, 5)]  # adjacent only: the skip conv seems to own the Add
+    assert find_chains(info, adjacent=False) == [(0, 5)]
+    assert fused_cuts(model, info) == [True, False, False, False, False, True]
+
+
 @pytest.mark.parametrize("name", ["resnet", "gpt"])
 def test_fused_groups_are_never_cut(exported, name):
     """``runtime="ort"`` reads ONNX Runtime's optimised graph: a blob it fuses away
