@@ -22,6 +22,9 @@ The rebuilt sessions load ONNX Runtime's own optimised graph with further
 optimisation off. That graph is specific to this machine's CPU (its block size), so it
 is made and used in one process and never saved for elsewhere. Sessions on GPUs,
 stages without convolutions and boundaries that are graph outputs are left as they are.
+:class:`placement.Runner` has each CPU stage with a convolution write its optimised graph
+while its usual session is built (:func:`optimized_path`), so a stage that ends up blocked
+costs one more session build, not two.
 
 Example:
     >>> import placement as pl
@@ -35,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from collections.abc import Callable
@@ -48,8 +52,16 @@ from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import blocked_inputs, blocked_outputs, keep_blocked
 from placement.runtime.program import HostStep, Program, StageExec, StageStep, TransferStep
 from placement.runtime.sessions import stage_options, stage_session
+from placement.runtime.stages import Stage
 
-__all__ = ["BlockedPlan", "blocked_plan", "blocked_session", "keep_blocked_boundaries", "optimized_graph"]
+__all__ = [
+    "BlockedPlan",
+    "blocked_plan",
+    "blocked_session",
+    "keep_blocked_boundaries",
+    "optimized_graph",
+    "optimized_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +152,24 @@ def _has_conv(ex: StageExec) -> bool:
     return any(node.op_type == "Conv" for node in ex.stage.model.graph)
 
 
-def optimized_graph(ex: StageExec, threads: int | None, workdir: Path) -> onnx.ModelProto:
-    """ONNX Runtime's optimised graph of a CPU stage, written under ``workdir`` (weights beside it).
+def optimized_path(workdir: Path, stage: Stage) -> Path:
+    """Where a stage's optimised graph is written in ``workdir`` (its weights beside it)."""
+    return workdir / f"stage{stage.index}.onnx"
 
-    The stage's session is built once more, by :func:`placement.runtime.sessions.stage_session`
-    with ``optimized_path`` set; the graph is loaded without its weights, which stay in
-    ``workdir`` for :func:`blocked_session`.
+
+def optimized_graph(ex: StageExec, threads: int | None, workdir: Path) -> onnx.ModelProto:
+    """ONNX Runtime's optimised graph of a CPU stage, under ``workdir`` (weights beside it).
+
+    Read from :func:`optimized_path` when the stage's session wrote it there as it was
+    built (:class:`placement.Runner` asks for that for the stages that may keep a
+    boundary blocked); otherwise the stage's session is built once more, by
+    :func:`placement.runtime.sessions.stage_session` with ``optimized_path`` set. The
+    graph is loaded without its weights, which stay in ``workdir`` for
+    :func:`blocked_session`.
     """
-    path = workdir / f"stage{ex.stage.index}.onnx"
-    stage_session(ex.stage, ex.physical, threads=threads, optimized_path=path)
+    path = optimized_path(workdir, ex.stage)
+    if not path.exists():
+        stage_session(ex.stage, ex.physical, threads=threads, optimized_path=path)
     return onnx.load(str(path), load_external_data=False)
 
 
@@ -178,6 +199,8 @@ def keep_blocked_boundaries(
     threads: int | None,
     cache: dict[tuple[str, ...], ort.InferenceSession] | None = None,
     graphs: dict[tuple[str, ...], onnx.ModelProto | None] | None = None,
+    *,
+    workdir: Path | None = None,
 ) -> BlockedPlan:
     """Rebuild the CPU stage sessions of ``program`` so that their boundaries stay blocked.
 
@@ -186,20 +209,23 @@ def keep_blocked_boundaries(
     with the sessions used (``plan.sessions``) and how many were built (``plan.built``).
     ``cache`` maps (stage fingerprint, device, threads, blocked outputs, blocked inputs)
     to sessions built earlier and ``graphs`` (stage fingerprint, device, threads) to
-    optimised graphs, so a re-placement back to a known placement builds nothing. Any
-    failure leaves every usual session in place (logged): this is an optimisation.
+    optimised graphs, so a re-placement back to a known placement builds nothing.
+    ``workdir``: a directory where stage sessions already wrote their optimised graphs
+    (:func:`optimized_path`), read instead of building those sessions again; new files
+    go there too (default: a temporary directory of this call). Any failure leaves every
+    usual session in place (logged): this is an optimisation.
     """
     cache = {} if cache is None else cache
     graphs = {} if graphs is None else graphs
     execs = {step.exec.stage.index: step.exec for step in program.steps if isinstance(step, StageStep)}
-    with tempfile.TemporaryDirectory(prefix="placement-blocked-", ignore_cleanup_errors=True) as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as scope:
+        where = workdir if workdir is not None else Path(scope.enter_context(_scratch()))
         fresh: dict[int, onnx.ModelProto | None] = {}  # made in this call: their weights are in workdir
 
         def made_here(ex: StageExec) -> onnx.ModelProto | None:
             if ex.stage.index not in fresh:
                 try:
-                    fresh[ex.stage.index] = optimized_graph(ex, threads, workdir)
+                    fresh[ex.stage.index] = optimized_graph(ex, threads, where)
                 except Exception as err:  # noqa: BLE001 (an optimisation: the usual session stays)
                     log.debug("stage %d: no optimised graph (%s)", ex.stage.index, err)
                     fresh[ex.stage.index] = None
@@ -223,7 +249,7 @@ def keep_blocked_boundaries(
                     if proto is None:
                         raise RuntimeError(f"stage {index}: ONNX Runtime gave no optimised graph")
                     name = f"stage{index}"
-                    session = blocked_session(proto, outs, ins, ex.physical, threads, workdir, name)
+                    session = blocked_session(proto, outs, ins, ex.physical, threads, where, name)
                     plan.built += 1
                 built[index] = (key, session)
         except Exception as err:  # noqa: BLE001 (an optimisation: every usual session stays)
@@ -235,6 +261,10 @@ def keep_blocked_boundaries(
     if plan.blobs:
         log.info("stage boundaries kept in the blocked layout: %s", ", ".join(plan.blobs))
     return plan
+
+
+def _scratch() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="placement-blocked-", ignore_cleanup_errors=True)
 
 
 def _graph_key(ex: StageExec, threads: int | None) -> tuple[str, ...]:

@@ -75,10 +75,12 @@ Example:
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,7 @@ from placement.graph.model import (
     node_device,
 )
 from placement.passes.copies import inject_cross_device_copies
+from placement.runtime.boundaries import optimized_path
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.program import Program, StageExec, compile_program
@@ -413,6 +416,15 @@ class Runner:
             return None
 
     def _rebuild_once(self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None) -> None:
+        with tempfile.TemporaryDirectory(prefix="placement-stages-", ignore_cleanup_errors=True) as tmp:
+            self._rebuild_in(model, state, Path(tmp))
+
+    def _rebuild_in(
+        self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None, workdir: Path
+    ) -> None:
+        """The rebuild, with ``workdir`` for the optimised graphs of stages whose boundaries may
+        stay blocked: their sessions write them as they are built, so :meth:`_keep_layout`
+        does not build them a second time to read them."""
         if _stale_copies(model):
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
             inject_cross_device_copies(model)
@@ -427,6 +439,7 @@ class Runner:
 
             self._session_threads = self._threads_per_stage or stage_threads(len(part.stages))
         built = reused = 0
+        layout = self.keep_layout and sum(not self._device_map[s.device].is_cuda for s in part.stages) > 1
         for stage in part.stages:
             if not stage.outputs:
                 log.debug("stage %d computes nothing that is read; skipped", stage.index)
@@ -435,7 +448,15 @@ class Runner:
             key = (stage.fingerprint, physical)
             session = self._sessions.get(key) or sessions.get(key)
             if session is None:
-                session = self._build_session(stage, physical)
+                dump = (
+                    layout and not physical.is_cuda and any(op.op_type == "Conv" for op in stage.model.graph)
+                )
+                session = stage_session(
+                    stage,
+                    physical,
+                    threads=self._session_threads,
+                    optimized_path=optimized_path(workdir, stage) if dump else None,
+                )
                 built += 1
             else:
                 reused += 1
@@ -451,7 +472,7 @@ class Runner:
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
         self._program = compile_program(model, part, execs, self._device_map)
-        self._keep_layout(model, part, execs)
+        self._keep_layout(model, part, execs, workdir)
         self.stats.transfers = self._program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -465,7 +486,7 @@ class Runner:
             self._program.n_transfers,
         )
 
-    def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec]) -> None:
+    def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec], workdir: Path) -> None:
         """Rebuild CPU stages so their convolutional boundaries stay blocked (see
         :mod:`placement.runtime.boundaries`), and recompile the program for them."""
         self.blocked_boundaries = []
@@ -476,7 +497,11 @@ class Runner:
 
         assert self._program is not None
         plan = keep_blocked_boundaries(
-            self._program, self._session_threads, self._blocked_sessions, self._optimized_graphs
+            self._program,
+            self._session_threads,
+            self._blocked_sessions,
+            self._optimized_graphs,
+            workdir=workdir,
         )
         self.stats.sessions_built += plan.built
         if self.keep_sessions:
@@ -488,9 +513,6 @@ class Runner:
         if plan.blobs:
             self.blocked_boundaries = plan.blobs
             self._program = compile_program(model, part, execs, self._device_map)
-
-    def _build_session(self, stage: Stage, physical: PhysicalDevice) -> ort.InferenceSession:
-        return stage_session(stage, physical, threads=self._session_threads)
 
     # -- running -----------------------------------------------------------------------
 

@@ -98,6 +98,28 @@ def test_re_placement_reuses_blocked_sessions():
     assert runner.stats.sessions_built == after > built  # switching back and forth built nothing new
 
 
+def test_stage_sessions_are_built_once_to_read_their_optimised_graphs(monkeypatch):
+    """A stage that may keep a boundary blocked writes ONNX Runtime's optimised graph as its
+    usual session is built; keeping the layout reads it back instead of building the
+    session a second time (it used to: three builds per such stage, now two)."""
+    import onnxruntime as ort
+
+    model, _, (x,) = _placed()
+    built = []
+    init = ort.InferenceSession.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    runner = pl.Runner(model, device_map="cpu")
+    assert len(runner.stages) == 2 and runner.blocked_boundaries
+    # each stage once as usual, and once more blocked (both sides of the boundary)
+    assert len(built) == runner.stats.sessions_built == 4
+    _same(runner.run([x]), pl.Runner(model, device_map="cpu", keep_layout=False).run([x]))
+
+
 def test_models_without_convolutions_build_nothing_extra():
     from placement.models import mlp
 
