@@ -150,6 +150,12 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
     micro-batch. ``overrides`` (input or output name -> axis, or None for "not
     batched", inputs only) replaces the detection for the names it lists.
 
+    Exporters sometimes annotate an output with fresh symbols of their own
+    (``LayerNormalization747_dim_0``, where a window partition reshapes the
+    batch away and back): for such outputs the shapes are inferred again from
+    the inputs (ONNX's shape inference with data propagation, then ONNX
+    Runtime's symbolic shape inference), and the batch symbol found there counts.
+
     Raises:
         InputError: an override names no graph input/output or an axis out of range.
         PlacementError: no input has a batch axis, or an output has none (the
@@ -212,6 +218,11 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             "pl.from_torch(net, args, dynamic_shapes=({0: torch.export.Dim('batch')},)), "
             "or name the axes with batch_axes={input: axis}"
         )
+    if symbol is not None and any(
+        name not in overrides and (dims is None or symbol not in dims) for name, dims in outputs
+    ):
+        inferred = _inferred_output_dims(model, symbol)
+        outputs = [(name, dims if name in overrides else inferred.get(name, dims)) for name, dims in outputs]
     outs: dict[str, int] = {}
     for name, dims in outputs:
         axis = axis_of(name, dims)
@@ -225,6 +236,53 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             )
         outs[name] = axis
     return BatchAxes(ins, outs, symbol)
+
+
+def _inferred_output_dims(model: Model, symbol: str) -> dict[str, tuple[Any, ...]]:
+    """Graph outputs' dims inferred again from the inputs' shapes, the outputs' own
+    annotations dropped: those that carry ``symbol``.
+
+    Tries ONNX's shape inference (with data propagation) keeping the intermediate
+    annotations, then without them, then ONNX Runtime's symbolic shape inference;
+    an output keeps the first answer that has the symbol."""
+    import onnx
+
+    from placement.graph.serialize import split_weights
+
+    proto, _ = split_weights(model)  # big weights as stubs: their shapes are all inference needs
+    for value in proto.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    bare = onnx.ModelProto()
+    bare.CopyFrom(proto)
+    del bare.graph.value_info[:]
+
+    def onnx_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+
+    def symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+
+    result: dict[str, tuple[Any, ...]] = {}
+    for infer, given in ((onnx_inference, proto), (onnx_inference, bare), (symbolic_inference, proto)):
+        try:
+            inferred = infer(given)
+        except Exception as err:  # noqa: BLE001 (a second opinion; the caller reports what stays unknown)
+            log.debug("batch axes: %s failed: %s", infer.__name__, err)
+            continue
+        for value in inferred.graph.output if inferred is not None else ():
+            dims = tuple(_dim(d) for d in value.type.tensor_type.shape.dim)
+            if symbol in dims:
+                result.setdefault(value.name, dims)
+        if len(result) == len(proto.graph.output):
+            break
+    return result
+
+
+def _dim(dim: Any) -> Any:
+    """An ONNX ``TensorShapeProto.Dimension`` as a symbol, a size or None."""
+    return dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
 
 
 def _dims(shape: Any) -> tuple[Any, ...] | None:

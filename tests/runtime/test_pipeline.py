@@ -280,6 +280,26 @@ def test_batch_axes_override_and_unknown_name():
         pl.Runner(model, device_map="cpu", chunks=2, batch_axes={"idx": None})
 
 
+def test_batch_axes_see_through_an_exporters_fresh_output_symbols():
+    """An exporter may annotate an output with symbols of its own (Swin's window partition
+    reshapes the batch away and back, and the TorchScript exporter names the result
+    ``LayerNormalization747_dim_0``): the output's shape is then inferred again from the
+    inputs, which finds the batch symbol, in both runtimes."""
+    import onnx_ir as ir
+
+    placed, net, args = _placed("gpt")
+    model = placed.copy()
+    out = model.graph.outputs[0]
+    out.shape = ir.Shape(["Reshape_dim_0", "Reshape_dim_1", out.shape[2]])
+    assert batch_axes(model).outputs == {out.name: 0}
+    want = net(*args).detach().numpy()
+    (got,) = pl.Runner(model, device_map="cpu", chunks=2).run([a.numpy() for a in args])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    with torch.no_grad():
+        got = pl.to_torch(model, device_map="cpu", chunks=2)(*args)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-4)
+
+
 # --- torch ------------------------------------------------------------------------------------
 
 
