@@ -282,6 +282,30 @@ def _recurrent(
         raise LoweringError(
             f"{op_type}: W has {W.shape[0]} direction(s), direction={direction!r} needs {dirs}"
         )
+    fused = _fused_kernel(op_type, X, P, sequence_lens, attrs)
+    if fused is not None:
+        results = _run_fused(fused, X, W, R, B, initial, direction, op_type)
+    else:
+        results = _loop(op_type, X, W, R, B, sequence_lens, initial, P, attrs)
+    if layout:
+        results = [results[0].permute(2, 0, 1, 3)] + [s.transpose(0, 1) for s in results[1:]]
+    return results[0] if num_outputs == 1 else tuple(results[:num_outputs])
+
+
+def _loop(
+    op_type: str,
+    X: Tensor,
+    W: Tensor,
+    R: Tensor,
+    B: Tensor | None,
+    sequence_lens: Tensor | None,
+    initial: list[Tensor | None],
+    P: Tensor | None,
+    attrs: dict[str, Any],
+) -> list[Tensor]:
+    """The reference: a Python loop over time steps, every attribute honoured (time-major)."""
+    direction = attrs["direction"]
+    dirs = W.shape[0]
     size = R.shape[-1]
     steps, batch = X.shape[0], X.shape[1]
     gates = _GATES[op_type] * size
@@ -303,10 +327,7 @@ def _recurrent(
         x = X if (direction == "forward" or d == 0 and direction == "bidirectional") else _flip(X, index)
         reverse = x is not X
         xw = x @ W[d].t()
-        states = tuple(
-            s[d] if s is not None else X.new_zeros((batch, size))
-            for s in initial[: 2 if op_type == "LSTM" else 1]
-        )
+        states = tuple(s[d] if s is not None else X.new_zeros((batch, size)) for s in initial)
         linear = op_type == "GRU" and bool(attrs["linear_before_reset"])
         if w_bias is not None:
             xw = xw + w_bias
@@ -323,10 +344,76 @@ def _recurrent(
         ys.append(_flip(y, index) if reverse else y)
         finals.append(final)
     Y = torch.stack(ys, 1)  # (seq, dirs, batch, hidden)
-    results = [Y] + [torch.stack([f[k] for f in finals]) for k in range(len(finals[0]))]
-    if layout:
-        results = [results[0].permute(2, 0, 1, 3)] + [s.transpose(0, 1) for s in results[1:]]
-    return results[0] if num_outputs == 1 else tuple(results[:num_outputs])
+    return [Y] + [torch.stack([f[k] for f in finals]) for k in range(len(finals[0]))]
+
+
+# --- the fast path: torch's fused kernels where their semantics are ONNX's -----------
+
+#: Run eligible instances on torch's fused kernels (False: the reference loop everywhere).
+USE_FUSED_KERNELS = True
+
+#: ONNX gate order -> torch's (LSTM iofc -> ifgo, GRU zrh -> rzn).
+_TORCH_GATES = {"RNN": [0], "GRU": [1, 0, 2], "LSTM": [0, 2, 3, 1]}
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def _fused_kernel(
+    op_type: str, X: Tensor, P: Tensor | None, sequence_lens: Tensor | None, attrs: dict[str, Any]
+) -> Callable[..., Any] | None:
+    """torch's fused kernel for this instance when it computes exactly ONNX's semantics, else None."""
+    if not USE_FUSED_KERNELS:
+        return None
+    if sequence_lens is not None or P is not None or attrs["clip"] is not None or attrs["input_forget"]:
+        return None
+    if X.dtype not in _FUSED_DTYPES and X.device.type == "cpu":
+        return None
+    names = [n.lower() for n in attrs["activations"] or _DEFAULTS[op_type]]
+    per = len(_DEFAULTS[op_type])
+    if len(set(tuple(names[i : i + per]) for i in range(0, len(names), per))) != 1:
+        return None  # directions with different activations
+    first = tuple(names[:per])
+    if op_type == "RNN":
+        return {("tanh",): torch._VF.rnn_tanh, ("relu",): torch._VF.rnn_relu}.get(first)
+    if first != tuple(n.lower() for n in _DEFAULTS[op_type]):
+        return None
+    if op_type == "GRU":
+        return torch._VF.gru if attrs["linear_before_reset"] else None
+    return torch._VF.lstm
+
+
+def _torch_order(op_type: str, weight: Tensor) -> Tensor:
+    """Rows of an ONNX gate-stacked weight or bias in torch's gate order."""
+    gates = _TORCH_GATES[op_type]
+    if len(gates) == 1:
+        return weight
+    chunks = weight.chunk(len(gates), 0)
+    return torch.cat([chunks[g] for g in gates], 0)
+
+
+def _run_fused(
+    kernel: Callable[..., Any],
+    X: Tensor,
+    W: Tensor,
+    R: Tensor,
+    B: Tensor | None,
+    initial: list[Tensor | None],
+    direction: str,
+    op_type: str,
+) -> list[Tensor]:
+    dirs, size = W.shape[0], R.shape[-1]
+    gates = _GATES[op_type] * size
+    params: list[Tensor] = []
+    for d in range(dirs):
+        params += [_torch_order(op_type, W[d]), _torch_order(op_type, R[d])]
+        if B is not None:
+            params += [_torch_order(op_type, B[d, :gates]), _torch_order(op_type, B[d, gates:])]
+    states = [s if s is not None else X.new_zeros((dirs, X.shape[1], size)) for s in initial]
+    x = X.flip(0) if direction == "reverse" else X
+    hx: Any = states if op_type == "LSTM" else states[0]
+    out = kernel(x, hx, params, B is not None, 1, 0.0, False, dirs == 2, False)
+    y = out[0].flip(0) if direction == "reverse" else out[0]
+    Y = y.reshape(y.shape[0], y.shape[1], dirs, size).transpose(1, 2)
+    return [Y, *out[1:]]
 
 
 def _attrs(**kwargs: Any) -> dict[str, Any]:
