@@ -106,7 +106,7 @@ def _make_activation(name: str, alpha: float, beta: float) -> Activation:
     if kind == "softsign":
         return F.softsign
     if kind == "softplus":
-        return lambda x: torch.log1p(torch.exp(x))
+        return lambda x: torch.logaddexp(x, torch.zeros((), dtype=x.dtype, device=x.device))
     raise LoweringError(f"activation {name!r} is not one ONNX recurrent ops define")
 
 
