@@ -416,10 +416,19 @@ def test_unsupported_attributes_name_the_op(attrs: dict[str, Any], message: str)
         pl.to_torch(pl.load(proto), device_map="cpu")
 
 
-def test_direction_count_mismatch_is_a_lowering_error() -> None:
-    x, w, r = torch.zeros(2, 1, 2), torch.zeros(1, 12, 2), torch.zeros(1, 12, 3)
-    with pytest.raises(pl.LoweringError, match="GRU: W has 1 direction"):
-        RULES["GRU"].fn(x, w, r, direction="bidirectional")
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"direction": "bidirectional"}, "GRU: W has 1 direction"),
+        ({"hidden_size": 4}, "GRU: hidden_size=4 but R has hidden size 3"),
+        ({"activations": ["Sigmoid", "Tanh"] * 2}, "GRU: 4 activations for 1 direction"),
+        ({"activations": ["Sigmoid", "Swish"]}, r"GRU: activations \['Swish'\]"),
+    ],
+)
+def test_rules_called_directly_raise_lowering_errors(kwargs: dict[str, Any], message: str) -> None:
+    x, w, r = torch.zeros(2, 1, 2), torch.zeros(1, 9, 2), torch.zeros(1, 9, 3)
+    with pytest.raises(pl.LoweringError, match=message):
+        RULES["GRU"].fn(x, w, r, **kwargs)
 
 
 def test_flop_cost_counts_both_projections_per_step_and_direction() -> None:

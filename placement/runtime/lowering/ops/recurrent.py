@@ -120,8 +120,14 @@ def _activations(
     """The activation functions of each direction, alpha/beta consumed in order."""
     per = len(_DEFAULTS[op_type])
     listed = list(names) if names else list(_DEFAULTS[op_type]) * directions
-    if len(listed) == per and directions == 2:
-        listed = listed * 2
+    if len(listed) != per * directions:
+        raise LoweringError(
+            f"{op_type}: {len(listed)} activations for {directions} direction(s), "
+            f"expected {per} per direction"
+        )
+    unknown = [n for n in listed if n.lower() not in _ACTIVATION_ARGS]
+    if unknown:
+        raise LoweringError(f"{op_type}: activations {unknown} are not ones ONNX recurrent ops define")
     alpha_iter, beta_iter = iter(alphas or ()), iter(betas or ())
     made: list[Activation] = []
     for name in listed:
@@ -143,8 +149,7 @@ def _check(op_type: str) -> Callable[[dict[str, Any]], str | None]:
             if unknown:
                 return f"activations {unknown} (known: {', '.join(_ACTIVATION_ARGS)})"
             per = len(_DEFAULTS[op_type])
-            allowed = {per, 2 * per} if direction == "bidirectional" else {per}
-            if len(names) not in allowed:
+            if len(names) != per * (2 if direction == "bidirectional" else 1):
                 return f"{len(names)} activations for direction={direction!r} (expected {per} per direction)"
         if attrs.get("layout", 0) not in (0, 1):
             return f"layout={attrs['layout']}"
@@ -278,6 +283,9 @@ def _recurrent(
         X = X.transpose(0, 1)
         initial = [s.transpose(0, 1) if s is not None else None for s in initial]
     dirs = 2 if direction == "bidirectional" else 1
+    hidden_size = attrs["hidden_size"]
+    if hidden_size is not None and int(hidden_size) != R.shape[-1]:
+        raise LoweringError(f"{op_type}: hidden_size={hidden_size} but R has hidden size {R.shape[-1]}")
     if W.shape[0] != dirs:
         raise LoweringError(
             f"{op_type}: W has {W.shape[0]} direction(s), direction={direction!r} needs {dirs}"
@@ -446,6 +454,7 @@ def rnn(
         activations=activations,
         clip=clip,
         direction=direction,
+        hidden_size=hidden_size,
         layout=layout,
     )
     return _recurrent("RNN", X, W, R, B, sequence_lens, [initial_h], None, attrs, num_outputs)
@@ -477,6 +486,7 @@ def gru(
         activations=activations,
         clip=clip,
         direction=direction,
+        hidden_size=hidden_size,
         layout=layout,
         linear_before_reset=linear_before_reset,
     )
@@ -511,6 +521,7 @@ def lstm(
         activations=activations,
         clip=clip,
         direction=direction,
+        hidden_size=hidden_size,
         layout=layout,
         input_forget=input_forget,
     )
