@@ -97,6 +97,23 @@ def _attention(node: ir.Node, shapes: ShapeLookup) -> int:
     return 4 * math.prod(q) * (k[-2] if len(k) == 4 else k[1])
 
 
+#: Elementwise FLOPs per hidden unit and step of each recurrent op (gate activations, peepholes, blends).
+_RECURRENT_ELEMENTWISE = {"RNN": 6, "GRU": 24, "LSTM": 30}
+
+
+def _recurrent(node: ir.Node, shapes: ShapeLookup) -> int:
+    """RNN/GRU/LSTM: per direction and step, ``X_t W^T`` and ``H R^T`` plus the gate arithmetic."""
+    x = shapes.dims(node.inputs[0]) if node.inputs else None
+    w = shapes.dims(node.inputs[1]) if len(node.inputs) > 1 else None
+    r = shapes.dims(node.inputs[2]) if len(node.inputs) > 2 else None
+    if not x or len(x) != 3 or not w or len(w) != 3 or not r or len(r) != 3:
+        return shapes.out_numel(node)
+    directions, gates_hidden, inputs = w
+    hidden = r[-1]
+    per_step = 2 * gates_hidden * (inputs + hidden) + _RECURRENT_ELEMENTWISE[node.op_type] * hidden
+    return directions * x[0] * x[1] * per_step
+
+
 #: ONNX op type -> FLOP rule; op types not listed use :func:`default_flops`.
 FLOP_RULES: dict[str, FlopRule] = {
     "MatMul": _matmul,
@@ -104,6 +121,9 @@ FLOP_RULES: dict[str, FlopRule] = {
     "Conv": _conv,
     "ConvTranspose": _conv_transpose,
     "Attention": _attention,
+    "RNN": _recurrent,
+    "GRU": _recurrent,
+    "LSTM": _recurrent,
     "Softmax": _scaled(5),
     "LogSoftmax": _scaled(5),
     "LayerNormalization": _scaled(8),

@@ -36,7 +36,8 @@ the lowering emits that call instead of the rule. Rules are the reference; the
 direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.shape`,
-:mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.control`.
+:mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
+(RNN, GRU, LSTM), :mod:`.control`.
 
 Example:
     >>> import torch
@@ -58,6 +59,7 @@ from placement.runtime.lowering.ops import (
     linalg,
     nn,
     random,
+    recurrent,
     reduction,
     shape,
 )
@@ -85,6 +87,7 @@ __all__ = [
     "linalg",
     "nn",
     "random",
+    "recurrent",
     "reduction",
     "shape",
 ]
