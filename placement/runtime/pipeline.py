@@ -262,7 +262,7 @@ def _inferred_output_dims(model: Model, symbol: str) -> dict[str, tuple[Any, ...
     def symbolic_inference(model: onnx.ModelProto) -> onnx.ModelProto:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        return SymbolicShapeInference.infer_shapes(_tensor_constants(model), auto_merge=True)
 
     result: dict[str, tuple[Any, ...]] = {}
     for infer, given in ((onnx_inference, proto), (onnx_inference, bare), (symbolic_inference, proto)):
@@ -278,6 +278,25 @@ def _inferred_output_dims(model: Model, symbol: str) -> dict[str, tuple[Any, ...
         if len(result) == len(proto.graph.output):
             break
     return result
+
+
+def _tensor_constants(model: Any) -> Any:
+    """``model`` (an ONNX ``ModelProto``, edited in place) with every ``Constant`` that holds a
+    number or a list of numbers (``value_float``, ``value_ints``, ...) holding it as a tensor
+    (``value``), the only form ONNX Runtime's symbolic shape inference reads."""
+    from onnx import helper, numpy_helper
+
+    dtypes = {"value_float": np.float32, "value_floats": np.float32}
+    dtypes |= {"value_int": np.int64, "value_ints": np.int64}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name in dtypes:
+            attribute = node.attribute[0]
+            tensor = numpy_helper.from_array(
+                np.array(helper.get_attribute_value(attribute), dtype=dtypes[attribute.name])
+            )
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("value", tensor))
+    return model
 
 
 def _dim(dim: Any) -> Any:

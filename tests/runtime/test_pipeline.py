@@ -300,6 +300,32 @@ def test_batch_axes_see_through_an_exporters_fresh_output_symbols():
     np.testing.assert_allclose(got.numpy(), want, atol=1e-4)
 
 
+def test_constants_become_tensors_for_symbolic_shape_inference():
+    """ONNX Runtime's symbolic shape inference reads a Constant's ``value`` only (BEiT's
+    TorchScript export holds ``value_ints`` ones): they are rewritten first, same values."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from placement.runtime.pipeline import _tensor_constants
+
+    nodes = [
+        helper.make_node("Constant", [], ["shape"], value_ints=[-1, 2, 2]),
+        helper.make_node("Constant", [], ["scale"], value_float=0.5),
+        helper.make_node("Reshape", ["x", "shape"], ["r"]),
+        helper.make_node("Mul", ["r", "scale"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = _tensor_constants(helper.make_model(graph))
+    values = [numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node[:2]]
+    assert [n.attribute[0].name for n in model.graph.node[:2]] == ["value", "value"]
+    assert values[0].tolist() == [-1, 2, 2] and values[0].dtype == np.int64
+    assert values[1].shape == () and values[1].dtype == np.float32 and float(values[1]) == 0.5
+
+
 # --- torch ------------------------------------------------------------------------------------
 
 
