@@ -69,6 +69,7 @@ __all__ = [
     "op_flops",
     "peak_activation_bytes",
     "profile",
+    "symbol_bindings",
 ]
 
 log = logging.getLogger(__name__)
@@ -393,16 +394,34 @@ def add_estimates(model: Model | ir.Model, report: Any) -> None:
 
 
 class Shapes:
-    """Static dims of values: the IR's own shapes, else ``extra`` (from shape inference)."""
+    """Static dims of values: the IR's own shapes, with symbolic dims read from ``bindings``
+    (symbol -> size: a dynamic batch of the sample inputs), else ``extra`` (from shape
+    inference).
 
-    def __init__(self, extra: Mapping[str, list[int]] | None = None) -> None:
+    Example:
+        >>> import onnx_ir as ir
+        >>> x = ir.Value(name="x", shape=ir.Shape(["batch", 16]))
+        >>> Shapes().dims(x), Shapes(bindings={"batch": 4}).dims(x)
+        (None, [4, 16])
+    """
+
+    def __init__(
+        self, extra: Mapping[str, list[int]] | None = None, *, bindings: Mapping[str, int] | None = None
+    ) -> None:
         self.extra = dict(extra or {})
+        self.bindings = dict(bindings or {})
 
     def dims(self, value: ir.Value | None) -> list[int] | None:
         if value is None:
             return None
-        if value.shape is not None and all(isinstance(d, int) for d in value.shape):
-            return [int(d) for d in value.shape]
+        shape = value.shape
+        if shape is not None:
+            if all(isinstance(d, int) for d in shape):
+                return [int(d) for d in shape]
+            if self.bindings:
+                bound = [d if isinstance(d, int) else self.bindings.get(str(d.value)) for d in shape]
+                if all(d is not None for d in bound):
+                    return [int(d) for d in bound]  # type: ignore[arg-type]
         return self.extra.get(value.name or "")
 
     def numel(self, value: ir.Value | None) -> int:
@@ -411,6 +430,33 @@ class Shapes:
 
     def out_numel(self, node: ir.Node) -> int:
         return sum(self.numel(v) for v in node.outputs)
+
+
+def symbol_bindings(model: Model, inputs: Mapping[str, np.ndarray] | None) -> dict[str, int]:
+    """Symbolic input dims -> sizes: from ``inputs`` (name -> array), and 1 for any symbol
+    they do not give (no inputs: every symbol), so FLOPs of a model exported with a dynamic
+    batch count as for that batch (or one example) instead of as nothing.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> net, (x,) = mlp.build("tiny")
+        >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        >>> symbol_bindings(model, {"input": np.zeros((6, 16), np.float32)}), symbol_bindings(model, None)
+        ({'batch': 6}, {'batch': 1})
+    """
+    bindings: dict[str, int] = {}
+    for value in model.graph.inputs:
+        if value.shape is None:
+            continue
+        array = (inputs or {}).get(value.name or "")
+        for axis, dim in enumerate(value.shape):
+            if isinstance(dim, int) or dim.value is None:
+                continue
+            size = int(array.shape[axis]) if array is not None and axis < array.ndim else 1
+            bindings.setdefault(str(dim.value), size)
+    return bindings
 
 
 def op_flops(node: ir.Node, shapes: Shapes | None = None) -> int:
@@ -709,7 +755,9 @@ def profile(
         model: the model (its placement does not matter).
         sample_inputs: a dict name -> array, a sequence in graph-input order, or one
             array (numpy or torch). ``None``: :func:`make_sample_inputs` (normal floats,
-            zero ints, so token ids are valid).
+            zero ints, so token ids are valid). Their sizes also count the FLOPs of
+            values with symbolic dims (:func:`symbol_bindings`; without them every
+            symbol counts as 1).
         time: measure forward times with ONNX Runtime; ``False`` gives bytes and FLOPs only.
         repeats: timed runs (the median is kept); ``warmup`` untimed runs come first.
         refresh: ignore the cache.
@@ -749,7 +797,9 @@ def profile(
         signature = ",".join(f"{k}:{v.dtype}{list(v.shape)}" for k, v in inputs.items())
         key = f"{fp}|ort{'-optimized' if optimized else ''}|{signature}"
     else:
-        key = f"{fp}|static"
+        inputs = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+        bound = symbol_bindings(model, inputs)
+        key = f"{fp}|static" + (f"|{sorted(bound.items())}" if bound else "")
     cache = _cache(model)
     if not refresh:
         hit = cache.get(key)
@@ -771,7 +821,7 @@ def profile(
     owned = [0] * len(info)
     for k, pos in first_reader.items():
         owned[pos] += info.param_bytes[k]
-    shapes = Shapes()
+    shapes = Shapes(bindings=symbol_bindings(model, inputs))
     ops: dict[str, OpProfile] = {}
     for pos, node in enumerate(info.nodes):
         name = info.names[pos]

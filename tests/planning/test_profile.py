@@ -89,6 +89,29 @@ def test_conv_and_matmul_flops(exported):
     assert prof.ops[c_attn.name].output_bytes == 2 * 8 * 96 * 4
 
 
+def test_flops_of_a_dynamic_batch_count_the_sample_batch():
+    """A model exported with a dynamic batch (as pipelining needs) has symbolic shapes; its
+    FLOPs count for the sample inputs' batch (one example without them), not as zero, so
+    ``auto_place(cost="flops")`` balances it as it balances the static export."""
+    import torch
+
+    from placement.models import gpt
+
+    net, (idx,) = gpt.build("tiny")
+    static = pl.from_torch(net, (idx,))
+    dynamic = pl.from_torch(net, (idx,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    want = sum(pl.profile(static, time=False).costs("flops"))
+    sample = [idx.numpy()]
+    got = sum(pl.profile(dynamic, time=False, sample_inputs=sample).costs("flops"))
+    assert want > 0 and got == pytest.approx(want, rel=1e-3)  # the dynamic export adds shape ops
+    one = sum(pl.profile(dynamic, time=False).costs("flops"))  # every symbol counts as 1
+    assert 0 < one < want
+    for model in (static, dynamic):
+        plan = pl.auto_place(model, devices=2, cost="flops", sample_inputs=sample)
+        costs = [d.cost for d in plan.devices]
+        assert max(costs) < 0.6 * sum(costs), plan
+
+
 def test_peak_activation_by_hand():
     # x -> fc0 -> relu0 -> fc1 -> relu1 -> fc2 -> relu2: blobs of 2x4 floats (32 B)
     model = mlp_graph(3, 4)
