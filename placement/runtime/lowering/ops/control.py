@@ -121,8 +121,10 @@ def loop(
     ``args`` are the initial loop-carried values followed by the captured values
     the body reads (``num_carried`` says how many are carried; default: all). The
     body gets ``(i, cond, *carried, *captured)`` and returns ``(cond, *carried,
-    *scan_outputs)``. ``trip_count`` or ``cond`` may be ``None`` (omitted): without
-    ``cond`` the body's condition output is ignored, as the ONNX pseudo-code says.
+    *scan_outputs)``. ``trip_count`` or ``cond`` may be ``None`` (omitted). The loop
+    stops when the body's condition output is false even without a ``cond`` input,
+    as ONNX Runtime does (the spec's pseudo-code says it is then ignored; following
+    ONNX Runtime keeps the library's two runtimes equal).
     Returns the final carried values, then each scan output stacked on a new
     axis 0 (with zero iterations: empty, shaped from ``body.outputs`` when it has them).
 
@@ -130,7 +132,7 @@ def loop(
         >>> body = lambda i, cond, x: (x.sum() < 10, x * 2, x)
         >>> final, history = loop(None, torch.tensor(True), torch.ones(2), body=body)
         >>> final.tolist(), history.shape
-        ([8.0, 8.0], torch.Size([3, 2]))
+        ([16.0, 16.0], torch.Size([4, 2]))
     """
     carried_count = len(args) if num_carried is None else num_carried
     carried, captured = list(args[:carried_count]), args[carried_count:]
@@ -149,8 +151,7 @@ def loop(
             scans = [[] for _ in out[1 + carried_count :]]
         for collected, value in zip(scans, out[1 + carried_count :]):
             collected.append(value)
-        if cond is not None:
-            running = _flag(out[0])
+        running = _flag(out[0])
         i += 1
     if scans is None:  # zero iterations
         specs = getattr(body, "outputs", [])[1 + carried_count :]
