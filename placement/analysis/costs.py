@@ -4,6 +4,9 @@
 not listed cost one FLOP per output element (:func:`default_flops`). ``shapes``
 answers static shapes (:class:`ShapeLookup`; the profiler's ``Shapes`` is one).
 The planner's ``"flops"`` cost and the profiler's ``flops`` column read this table.
+Ops with subgraphs cost their subgraphs: a ``Loop`` its body times a constant trip
+count (else :data:`UNKNOWN_TRIPS`, a guess), a ``Scan`` its body times the static
+scan length, an ``If`` its dearer branch.
 
 Example:
     >>> import onnx_ir as ir
@@ -28,7 +31,7 @@ from typing import Protocol
 
 import onnx_ir as ir
 
-__all__ = ["FLOP_RULES", "FlopRule", "ShapeLookup", "default_flops", "op_flops"]
+__all__ = ["FLOP_RULES", "FlopRule", "ShapeLookup", "UNKNOWN_TRIPS", "default_flops", "op_flops"]
 
 
 class ShapeLookup(Protocol):
@@ -114,6 +117,52 @@ def _recurrent(node: ir.Node, shapes: ShapeLookup) -> int:
     return directions * x[0] * x[1] * per_step
 
 
+def _body_flops(graph: ir.Graph, shapes: ShapeLookup) -> int:
+    """FLOPs of one run of a subgraph: the sum of its ops' (nested subgraphs included)."""
+    return sum(op_flops(node, shapes) for node in graph)
+
+
+def _known_int(value: ir.Value | None) -> int | None:
+    """A scalar integer input known before running (an initializer or a ``Constant``), or None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None or tensor.size != 1:
+        return None
+    return int(tensor.numpy().reshape(-1)[0])
+
+
+#: Iterations charged to a ``Loop`` whose trip count is not known before running (a guess:
+#: its body counts once, a lower bound; ``cost="time"`` measures the real loop instead).
+UNKNOWN_TRIPS = 1
+
+
+def _loop(node: ir.Node, shapes: ShapeLookup) -> int:
+    """The body's FLOPs times the trip count when ``M`` is a constant, else :data:`UNKNOWN_TRIPS`
+    (a ``cond`` that stops it earlier is not known either)."""
+    body = node.attributes["body"].as_graph()
+    trips = _known_int(node.inputs[0] if node.inputs else None)
+    return _body_flops(body, shapes) * max(trips if trips is not None else UNKNOWN_TRIPS, 0)
+
+
+def _scan(node: ir.Node, shapes: ShapeLookup) -> int:
+    """The body's FLOPs times the scan length (the first scan input's static length on its axis,
+    else :data:`UNKNOWN_TRIPS`)."""
+    body = node.attributes["body"].as_graph()
+    count = node.attributes["num_scan_inputs"].as_int()
+    first = node.inputs[len(node.inputs) - count] if count else None
+    axes = node.attributes.get("scan_input_axes")
+    axis = axes.as_ints()[0] if axes is not None else 0
+    dims = shapes.dims(first)
+    steps = dims[axis] if dims else UNKNOWN_TRIPS
+    return _body_flops(body, shapes) * steps
+
+
+def _if(node: ir.Node, shapes: ShapeLookup) -> int:
+    """The dearer branch (which one runs is known only at run time)."""
+    return max(_body_flops(node.attributes[b].as_graph(), shapes) for b in ("then_branch", "else_branch"))
+
+
 #: ONNX op type -> FLOP rule; op types not listed use :func:`default_flops`.
 FLOP_RULES: dict[str, FlopRule] = {
     "MatMul": _matmul,
@@ -145,7 +194,9 @@ FLOP_RULES: dict[str, FlopRule] = {
     "Constant": _zero,
     "ConstantOfShape": _zero,
     "Identity": _zero,
-    "If": _zero,
+    "If": _if,
+    "Loop": _loop,
+    "Scan": _scan,
 }
 
 

@@ -92,12 +92,15 @@ from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_d
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 
-__all__ = ["to_torch", "check_supported", "MIN_OPSET"]
+__all__ = ["to_torch", "check_supported", "MIN_OPSET", "UNTRACEABLE_META"]
 
 log = logging.getLogger(__name__)
 
 #: ``fx.Node.meta`` key: the name of the ONNX op a node was lowered from.
 OP_META = "placement_op"
+#: ``fx.Node.meta`` key: why a TorchScript trace must never record the node (control flow that
+#: depends on tensor values, such as a ``Loop``'s trip count or an ``If``'s condition).
+UNTRACEABLE_META = "placement_untraceable"
 
 #: Oldest default-domain opset the rules implement (Softmax / Split semantics); older
 #: models are converted to it with ``onnx.version_converter``.
@@ -193,7 +196,7 @@ def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
     problems = list(problems or ())
     missing: dict[str, tuple[str, int]] = {}
     bad_attrs: dict[str, str] = {}
-    for node in model.graph:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):  # Loop/Scan bodies, If branches too
         rule = get_rule(node.op_type, node.domain)
         key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
         if rule is DEFAULT_RULE:
@@ -378,9 +381,7 @@ class _Lowering:
             self._lower(node)
         self.current_op = None
         self._outputs()
-        self.graph.eliminate_dead_code()  # e.g. transposes absorbed by fused linears
-        self.graph.lint()
-        module = fx.GraphModule(self.root, self.graph, class_name="PlacedModule")
+        module = _graph_module(self.root, self.graph, "PlacedModule")
         present = {name for name, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         for path in self.transient & present:
             owner, _, leaf = path.rpartition(".")
@@ -675,6 +676,49 @@ class _Lowering:
             if out.name and val is not None:
                 self.values[out.name] = val
 
+    def subgraphs(
+        self, node: ir.Node, graphs: list[ir.Graph], phys: str
+    ) -> tuple[list[fx.GraphModule], list[fx.Node]]:
+        """Lower an op's subgraphs (a ``Loop``/``Scan`` body, both ``If`` branches) on its device.
+
+        Each graph becomes its own ``GraphModule`` built by the same machinery,
+        whose forward takes the graph's formal inputs followed by the values of
+        the enclosing graph that the subgraphs read (their *captured* values, one
+        list shared by all of ``graphs``) and returns a tuple of the graph's
+        outputs. Captured values known when lowering are folded into the
+        subgraph instead. Its initializers become its own parameters and buffers
+        on ``phys``. Returns the modules and the fx nodes (on ``phys``) of the
+        captured values, to pass after the formal inputs.
+        """
+        names = _captured(graphs)
+        runtime: list[str] = []
+        for name in names:
+            val = self.values.get(name)
+            if val is None or name in self.fused:
+                raise LoweringError(
+                    f"op {node.name!r} ({node.op_type}): its subgraph reads blob {name!r} of the "
+                    "enclosing graph, which is not produced before it"
+                )
+            if not val.is_const:
+                runtime.append(name)
+        device = self.current_device or self.default_device
+        modules = [_BodyLowering(self, graph, device, runtime, node).build() for graph in graphs]
+        return modules, [self._on(self.values[name], phys) for name in runtime]
+
+    def add_module(self, name: str, module: torch.nn.Module) -> str:
+        """Register ``module`` under a free attribute path made from ``name``; return the path."""
+        path = self._attr_path(_identifier(name, "control"))
+        *prefix, leaf = path.split(".")
+        owner = self.root
+        for part in prefix:
+            child = owner._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        owner.add_module(leaf, module)
+        return path
+
     def mark_fused(self, blob: str) -> None:
         """``blob`` is computed inside a fused call and never materialized."""
         self.fused.add(blob)
@@ -819,6 +863,106 @@ class _Lowering:
                 target = self._phys(self.model.blob_device(value))
             results.append(self._on(val, target))
         self.graph.output(results[0] if len(results) == 1 else tuple(results))
+
+
+class _BodyLowering(_Lowering):
+    """Lowers one subgraph of an op (see :meth:`_Lowering.subgraphs`) into its own ``GraphModule``.
+
+    Every op of the subgraph runs on the enclosing op's logical ``device``. Its
+    forward takes the graph's formal inputs, then the ``captured`` values of the
+    enclosing graph (already on ``device``), and returns a tuple of its outputs.
+    """
+
+    def __init__(
+        self, parent: _Lowering, body: ir.Graph, device: Device, captured: list[str], owner: ir.Node
+    ) -> None:
+        super().__init__(parent.model, parent.dmap)
+        self.body = body
+        self.device_override = device
+        self.default_device = device
+        self.current_device = device
+        self.current_op = parent.current_op
+        self.captured = captured
+        self.owner = owner
+        for name in _captured([body]):  # folded values of the enclosing graph stay folded here
+            val = parent.values.get(name)
+            if val is not None and val.is_const:
+                self.values[name] = _Val(name, const=val.const)
+
+    def build(self) -> fx.GraphModule:
+        device = self.default_device
+        for value in self.body.inputs:
+            placeholder = self.graph.placeholder(_identifier(value.name or "", "input"))
+            self.values[value.name or ""] = _Val(value.name or "", node=placeholder, device=device)
+        for name in self.captured:
+            placeholder = self.graph.placeholder(_identifier(name, "captured"))
+            self.values[name] = _Val(name, node=placeholder, device=device)
+        state = {
+            value.name
+            for node in self.body
+            for i in get_rule(node.op_type, node.domain).buffer_inputs
+            if i < len(node.inputs) and (value := node.inputs[i]) is not None
+        }
+        for name, value in self.body.initializers.items():
+            if value.const_value is None:
+                raise LoweringError(
+                    f"initializer {name!r} of a subgraph of op {self.owner.name!r} has no data"
+                )
+            data = _to_torch_tensor(value.const_value)
+            if data.is_floating_point() and data.dim() >= 1 and name not in state:
+                self.values[name] = _Val(name, device=device)
+                self.pending_params[name] = data
+            else:
+                self.values[name] = _Val(name, const=data)
+        for node in self.body:
+            self._lower(node)
+        phys = self._phys(device)
+        results = []
+        for value in self.body.outputs:
+            val = self.values.get(value.name or "")
+            if val is None:
+                raise LoweringError(
+                    f"op {self.owner.name!r} ({self.owner.op_type}): subgraph output {value.name!r} "
+                    "is never produced"
+                )
+            results.append(self._on(val, phys))
+        self.graph.output(tuple(results))
+        module = _graph_module(self.root, self.graph, f"{self.owner.op_type}Body")
+        present = {name for name, _ in module.named_buffers()}
+        for path in self.transient & present:
+            owner, _, leaf = path.rpartition(".")
+            module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+        return module
+
+
+def _graph_module(root: torch.nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """The ``GraphModule`` of ``graph``, without dead code (e.g. transposes absorbed by fused linears)."""
+    module = fx.GraphModule(root, graph, class_name=name)
+    if module.graph.eliminate_dead_code():  # needs the owning module to see call_module nodes
+        module.recompile()
+    module.graph.lint()
+    return module
+
+
+def _captured(graphs: list[ir.Graph]) -> list[str]:
+    """Names of enclosing-graph values that ``graphs`` (or subgraphs in them) read, in first-read order."""
+    found: dict[str, None] = {}
+    for graph in graphs:
+        defined = {v.name for v in graph.inputs} | set(graph.initializers)
+        defined |= {out.name for node in graph for out in node.outputs}
+        reads: list[str] = []
+        for node in graph:
+            reads += [v.name for v in node.inputs if v is not None and v.name]
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    reads += _captured([attr.as_graph()])
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    reads += _captured(list(attr.as_graphs()))
+        reads += [v.name for v in graph.outputs if v.name]
+        for name in reads:
+            if name not in defined:
+                found.setdefault(name)
+    return list(found)
 
 
 def _op_label(node: ir.Node) -> str:

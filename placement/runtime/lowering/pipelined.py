@@ -70,7 +70,7 @@ from torch.fx.passes.split_module import split_module
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model
-from placement.runtime.lowering.lower import OP_META
+from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.traced import TracedStage
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
 from placement.runtime.stages import partition
@@ -309,15 +309,20 @@ def _split(
 
 
 def _traced(stage: _Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
-    """``stage.module`` as a :class:`TracedStage` (never traced when it holds an op of
-    ``untraceable``, the model's nondeterministic ops)."""
-    random = sorted({n.meta.get(OP_META) for n in stage.module.graph.nodes} & set(untraceable))
+    """``stage.module`` as a :class:`TracedStage`, never traced when it holds an op of
+    ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
+    :data:`~placement.runtime.lowering.lower.UNTRACEABLE_META` (an ``If`` or ``Loop``
+    whose branch or trip count depends on tensor values: a trace would freeze one)."""
+    nodes = stage.module.graph.nodes
+    random = sorted({n.meta.get(OP_META) for n in nodes} & set(untraceable))
+    reasons = [f"nondeterministic op(s) {', '.join(random)}"] if random else []
+    reasons += sorted({n.meta[UNTRACEABLE_META] for n in nodes if UNTRACEABLE_META in n.meta})
     return TracedStage(
         stage.module,
         fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
         warmup=warmup,
         grad=True,
-        untraceable=f"nondeterministic op(s) {', '.join(random)}" if random else None,
+        untraceable="; ".join(reasons) or None,
     )
 
 
