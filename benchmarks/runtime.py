@@ -35,7 +35,7 @@ downloaded; bench size: 6 layers, d=256, 4 heads, sequence 128, batch 2, vocabul
 gpt), written without any of our code. It needs the optional ``transformers`` package
 (``pip install transformers``; a benchmark extra, never a requirement of the library).
 ``--block N`` alternates blocks of N runs instead of single runs (steady state).
-``--trials K`` (default 3) times K fresh pairs of contenders, ``--repeats`` runs each,
+``--trials K`` (default 5) times K fresh pairs of contenders, ``--repeats`` runs each,
 and reports the median of their ratios: where a session's memory lands moves its
 speed by about 1% for its whole life, more than the repeats of one pair average out.
 
@@ -491,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--trials",
         type=int,
-        default=3,
+        default=5,
         help="fresh (single session, runner) pairs per row; the ratio is the median of theirs",
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs of each first")
