@@ -80,7 +80,9 @@ def find_chains(info: GraphInfo, *, adjacent: bool = True) -> list[tuple[int, in
     when an exporter computes a residual block's skip branch between its
     BatchNormalization and its Add: the range then spans the ops between, since a cut
     anywhere inside it splits the chain (what :func:`fused_cuts` forbids), and ranges
-    may overlap. An op joins one chain at most (one fused kernel).
+    may overlap. An op joins one chain at most (one fused kernel); an Add joins the chain
+    ONNX Runtime folds it into, the one making its first input where that is a convolution
+    (checked against ONNX Runtime's blocked-layout fusion).
 
     Example:
         >>> import onnx_ir as ir
@@ -119,6 +121,7 @@ def find_chains(info: GraphInfo, *, adjacent: bool = True) -> list[tuple[int, in
                 and nxt not in claimed
                 and info.nodes[nxt].op_type in stage
                 and _feeds_only(info, last, nxt)
+                and (adjacent or info.nodes[nxt].op_type != "Add" or _add_joins(info, last, nxt))
             ):
                 last = nxt
                 members.append(nxt)
@@ -126,6 +129,24 @@ def find_chains(info: GraphInfo, *, adjacent: bool = True) -> list[tuple[int, in
             chains.append((pos, last + 1))
             claimed.update(members)
     return chains
+
+
+def _add_joins(info: GraphInfo, last: int, add: int) -> bool:
+    """Whether ONNX Runtime folds ``add`` into the convolution chain ending at ``last``: it
+    takes the Add into the producer of its first input when that is a convolution (or its
+    BatchNormalization) read only by the Add, else into the producer of the second."""
+    ins = info.op_inputs[add]
+    if not ins:
+        return False
+    if ins[0] in info.op_outputs[last]:
+        return True
+    first = info.blob_producer[ins[0]]
+    takes_first = (
+        first >= 0
+        and info.nodes[first].op_type in ("Conv", "BatchNormalization")
+        and info.blob_consumers[ins[0]] == [add]
+    )
+    return not takes_first and len(ins) > 1 and ins[1] in info.op_outputs[last]
 
 
 def _sole_reader(info: GraphInfo, src: int) -> int | None:
