@@ -60,6 +60,7 @@ __all__ = [
     "node_scope",
     "graph_nodes",
     "name_of",
+    "subgraph_initializers",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,36 @@ _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
+
+
+def subgraph_initializers(graph: ir.Graph, prefix: str = "") -> Iterator[tuple[str, ir.Value, ir.Graph]]:
+    """The initializers of every subgraph under ``graph`` (``Loop``/``Scan`` bodies, ``If``
+    branches, nested ones too), each as ``(key, value, its graph)``: the key is
+    ``"<op name>/<graph attribute>/<initializer name>"`` (nested: the op path first), the name
+    ``Model.update_parameters`` and ``pl.to_torch``'s ``initializer_paths`` give it.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> w = ir.Value(name="w", const_value=ir.tensor([1.0]))
+        >>> body = ir.Graph([], [], nodes=[], initializers=[w], name="body")
+        >>> loop = ir.Node("", "Loop", [], attributes=[ir.AttrGraph("body", body)], name="loop")
+        >>> [key for key, _, _ in subgraph_initializers(ir.Graph([], [], nodes=[loop]))]
+        ['loop/body/w']
+    """
+    for node in graph:
+        for attribute in node.attributes.values():
+            if attribute.type == ir.AttributeType.GRAPH:
+                graphs = [(attribute.name, attribute.as_graph())]
+            elif attribute.type == ir.AttributeType.GRAPHS:
+                graphs = [(f"{attribute.name}.{i}", g) for i, g in enumerate(attribute.as_graphs())]
+            else:
+                continue
+            for label, sub in graphs:
+                here = f"{prefix}{node.name}/{label}/"
+                for name, value in sub.initializers.items():
+                    yield here + name, value, sub
+                yield from subgraph_initializers(sub, here)
+
 
 #: ``Node.name`` / ``Value.name`` read from onnx_ir's ``_name`` slot, without the property
 #: call (see :func:`graph_nodes`; ``tests/graph/test_model.py`` checks the slot exists).
@@ -477,7 +508,9 @@ class Model:
         (the module ``pl.from_torch`` imported, since initializers keep its
         parameter names), or a mapping ``initializer name -> array``. Only
         initializers are written; devices, ops and blobs are unchanged. All
-        values are checked (shape, dtype) before any is written. Sessions of a
+        values are checked (shape, dtype) before any is written. Initializers of
+        subgraphs (a ``Loop`` body's weights) are written too, under the keys of
+        :func:`subgraph_initializers` (``"loop/body/w"``). Sessions of a
         :class:`~placement.runtime.ort.Runner` built before hold the old
         weights: build a new runner (or save and load) to serve the new ones.
 
@@ -504,7 +537,8 @@ class Model:
 
         from placement.errors import PlacementError
 
-        inits = self.graph.initializers
+        inits: dict[str, ir.Value] = dict(self.graph.initializers)
+        inits.update((key, value) for key, value, _ in subgraph_initializers(self.graph))
         values: dict[str, Any] = {}
         if hasattr(source, "state_dict") and callable(source.state_dict):
             state = source.state_dict()
@@ -536,7 +570,7 @@ class Model:
                 )
             arrays[name] = np.array(array, copy=True)
         for name, array in arrays.items():
-            inits[name].const_value = ir.Tensor(array, name=name)
+            inits[name].const_value = ir.Tensor(array, name=inits[name].name)
         log.info("update_parameters: %d initializers written", len(arrays))
         return list(arrays)
 

@@ -217,6 +217,29 @@ def test_loop_on_device_1_reads_outer_parameter() -> None:
     assert "W" in params and any(name.endswith(".b") for name in params)  # outer and body parameters
 
 
+def test_trained_body_parameters_go_back_into_the_model() -> None:
+    """``update_parameters`` writes a ``Loop`` body's own initializer back as well as the outer
+    one, under its subgraph key, so the placed model serves what the lowering trained."""
+    model = pl.load(_loop_model(trip=True, cond=False))
+    loop = next(op.name for op in model.ops if op.op_type == "Loop")
+    model.set_device(loop, 1)
+    pl.inject_cross_device_copies(model)
+    module = pl.to_torch(model, device_map="cpu")
+    key = f"{loop}/body/b"
+    assert key in module.initializer_paths and "W" in module.initializer_paths
+    with torch.no_grad():
+        for param in module.parameters():
+            param.mul_(1.5)
+    assert set(model.update_parameters(module)) >= {key, "W"}
+    body = next(op for op in model.ops if op.op_type == "Loop").node.attributes["body"].as_graph()
+    np.testing.assert_allclose(body.initializers["b"].const_value.numpy(), [0.15, -0.3, 0.45], rtol=1e-6)
+    feeds = {"x": _x(), "M": np.array(3, np.int64)}
+    with torch.no_grad():
+        want = module(*[torch.from_numpy(feeds[name]) for name in module.input_names])
+    for got, expected in zip(pl.run(model, feeds, device_map="cpu"), want):
+        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_loop_gradients_match_finite_differences() -> None:
     """Through three iterations, to the input and to the outer parameter the body reads."""
     module = pl.to_torch(pl.load(_loop_model(trip=True, cond=False)), device_map="cpu").double()

@@ -932,6 +932,11 @@ class _BodyLowering(_Lowering):
         for path in self.transient & present:
             owner, _, leaf = path.rpartition(".")
             module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+        # its own initializers by name, and those of subgraphs inside it by their keys
+        # (see placement.graph.model.subgraph_initializers); the enclosing op prefixes them
+        module.initializer_paths = {
+            name: path for name, path in self.paths.items() if name in self.body.initializers or "/" in name
+        }
         return module
 
 

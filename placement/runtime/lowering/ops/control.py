@@ -316,6 +316,10 @@ def _call(
 
     label = node.name or node.op_type
     path = lowering.add_module(label, module)
+    for attribute, child in module.named_children():  # then_branch / else_branch / body
+        if isinstance(child, Subgraph):
+            for key, inner in getattr(child.code, "initializer_paths", {}).items():
+                lowering.paths[f"{node.name}/{attribute}/{key}"] = f"{path}.{attribute}.code.{inner}"
     call = lowering.emit("call_module", path, tuple(args), {}, label)
     if untraceable is not None:
         call.meta[UNTRACEABLE_META] = f"{node.op_type} {node.name!r}: {untraceable}"
