@@ -447,7 +447,8 @@ class Model:
                 return fixed
         consumers = [use.node for use in value.uses() if use.node.graph is self.graph]
         if not consumers:
-            return self._output_or_default(value)
+            inside = self._first_consumer_devices().get(value.name or "")  # read in a subgraph only
+            return inside if inside is not None else self._output_or_default(value)
         if len(consumers) == 1:
             return node_device(consumers[0])
         positions = {id(node): i for i, node in enumerate(self.graph)}
@@ -641,15 +642,40 @@ class Model:
         return self._default_device()
 
     def _first_consumer_devices(self) -> dict[str, Device]:
-        """Blob name -> device of its first consumer in graph order."""
+        """Blob name -> device of its first consumer in graph order (an op whose subgraphs read
+        a blob of this graph consumes it too)."""
         first: dict[str, Device] = {}
         for node in self.graph:
             device = None
-            for value in node.inputs:
-                if value is not None and value.name and value.name not in first:
+            names = [value.name for value in node.inputs if value is not None and value.name]
+            if node.attributes:
+                names += _outer_reads(node)
+            for name in names:
+                if name not in first:
                     device = device or node_device(node)
-                    first[value.name] = device
+                    first[name] = device
         return first
+
+
+def _outer_reads(node: ir.Node) -> list[str]:
+    """Names of the enclosing graph's values that ``node``'s subgraphs (nested ones too) read."""
+    reads: list[str] = []
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            graphs = [attribute.as_graph()]
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            graphs = list(attribute.as_graphs())
+        else:
+            continue
+        for graph in graphs:
+            local = {v.name for v in graph.inputs} | set(graph.initializers)
+            for inner in graph:
+                names = [v.name for v in inner.inputs if v is not None and v.name]
+                if inner.attributes:
+                    names += _outer_reads(inner)
+                reads += [name for name in names if name not in local]
+                local.update(v.name for v in inner.outputs if v.name)
+    return reads
 
 
 def iter_nodes(model: Model) -> Iterable[ir.Node]:

@@ -77,3 +77,43 @@ def test_graph_nodes_is_the_graph_order_after_edits():
     assert {"_name", "_shape", "_type", "_is_initializer", "_is_graph_input", "_is_graph_output"} <= set(
         ir.Value.__slots__
     )
+
+
+def test_a_parameter_read_only_inside_a_subgraph_lives_on_its_ops_device():
+    """A weight that only a ``Loop`` body reads belongs where the Loop runs, for the model's
+    parameter table and ``device_of`` alike (not on the default device)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["h_in", "W"], ["h_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h_in", TensorProto.FLOAT, [2, 2]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [2, 2]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["h0"], name="relu"),
+            helper.make_node("Loop", ["M", "", "h0"], ["h"], name="loop", body=body),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2]),
+            helper.make_tensor_value_info("M", TensorProto.INT64, []),
+        ],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
+        [numpy_helper.from_array(np.eye(2, dtype=np.float32), "W")],
+    )
+    model = pl.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.set_device("loop", 1)
+    assert model.parameters["W"].device == model.device_of("W") == pl.Device.parse("cuda:1")
