@@ -351,3 +351,38 @@ def test_unsupported_op_inside_a_body_is_named_before_running() -> None:
     )
     with pytest.raises(LoweringError, match="SequenceInsert"):
         pl.to_torch(pl.load(model), device_map="cpu")
+
+
+def test_a_random_op_inside_an_inlined_branch_keeps_its_stage_untraced() -> None:
+    """An ``If`` whose condition is known when lowering is inlined, its branch's ops under the
+    If's name: a random op in that branch still keeps the pipeline from tracing its stage (a
+    trace would not be checked against a random op's fresh values)."""
+    then_branch = h.make_graph(
+        [h.make_node("RandomUniformLike", ["x"], ["r"], seed=1.0), h.make_node("Add", ["x", "r"], ["t"])],
+        "then",
+        [],
+        [_vi("t", F, ["N", 3])],
+    )
+    orelse = h.make_graph([h.make_node("Identity", ["x"], ["e"])], "else", [], [_vi("e", F, ["N", 3])])
+    model = pl.load(
+        _model(
+            [
+                h.make_node("If", ["c"], ["y"], name="branch", then_branch=then_branch, else_branch=orelse),
+                h.make_node("Relu", ["y"], ["z"], name="relu"),
+            ],
+            [_vi("x", F, ["N", 3])],
+            [_vi("z", F, ["N", 3])],
+            [h.make_tensor("c", B, [], [True])],
+        )
+    )
+    from placement.runtime.lowering.pipelined import nondeterministic_ops
+
+    assert nondeterministic_ops(model) == {"branch"}
+    model.set_device("relu", 1)
+    pl.inject_cross_device_copies(model)
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    with torch.no_grad():
+        for _ in range(4):
+            assert piped(torch.ones(4, 3)).shape == (4, 3)
+    reasons = [s.call.disabled or "" for s in piped._pl_stages]
+    assert reasons[0] == "nondeterministic op(s) branch" and piped._pl_stages[0].call.traced == 0

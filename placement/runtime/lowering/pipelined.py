@@ -63,6 +63,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import onnx_ir as ir
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
@@ -108,10 +109,42 @@ def pipeline_module(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)
-    untraceable = {op.name for op in model.ops if op.op_type in NONDETERMINISTIC_OPS}
+    untraceable = nondeterministic_ops(model)
     return PipelinedModule(
         module, _stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
     )
+
+
+def nondeterministic_ops(model: Model) -> set[str]:
+    """Names of the ops whose results differ from run to run: random ops, and ops whose
+    subgraphs hold one (an ``If`` inlined when lowering puts its branch's ops under its own
+    name). A stage holding one is never traced.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> nondeterministic_ops(pl.from_torch(*mlp.build("tiny")))
+        set()
+    """
+    names = set()
+    for op in model.ops:
+        if op.op_type in NONDETERMINISTIC_OPS or any(
+            inner.op_type in NONDETERMINISTIC_OPS
+            for graph in _subgraphs(op.node)
+            for inner in ir.traversal.RecursiveGraphIterator(graph)
+        ):
+            names.add(op.name)
+    return names
+
+
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            graphs.append(attribute.as_graph())
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attribute.as_graphs())
+    return graphs
 
 
 def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:

@@ -38,13 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.lowering.lower import to_torch
-from placement.runtime.lowering.pipelined import _call, _detach, _split, _Stage, _traced
+from placement.runtime.lowering.pipelined import _call, _detach, _split, _Stage, _traced, nondeterministic_ops
 from placement.runtime.stages import partition
 
 __all__ = ["LoweredStages"]
@@ -92,7 +91,7 @@ class LoweredStages:
         stage_of = {op: stage.index for stage in parts for op in stage.ops}
         module = to_torch(model, device_map=device_map)
         stages, placeholders, _ = _split(module, stage_of)
-        untraceable = {op.name for op in model.ops if op.op_type in NONDETERMINISTIC_OPS}
+        untraceable = nondeterministic_ops(model)
         env: dict[str, Any] = {}
         for name, key in zip(module.input_names, placeholders):
             if name not in inputs:
