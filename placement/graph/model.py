@@ -60,7 +60,9 @@ __all__ = [
     "node_scope",
     "graph_nodes",
     "name_of",
+    "node_reads",
     "subgraph_initializers",
+    "subgraphs_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,39 @@ _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
+
+
+def subgraphs_of(node: ir.Node) -> list[tuple[str, ir.Graph]]:
+    """``node``'s subgraphs (a ``Loop``/``Scan`` body, ``If`` branches), each with its label:
+    the attribute's name, ``"<name>.<i>"`` for a list of graphs.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> body = ir.Graph([], [], nodes=[], name="body")
+        >>> loop = ir.Node("", "Loop", [], attributes=[ir.AttrGraph("body", body)])
+        >>> [label for label, _ in subgraphs_of(loop)]
+        ['body']
+    """
+    graphs: list[tuple[str, ir.Graph]] = []
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            graphs.append((attribute.name, attribute.as_graph()))
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            graphs += [(f"{attribute.name}.{i}", g) for i, g in enumerate(attribute.as_graphs())]
+    return graphs
+
+
+def node_reads(node: ir.Node, graph: ir.Graph | None) -> Iterator[ir.Value]:
+    """The values of ``graph`` that ``node`` reads: its inputs, and what its subgraphs (nested
+    ones too) read of ``graph`` (outer-scope reads)."""
+    for value in node.inputs:
+        if value is not None:
+            yield value
+    for _, sub in subgraphs_of(node):
+        for inner in sub.all_nodes():
+            for value in inner.inputs:
+                if value is not None and value.graph is graph:
+                    yield value
 
 
 def subgraph_initializers(graph: ir.Graph, prefix: str = "") -> Iterator[tuple[str, ir.Value, ir.Graph]]:
@@ -91,18 +126,11 @@ def subgraph_initializers(graph: ir.Graph, prefix: str = "") -> Iterator[tuple[s
         ['loop/body/w']
     """
     for node in graph:
-        for attribute in node.attributes.values():
-            if attribute.type == ir.AttributeType.GRAPH:
-                graphs = [(attribute.name, attribute.as_graph())]
-            elif attribute.type == ir.AttributeType.GRAPHS:
-                graphs = [(f"{attribute.name}.{i}", g) for i, g in enumerate(attribute.as_graphs())]
-            else:
-                continue
-            for label, sub in graphs:
-                here = f"{prefix}{node.name}/{label}/"
-                for name, value in sub.initializers.items():
-                    yield here + name, value, sub
-                yield from subgraph_initializers(sub, here)
+        for label, sub in subgraphs_of(node):
+            here = f"{prefix}{node.name}/{label}/"
+            for name, value in sub.initializers.items():
+                yield here + name, value, sub
+            yield from subgraph_initializers(sub, here)
 
 
 #: ``Node.name`` / ``Value.name`` read from onnx_ir's ``_name`` slot, without the property
@@ -647,35 +675,11 @@ class Model:
         first: dict[str, Device] = {}
         for node in self.graph:
             device = None
-            names = [value.name for value in node.inputs if value is not None and value.name]
-            if node.attributes:
-                names += _outer_reads(node)
-            for name in names:
-                if name not in first:
+            for value in node_reads(node, self.graph):
+                if value.name and value.name not in first:
                     device = device or node_device(node)
-                    first[name] = device
+                    first[value.name] = device
         return first
-
-
-def _outer_reads(node: ir.Node) -> list[str]:
-    """Names of the enclosing graph's values that ``node``'s subgraphs (nested ones too) read."""
-    reads: list[str] = []
-    for attribute in node.attributes.values():
-        if attribute.type == ir.AttributeType.GRAPH:
-            graphs = [attribute.as_graph()]
-        elif attribute.type == ir.AttributeType.GRAPHS:
-            graphs = list(attribute.as_graphs())
-        else:
-            continue
-        for graph in graphs:
-            local = {v.name for v in graph.inputs} | set(graph.initializers)
-            for inner in graph:
-                names = [v.name for v in inner.inputs if v is not None and v.name]
-                if inner.attributes:
-                    names += _outer_reads(inner)
-                reads += [name for name in names if name not in local]
-                local.update(v.name for v in inner.outputs if v.name)
-    return reads
 
 
 def iter_nodes(model: Model) -> Iterable[ir.Node]:

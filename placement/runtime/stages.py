@@ -62,7 +62,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -73,7 +73,7 @@ from placement.analysis.dependence import load_time_values
 from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device
+from placement.graph.model import Model, is_copy_node, node_device, node_reads
 
 __all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
@@ -325,7 +325,7 @@ def _readers(graph: ir.Graph, stage_of_node: dict[ir.Node, int]) -> dict[ir.Valu
     readers: dict[ir.Value, set[int]] = {}
     for node in graph:
         sid = stage_of_node.get(node, -1)
-        for value in _reads(node, graph):
+        for value in node_reads(node, graph):
             readers.setdefault(value, set()).add(sid)
     return readers
 
@@ -343,7 +343,7 @@ def _boundary(
     params: list[tuple[str, ir.Value]] = []
     extra: set[ir.Node] = set()
     seen: set[ir.Value] = set()
-    pending = deque((node, value) for node in nodes for value in _reads(node, graph))
+    pending = deque((node, value) for node in nodes for value in node_reads(node, graph))
     while pending:
         node, value = pending.popleft()
         if value in produced or value in seen:
@@ -357,7 +357,7 @@ def _boundary(
             params.append((name, initializers[static[name]]))
         elif value in consts and producer is not None:
             extra.add(producer)
-            pending.extend((producer, v) for v in _reads(producer, graph))
+            pending.extend((producer, v) for v in node_reads(producer, graph))
         elif producer is None and name not in graph_inputs:
             raise PlacementError(
                 f"op {node.name!r} reads blob {name!r}, which is neither produced, "
@@ -398,7 +398,7 @@ def _assign(
     for node in compute:
         device = node_device(node)
         preds: set[int] = set()
-        for value in _reads(node, node.graph):
+        for value in node_reads(node, node.graph):
             root = copy_root.get(value, value)
             producer = root.producer()
             if producer is None or value in consts:
@@ -421,21 +421,6 @@ def _assign(
         stage_of_node[node] = chosen
         sg.add_edges_from((p, chosen) for p in preds if p != chosen)
     return stage_of_node, stage_device, stage_nodes, sg
-
-
-def _reads(node: ir.Node, graph: ir.Graph | None) -> Iterable[ir.Value]:
-    """Values of ``graph`` a node reads, including outer-scope reads of its subgraphs."""
-    for value in node.inputs:
-        if value is not None:
-            yield value
-    for attr in node.attributes.values():
-        if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-            subgraphs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else attr.as_graphs()
-            for sub in subgraphs:
-                for inner in sub.all_nodes() if hasattr(sub, "all_nodes") else sub:
-                    for value in inner.inputs:
-                        if value is not None and value.graph is graph:
-                            yield value
 
 
 def _ensure_type(model: Model, value: ir.Value) -> None:

@@ -85,7 +85,7 @@ import torch.fx as fx
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device
+from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device, subgraphs_of
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 
@@ -460,7 +460,8 @@ class _Lowering:
         self.prefixes.update(".".join(split[:i]) for i in range(1, len(split)))
         return path
 
-    def _register(self, path: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+    def _owner(self, path: str) -> tuple[torch.nn.Module, str]:
+        """The module that holds attribute ``path`` (made on the way where missing) and its leaf name."""
         *prefix, leaf = path.split(".")
         owner = self.root
         for part in prefix:
@@ -469,6 +470,10 @@ class _Lowering:
                 child = torch.nn.Module()
                 owner.add_module(part, child)
             owner = child
+        return owner, leaf
+
+    def _register(self, path: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+        owner, leaf = self._owner(path)
         if parameter:
             owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=True))
         else:
@@ -708,14 +713,7 @@ class _Lowering:
     def add_module(self, name: str, module: torch.nn.Module) -> str:
         """Register ``module`` under a free attribute path made from ``name``; return the path."""
         path = self._attr_path(_identifier(name, "control"))
-        *prefix, leaf = path.split(".")
-        owner = self.root
-        for part in prefix:
-            child = owner._modules.get(part)
-            if child is None:
-                child = torch.nn.Module()
-                owner.add_module(part, child)
-            owner = child
+        owner, leaf = self._owner(path)
         owner.add_module(leaf, module)
         return path
 
@@ -958,11 +956,7 @@ def _captured(graphs: list[ir.Graph]) -> list[str]:
         reads: list[str] = []
         for node in graph:
             reads += [v.name for v in node.inputs if v is not None and v.name]
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.GRAPH:
-                    reads += _captured([attr.as_graph()])
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    reads += _captured(list(attr.as_graphs()))
+            reads += _captured([sub for _, sub in subgraphs_of(node)])
         reads += [v.name for v in graph.outputs if v.name]
         for name in reads:
             if name not in defined:

@@ -63,14 +63,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import onnx_ir as ir
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
-from placement.graph.model import Model
+from placement.graph.model import Model, subgraphs_of
 from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.traced import TracedStage
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
@@ -130,21 +129,11 @@ def nondeterministic_ops(model: Model) -> set[str]:
     for op in model.ops:
         if op.op_type in NONDETERMINISTIC_OPS or any(
             inner.op_type in NONDETERMINISTIC_OPS
-            for graph in _subgraphs(op.node)
-            for inner in ir.traversal.RecursiveGraphIterator(graph)
+            for _, graph in subgraphs_of(op.node)
+            for inner in graph.all_nodes()
         ):
             names.add(op.name)
     return names
-
-
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-    for attribute in node.attributes.values():
-        if attribute.type == ir.AttributeType.GRAPH:
-            graphs.append(attribute.as_graph())
-        elif attribute.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attribute.as_graphs())
-    return graphs
 
 
 def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
