@@ -66,6 +66,7 @@ __all__ = [
     "microbatch_bounds",
     "run_microbatches",
     "split_batch",
+    "stage_error",
     "stage_threads",
     "stream_microbatches",
 ]
@@ -511,15 +512,7 @@ class StageWorkers:
         self._threads = []
 
     def _error(self, failure: _Failure) -> PipelineError:
-        err = failure.error
-        name = self.names[failure.stage]
-        message = (
-            f"pipeline stage {failure.stage} ({name}) failed on micro-batch {failure.microbatch}: "
-            f"{type(err).__name__}: {err}"
-        )
-        error = PipelineError(message, stage=failure.stage, microbatch=failure.microbatch)
-        error.__cause__ = err
-        return error
+        return stage_error(failure.stage, self.names[failure.stage], failure.microbatch, failure.error)
 
     def _loop(self, j: int) -> None:
         fn = self._fns[j]
@@ -543,6 +536,22 @@ class StageWorkers:
                         final.put(_Failure(j, i, err))
                     continue
                 q_out.put((i, result))
+
+
+def stage_error(stage: int, name: str, microbatch: int, err: BaseException) -> PipelineError:
+    """The :class:`~placement.errors.PipelineError` for ``err`` raised by stage ``stage``
+    (called ``name``) on micro-batch ``microbatch``; ``err`` is its cause.
+
+    Example:
+        >>> stage_error(1, "stage 1 on cpu", 3, ValueError("bad")).args[0]
+        'pipeline stage 1 (stage 1 on cpu) failed on micro-batch 3: ValueError: bad'
+    """
+    message = (
+        f"pipeline stage {stage} ({name}) failed on micro-batch {microbatch}: {type(err).__name__}: {err}"
+    )
+    error = PipelineError(message, stage=stage, microbatch=microbatch)
+    error.__cause__ = err
+    return error
 
 
 def run_microbatches(

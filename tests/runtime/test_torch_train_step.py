@@ -1,0 +1,210 @@
+"""``PipelinedModule.train_step``: 1F1B with deferred weight gradients gives the unsplit step's
+loss and gradients, on every zoo model, whatever the timing; errors name stage and micro-batch."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+import torch
+
+import placement as pl
+from placement.runtime.lowering.train_step import train_step
+from tests.conftest import MODEL_NAMES
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+    yield
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t.name.startswith("placement-train")]
+        if not extra:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"train_step threads left running: {extra}")
+
+
+@functools.cache
+def _placed(name: str, devices: int = 2):
+    from placement import models
+
+    net, args = models.build(name, "tiny")
+    batch = torch.export.Dim("batch")
+    model = pl.from_torch(net, args, dynamic_shapes=tuple({0: batch} for _ in args))
+    acts = pl.get_activation_blobs(model)
+    for d in range(1, devices):
+        pl.shift_activation_devices(model, acts[len(acts) * d // devices :], {d - 1: d})
+    pl.inject_cross_device_copies(model)
+    big = tuple(torch.cat([a, a.flip(0), a, a.flip(0), a])[:5] for a in args)  # 5: not a multiple of 3
+    return model, big
+
+
+def _loss(out, target):
+    return torch.nn.functional.mse_loss(out.float(), target)
+
+
+def _reference(model, args, target, loss_fn=_loss):
+    plain = pl.to_torch(model, device_map="cpu")
+    loss = loss_fn(plain(*args), target)
+    loss.backward()
+    return plain, loss.detach()
+
+
+def _assert_same_grads(module, plain, atol=1e-5):
+    want = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    assert want.keys() == got.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=atol, rtol=1e-4)
+
+
+def _target(model, args):
+    with torch.no_grad():
+        out = pl.to_torch(model, device_map="cpu")(*args)
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("defer", [True, False])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_train_step_equals_the_unsplit_step(name, defer):
+    model, args = _placed(name)
+    target = _target(model, args)
+    plain, want = _reference(model, args, target)
+    piped = pl.to_torch(model, device_map="cpu", chunks=3)
+    piped.load_state_dict(plain.state_dict())
+    assert len(piped.stages) == 2
+    loss = piped.train_step(*args, loss_fn=_loss, targets=(target,), defer_weights=defer)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    assert not loss.requires_grad
+    _assert_same_grads(piped, plain)
+
+
+@pytest.mark.parametrize("max_in_flight", [None, 1])
+def test_three_stages_and_bounded_activations(max_in_flight):
+    """A middle stage defers its weight gradients; any idle worker may run them."""
+    model, (idx,) = _placed("gpt", devices=3)
+    target = _target(model, (idx,))
+    plain, want = _reference(model, (idx,), target)
+    piped = pl.to_torch(model, device_map="cpu", chunks=4)
+    assert len(piped.stages) == 3
+    loss = piped.train_step(idx, loss_fn=_loss, targets=(target,), max_in_flight=max_in_flight)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    _assert_same_grads(piped, plain)
+
+
+def test_gradients_do_not_depend_on_timing():
+    """Micro-batch gradients are summed in micro-batch order whoever ran them: bit for bit."""
+    model, (idx,) = _placed("gpt", devices=3)
+    target = _target(model, (idx,))
+    piped = pl.to_torch(model, device_map="cpu", chunks=5)
+    runs = []
+    for _ in range(4):
+        piped.zero_grad(set_to_none=True)
+        piped.train_step(idx, loss_fn=_loss, targets=(target,))
+        runs.append([p.grad.clone() for p in piped.parameters()])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+def test_gradients_accumulate_and_sum_reduction():
+    model, (x,) = _placed("mlp")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    plain = pl.to_torch(model, device_map="cpu")
+
+    def loss_fn(out):
+        return out.square().sum()
+
+    for _ in range(2):  # .grad accumulates, as loss.backward() does
+        loss_fn(plain(x)).backward()
+        total = piped.train_step(x, loss_fn=loss_fn, reduction="sum")
+    torch.testing.assert_close(total, loss_fn(plain(x)).detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_grads(piped, plain, atol=1e-4)
+
+
+def test_checkpointed_micro_batches_recompute():
+    model, (x,) = _placed("resnet")
+    target = _target(model, (x,))
+    plain, want = _reference(model, (x,), target)
+    piped = pl.to_torch(model, device_map="cpu", chunks=3, checkpoint="always")
+    loss = piped.train_step(x, loss_fn=_loss, targets=(target,))
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    _assert_same_grads(piped, plain)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(torch.relu(h))
+
+
+def test_outputs_of_an_earlier_stage_take_the_loss_gradient():
+    """One output is made by the first stage: its share of the loss gradient goes back there."""
+    torch.manual_seed(0)
+    net, x = _TwoHeads(), torch.randn(6, 4)
+    model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    last = [op.name for op in model.ops][-1]
+    model.set_device(last, 1)
+    pl.inject_cross_device_copies(model)
+
+    def loss_fn(out):
+        h, y = out
+        return h.square().mean() + y.sin().mean()
+
+    plain = pl.to_torch(model, device_map="cpu")
+    want = loss_fn(plain(x))
+    want.backward()
+    piped = pl.to_torch(model, device_map="cpu", chunks=3)
+    assert len(piped.stages) == 2
+    loss = piped.train_step(x, loss_fn=loss_fn)
+    torch.testing.assert_close(loss, want.detach())
+    _assert_same_grads(piped, plain)
+
+
+def test_stage_error_names_stage_and_microbatch():
+    model, (idx,) = _placed("gpt")
+    piped = pl.to_torch(model, device_map="cpu", chunks=3)
+    bad = idx.clone()
+    bad[4, 0] = 10_000  # the embedding lookup of micro-batch 2 fails
+    with pytest.raises(pl.PipelineError, match="stage 0 .* failed on micro-batch 2") as info:
+        piped.train_step(bad, loss_fn=lambda out: out.mean())
+    assert info.value.stage == 0 and info.value.microbatch == 2
+    assert all(p.grad is None for p in piped.parameters())  # nothing written
+
+
+def test_loss_errors_name_the_last_stage():
+    model, (x,) = _placed("mlp")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    scalar = "stage 1 .*micro-batch 0: TypeError: loss_fn must return a scalar"
+    with pytest.raises(pl.PipelineError, match=scalar):
+        piped.train_step(x, loss_fn=lambda out: out)
+    with pytest.raises(pl.PipelineError, match="micro-batch 0: ZeroDivisionError"):
+        piped.train_step(x, loss_fn=lambda out: 1 / 0)
+
+
+def test_bad_arguments():
+    model, (x,) = _placed("mlp")
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    with pytest.raises(pl.InputError, match="target 0 must have the batch \\(5\\)"):
+        piped.train_step(x, loss_fn=_loss, targets=(torch.zeros(4, 3),))
+    with pytest.raises(ValueError, match="reduction"):
+        piped.train_step(x, loss_fn=_loss, reduction="max")
+    with pytest.raises(ValueError, match="max_in_flight"):
+        piped.train_step(x, loss_fn=_loss, max_in_flight=0)
+    with pytest.raises(TypeError, match="missing input"):
+        piped.train_step(loss_fn=_loss)
+
+
+def test_function_form_matches_the_method():
+    model, (x,) = _placed("mlp")
+    a = pl.to_torch(model, device_map="cpu", chunks=2)
+    b = pl.to_torch(model, device_map="cpu", chunks=2)
+    la = a.train_step(x, loss_fn=lambda out: out.mean())
+    lb = train_step(b, [x], loss_fn=lambda out: out.mean())
+    assert torch.equal(la, lb)
