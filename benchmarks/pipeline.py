@@ -25,7 +25,11 @@ all), and throughput is compared:
   32 on 2 stages), run(chunks=8) >= 1.55 (limit 2 x 8/9 = 1.78, the GPipe bubble).
 * **torch**: the eager module vs ``pl.to_torch(model, chunks=8)``: forward
   (no grad) >= 1.6, and a training step (forward + backward of a squared-output
-  loss, ``checkpoint="never"``) >= 1.5. torchgpipe's ``GPipe`` on the same
+  loss, ``checkpoint="never"``) >= 1.5, the step taken with
+  ``module.train_step(x, loss_fn=loss)`` (the loss per micro-batch: 1F1B with deferred
+  weight gradients, :mod:`placement.runtime.lowering.train_step`); the same step as
+  ``loss(module(x)).backward()`` (GPipe: the loss waits for the whole forward) is
+  timed beside it. Both give the eager step's gradients. torchgpipe's ``GPipe`` on the same
   model as an ``nn.Sequential`` (balance taken from our torch plan, devices
   ``["cpu", "cpu"]``, same chunks) in the same table, when installed
   (``pip install torchgpipe``; a benchmark-only dependency).
@@ -304,6 +308,13 @@ def _torch_rows(
 
         return call
 
+    def _train_step(module: Any) -> Callable[[], Any]:
+        def call() -> None:
+            module.zero_grad(set_to_none=True)
+            module.train_step(x, loss_fn=_loss)
+
+        return call
+
     runs: dict[str, list[dict[str, Any]]] = {"forward": [], "train": []}
     balance = None
     for _ in range(trials):
@@ -315,6 +326,8 @@ def _torch_rows(
                 with torch.no_grad():
                     torch.testing.assert_close(pmod(x), net(x), atol=1e-3, rtol=1e-3)
             fns = {"eager": wrap(net), "lowered": wrap(lowered), "pipelined": wrap(pmod)}
+            if kind == "train":
+                fns["train_step"] = _train_step(pmod)
             gp = _torchgpipe(name, net, models["forward"], chunks)
             if gp is not None:
                 fns["torchgpipe"], balance = wrap(gp[0]), gp[1]
@@ -526,11 +539,12 @@ def _print(results: list[dict[str, Any]]) -> None:
             ("forward", "forward_ratio", ">= 1.6"),
             ("train step", "train_ratio", ">= 1.5"),
         ):
-            for contender in ("lowered", "pipelined", "torchgpipe"):
+            for contender in ("lowered", "pipelined", "train_step", "torchgpipe"):
                 if contender in t[key]:
                     label = {
                         "lowered": "to_torch (no pipelining)",
-                        "pipelined": "to_torch(chunks=8)",
+                        "pipelined": "to_torch(chunks=8)" + ("" if kind == "forward" else " backward()"),
+                        "train_step": "to_torch(chunks=8).train_step",
                         "torchgpipe": f"torchgpipe GPipe{t['torchgpipe_balance']}",
                     }[contender]
                     prefix = "forward" if kind == "forward" else "train"
@@ -542,7 +556,7 @@ def _print(results: list[dict[str, Any]]) -> None:
                         "torch",
                         f"{kind}: {label} / eager",
                         f"{t[key][contender]:.2f} ({each})",
-                        target if contender == "pipelined" else "",
+                        target if contender == ("pipelined" if kind == "forward" else "train_step") else "",
                         f"{par[contender]:.2f} vs {par['eager']:.2f}",
                         f"{work:.2f}",
                     )

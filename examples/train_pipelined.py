@@ -1,12 +1,15 @@
 """Train a placed model through the pipelined torch lowering, then serve it with ONNX Runtime.
 
 A GPT from the zoo is exported with a dynamic batch, placed on two logical
-devices by ``pl.auto_place``, lowered with ``pl.to_torch(chunks=4)`` (GPipe:
-micro-batches flow through the two stages concurrently, forward and backward)
-and trained for a few steps with ``torch.optim.Adam`` on next-token
-prediction. The trained weights go back into the placed graph
-(``model.update_parameters``), the graph is saved as placed ONNX, loaded again
-and run with ``pl.Runner(chunks=4)``: its outputs equal the trained module's.
+devices by ``pl.auto_place``, lowered with ``pl.to_torch(chunks=4)`` and
+trained for a few steps with ``torch.optim.Adam`` on next-token prediction.
+Each step is ``module.train_step``: micro-batches flow through the two stages
+concurrently, each one's loss computed on the last stage as soon as its forward
+ends and back-propagated at once (1F1B, weight gradients deferred to fill idle
+time); the gradients are those of ``loss.backward()`` on the whole batch. The
+trained weights go back into the placed graph (``model.update_parameters``),
+the graph is saved as placed ONNX, loaded again and run with
+``pl.Runner(chunks=4)``: its outputs equal the trained module's.
 
 Run::
 
@@ -49,12 +52,14 @@ def train(
     vocab = net.config.vocab_size
     data = torch.randint(0, vocab, (4 * chunks, idx.shape[1] + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = data[:, :-1], data[:, 1:]
+
+    def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        logits = module(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
-        loss.backward()
+        loss = module.train_step(inputs, loss_fn=next_token_loss, targets=(targets,))
         optimizer.step()
         losses.append(loss.item())
 

@@ -312,10 +312,16 @@ class _StageLoop:
         elif kind == "B":
             self.backward_ready[i] = env
 
+    def _may_run(self, stage: int) -> bool:
+        return stage == self.j or (
+            self.stage.device.type == "cpu" and self.shared.stages[stage].device.type == "cpu"
+        )
+
     def _done(self) -> bool:
         """No weight gradients to run and none to come."""
         with self.shared.lock:
-            return not self.shared.pool and self.shared.backwards_left == 0
+            mine = any(self._may_run(p.stage) for p in self.shared.pool)
+            return not mine and self.shared.backwards_left == 0
 
     def _forward(self, i: int) -> None:
         from placement.runtime.lowering.pipelined import _call, _detach, _signal, _wait
@@ -414,16 +420,20 @@ class _StageLoop:
             shared.wake()
 
     def _weights(self) -> bool:
-        """Claim and run one group of the oldest deferred weight gradients, any stage's;
-        ``False`` when there are none."""
+        """Claim and run one group of the oldest deferred weight gradients this worker may run;
+        ``False`` when there are none.
+
+        On the CPU that is any stage's; a stage on a GPU runs only its own, on its own stream
+        (autograd orders a backward's kernels on the streams of the forward, and the gradients
+        kept for later were made on this worker's)."""
         shared = self.shared
         with shared.lock:
-            if not shared.pool:
+            pending = next((p for p in shared.pool if self._may_run(p.stage)), None)
+            if pending is None:
                 return False
-            pending = shared.pool[0]
             group = pending.later.take()
             if not len(pending.later):
-                shared.pool.popleft()
+                shared.pool.remove(pending)
         self.current = (pending.stage, pending.microbatch)
         grads = pending.later.run(group)
         with shared.lock:
