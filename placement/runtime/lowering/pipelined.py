@@ -56,10 +56,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +70,18 @@ from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model, subgraphs_of
 from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
+from placement.runtime.lowering.stage_exec import (
+    Stage,
+    accumulate,
+    accumulate_owned,
+    call_stage,
+    detached,
+    microbatch_envs,
+    signal,
+    stage_name,
+    wait_for,
+    worker_context,
+)
 from placement.runtime.lowering.traced import TracedStage
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
 from placement.runtime.stages import partition
@@ -78,20 +89,6 @@ from placement.runtime.stages import partition
 __all__ = ["PipelinedModule", "pipeline_module"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stage:
-    """One stage of the split module: its submodule, what it reads and what it defines."""
-
-    index: int
-    module: fx.GraphModule
-    args: list[str]  # env keys it reads, in call order
-    outs: list[tuple[str, int | None]]  # env key -> index into its result (None: the result itself)
-    device: torch.device
-    consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
-    call: Any = None  # a TracedStage of ``module``: traces it for inference (see traced.py)
-    part: int = 0  # the stage of ``partition(model)`` it runs (``index`` skips stages with no code)
 
 
 def pipeline_module(
@@ -290,7 +287,7 @@ class PipelinedModule(torch.nn.Module):
 
 def _split(
     module: fx.GraphModule, stage_of_op: Mapping[str, int]
-) -> tuple[list[_Stage], list[str], list[str]]:
+) -> tuple[list[Stage], list[str], list[str]]:
     """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
     the environment keys of the graph inputs and outputs."""
     graph = module.graph
@@ -330,8 +327,8 @@ def _split(
     parts = sorted(set(assigned.values()))
     order = {s: k for k, s in enumerate(parts)}
     split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
-    stages: list[_Stage] = []
-    by_call: dict[str, _Stage] = {}
+    stages: list[Stage] = []
+    by_call: dict[str, Stage] = {}
     attrs: dict[str, Any] = {}
     inputs: list[str] = []
     for node in split.graph.nodes:
@@ -345,7 +342,7 @@ def _split(
                     raise LoweringError(f"stage {node.target} reads a non-tensor argument {a!r}")
                 args.append(a.name)
             dense = int(str(node.target).rsplit("_", 1)[1])  # split_module names them submod_<partition>
-            stage = _Stage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
+            stage = Stage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
             stage.consts = {a: attrs[a] for a in args if a in attrs}
             stages.append(stage)
             by_call[node.name] = stage
@@ -370,7 +367,7 @@ def _split(
     return stages, inputs, keys
 
 
-def _traced(stage: _Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
+def _traced(stage: Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
     """``stage.module`` as a :class:`TracedStage`, never traced when it holds an op of
     ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
     :data:`~placement.runtime.lowering.lower.UNTRACEABLE_META` (an ``If`` or ``Loop``
@@ -405,94 +402,40 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 # --- running ----------------------------------------------------------------------------------
 
 
-def _stage_context(stages: list[_Stage], grad: bool) -> Any:
-    """Per worker: the grad mode, and on a GPU the stage's own CUDA stream.
-
-    Without grad the workers run in ``torch.inference_mode()``: no version counters or
-    view tracking on the values between stages (1-3% of a bench GPT stage on the CPU).
-    Those values never leave the pipeline: the caller gets outputs concatenated outside
-    it, ordinary tensors."""
-
-    @contextlib.contextmanager
-    def enter(j: int) -> Iterator[None]:
-        device = stages[min(j, len(stages) - 1)].device
-        with torch.set_grad_enabled(True) if grad else torch.inference_mode():
-            if device.type == "cuda":
-                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-                    yield
-            else:
-                yield
-
-    return enter
-
-
-def _workers(stages: list[_Stage], make: Callable[[_Stage], Any], *, grad: bool) -> StageWorkers:
+def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -> StageWorkers:
     """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
     each: grad mode and CUDA stream per worker; when every stage is on the CPU the last runs on
     the caller's thread, which waits for results anyway."""
     return StageWorkers(
         [make(s) for s in stages],
-        _names(stages),
-        context=_stage_context(stages, grad),
+        [stage_name(s) for s in stages],
+        context=worker_context(stages, grad),
         inline_last=all(s.device.type == "cpu" for s in stages),
     )
 
 
-def _wait(env: dict[str, Any]) -> None:
-    """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
-    event = env.pop("__event__", None)
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)
-
-
-def _signal(env: dict[str, Any], device: torch.device) -> None:
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        env["__event__"] = event
-
-
-def _call(stage: _Stage, args: list[Any]) -> dict[str, Any]:
-    result = stage.call(*args)
-    return {key: result if index is None else result[index] for key, index in stage.outs}
-
-
-def _microbatch_envs(module: PipelinedModule, inputs: Sequence[Any]) -> list[dict[str, Any]]:
-    placeholders = module._pl_inputs
-    parts = split_batch(list(inputs), module._in_axes, module.chunks)
-    envs = []
-    for part in parts:
-        env = dict(zip(placeholders, part))
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in part):
-            _signal(env, next(t.device for t in part if isinstance(t, torch.Tensor) and t.is_cuda))
-        envs.append(env)
-    return envs
-
-
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
     for env in envs:
-        _wait(env)
+        wait_for(env)
     keys = module._pl_outputs
     return [torch.cat([env[key] for env in envs], dim=axis) for key, axis in zip(keys, module._out_axes)]
 
 
-def _names(stages: list[_Stage]) -> list[str]:
-    return [f"stage {s.index} on {s.device}" for s in stages]
-
-
 def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    stages: list[_Stage] = module._pl_stages
+    stages: list[Stage] = module._pl_stages
 
-    def make(stage: _Stage) -> Any:
+    def make(stage: Stage) -> Any:
         def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
-            _wait(env)
-            env.update(_call(stage, [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]))
-            _signal(env, stage.device)
+            wait_for(env)
+            env.update(
+                call_stage(stage, [stage.consts[a] if a in stage.consts else env[a] for a in stage.args])
+            )
+            signal(env, stage.device)
             return env
 
         return fn
 
-    envs = _microbatch_envs(module, inputs)
+    envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
     with _workers(stages, make, grad=False) as w:
         for i, env in enumerate(envs):
             w.submit(i, env)
@@ -513,23 +456,14 @@ class _Run:
     input_requires_grad: list[bool] = field(default_factory=list)
 
 
-def _detach(value: Any, requires_grad: bool) -> Any:
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        if requires_grad and leaf.is_floating_point():
-            leaf.requires_grad_(True)
-        return leaf
-    return value
-
-
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         module = run.module
-        stages: list[_Stage] = module._pl_stages
+        stages: list[Stage] = module._pl_stages
         inputs = list(tensors[: run.n_inputs])
         run.input_requires_grad = [t.requires_grad for t in inputs]
-        envs = _microbatch_envs(module, inputs)
+        envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
         placeholders = set(module._pl_inputs)
         grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
@@ -538,27 +472,27 @@ class _PipelineFunction(torch.autograd.Function):
         def keep(i: int) -> bool:
             return mode == "never" or (mode == "except_last" and i == n_mb - 1)
 
-        def make(stage: _Stage) -> Any:
+        def make(stage: Stage) -> Any:
             def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
-                _wait(env)
+                wait_for(env)
                 # Graph inputs need grad when the caller's do; every other value between
                 # stages is tracked (it depends on parameters).
                 args = [
                     stage.consts[a]
                     if a in stage.consts
-                    else _detach(env[a], a in grad_inputs or a not in placeholders)
+                    else detached(env[a], a in grad_inputs or a not in placeholders)
                     for a in stage.args
                 ]
                 if keep(i):
                     with torch.enable_grad():
-                        outs = _call(stage, args)
+                        outs = call_stage(stage, args)
                     run.saved[(stage.index, i)] = (args, outs)
                 else:
                     with torch.no_grad():
-                        outs = _call(stage, args)
+                        outs = call_stage(stage, args)
                     run.saved[(stage.index, i)] = (args, None)
                 env.update(outs)
-                _signal(env, stage.device)
+                signal(env, stage.device)
                 return env
 
             return fn
@@ -579,7 +513,7 @@ class _PipelineFunction(torch.autograd.Function):
         run: _Run = ctx.run
         ctx.run = None
         module = run.module
-        stages: list[_Stage] = module._pl_stages
+        stages: list[Stage] = module._pl_stages
         n_mb = len(run.envs)
         out_keys = module._pl_outputs
         genvs: list[dict[str, Any]] = [{} for _ in range(n_mb)]
@@ -587,11 +521,11 @@ class _PipelineFunction(torch.autograd.Function):
             if g is None:
                 continue
             for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
-                _accumulate(genv, key, part)
+                accumulate(genv, key, part)
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
-        def make(stage: _Stage) -> Any:
+        def make(stage: Stage) -> Any:
             params = [
                 (n, t)
                 for n, t in enumerate(stage.args)
@@ -600,11 +534,11 @@ class _PipelineFunction(torch.autograd.Function):
             param_slots = {n for n, _ in params}
 
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
-                _wait(genv)
+                wait_for(genv)
                 args, outs = run.saved.pop((stage.index, i))
                 if outs is None:  # checkpointed: recompute this micro-batch's stage
                     with torch.enable_grad():
-                        outs = _call(stage, args)
+                        outs = call_stage(stage, args)
                 pairs = [
                     (outs[k], genv[k])
                     for k, _ in stage.outs
@@ -624,12 +558,12 @@ class _PipelineFunction(torch.autograd.Function):
                     )
                     for n, g in zip(arg_slots, grads[: len(arg_slots)]):
                         if g is not None:
-                            _accumulate(genv, stage.args[n], g)
+                            accumulate(genv, stage.args[n], g)
                     acc, mine = param_grads[stage.index], owned[stage.index]
                     for (_, key), g in zip(params, grads[len(arg_slots) :]):
                         if g is not None:
-                            _accumulate_owned(acc, mine, key, g)
-                _signal(genv, stage.device)
+                            accumulate_owned(acc, mine, key, g)
+                signal(genv, stage.device)
                 return genv
 
             return fn
@@ -640,7 +574,7 @@ class _PipelineFunction(torch.autograd.Function):
             done = [w.result() for _ in range(n_mb)]
         done.reverse()
         for genv in done:
-            _wait(genv)
+            wait_for(genv)
         # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
         placeholders = module._pl_inputs
         input_grads: list[Any] = []
@@ -661,23 +595,3 @@ class _PipelineFunction(torch.autograd.Function):
                     g if id(p) not in by_param else by_param[id(p)] + g.to(by_param[id(p)].device)
                 )
         return (None, *input_grads, *[by_param.get(id(p)) for p in run.params])
-
-
-def _accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:
-    env[key] = grad if key not in env else env[key] + grad
-
-
-def _accumulate_owned(acc: dict[str, torch.Tensor], owned: set[str], key: str, grad: torch.Tensor) -> None:
-    """Sum a parameter's gradient over micro-batches, allocating one accumulator, not one per micro-batch.
-
-    The first gradient is kept as it is (autograd may hand out a tensor it shares);
-    the second makes a new accumulator, which later ones are added to in place.
-    """
-    total = acc.get(key)
-    if total is None:
-        acc[key] = grad
-    elif key in owned:
-        total.add_(grad)
-    else:
-        acc[key] = total + grad
-        owned.add(key)

@@ -43,7 +43,8 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.lowering.lower import to_torch
-from placement.runtime.lowering.pipelined import _call, _detach, _split, _Stage, _traced, nondeterministic_ops
+from placement.runtime.lowering.pipelined import _split, _traced, nondeterministic_ops
+from placement.runtime.lowering.stage_exec import Stage, call_stage, detached
 from placement.runtime.stages import partition
 
 __all__ = ["LoweredStages"]
@@ -104,14 +105,14 @@ class LoweredStages:
             stage.call = _traced(stage, warmup=1, untraceable=untraceable)
             args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
             with torch.no_grad():
-                env.update(_call(stage, args))
+                env.update(call_stage(stage, args))
             run = _backward(stage, args) if training else _forward(stage, args)
             for _ in range(WARMUP_CALLS):
                 run()
             self.runs.append(run)
 
 
-def _forward(stage: _Stage, args: list[Any]) -> Callable[[], Any]:
+def _forward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
     def run() -> Any:
         with torch.inference_mode():  # as the pipeline's forward-only workers run
             result = stage.call(*args)
@@ -127,13 +128,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _backward(stage: _Stage, args: list[Any]) -> Callable[[], Any]:
+def _backward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
     consts = {n for n, a in enumerate(stage.args) if a in stage.consts}
 
     def run() -> tuple[torch.Tensor | None, ...]:
         grads: tuple[torch.Tensor | None, ...]
         with torch.enable_grad():
-            leaves = [a if n in consts else _detach(a, True) for n, a in enumerate(args)]
+            leaves = [a if n in consts else detached(a, True) for n, a in enumerate(args)]
             result = stage.call(*leaves)
             outs = [t for t in (result if isinstance(result, (tuple, list)) else [result]) if t.requires_grad]
             wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -58,11 +58,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from placement.errors import InputError
+from placement.runtime.lowering.stage_exec import (
+    Stage,
+    accumulate,
+    accumulate_owned,
+    call_stage,
+    detached,
+    microbatch_envs,
+    signal,
+    stage_name,
+    wait_for,
+    worker_context,
+)
 from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
 from placement.runtime.pipeline import microbatch_bounds, split_batch, stage_error
 
 if TYPE_CHECKING:
-    from placement.runtime.lowering.pipelined import PipelinedModule, _Stage
+    from placement.runtime.lowering.pipelined import PipelinedModule
 
 __all__ = ["REDUCTIONS", "train_step"]
 
@@ -88,7 +100,7 @@ class _Shared:
     """What the stage loops of one step share; ``lock`` guards the pool and the gradients."""
 
     module: PipelinedModule
-    stages: list[_Stage]
+    stages: list[Stage]
     envs: list[dict[str, Any]]
     targets: list[list[Any]]
     weights: list[float]
@@ -133,7 +145,6 @@ class _Shared:
         in, micro-batch by micro-batch in order, so the sums do not depend on which worker ran
         what when.
         """
-        from placement.runtime.lowering.pipelined import _accumulate_owned
 
         key = (stage, microbatch)
         self.results.setdefault(key, []).extend(grads)
@@ -145,7 +156,7 @@ class _Shared:
             if key not in self.results or self.unfinished[key] != 0:
                 return
             for p, g in self.results.pop(key):
-                _accumulate_owned(self.param_grads[stage], self.owned[stage], self.params[stage][p][1], g)
+                accumulate_owned(self.param_grads[stage], self.owned[stage], self.params[stage][p][1], g)
             del self.unfinished[key]
             self.flushed[stage] += 1
 
@@ -184,13 +195,12 @@ def train_step(
             stage and micro-batch. No worker thread is left running.
         InputError: a target's batch size differs from the inputs'.
     """
-    from placement.runtime.lowering.pipelined import _microbatch_envs
 
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
         raise ValueError(f"max_in_flight must be a positive integer or None, got {max_in_flight!r}")
-    stages: list[_Stage] = module._pl_stages
+    stages: list[Stage] = module._pl_stages
     inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
     size = next(
         (int(t.shape[a]) for t, a in zip(inputs, module._in_axes) if a is not None and hasattr(t, "shape")), 1
@@ -199,7 +209,7 @@ def train_step(
         if not isinstance(target, torch.Tensor) or target.dim() == 0 or int(target.shape[0]) != size:
             shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
             raise InputError(f"target {n} must have the batch ({size}) on its first axis, got {shape}")
-    envs = _microbatch_envs(module, inputs)
+    envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
     parts = split_batch(list(targets), [0] * len(targets), module.chunks) if targets else [[] for _ in envs]
     bounds = microbatch_bounds(size, module.chunks)
     shared = _Shared(
@@ -235,7 +245,7 @@ def train_step(
             thread.join()
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
-        raise stage_error(stage, _name(stages[stage]), microbatch, err) from err
+        raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
     if shared.flushed != [len(envs)] * len(stages):  # pragma: no cover - a bug, not an input error
         raise RuntimeError(f"train_step lost gradients: flushed {shared.flushed} of {len(envs)}")
     _write_grads(stages, shared.param_grads, shared.owned)
@@ -243,19 +253,14 @@ def train_step(
     return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
 
 
-def _params(stage: _Stage) -> list[tuple[int, str]]:
+def _params(stage: Stage) -> list[tuple[int, str]]:
     consts = stage.consts
     return [(n, key) for n, key in enumerate(stage.args) if key in consts and consts[key].requires_grad]
 
 
-def _name(stage: _Stage) -> str:
-    return f"stage {stage.index} on {stage.device}"
-
-
 def _run_loop(shared: _Shared, j: int) -> None:
-    from placement.runtime.lowering.pipelined import _stage_context
 
-    with _stage_context(shared.stages, True)(j):
+    with worker_context(shared.stages, True)(j):
         _StageLoop(shared, j).run()
 
 
@@ -324,22 +329,21 @@ class _StageLoop:
             return not mine and self.shared.backwards_left == 0
 
     def _forward(self, i: int) -> None:
-        from placement.runtime.lowering.pipelined import _call, _detach, _signal, _wait
 
         stage, module = self.stage, self.shared.module
         env = self.forward_ready.pop(i)
-        _wait(env)
+        wait_for(env)
         placeholders = set(module._pl_inputs)
         args = [
-            stage.consts[a] if a in stage.consts else _detach(env[a], a not in placeholders)
+            stage.consts[a] if a in stage.consts else detached(env[a], a not in placeholders)
             for a in stage.args
         ]
         keep = module.checkpoint == "never" or (module.checkpoint == "except_last" and i == self.k - 1)
         with torch.enable_grad() if keep else torch.no_grad():
-            outs = _call(stage, args)
+            outs = call_stage(stage, args)
         self.saved[i] = (args, outs if keep else None)
         env.update(outs)
-        _signal(env, stage.device)
+        signal(env, stage.device)
         if self.last:
             self.backward_ready[i] = self._loss(i, env)
         else:
@@ -347,11 +351,10 @@ class _StageLoop:
 
     def _loss(self, i: int, env: dict[str, Any]) -> dict[str, Any]:
         """Micro-batch ``i``'s loss from the model's outputs in ``env``; returns the outputs' gradients."""
-        from placement.runtime.lowering.pipelined import _detach
 
         shared = self.shared
         keys = shared.module._pl_outputs
-        leaves = [_detach(env[key], True) for key in keys]
+        leaves = [detached(env[key], True) for key in keys]
         output = leaves[0] if len(leaves) == 1 else tuple(leaves)
         with torch.enable_grad():
             loss = shared.loss_fn(output, *shared.targets[i])
@@ -372,15 +375,14 @@ class _StageLoop:
         return {key: g for (key, _), g in zip(tracked, grads) if g is not None}
 
     def _backward(self, i: int) -> None:
-        from placement.runtime.lowering.pipelined import _accumulate, _call, _signal, _wait
 
         shared, stage = self.shared, self.stage
         genv = self.backward_ready.pop(i)
-        _wait(genv)
+        wait_for(genv)
         args, outs = self.saved.pop(i)
         if outs is None:  # checkpointed: recompute this micro-batch's stage
             with torch.enable_grad():
-                outs = _call(stage, args)
+                outs = call_stage(stage, args)
         pairs = [
             (outs[k], genv[k])
             for k, _ in stage.outs
@@ -406,8 +408,8 @@ class _StageLoop:
                 arg_grads, now = list(grads[: len(arg_slots)]), list(grads[len(arg_slots) :])
             for n, g in zip(arg_slots, arg_grads):
                 if g is not None:
-                    _accumulate(genv, stage.args[n], g)
-        _signal(genv, stage.device)
+                    accumulate(genv, stage.args[n], g)
+        signal(genv, stage.device)
         if self.j > 0:
             shared.inboxes[self.j - 1].put(("B", i, genv))
         groups = len(later) if later is not None else 0
@@ -442,7 +444,7 @@ class _StageLoop:
 
 
 def _write_grads(
-    stages: list[_Stage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
+    stages: list[Stage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
 ) -> None:
     """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
 
