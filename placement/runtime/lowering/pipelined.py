@@ -28,6 +28,12 @@ their activations after forward and recompute them in backward: ``"always"``,
 ``"except_last"`` (GPipe's default: the last micro-batch is needed first in
 backward) or ``"never"``.
 
+That is GPipe: the caller's loss exists only after every micro-batch's forward.
+Given the loss function, ``module.train_step(x, loss_fn=..., targets=(y,))``
+takes the whole step faster with the same gradients: each micro-batch's loss is
+computed and back-propagated as soon as its forward ends (1F1B), and weight
+gradients are deferred to fill idle time (:mod:`placement.runtime.lowering.train_step`).
+
 BatchNorm: the placed graph comes from an eval-mode export, and the lowering
 runs ``BatchNormalization`` with its running statistics (inference semantics)
 whatever ``module.training`` says. Normalisation therefore does not depend on

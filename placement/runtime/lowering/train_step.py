@@ -19,7 +19,10 @@ weight gradients whenever it would otherwise wait for work (*zero-bubble*, Qi
 et al. 2023, ZB-H1). Each worker picks its next task as work arrives: a
 backward that is ready, else the next forward (at most ``max_in_flight``
 micro-batches between a forward and its backward), else one group of deferred
-weight gradients, else it waits. Backwards run in micro-batch order and
+weight gradients, else it waits. Stages on the CPU (one physical device, however
+many logical ones) share the deferred work: an idle worker runs any CPU stage's,
+which also evens out a plan whose stages turned out unequal; a stage on a GPU runs
+only its own, on its own stream. Backwards run in micro-batch order and
 weight gradients are summed in that order, so a step's gradients do not depend
 on timing.
 
