@@ -12,6 +12,9 @@ it already has:
   (``fc3_cuda_1_1``) if the name is taken;
 * a copy sits just before the first op that reads it, so it joins that op's
   device segment; a copy only a graph output reads goes at the end;
+* a ``Loop``/``Scan`` body or ``If`` branch that reads a blob of the enclosing
+  graph (an outer-scope read) reads it on its op's device: through a copy made in
+  the enclosing graph, before the op, when the blob lives elsewhere;
 * graph inputs are fed on the input device, graph outputs are gathered on the
   output device. Names are kept: a consumer of input ``x`` on another device reads
   ``x_cuda_1``; an output ``y`` produced on ``cuda:1`` but wanted on ``cuda:0``
@@ -59,6 +62,7 @@ from placement.graph.model import (
     OUTPUT_DEVICE_KEY,
     graph_nodes,
     name_of,
+    subgraphs_of,
 )
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 
@@ -79,6 +83,9 @@ _Key = tuple[ir.Value, int]
 
 #: The ONNX op type of a copy.
 COPY_OP_TYPE = "Identity"
+
+#: Standard ops with subgraphs, whose bodies may read blobs of the enclosing graph.
+_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 @dataclasses.dataclass
@@ -174,6 +181,11 @@ class _Scan:
     uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device | None, int]] = dataclasses.field(
         default_factory=list
     )
+    #: reads of the graph's blobs from inside subgraphs, as ``uses`` plus the op owning the
+    #: subgraph (the reader as far as devices and positions go)
+    inner_uses: list[tuple[ir.Node, int, ir.Value, ir.Value, Device | None, int, ir.Node]] = (
+        dataclasses.field(default_factory=list)
+    )
 
     def home_positions(self) -> dict[ir.Value, int]:
         """Parameter -> position of its first reader (where the parameter lives)."""
@@ -194,6 +206,7 @@ class _Decision:
     misplaced: list[tuple[ir.Node, _Need]] = dataclasses.field(default_factory=list)
     #: for each of ``_Scan.uses``: the copy its reader must read, ``None``: the blob itself
     readers: list[_Need | None] = dataclasses.field(default_factory=list)
+    inner_readers: list[_Need | None] = dataclasses.field(default_factory=list)  # for ``inner_uses``
 
 
 class _Injection:
@@ -288,6 +301,8 @@ class _Injection:
                     if where is device and source is value:
                         continue
                 record((node, index, value, source, device if where is not device else None, pos))
+            if node._op_type in _SUBGRAPH_OPS:
+                self._scan_subgraphs(scan, node, device, pos, inputs_)
             outputs = node._outputs
             if len(outputs) == 1:
                 value = outputs[0]
@@ -303,6 +318,33 @@ class _Injection:
                         blob_name(name)
         self._copy_nodes = [node for node, _, _, _ in copies]
         return scan
+
+    def _scan_subgraphs(
+        self, scan: _Scan, node: ir.Node, device: Device, pos: int, inputs_: set[ir.Value]
+    ) -> None:
+        """Record ``node``'s subgraphs' reads of this graph's blobs, read on ``node``'s device."""
+        graph, origin, dev_of = self.graph, scan.origin, scan.dev_of
+        for _, sub in subgraphs_of(node):
+            for inner in sub.all_nodes():
+                for index, value in enumerate(inner.inputs):
+                    if value is None or value.graph is not graph:
+                        continue
+                    source = origin.get(value, value)
+                    where = dev_of.get(source)
+                    if where is None:  # a graph input, or a parameter read here first: it lives here
+                        if source in inputs_:
+                            where = scan.in_dev
+                        else:
+                            if not source.is_initializer():
+                                self._not_topological(node, source)
+                            where = device
+                            scan.params.append(source)
+                            scan.param_pos.append(pos)
+                        dev_of[source] = where
+                    if where is device and source is value:
+                        continue
+                    reader_device = device if where is not device else None
+                    scan.inner_uses.append((inner, index, value, source, reader_device, pos, node))
 
     def _plan(self, scan: _Scan) -> _Decision:
         """Which copies are needed, which existing ones to keep, remove or move (read only)."""
@@ -324,6 +366,17 @@ class _Injection:
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, node
             reads(need)
+        for _, _, _, source, device, pos, owner in scan.inner_uses:
+            if device is None:
+                decision.inner_readers.append(None)
+                continue
+            key = (source, id(device))
+            need = needs.get(key)
+            if need is None:
+                needs[key] = need = _Need(source, device, pos, owner)
+            elif pos < need.first_pos:
+                need.first_pos, need.first_node = pos, owner
+            decision.inner_readers.append(need)
         for slot, _, source, name in outputs:
             if dev_of.get(source) is not out_dev:
                 need = needs.setdefault((source, id(out_dev)), _Need(source, out_dev))
@@ -368,6 +421,11 @@ class _Injection:
         rewired = 0
         rewire = edit.rewire  # replace_input_with, in bulk: see placement.graph.edit
         for (node, index, value, source, _, _), need in zip(scan.uses, decision.readers):
+            want = source if need is None else need.copy
+            if want is not value:
+                rewire(node, index, want)
+                rewired += 1
+        for (node, index, value, source, _, _, _), need in zip(scan.inner_uses, decision.inner_readers):
             want = source if need is None else need.copy
             if want is not value:
                 rewire(node, index, want)

@@ -444,3 +444,94 @@ def test_copies_for_one_reader_go_before_it_in_first_use_order() -> None:
     assert names[at_y - 3 : at_y] == ["copy_d_cuda_1", "copy_a_cuda_1", "copy_c_cuda_1"]
     assert names[at_z - 2 : at_z] == ["copy_c_cuda_2", "copy_y_cuda_2"]
     assert reads(model, "y") == ("d_cuda_1", "a_cuda_1", "c_cuda_1")
+
+
+# --- subgraphs reading the enclosing graph ------------------------------------------------------
+
+
+def _loop_reading_outer_values():
+    """x -> Relu -> Loop(body: tanh(h @ W + s)) where ``s = Neg(x)`` and ``W`` (also read by an
+    outer MatMul) come from the enclosing graph."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    body = h.make_graph(
+        [
+            h.make_node("MatMul", ["h_in", "W"], ["hw"]),
+            h.make_node("Add", ["hw", "s"], ["pre"]),
+            h.make_node("Tanh", ["pre"], ["h_out"]),
+            h.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info(n, t, s)
+            for n, t, s in (("i", T.INT64, []), ("cond_in", T.BOOL, []), ("h_in", T.FLOAT, [2, 3]))
+        ],
+        [
+            h.make_tensor_value_info(n, t, s)
+            for n, t, s in (("cond_out", T.BOOL, []), ("h_out", T.FLOAT, [2, 3]))
+        ],
+    )
+    w = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+    graph = h.make_graph(
+        [
+            h.make_node("Relu", ["x"], ["h0"], name="relu"),
+            h.make_node("Neg", ["x"], ["s"], name="neg"),
+            h.make_node("MatMul", ["x", "W"], ["xw"], name="outer_matmul"),
+            h.make_node("Loop", ["M", "", "h0"], ["hN"], body=body, name="loop"),
+            h.make_node("Add", ["hN", "xw"], ["y"], name="add"),
+        ],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 3]), h.make_tensor_value_info("M", T.INT64, [])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 3])],
+        [onnx.numpy_helper.from_array(w, "W")],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(model)
+    feeds = {
+        "x": np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32),
+        "M": np.array(3, np.int64),
+    }
+    return model, feeds
+
+
+def test_outer_scope_reads_of_a_body_get_copies_on_its_device():
+    import numpy as np
+
+    proto, feeds = _loop_reading_outer_values()
+    model = pl.load(proto)
+    model.set_device("loop", 1)
+    inject_twice(model)
+    copies = {op.inputs[0]: (op.outputs[0], str(op.device)) for op in model.ops if op.is_copy}
+    # the outer activation and the parameter (its home: the outer MatMul's device) are copied
+    assert copies["s"] == ("s_cuda_1", "cuda:1") and copies["W"] == ("W_cuda_1", "cuda:1")
+    order = [op.outputs[0] for op in model.ops]
+    assert order.index("s_cuda_1") < order.index("hN") and order.index("W_cuda_1") < order.index("hN")
+    (loop,) = [node for node in model.graph if node.name == "loop"]
+    body = loop.attributes["body"].as_graph()
+    read = {v.name for node in body for v in node.inputs if v is not None}
+    assert {"s_cuda_1", "W_cuda_1"} <= read and not {"s", "W"} & read
+    pl.verify(model)
+    want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    (got,) = pl.Runner(model, device_map="cpu").run([feeds["x"], feeds["M"]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    module = pl.to_torch(model, device_map="cpu")
+    lowered = module(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["M"]))
+    np.testing.assert_allclose(lowered.detach().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_copy_read_only_inside_a_body_is_kept_and_moving_back_removes_it():
+    proto, _ = _loop_reading_outer_values()
+    model = pl.load(proto)
+    model.set_device("loop", 1)
+    inject_twice(model)
+    model.set_device("loop", 0)  # back with its inputs: the copies go, the body reads the blobs again
+    result = inject_twice(model)
+    assert result.removed == 5 and not [op for op in model.ops if op.is_copy]  # M, h0, s, W, hN
+    (loop,) = [node for node in model.graph if node.name == "loop"]
+    read = {v.name for node in loop.attributes["body"].as_graph() for v in node.inputs if v is not None}
+    assert {"s", "W"} <= read
