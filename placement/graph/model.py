@@ -78,6 +78,10 @@ _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
 
 
+#: Standard ONNX ops with subgraphs (``Loop``/``Scan`` bodies, ``If`` branches, ``SequenceMap``).
+SUBGRAPH_OP_TYPES = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
 def subgraphs_of(node: ir.Node) -> list[tuple[str, ir.Graph]]:
     """``node``'s subgraphs (a ``Loop``/``Scan`` body, ``If`` branches), each with its label:
     the attribute's name, ``"<name>.<i>"`` for a list of graphs.

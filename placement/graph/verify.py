@@ -4,7 +4,9 @@
 2. ops are in topological order: each input is a graph input, a parameter, or
    the output of an earlier op;
 3. every edge whose ends sit on different devices goes through a copy, and no
-   copy is redundant (a copy's source and destination devices differ);
+   copy is redundant (a copy's source and destination devices differ); a read of
+   a blob from inside an op's subgraph (a ``Loop`` body reading an outer value) is
+   an edge to that op;
 4. graph outputs sit on the model's output device, when one is set;
 5. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
 
@@ -28,7 +30,7 @@ from onnx_ir.passes.common import CheckerPass
 
 from placement.errors import VerificationError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, Model, is_copy_node
+from placement.graph.model import DEVICE_KEY, SUBGRAPH_OP_TYPES, Model, is_copy_node, node_reads
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -54,7 +56,8 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
         except Exception as err:
             raise VerificationError(f"op {node.name!r} has a bad device {spec!r}: {err}") from err
         copy = is_copy_node(node)
-        for value in node.inputs:
+        reads = node_reads(node, graph) if node.op_type in SUBGRAPH_OP_TYPES else node.inputs
+        for value in reads:
             if value is None:
                 continue
             if id(value) not in defined:

@@ -60,6 +60,7 @@ from placement.graph.model import (
     DEVICE_KEY,
     INPUT_DEVICE_KEY,
     OUTPUT_DEVICE_KEY,
+    SUBGRAPH_OP_TYPES,
     graph_nodes,
     name_of,
     subgraphs_of,
@@ -83,9 +84,6 @@ _Key = tuple[ir.Value, int]
 
 #: The ONNX op type of a copy.
 COPY_OP_TYPE = "Identity"
-
-#: Standard ops with subgraphs, whose bodies may read blobs of the enclosing graph.
-_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 @dataclasses.dataclass
@@ -301,7 +299,7 @@ class _Injection:
                     if where is device and source is value:
                         continue
                 record((node, index, value, source, device if where is not device else None, pos))
-            if node._op_type in _SUBGRAPH_OPS:
+            if node._op_type in SUBGRAPH_OP_TYPES:
                 self._scan_subgraphs(scan, node, device, pos, inputs_)
             outputs = node._outputs
             if len(outputs) == 1:

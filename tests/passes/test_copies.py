@@ -535,3 +535,19 @@ def test_a_copy_read_only_inside_a_body_is_kept_and_moving_back_removes_it():
     (loop,) = [node for node in model.graph if node.name == "loop"]
     read = {v.name for node in loop.attributes["body"].as_graph() for v in node.inputs if v is not None}
     assert {"s", "W"} <= read
+
+
+def test_verify_sees_a_body_reading_another_devices_blob():
+    proto, _ = _loop_reading_outer_values()
+    model = pl.load(proto)
+    model.set_device("loop", 1)
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+    (loop,) = [node for node in model.graph if node.name == "loop"]
+    (add,) = [node for node in loop.attributes["body"].as_graph() if node.op_type == "Add"]
+    (s,) = [v for node in model.graph for v in node.outputs if v.name == "s"]
+    add.replace_input_with(1, s)  # the body reads s (on cuda:0) directly again
+    with pytest.raises(
+        pl.VerificationError, match="op 'loop' on cuda:1 reads blob 's' from cuda:0 without a copy"
+    ):
+        pl.verify(model)
