@@ -356,7 +356,7 @@ def test_unsupported_op_inside_a_body_is_named_before_running() -> None:
 def test_a_random_op_inside_an_inlined_branch_keeps_its_stage_untraced() -> None:
     """An ``If`` whose condition is known when lowering is inlined, its branch's ops under the
     If's name: a random op in that branch still keeps the pipeline from tracing its stage (a
-    trace would not be checked against a random op's fresh values)."""
+    trace would not be checked against a random op's fresh values), and only that stage."""
     then_branch = h.make_graph(
         [h.make_node("RandomUniformLike", ["x"], ["r"], seed=1.0), h.make_node("Add", ["x", "r"], ["t"])],
         "then",
@@ -386,3 +386,5 @@ def test_a_random_op_inside_an_inlined_branch_keeps_its_stage_untraced() -> None
             assert piped(torch.ones(4, 3)).shape == (4, 3)
     reasons = [s.call.disabled or "" for s in piped._pl_stages]
     assert reasons[0] == "nondeterministic op(s) branch" and piped._pl_stages[0].call.traced == 0
+    # the stage reading the random values is traced: its input stands for them, its code is plain
+    assert reasons[1] == "" and piped._pl_stages[1].call.traced == 1

@@ -378,7 +378,9 @@ def _traced(stage: Stage, *, warmup: int, untraceable: Collection[str]) -> Trace
     ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
     :data:`~placement.runtime.lowering.lower.UNTRACEABLE_META` (an ``If`` or ``Loop``
     whose branch or trip count depends on tensor values: a trace would freeze one)."""
-    nodes = stage.module.graph.nodes
+    # the stage's own nodes: a placeholder carries the meta of the op that made the value it
+    # stands for (a random op of an earlier stage), which says nothing about this stage's code
+    nodes = [n for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
     random = sorted({n.meta.get(OP_META) for n in nodes} & set(untraceable))
     reasons = [f"nondeterministic op(s) {', '.join(random)}"] if random else []
     reasons += sorted({n.meta[UNTRACEABLE_META] for n in nodes if UNTRACEABLE_META in n.meta})
