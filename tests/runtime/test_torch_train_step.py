@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import placement as pl
 from placement.runtime.lowering.train_step import train_step
@@ -208,3 +210,32 @@ def test_function_form_matches_the_method():
     la = a.train_step(x, loss_fn=lambda out: out.mean())
     lb = train_step(b, [x], loss_fn=lambda out: out.mean())
     assert torch.equal(la, lb)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 7),
+    chunks=st.integers(2, 5),  # chunks=1 lowers to the plain module
+    devices=st.integers(1, 3),
+    defer=st.booleans(),
+    max_in_flight=st.one_of(st.none(), st.integers(1, 3)),
+    reduction=st.sampled_from(["mean", "sum"]),
+)
+def test_any_split_gives_the_unsplit_gradients(batch, chunks, devices, defer, max_in_flight, reduction):
+    """Whatever the batch, chunk count, stage count, deferral, in-flight bound and reduction."""
+    model, (x,) = _placed("mlp", devices=devices)
+    x = torch.cat([x, x.flip(0)])[:batch]
+    plain = pl.to_torch(model, device_map="cpu")
+
+    def loss_fn(out):
+        per_sample = out.square().sum(-1).sin()
+        return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+    want = loss_fn(plain(x))
+    want.backward()
+    piped = pl.to_torch(model, device_map="cpu", chunks=chunks)
+    loss = piped.train_step(
+        x, loss_fn=loss_fn, reduction=reduction, defer_weights=defer, max_in_flight=max_in_flight
+    )
+    torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_grads(piped, plain)
