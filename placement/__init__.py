@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from placement.report.draw import draw
     from placement.report.html import write_report
     from placement.runtime.calibrate import Calibration, calibrate
-    from placement.runtime.lowering import to_torch
+    from placement.runtime.lowering import to_torch, train_step
     from placement.runtime.ort import Runner, run
 
 __version__ = "0.1.0"
@@ -114,6 +114,7 @@ _LAZY = {
     "calibrate": "placement.runtime.calibrate",
     "Calibration": "placement.runtime.calibrate",
     "to_torch": "placement.runtime.lowering",
+    "train_step": "placement.runtime.lowering",
 }
 
 __all__ = [
@@ -166,6 +167,7 @@ __all__ = [
     "calibrate",
     "Calibration",
     "to_torch",
+    "train_step",
     # report
     "summary",
     "draw",

@@ -3,7 +3,9 @@
 ``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule``; ``ops`` is
 the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
 module per op family). ``pipelined`` runs the lowered module's stages over
-micro-batches (``to_torch(chunks=k)``), ``traced`` runs a stage as TorchScript
+micro-batches (``to_torch(chunks=k)``) and ``train_step`` trains through them
+(1F1B, with ``weight_grads`` deferring weight gradients; ``stage_exec`` runs one
+stage for both), ``traced`` runs a stage as TorchScript
 traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``.
 Imports: the layers below ``placement.runtime`` and its ``device_map``,
 ``stages`` and ``pipeline`` modules.
@@ -12,5 +14,6 @@ Imports: the layers below ``placement.runtime`` and its ``device_map``,
 from __future__ import annotations
 
 from placement.runtime.lowering.lower import to_torch
+from placement.runtime.lowering.train_step import train_step
 
-__all__ = ["to_torch"]
+__all__ = ["to_torch", "train_step"]

@@ -264,9 +264,9 @@ class PipelinedModule(torch.nn.Module):
             >>> loss.shape, all(p.grad is not None for p in module.parameters())
             (torch.Size([]), True)
         """
-        from placement.runtime.lowering.train_step import train_step
+        from placement.runtime.lowering.train_step import pipelined_train_step
 
-        return train_step(
+        return pipelined_train_step(
             self,
             self._bind(args, kwargs),
             loss_fn=loss_fn,

@@ -79,7 +79,7 @@ from placement.runtime.pipeline import microbatch_bounds, split_batch, stage_err
 if TYPE_CHECKING:
     from placement.runtime.lowering.pipelined import PipelinedModule
 
-__all__ = ["REDUCTIONS", "train_step"]
+__all__ = ["REDUCTIONS", "pipelined_train_step", "train_step"]
 
 #: How micro-batch losses combine into the step's loss.
 REDUCTIONS = ("mean", "sum")
@@ -165,6 +165,56 @@ class _Shared:
 
 
 def train_step(
+    module: torch.nn.Module,
+    *inputs: Any,
+    loss_fn: LossFn,
+    targets: Sequence[Any] = (),
+    reduction: str = "mean",
+    defer_weights: bool = True,
+    max_in_flight: int | None = None,
+) -> torch.Tensor:
+    """One training step of ``module`` on ``inputs``: adds the gradients of ``loss_fn`` to
+    ``.grad`` and returns the loss (detached); ``pl.train_step``.
+
+    A pipelined module (``pl.to_torch(model, chunks=k)``) runs
+    :meth:`PipelinedModule.train_step` (1F1B with deferred weight gradients, see the
+    module docstring); any other module (``pl.to_torch(model)``, ``chunks=1``, or the
+    original ``nn.Module``) computes ``loss_fn(module(*inputs), *targets)`` on the whole
+    batch and back-propagates it, so one training loop serves every ``chunks``.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> net, (x,) = mlp.build("tiny")
+        >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        >>> losses = [pl.train_step(pl.to_torch(model, device_map="cpu", chunks=k), x,
+        ...                         loss_fn=lambda out: out.square().mean()) for k in (1, 2)]
+        >>> torch.allclose(losses[0], losses[1])
+        True
+    """
+    from placement.runtime.lowering.pipelined import PipelinedModule
+
+    if isinstance(module, PipelinedModule):
+        return module.train_step(
+            *inputs,
+            loss_fn=loss_fn,
+            targets=targets,
+            reduction=reduction,
+            defer_weights=defer_weights,
+            max_in_flight=max_in_flight,
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    loss = loss_fn(module(*inputs), *targets)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
+    loss.backward()
+    return loss.detach().reshape(())
+
+
+def pipelined_train_step(
     module: PipelinedModule,
     inputs: Sequence[Any],
     *,
@@ -176,7 +226,7 @@ def train_step(
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``module``'s stages, the loss per micro-batch.
 
-    See the module docstring (``PipelinedModule.train_step`` calls this).
+    See the module docstring (``PipelinedModule.train_step`` calls this with the inputs bound).
 
     Args:
         module: the pipelined module (``pl.to_torch(model, chunks=k)``).
