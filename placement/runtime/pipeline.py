@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from placement.analysis import copy_origin
 from placement.errors import InputError, PipelineError, PlacementError
 from placement.graph.model import Model
 from placement.runtime.inputs import input_specs
@@ -146,7 +147,9 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
 
     The batch is the first symbolic dimension of the first input that has
     one (a model exported with a dynamic batch: ``pl.from_torch(net, args,
-    dynamic_shapes=...)``); each input and output is batched along the axis
+    dynamic_shapes=...)``), except that an input read as the sequence of a
+    time-major ``RNN``/``GRU``/``LSTM`` (``layout=0``, ``[steps, batch, features]``)
+    has its batch on axis 1; each input and output is batched along the axis
     carrying that same symbol. Inputs without it go whole to every
     micro-batch. ``overrides`` (input or output name -> axis, or None for "not
     batched", inputs only) replaces the detection for the names it lists.
@@ -183,20 +186,28 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             f"outputs: {', '.join(repr(n) for n, _ in outputs)}"
         )
     symbol = None
-    for spec in specs:
-        if spec.name in overrides:
-            axis = overrides[spec.name]
-            dims = spec.shape or ()
-            if axis is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], str):
-                symbol = dims[axis]
-                break
-            continue
-        for dim in spec.shape or ():
-            if isinstance(dim, str) and dim:
-                symbol = dim
-                break
-        if symbol is not None:
+    for spec in specs:  # an override names the batch axis
+        axis = overrides.get(spec.name)
+        dims = spec.shape or ()
+        if axis is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], str):
+            symbol = dims[axis]
             break
+    if symbol is None:  # a time-major recurrent op's input: its batch is on axis 1
+        recurrent = _recurrent_batch_axes(model)
+        for spec in specs:
+            axis = recurrent.get(spec.name)
+            dims = spec.shape or ()
+            if spec.name not in overrides and axis is not None and axis < len(dims):
+                if isinstance(dims[axis], str) and dims[axis]:
+                    symbol = dims[axis]
+                    break
+    if symbol is None:  # else the first symbolic dimension of the first input with one
+        for spec in specs:
+            if spec.name in overrides:
+                continue
+            symbol = next((dim for dim in spec.shape or () if isinstance(dim, str) and dim), None)
+            if symbol is not None:
+                break
 
     def axis_of(name: str, dims: tuple[Any, ...] | None) -> int | None:
         if name in overrides:
@@ -237,6 +248,23 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             )
         outs[name] = axis
     return BatchAxes(ins, outs, symbol)
+
+
+#: ONNX's recurrent ops: input 0 is ``[seq, batch, ...]`` with ``layout=0`` (the default), else batch-major.
+_RECURRENT = frozenset({"RNN", "GRU", "LSTM"})
+
+
+def _recurrent_batch_axes(model: Model) -> dict[str, int]:
+    """Graph inputs read (directly or through copies) as the sequence input of a recurrent op:
+    name -> their batch axis."""
+    found: dict[str, int] = {}
+    for node in model.graph:
+        if node.op_type in _RECURRENT and node.domain in ("", "ai.onnx") and node.inputs:
+            x = copy_origin(node.inputs[0]) if node.inputs[0] is not None else None
+            if x is not None and x.is_graph_input() and x.name:
+                layout = node.attributes.get("layout")
+                found.setdefault(x.name, 0 if layout is not None and layout.as_int() == 1 else 1)
+    return found
 
 
 def _inferred_output_dims(model: Model, symbol: str) -> dict[str, tuple[Any, ...]]:

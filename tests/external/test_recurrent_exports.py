@@ -174,8 +174,9 @@ def test_pipelined_lowering_trains_like_the_unsplit_lowering(name: str, how: str
     assert lowered == pytest.approx(total, rel=1e-4)
 
 
-def test_time_major_gru_with_explicit_batch_axes() -> None:
-    # A time-major model (batch on axis 1): pipelining needs the batch axes named.
+@pytest.mark.parametrize("named", [True, False])
+def test_time_major_gru_pipelines_on_axis_1(named: bool) -> None:
+    # A time-major model (batch on axis 1, after the steps): found from the GRU, or named.
     torch.manual_seed(0)
     net = torch.nn.GRU(3, 4).eval()
     x = torch.randn(6, 4, 3)
@@ -195,7 +196,9 @@ def test_time_major_gru_with_explicit_batch_axes() -> None:
     model = pl.load(onnx.load_from_string(buffer.getvalue()))
     _by_hand(model)
     pl.inject_cross_device_copies(model)
-    piped = pl.to_torch(model, device_map="cpu", chunks=2, batch_axes={"x": 1, "y": 1, "h": 1})
+    axes = {"x": 1, "y": 1, "h": 1} if named else None
+    piped = pl.to_torch(model, device_map="cpu", chunks=2, batch_axes=axes)
+    assert piped.batch_axes.symbol == "batch" and piped.batch_axes.inputs == {"x": 1}
     with torch.no_grad():
         want_y, want_h = net(x)
         for _ in range(3):
