@@ -85,6 +85,7 @@ from placement.runtime.lowering.stage_exec import (
     microbatch_envs,
     signal,
     stage_name,
+    synchronize,
     wait_for,
     worker_context,
 )
@@ -583,6 +584,7 @@ class _PipelineFunction(torch.autograd.Function):
         done.reverse()
         for genv in done:
             wait_for(genv)
+        synchronize(stages)  # parameter gradients were made on the workers' streams
         # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
         placeholders = module._pl_inputs
         input_grads: list[Any] = []

@@ -36,6 +36,7 @@ __all__ = [
     "microbatch_envs",
     "signal",
     "stage_name",
+    "synchronize",
     "wait_for",
     "worker_context",
 ]
@@ -94,6 +95,13 @@ def signal(env: dict[str, Any], device: torch.device) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         env["__event__"] = event
+
+
+def synchronize(stages: Sequence[Stage]) -> None:
+    """Wait for every GPU the stages run on: work the workers queued on their own streams is
+    done before the caller's stream reads its results (gradients handed to ``.grad``)."""
+    for device in {s.device for s in stages if s.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 def call_stage(stage: Stage, args: list[Any]) -> dict[str, Any]:

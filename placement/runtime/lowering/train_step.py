@@ -70,6 +70,7 @@ from placement.runtime.lowering.stage_exec import (
     microbatch_envs,
     signal,
     stage_name,
+    synchronize,
     wait_for,
     worker_context,
 )
@@ -296,6 +297,7 @@ def pipelined_train_step(
     finally:
         for thread in threads:
             thread.join()
+    synchronize(stages)
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
         raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
