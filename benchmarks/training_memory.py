@@ -23,6 +23,7 @@ Usage::
 
     python benchmarks/training_memory.py            # both models
     python benchmarks/training_memory.py --models gpt
+    python benchmarks/training_memory.py --size tiny --out /tmp/m.json   # a smoke run
 
 Writes ``benchmarks/results/training_memory.json``.
 """
@@ -61,7 +62,7 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _child(model_name: str, contender: str) -> dict[str, Any]:
+def _child(model_name: str, contender: str, size: str = "bench") -> dict[str, Any]:
     """One contender in this (fresh) process: base RSS and the peak of three steps above it."""
     import gc
 
@@ -73,7 +74,7 @@ def _child(model_name: str, contender: str) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    net, (x,) = {"gpt": gpt, "resnet": resnet}[model_name].build("bench")
+    net, (x,) = {"gpt": gpt, "resnet": resnet}[model_name].build(size)
     net = net.eval()
     sample = int(x.shape[0])
     x = torch.cat([x] * CHUNKS).contiguous()
@@ -122,8 +123,9 @@ def _preload() -> tuple[dict[str, str], str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])
+    parser.add_argument("--size", default="bench", choices=["bench", "tiny"], help="tiny: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONTENDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "CONTENDER", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_child(*args.child)))
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         for contender in CONTENDERS:
             print(f"{model_name}: {contender} ...", flush=True)
             out = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--child", model_name, contender],
+                [sys.executable, str(Path(__file__).resolve()), "--child", model_name, contender, args.size],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "environment": {"python": platform.python_version(), "allocator": allocator, "cpus": os.cpu_count()},
+        "size": args.size,
         "chunks": CHUNKS,
         "steps": STEPS,
         "results": results,

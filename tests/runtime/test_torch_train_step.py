@@ -4,6 +4,7 @@ loss and gradients, on every zoo model, whatever the timing; errors name stage a
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 
@@ -245,3 +246,15 @@ def test_any_split_gives_the_unsplit_gradients(batch, chunks, devices, defer, ma
     )
     torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5)
     _assert_same_grads(piped, plain, atol=1e-4, rtol=1e-3)  # sums in another order: float32 rounding
+
+
+def test_training_memory_benchmark_runs(tmp_path, capsys):
+    """``benchmarks/training_memory.py`` on tiny GPT: a row per contender, from fresh processes."""
+    from benchmarks import training_memory
+
+    out = tmp_path / "memory.json"
+    assert training_memory.main(["--models", "gpt", "--size", "tiny", "--out", str(out)]) == 0
+    assert "train_step" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert [r["contender"] for r in rows] == list(training_memory.CONTENDERS)
+    assert all(r["base_mib"] > 50 and r["peak_mib"] >= r["base_mib"] for r in rows)
