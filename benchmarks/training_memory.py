@@ -41,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks.bigmodel import _status  # noqa: E402  (VmRSS / VmHWM of this process)
+
 RESULTS = _ROOT / "benchmarks" / "results" / "training_memory.json"
 CHUNKS = 8
 STEPS = 3
@@ -54,21 +59,12 @@ CONTENDERS = {
 _MIB = 2**20
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def _child(model_name: str, contender: str, size: str = "bench") -> dict[str, Any]:
     """One contender in this (fresh) process: base RSS and the peak of three steps above it."""
     import gc
 
     import torch
 
-    sys.path.insert(0, str(_ROOT))
     import placement as pl
     from placement.models import gpt, resnet
 

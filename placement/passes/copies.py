@@ -364,6 +364,8 @@ class _Injection:
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, node
             reads(need)
+        # reads inside subgraphs: the same rule, the op owning the subgraph as the reader (a
+        # second loop rather than a shared helper: the loop above runs once per read of 1M ops)
         for _, _, _, source, device, pos, owner in scan.inner_uses:
             if device is None:
                 decision.inner_readers.append(None)
