@@ -149,7 +149,6 @@ class _Shared:
         in, micro-batch by micro-batch in order, so the sums do not depend on which worker ran
         what when.
         """
-
         key = (stage, microbatch)
         self.results.setdefault(key, []).extend(grads)
         self.unfinished[key] = self.unfinished.get(key, 0) + (groups if groups >= 0 else -1)
