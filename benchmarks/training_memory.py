@@ -108,7 +108,9 @@ def _child(model_name: str, contender: str, size: str = "bench") -> dict[str, An
 
 def _preload() -> tuple[dict[str, str], str]:
     """The environment for the children: tcmalloc (else jemalloc) preloaded, as pipeline.py does."""
-    for name, soname in (("tcmalloc", "tcmalloc_minimal"), ("jemalloc", "jemalloc")):
+    from benchmarks.pipeline import ALLOCATORS
+
+    for name, soname in ALLOCATORS.items():
         found = ctypes.util.find_library(soname)
         if found:
             preload = f"{found} {os.environ.get('LD_PRELOAD', '')}".strip()

@@ -80,12 +80,18 @@ from placement.runtime.lowering.stage_exec import (
     Stage,
     accumulate,
     accumulate_owned,
+    add_input_grads,
+    backward_operands,
     call_stage,
-    detached,
+    forward_for_backward,
+    keeps_activations,
     microbatch_envs,
+    per_parameter,
     signal,
+    stage_args,
     stage_name,
     synchronize,
+    trainable_params,
     wait_for,
     worker_context,
 )
@@ -436,9 +442,7 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.
     def make(stage: Stage) -> Any:
         def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
             wait_for(env)
-            env.update(
-                call_stage(stage, [stage.consts[a] if a in stage.consts else env[a] for a in stage.args])
-            )
+            env.update(call_stage(stage, stage_args(stage, env)))
             signal(env, stage.device)
             return env
 
@@ -476,30 +480,19 @@ class _PipelineFunction(torch.autograd.Function):
         n_mb = len(envs)
         placeholders = set(module._pl_inputs)
         grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
-        mode = module.checkpoint
 
-        def keep(i: int) -> bool:
-            return mode == "never" or (mode == "except_last" and i == n_mb - 1)
+        def tracked(key: str) -> bool:
+            # Graph inputs need grad when the caller's do; every other value between
+            # stages is tracked (it depends on parameters).
+            return key in grad_inputs or key not in placeholders
 
         def make(stage: Stage) -> Any:
             def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
                 wait_for(env)
-                # Graph inputs need grad when the caller's do; every other value between
-                # stages is tracked (it depends on parameters).
-                args = [
-                    stage.consts[a]
-                    if a in stage.consts
-                    else detached(env[a], a in grad_inputs or a not in placeholders)
-                    for a in stage.args
-                ]
-                if keep(i):
-                    with torch.enable_grad():
-                        outs = call_stage(stage, args)
-                    run.saved[(stage.index, i)] = (args, outs)
-                else:
-                    with torch.no_grad():
-                        outs = call_stage(stage, args)
-                    run.saved[(stage.index, i)] = (args, None)
+                args = stage_args(stage, env, tracked)
+                keep = keeps_activations(module.checkpoint, i, n_mb)
+                outs, saved = forward_for_backward(stage, args, keep)
+                run.saved[(stage.index, i)] = (args, saved)
                 env.update(outs)
                 signal(env, stage.device)
                 return env
@@ -535,39 +528,20 @@ class _PipelineFunction(torch.autograd.Function):
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
         def make(stage: Stage) -> Any:
-            params = [
-                (n, t)
-                for n, t in enumerate(stage.args)
-                if t in stage.consts and stage.consts[t].requires_grad
-            ]
-            param_slots = {n for n, _ in params}
+            params = trainable_params(stage)
 
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
                 wait_for(genv)
                 args, outs = run.saved.pop((stage.index, i))
-                if outs is None:  # checkpointed: recompute this micro-batch's stage
-                    with torch.enable_grad():
-                        outs = call_stage(stage, args)
-                pairs = [
-                    (outs[k], genv[k])
-                    for k, _ in stage.outs
-                    if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
-                ]
-                arg_slots = [
-                    n
-                    for n, a in enumerate(args)
-                    if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
-                ]
-                if pairs and (arg_slots or params):
+                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
+                if outputs and (arg_slots or params):
                     grads = torch.autograd.grad(
-                        [o for o, _ in pairs],
+                        outputs,
                         [args[n] for n in arg_slots] + [args[n] for n, _ in params],
-                        [g for _, g in pairs],
+                        seeds,
                         allow_unused=True,
                     )
-                    for n, g in zip(arg_slots, grads[: len(arg_slots)]):
-                        if g is not None:
-                            accumulate(genv, stage.args[n], g)
+                    add_input_grads(genv, stage, arg_slots, grads[: len(arg_slots)])
                     acc, mine = param_grads[stage.index], owned[stage.index]
                     for (_, key), g in zip(params, grads[len(arg_slots) :]):
                         if g is not None:
@@ -597,11 +571,5 @@ class _PipelineFunction(torch.autograd.Function):
             else:
                 input_grads.append(torch.cat(parts, dim=axis))
         # Parameter gradients: summed over stages (a parameter several stages read).
-        by_param: dict[int, torch.Tensor] = {}
-        for stage, acc in zip(stages, param_grads):
-            for key, g in acc.items():
-                p = stage.consts[key]
-                by_param[id(p)] = (
-                    g if id(p) not in by_param else by_param[id(p)] + g.to(by_param[id(p)].device)
-                )
-        return (None, *input_grads, *[by_param.get(id(p)) for p in run.params])
+        by_param = per_parameter(stages, param_grads, owned)
+        return (None, *input_grads, *[by_param[id(p)][1] if id(p) in by_param else None for p in run.params])

@@ -31,12 +31,19 @@ __all__ = [
     "Stage",
     "accumulate",
     "accumulate_owned",
+    "add_input_grads",
+    "backward_operands",
     "call_stage",
     "detached",
+    "forward_for_backward",
+    "keeps_activations",
     "microbatch_envs",
+    "per_parameter",
+    "stage_args",
     "signal",
     "stage_name",
     "synchronize",
+    "trainable_params",
     "wait_for",
     "worker_context",
 ]
@@ -133,6 +140,90 @@ def detached(value: Any, requires_grad: bool) -> Any:
             leaf.requires_grad_(True)
         return leaf
     return value
+
+
+def stage_args(stage: Stage, env: dict[str, Any], tracked: Callable[[str], bool] | None = None) -> list[Any]:
+    """``stage``'s call arguments: its parameters, and its inputs read from ``env``; with
+    ``tracked``, each input cut from the graph that made it (:func:`detached`), a leaf that
+    requires grad where ``tracked(key)``."""
+    if tracked is None:
+        return [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
+    return [stage.consts[a] if a in stage.consts else detached(env[a], tracked(a)) for a in stage.args]
+
+
+def trainable_params(stage: Stage) -> list[tuple[int, str]]:
+    """``stage``'s parameters that take a gradient: (argument slot, key)."""
+    consts = stage.consts
+    return [(n, key) for n, key in enumerate(stage.args) if key in consts and consts[key].requires_grad]
+
+
+def keeps_activations(checkpoint: str, microbatch: int, count: int) -> bool:
+    """Whether micro-batch ``microbatch`` of ``count`` keeps its activations for backward under
+    ``checkpoint`` (else it drops them and recomputes them there)."""
+    return checkpoint == "never" or (checkpoint == "except_last" and microbatch == count - 1)
+
+
+def forward_for_backward(
+    stage: Stage, args: list[Any], keep: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
+    with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
+    with torch.enable_grad() if keep else torch.no_grad():
+        outs = call_stage(stage, args)
+    return outs, outs if keep else None
+
+
+def backward_operands(
+    stage: Stage,
+    args: list[Any],
+    outs: dict[str, Any] | None,
+    genv: dict[str, Any],
+    params: Sequence[tuple[int, str]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
+    ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
+    ``outs`` None (checkpointed) recomputes the stage first."""
+    if outs is None:
+        with torch.enable_grad():
+            outs = call_stage(stage, args)
+    pairs = [
+        (outs[k], genv[k])
+        for k, _ in stage.outs
+        if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
+    ]
+    param_slots = {n for n, _ in params}
+    slots = [
+        n
+        for n, a in enumerate(args)
+        if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
+    ]
+    return [o for o, _ in pairs], [g for _, g in pairs], slots
+
+
+def add_input_grads(
+    genv: dict[str, Any], stage: Stage, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """Add the gradients of ``stage``'s inputs in ``slots`` to ``genv``, under the inputs' keys."""
+    for n, g in zip(slots, grads):
+        if g is not None:
+            accumulate(genv, stage.args[n], g)
+
+
+def per_parameter(
+    stages: Sequence[Stage], param_grads: Sequence[dict[str, torch.Tensor]], owned: Sequence[set[str]]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Each parameter's gradient summed over the stages that read it (a tied weight), by
+    ``id(parameter)``: (parameter, gradient, whether the gradient is an accumulator made here
+    rather than a tensor autograd handed out)."""
+    total: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+    for stage, grads, mine in zip(stages, param_grads, owned):
+        for key, g in grads.items():
+            param = stage.consts[key]
+            if id(param) in total:
+                total[id(param)] = (param, total[id(param)][1] + g.to(param.device), True)
+            else:
+                total[id(param)] = (param, g, key in mine)
+    return total
 
 
 def accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:

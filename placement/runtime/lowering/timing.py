@@ -44,7 +44,7 @@ from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.lowering.lower import to_torch
 from placement.runtime.lowering.pipelined import _split, _traced, nondeterministic_ops
-from placement.runtime.lowering.stage_exec import Stage, call_stage, detached
+from placement.runtime.lowering.stage_exec import Stage, call_stage, detached, stage_args
 from placement.runtime.stages import partition
 
 __all__ = ["LoweredStages"]
@@ -103,7 +103,7 @@ class LoweredStages:
         self.runs: list[Callable[[], Any]] = []
         for stage in stages:
             stage.call = _traced(stage, warmup=1, untraceable=untraceable)
-            args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
+            args = stage_args(stage, env)
             with torch.no_grad():
                 env.update(call_stage(stage, args))
             run = _backward(stage, args) if training else _forward(stage, args)

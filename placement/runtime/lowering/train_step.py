@@ -63,14 +63,19 @@ import torch
 from placement.errors import InputError
 from placement.runtime.lowering.stage_exec import (
     Stage,
-    accumulate,
     accumulate_owned,
-    call_stage,
+    add_input_grads,
+    backward_operands,
     detached,
+    forward_for_backward,
+    keeps_activations,
     microbatch_envs,
+    per_parameter,
     signal,
+    stage_args,
     stage_name,
     synchronize,
+    trainable_params,
     wait_for,
     worker_context,
 )
@@ -206,12 +211,17 @@ def train_step(
         )
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    loss = loss_fn(module(*inputs), *targets)
+    loss = _scalar(loss_fn(module(*inputs), *targets))
+    loss.backward()
+    return loss.detach().reshape(())
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    """``loss_fn``'s result, checked to be a one-element tensor."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
-    loss.backward()
-    return loss.detach().reshape(())
+    return loss
 
 
 def pipelined_train_step(
@@ -275,7 +285,7 @@ def pipelined_train_step(
         defer=defer_weights,
         limit=max_in_flight or len(envs),
         inboxes=[queue.SimpleQueue() for _ in stages],
-        params=[_params(stage) for stage in stages],
+        params=[trainable_params(stage) for stage in stages],
         losses=[None] * len(envs),
         backwards_left=len(stages) * len(envs),
         flushed=[0] * len(stages),
@@ -307,13 +317,7 @@ def pipelined_train_step(
     return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
 
 
-def _params(stage: Stage) -> list[tuple[int, str]]:
-    consts = stage.consts
-    return [(n, key) for n, key in enumerate(stage.args) if key in consts and consts[key].requires_grad]
-
-
 def _run_loop(shared: _Shared, j: int) -> None:
-
     with worker_context(shared.stages, True)(j):
         _StageLoop(shared, j).run()
 
@@ -383,19 +387,13 @@ class _StageLoop:
             return not mine and self.shared.backwards_left == 0
 
     def _forward(self, i: int) -> None:
-
         stage, module = self.stage, self.shared.module
         env = self.forward_ready.pop(i)
         wait_for(env)
         placeholders = set(module._pl_inputs)
-        args = [
-            stage.consts[a] if a in stage.consts else detached(env[a], a not in placeholders)
-            for a in stage.args
-        ]
-        keep = module.checkpoint == "never" or (module.checkpoint == "except_last" and i == self.k - 1)
-        with torch.enable_grad() if keep else torch.no_grad():
-            outs = call_stage(stage, args)
-        self.saved[i] = (args, outs if keep else None)
+        args = stage_args(stage, env, lambda key: key not in placeholders)  # graph inputs are data
+        outs, saved = forward_for_backward(stage, args, keeps_activations(module.checkpoint, i, self.k))
+        self.saved[i] = (args, saved)
         env.update(outs)
         signal(env, stage.device)
         if self.last:
@@ -405,16 +403,12 @@ class _StageLoop:
 
     def _loss(self, i: int, env: dict[str, Any]) -> dict[str, Any]:
         """Micro-batch ``i``'s loss from the model's outputs in ``env``; returns the outputs' gradients."""
-
         shared = self.shared
         keys = shared.module._pl_outputs
         leaves = [detached(env[key], True) for key in keys]
         output = leaves[0] if len(leaves) == 1 else tuple(leaves)
         with torch.enable_grad():
-            loss = shared.loss_fn(output, *shared.targets[i])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
+            loss = _scalar(shared.loss_fn(output, *shared.targets[i]))
         weight = shared.weights[i]
         shared.losses[i] = loss.detach().reshape(()) * weight
         tracked = [(key, leaf) for key, leaf in zip(keys, leaves) if leaf.requires_grad]
@@ -429,30 +423,15 @@ class _StageLoop:
         return {key: g for (key, _), g in zip(tracked, grads) if g is not None}
 
     def _backward(self, i: int) -> None:
-
         shared, stage = self.shared, self.stage
         genv = self.backward_ready.pop(i)
         wait_for(genv)
         args, outs = self.saved.pop(i)
-        if outs is None:  # checkpointed: recompute this micro-batch's stage
-            with torch.enable_grad():
-                outs = call_stage(stage, args)
-        pairs = [
-            (outs[k], genv[k])
-            for k, _ in stage.outs
-            if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
-        ]
         params = shared.params[self.j]
-        param_slots = {n for n, _ in params}
-        arg_slots = [
-            n
-            for n, a in enumerate(args)
-            if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
-        ]
+        outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
         now: list[torch.Tensor | None] = []
         later: DeferredWeights | None = None
-        if pairs and (arg_slots or params):
-            outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        if outputs and (arg_slots or params):
             arg_values = [args[n] for n in arg_slots]
             param_values = [args[n] for n, _ in params]
             if shared.defer and arg_slots and params:
@@ -460,9 +439,7 @@ class _StageLoop:
             else:
                 grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
                 arg_grads, now = list(grads[: len(arg_slots)]), list(grads[len(arg_slots) :])
-            for n, g in zip(arg_slots, arg_grads):
-                if g is not None:
-                    accumulate(genv, stage.args[n], g)
+            add_input_grads(genv, stage, arg_slots, arg_grads)
         signal(genv, stage.device)
         if self.j > 0:
             shared.inboxes[self.j - 1].put(("B", i, genv))
@@ -504,15 +481,7 @@ def _write_grads(
 
     A gradient that is one autograd result, not an accumulator made here, is copied before
     it becomes a ``.grad`` (autograd may share it)."""
-    total: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
-    for stage, grads, mine in zip(stages, param_grads, owned):
-        for key, g in grads.items():
-            param = stage.consts[key]
-            if id(param) in total:
-                total[id(param)] = (param, total[id(param)][1] + g.to(param.device), True)
-            else:
-                total[id(param)] = (param, g, key in mine)
-    for param, g, fresh in total.values():
+    for param, g, fresh in per_parameter(stages, param_grads, owned).values():
         g = g.to(param.device)
         if param.grad is None:
             param.grad = g if fresh else g.clone()
