@@ -75,6 +75,7 @@ import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
 from placement.runtime.ort import session_options  # noqa: E402
+from placement.runtime.sessions import providers  # noqa: E402
 
 __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 
@@ -201,9 +202,9 @@ def measure_ort(
     for _ in range(max(1, trials)):
         runner = pl.Runner(placed, device_map=device_map, threads=threads)
         physical = runner.device_map[min(runner.device_map)]
-        provider, options = physical.ort_provider
-        providers: list[Any] = [(provider, options)] + (["CPUExecutionProvider"] if physical.is_cuda else [])
-        single = ort.InferenceSession(proto, session_options(physical, threads=threads), providers=providers)
+        single = ort.InferenceSession(
+            proto, session_options(physical, threads=threads), providers=providers(physical)
+        )
         feeds = {name: a.numpy().copy() for name, a in zip(model.inputs, args)}
         got = runner.run(feeds)
         want = single.run(None, feeds)

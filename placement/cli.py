@@ -495,7 +495,9 @@ def _cmd_report(args: argparse.Namespace, console: Any) -> int:
 def _cmd_demo(args: argparse.Namespace, console: Any) -> int:
     from placement.demo import run_demo
 
-    result = run_demo(args.model, size=args.size, devices=args.devices, console=console)
+    result = run_demo(
+        args.model, size=args.size, devices=args.devices, console=console, precision=args.precision
+    )
     return 0 if result.ok else 1
 
 
@@ -736,6 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="built-in model name (default: the zoo's default)")
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.add_argument("--devices", type=int, default=2, help="number of logical GPUs (default 2)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "tf32"],
+        help="fp32: TF32 off on GPUs, strict check (default); tf32: TF32 on, checked with its tolerance",
+    )
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(

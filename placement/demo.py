@@ -8,11 +8,16 @@ placement, and then
 
 * runs it through per-stage ONNX Runtime sessions (:class:`placement.Runner`),
 * lowers it to a torch module (:func:`placement.to_torch`) and runs that,
-* checks both against the original ``torch.nn.Module`` (float tolerance),
+* checks both against the original ``torch.nn.Module`` on the CPU, with the
+  tolerance of the precision used (``precision="fp32"``, the default: TF32 off on
+  GPUs, for ONNX Runtime's CUDA provider and for torch, compared within
+  ``rtol=atol=1e-4``; ``"tf32"``: TF32 on, compared within the looser TF32
+  tolerance; see :mod:`placement.runtime.precision`), and says which,
 * prints the per-device table, the stages and the timings with ``rich``.
 
-Without the GPUs the model names, every logical device is emulated on the CPU
-(each stage in its own session) and the demo says so.
+With fewer GPUs than logical devices, the logical devices share the GPUs there
+are (``device_map="auto"``); with no GPU, every logical device is emulated on the
+CPU (each stage in its own session) and the demo says so.
 
 Example:
     >>> from rich.console import Console
@@ -32,11 +37,14 @@ from typing import Any
 
 import numpy as np
 
+from placement.runtime.precision import Tolerance, check_precision, tolerance, torch_precision
+
 __all__ = ["DemoResult", "RuntimeResult", "run_demo", "RTOL", "ATOL"]
 
 log = logging.getLogger(__name__)
 
-#: Tolerances for comparing runtime outputs with the original module.
+#: Tolerances for comparing runtime outputs with the original module in strict fp32
+#: (:data:`placement.runtime.precision.FP32_TOLERANCE`; TF32 gets its own).
 RTOL = 1e-4
 ATOL = 1e-4
 
@@ -50,9 +58,10 @@ class RuntimeResult:
         build_s: seconds to build it (sessions / lowering); 0 for the original.
         run_ms: median latency of one run, in milliseconds.
         max_abs_diff: largest absolute difference from the original module's outputs.
-        ok: outputs match the original within ``RTOL``/``ATOL``.
+        ok: outputs match the original within ``tolerance``.
         detail: a short note (stages, device map).
         error: the error message if the runtime failed.
+        tolerance: what the outputs were compared with (precision, rtol, atol).
     """
 
     name: str
@@ -62,6 +71,7 @@ class RuntimeResult:
     ok: bool = True
     detail: str = ""
     error: str | None = None
+    tolerance: Any = None
 
 
 @dataclass
@@ -74,6 +84,7 @@ class DemoResult:
         stages: ``(index, logical device, physical device, ops)`` per ORT stage.
         device_map: logical -> physical device, as strings.
         emulated: True when logical GPUs are emulated on the CPU.
+        precision: ``"fp32"`` (TF32 off on GPUs) or ``"tf32"``.
         summary: the per-device report (:func:`placement.report.summary.summary`).
         runtimes: the original, ONNX Runtime and lowered torch results.
         ok: both runtimes match the original module.
@@ -87,6 +98,7 @@ class DemoResult:
     stages: list[tuple[int, str, str, int]] = field(default_factory=list)
     device_map: dict[str, str] = field(default_factory=dict)
     emulated: bool = False
+    precision: str = "fp32"
     summary: Any = None
     runtimes: list[RuntimeResult] = field(default_factory=list)
 
@@ -108,6 +120,7 @@ def run_demo(
     *,
     repeats: int = 5,
     device_map: Any = "auto",
+    precision: str = "fp32",
 ) -> DemoResult:
     """Place a built-in model on ``devices`` logical devices, run both runtimes, check, print.
 
@@ -118,6 +131,8 @@ def run_demo(
         console: a ``rich.console.Console`` to print to (default: a new one on stdout).
         repeats: timed runs per runtime (the median is reported).
         device_map: logical -> physical devices for both runtimes (default ``"auto"``).
+        precision: ``"fp32"`` (TF32 off on GPUs, both runtimes) or ``"tf32"`` (TF32 on);
+            decides the tolerance of the check (:func:`placement.runtime.precision.tolerance`).
 
     Returns:
         A :class:`DemoResult`; ``result.ok`` says whether both runtimes matched.
@@ -137,7 +152,8 @@ def run_demo(
         raise pl.PlanError(f"unknown model {name!r}; built-in models: {', '.join(sorted(models.MODELS))}")
     if size not in models.SIZES:
         raise pl.PlanError(f"unknown size {size!r}; choose from {', '.join(models.SIZES)}")
-    result = DemoResult(model=name, size=size, devices=devices)
+    check_precision(precision)
+    result = DemoResult(model=name, size=size, devices=devices, precision=precision)
 
     net, args = models.build(name, size)
     with console.status(f"exporting {name} ({size}) to an operator graph..."):
@@ -164,10 +180,11 @@ def run_demo(
     ort_result = RuntimeResult("onnxruntime")
     try:
         start = time.perf_counter()
-        runner = pl.Runner(model, device_map=device_map)
+        runner = pl.Runner(model, device_map=device_map, precision=precision)
         ort_result.build_s = time.perf_counter() - start
         outputs = runner.run(feeds)
-        ort_result.max_abs_diff, ort_result.ok = _compare(outputs, expected)
+        ort_result.tolerance = runner.tolerance
+        ort_result.max_abs_diff, ort_result.ok = _compare(outputs, expected, runner.tolerance)
         ort_result.run_ms = _median_ms(lambda: runner.run(feeds), repeats)
         physical = runner.device_map
         result.device_map = {str(k): str(v) for k, v in sorted(physical.items())}
@@ -188,11 +205,13 @@ def run_demo(
         torch_result.build_s = time.perf_counter() - start
         first = next(iter(module.device_map.values()), "cpu")
         inputs = tuple(a.to(first) for a in args)
-        with torch.no_grad():
+        on_gpu = any(str(v).startswith("cuda") for v in module.device_map.values())
+        torch_result.tolerance = tolerance(precision, on_gpu=on_gpu)
+        with torch.no_grad(), torch_precision(precision):
             out = module(*inputs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             got = [t.detach().cpu().numpy() for t in outs]
-            torch_result.max_abs_diff, torch_result.ok = _compare(got, expected)
+            torch_result.max_abs_diff, torch_result.ok = _compare(got, expected, torch_result.tolerance)
             torch_result.run_ms = _median_ms(lambda: module(*inputs), repeats, sync=_sync(module))
         torch_result.detail = "pl.to_torch fx.GraphModule"
     except Exception as err:
@@ -207,7 +226,7 @@ def run_demo(
 # --- helpers -----------------------------------------------------------------------------
 
 
-def _compare(got: list[np.ndarray], expected: list[np.ndarray]) -> tuple[float, bool]:
+def _compare(got: list[np.ndarray], expected: list[np.ndarray], tol: Tolerance) -> tuple[float, bool]:
     if len(got) != len(expected):
         return float("inf"), False
     worst, ok = 0.0, True
@@ -215,7 +234,7 @@ def _compare(got: list[np.ndarray], expected: list[np.ndarray]) -> tuple[float, 
         if a.shape != b.shape:
             return float("inf"), False
         worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0)
-        ok = ok and bool(np.allclose(a, b, rtol=RTOL, atol=ATOL))
+        ok = ok and tol.allclose(a, b)
     return worst, ok
 
 
@@ -264,7 +283,9 @@ def _render(result: DemoResult, console: Any) -> None:
                 str(index), logical, physical + (" (emulated)" if result.emulated else ""), str(n_ops)
             )
         console.print(stages)
-    timings = Table(title=f"runtimes vs the original module (rtol={RTOL:g}, atol={ATOL:g})")
+    tolerances = sorted({str(r.tolerance) for r in result.runtimes if r.tolerance is not None})
+    said = "; ".join(tolerances) or f"rtol={RTOL:g}, atol={ATOL:g}"
+    timings = Table(title=f"runtimes vs the original module on the CPU ({said})")
     for column in ("runtime", "build", "latency (median)", "max |diff|", "match", "notes"):
         timings.add_column(column, justify="left" if column in ("runtime", "notes") else "right")
     for r in result.runtimes:
@@ -278,6 +299,9 @@ def _render(result: DemoResult, console: Any) -> None:
             r.error or r.detail,
         )
     console.print(timings)
+    for r in result.runtimes:
+        if r.tolerance is not None:
+            console.print(f"precision of {r.name}: {r.tolerance}")
     if result.ok:
         console.print("[bold green]OK[/]: both runtimes reproduce the original module's outputs.")
     else:

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)"
     )
-    parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    parser.add_argument(
+        "--backend", default=None, help="gloo or nccl (default: nccl with a GPU per rank, else gloo)"
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -88,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="intra-op threads per rank (torch.set_num_threads; per stage session with --runtime ort)",
+    )
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "tf32"],
+        help="fp32 on GPUs: TF32 off (default, outputs match the CPU's); tf32: TF32 tensor cores allowed",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     return parser
@@ -164,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from placement.distributed import DistributedPipeline, DistributedRunner, RankFailedError, rank_device
+    from placement.distributed import DistributedPipeline, DistributedRunner, RankFailedError
+    from placement.distributed.backend import choose_backend
     from placement.errors import PlacementError
 
     args = build_parser().parse_args(argv)
@@ -173,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     if "WORLD_SIZE" not in os.environ:
         print(
             "placement.launch: not started by torchrun (no WORLD_SIZE); running as a single rank",
@@ -184,8 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from placement.distributed import free_port
 
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = rank_device(backend)
+    try:
+        choice = choose_backend(args.backend)  # NCCL only with a GPU per rank, else gloo via host memory
+    except PlacementError as err:
+        print(f"placement.launch: rank {rank}: error: {err}", file=sys.stderr)
+        return 2
+    if choice.note and rank == 0:
+        print(choice.note, file=sys.stderr)
+    backend, device = choice.backend, choice.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
@@ -193,7 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.runtime == "ort":
             pipe = DistributedRunner(
-                args.model, ranks=args.ranks, chunks=args.chunks, device=device, threads=args.threads
+                args.model,
+                ranks=args.ranks,
+                chunks=args.chunks,
+                device=device,
+                threads=args.threads,
+                precision=args.precision,
             )
         else:
             pipe = DistributedPipeline(

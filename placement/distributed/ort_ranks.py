@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from placement.distributed.backend import uses_nccl
 from placement.distributed.errors import NotAPipelineError
 from placement.distributed.member import RankMember
 from placement.distributed.ranks import RanksLike, format_groups
@@ -234,6 +235,7 @@ def rank_program(
     device_map: dict[Device, PhysicalDevice],
     *,
     threads: int | None = None,
+    precision: str = "fp32",
 ) -> Program:
     """Build the stage sessions of one rank and compile its run.
 
@@ -263,7 +265,8 @@ def rank_program(
     execs = {}
     for stage in plan.partition.stages:
         physical = device_map[stage.device]
-        execs[stage.index] = StageExec(stage, physical, stage_session(stage, physical, threads=threads))
+        session = stage_session(stage, physical, threads=threads, precision=precision)
+        execs[stage.index] = StageExec(stage, physical, session)
     return compile_program(model, plan.partition, execs, device_map)
 
 
@@ -286,6 +289,8 @@ class DistributedRunner(RankMember):
         device_map: the rank's logical devices -> physical ones instead (see
             :class:`placement.Runner`), e.g. ``"auto"`` to emulate each on the CPU.
         threads: intra-op threads per stage session (default: ONNX Runtime's choice).
+        precision: ``"fp32"`` (TF32 off on GPUs, default) or ``"tf32"``, as for
+            :class:`placement.Runner`.
         heartbeat: seconds between heartbeats (0: none).
         grace: seconds a rank waits, after a peer fails, for that peer's report.
 
@@ -307,6 +312,7 @@ class DistributedRunner(RankMember):
         threads: int | None = None,
         heartbeat: float = 0.25,
         grace: float = 3.0,
+        precision: str = "fp32",
     ) -> None:
         model = self._join_group(
             model,
@@ -325,7 +331,7 @@ class DistributedRunner(RankMember):
             self.device_map = {d: PhysicalDevice(self.device.type, index) for d in mine}
         else:
             self.device_map = resolve_device_map(mine, device_map, runtime="ort")
-        self.program = rank_program(model, self.plan, self.device_map, threads=threads)
+        self.program = rank_program(model, self.plan, self.device_map, threads=threads, precision=precision)
         outputs = self.plan.partition.outputs
         self._send_index = [outputs.index(w.blob) for w in self.plan.sends]
         self._prepost = all(w.static for w in self.plan.receives)
@@ -410,7 +416,9 @@ class DistributedRunner(RankMember):
 
     @property
     def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+        """Where activations cross ranks: this rank's GPU under NCCL, host memory otherwise
+        (gloo moves host tensors; a rank computing on a GPU it shares goes through the host)."""
+        return self.device if uses_nccl(self.device, self.group) else torch.device("cpu")
 
     def _post_receives(self) -> list[tuple[Wire, Any, torch.Tensor]]:
         posted = []

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from placement.distributed.backend import uses_nccl
 from placement.distributed.member import RankMember, rank_device
 from placement.distributed.ranks import RanksLike, format_groups
 from placement.distributed.split import RankSplit, split_by_rank
@@ -133,7 +134,10 @@ class DistributedPipeline(RankMember):
         stage_module = self.split.stages[self.rank]
         assert stage_module is not None
         self.module: torch.fx.GraphModule = stage_module
-        self.stage = PipelineStage(self.module, self.rank, self.world_size, self.device, group=group)
+        #: where activations and gradients cross ranks: the rank's device under NCCL, else the host
+        self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
+        staged = self.module if self.comm_device == self.device else _HostStaged(self.module, self.device)
+        self.stage = PipelineStage(staged, self.rank, self.world_size, self.comm_device, group=group)
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._shared = self._shared_parameters(module)
         log.info(
@@ -205,7 +209,7 @@ class DistributedPipeline(RankMember):
             if self.is_last:
                 if target is None:
                     raise InputError("train_step needs the loss target on the last rank")
-                target_t = torch.as_tensor(np.asarray(target)).to(self.device)
+                target_t = torch.as_tensor(np.asarray(target)).to(self.comm_device)
                 schedule.step(*args, target=target_t, losses=losses)
             else:
                 schedule.step(*args)
@@ -223,7 +227,7 @@ class DistributedPipeline(RankMember):
     # -- internals ------------------------------------------------------------------------
 
     def _inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.from_numpy(a).to(self.device) for a in self._check_inputs(inputs))
+        return tuple(torch.from_numpy(a).to(self.comm_device) for a in self._check_inputs(inputs))
 
     def _chunks(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> int:
         n = chunks or self.chunks
@@ -264,8 +268,9 @@ class DistributedPipeline(RankMember):
                 parts.append(grad.reshape(-1))
             else:
                 parts.append(torch.zeros(shape.numel(), device=self.device))
-        flat = torch.cat(parts)
+        flat = torch.cat(parts).to(self.comm_device)
         dist.all_reduce(flat, group=self.group)
+        flat = flat.to(self.device)
         offset = 0
         for path, shape in self._shared:
             n = shape.numel()
@@ -273,6 +278,22 @@ class DistributedPipeline(RankMember):
                 param = self.module.get_parameter(path)
                 param.grad = flat[offset : offset + n].view(shape).clone()
             offset += n
+
+
+class _HostStaged(torch.nn.Module):
+    """A rank's stage computing on ``device`` whose inputs and outputs are host tensors: what a
+    rank on a GPU hands to gloo, which moves host memory only (autograd follows the copies)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self.device = device
+
+    def forward(self, *args: Any) -> Any:
+        out = self.module(*(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args))
+        if isinstance(out, (tuple, list)):
+            return type(out)(o.cpu() if isinstance(o, torch.Tensor) else o for o in out)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
 
 
 def free_port() -> int:

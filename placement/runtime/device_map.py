@@ -7,10 +7,14 @@ torch lowering) resolve their ``device_map`` argument here, so they agree.
 Accepted forms of ``device_map``:
 
 * ``"auto"`` (default): logical ``cuda:k`` runs on physical ``cuda:k`` when that
-  GPU exists; otherwise *every* logical device is emulated on the CPU (each
-  keeps its own execution context in the runtimes, so copies and stage
-  boundaries are exercised as on GPUs). Emulation is announced once per process
-  with ``logging.warning``. Logical ``cpu`` always runs on the CPU.
+  GPU exists. With fewer GPUs than the model's logical GPUs, the logical GPUs
+  share the GPUs there are, in order, in contiguous runs (4 logical GPUs on 2
+  GPUs: ``cuda:0, cuda:0, cuda:1, cuda:1``; on one GPU all on ``cuda:0``, so
+  neighbouring pipeline stages share a GPU), announced once per process on
+  stderr (``logging.warning``). Only with no GPU at all is *every* logical device
+  emulated on the CPU (each keeps its own execution context in the runtimes, so
+  copies and stage boundaries are exercised as on GPUs), announced the same way.
+  Logical ``cpu`` always runs on the CPU.
 * a single device, e.g. ``"cpu"`` or ``"cuda:0"``: every logical device on it.
 * a dict logical -> physical, e.g. ``{0: "cuda:0", 1: "cuda:0"}`` (two logical
   devices sharing one GPU) or ``{"cuda:1": "cpu"}``. Keys and values are
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 DeviceMapLike = Union[str, DeviceLike, Mapping[Any, Any], None]
 
 _warned_emulation = False
+_warned_sharing = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,8 @@ def _auto(logical: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
     cuda = [d for d in logical if d.is_cuda]
     if all(d.index < n_gpus for d in cuda):
         return {d: PhysicalDevice(d.type, d.index if d.is_cuda else 0) for d in logical}
+    if n_gpus:
+        return _shared(logical, cuda, n_gpus)
     global _warned_emulation
     if not _warned_emulation:
         _warned_emulation = True
@@ -192,6 +199,22 @@ def _auto(logical: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
             n_gpus,
         )
     return {d: PhysicalDevice("cpu", 0, emulated=d.is_cuda) for d in logical}
+
+
+def _shared(logical: list[Device], cuda: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
+    """More logical GPUs than GPUs: the logical GPUs in index order, in contiguous runs of
+    (nearly) equal length, one run per GPU."""
+    target = {d: PhysicalDevice("cuda", n * n_gpus // len(cuda)) for n, d in enumerate(cuda)}
+    global _warned_sharing
+    if not _warned_sharing:
+        _warned_sharing = True
+        log.warning(
+            "placement: %d logical GPU(s) on %d GPU(s), sharing: %s. Pass device_map= to choose.",
+            len(cuda),
+            n_gpus,
+            ", ".join(f"{d} -> {p}" for d, p in target.items()),
+        )
+    return {d: target.get(d, PhysicalDevice("cpu", 0)) for d in logical}
 
 
 def _parse_mapping(device_map: Mapping[Any, Any]) -> dict[Device, Device]:

@@ -100,6 +100,7 @@ from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.boundaries import optimized_path
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
+from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.program import Program, StageExec, compile_program
 from placement.runtime.sessions import ort_log_severity, session_options, stage_session
 from placement.runtime.stages import Stage, split_stages
@@ -161,6 +162,11 @@ class Runner:
             it over in ONNX Runtime's blocked layout instead of converting it out and
             back in (:mod:`placement.runtime.boundaries`; :attr:`blocked_boundaries`
             lists those blobs). Outputs are identical either way.
+        precision: ``"fp32"`` (default): GPU stages compute fp32 strictly (ONNX Runtime's
+            CUDA provider with ``use_tf32=0``), so outputs match the CPU's within
+            :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
+            cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
+            No effect on CPU stages. :attr:`tolerance` is the one that applies.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -194,10 +200,13 @@ class Runner:
         batch_axes: Mapping[str, int | None] | None = None,
         threads_per_stage: int | None = None,
         keep_layout: bool = True,
+        precision: str = DEFAULT_PRECISION,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
         self.model = model
+        #: ``"fp32"`` or ``"tf32"`` (see ``precision``)
+        self.precision = check_precision(precision)
         self.stats = RunnerStats()
         self.auto_update = auto_update
         self.keep_sessions = keep_sessions
@@ -227,6 +236,25 @@ class Runner:
             self._pipeline_axes()  # a model that cannot be split fails here, not on the first run
 
     # -- public ------------------------------------------------------------------------
+
+    @property
+    def tf32(self) -> bool:
+        """Whether fp32 goes through TF32 anywhere: ``precision="tf32"`` and a stage on a GPU."""
+        return self.precision == "tf32" and any(p.is_cuda for p in self._device_map.values())
+
+    @property
+    def tolerance(self) -> Tolerance:
+        """How close this runner's outputs are to strict fp32 (the CPU, eager torch) by design:
+        :func:`placement.runtime.precision.tolerance` for its precision and devices.
+
+        Example:
+            >>> import placement as pl
+            >>> from placement.models import mlp
+            >>> str(Runner(pl.from_torch(*mlp.build("tiny")), device_map="cpu").tolerance)
+            'fp32 (TF32 off), rtol=0.0001, atol=0.0001'
+        """
+        on_gpu = any(p.is_cuda for p in self._device_map.values())
+        return tolerance(self.precision, on_gpu=on_gpu)
 
     @property
     def stages(self) -> list[Stage]:
@@ -456,6 +484,7 @@ class Runner:
                     physical,
                     threads=self._session_threads,
                     optimized_path=optimized_path(workdir, stage) if dump else None,
+                    precision=self.precision,
                 )
                 built += 1
             else:
@@ -522,7 +551,13 @@ class Runner:
         return program.run(arrays)
 
 
-def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto") -> list[np.ndarray]:
+def run(
+    model: Model,
+    inputs: InputsLike,
+    *,
+    device_map: DeviceMapLike = "auto",
+    precision: str = DEFAULT_PRECISION,
+) -> list[np.ndarray]:
     """Run a placed model once through per-stage ONNX Runtime sessions.
 
     The one-shot form of :class:`Runner` (which builds its sessions once; use
@@ -533,6 +568,7 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         inputs: a dict by input name or a sequence in input order (numpy arrays
             or torch tensors).
         device_map: see :class:`Runner`.
+        precision: ``"fp32"`` or ``"tf32"``; see :class:`Runner`.
 
     Returns:
         The graph outputs as numpy arrays, in graph-output order.
@@ -544,7 +580,7 @@ def run(model: Model, inputs: InputsLike, *, device_map: DeviceMapLike = "auto")
         >>> run(pl.from_torch(net, (x,)), [x], device_map="cpu")[0].shape
         (4, 8)
     """
-    return Runner(model, device_map=device_map, auto_update=False).run(inputs)
+    return Runner(model, device_map=device_map, auto_update=False, precision=precision).run(inputs)
 
 
 def _stale_copies(model: Model) -> bool:

@@ -26,9 +26,17 @@ import onnxruntime as ort
 from placement.errors import PlacementError
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import batchnorm_as_conv
+from placement.runtime.precision import DEFAULT_PRECISION, ort_cuda_options
 from placement.runtime.stages import Stage
 
-__all__ = ["ort_log_severity", "session_from_ir", "session_options", "stage_options", "stage_session"]
+__all__ = [
+    "ort_log_severity",
+    "providers",
+    "session_from_ir",
+    "session_options",
+    "stage_options",
+    "stage_session",
+]
 
 #: An optimised graph written by :func:`stage_session` keeps weights of this many bytes or more
 #: in a side file.
@@ -52,6 +60,28 @@ def ort_log_severity() -> int:
     if logger.isEnabledFor(logging.INFO):
         return 2
     return 3
+
+
+def providers(physical: PhysicalDevice, *, precision: str = DEFAULT_PRECISION) -> list[Any]:
+    """The execution providers of a session on ``physical``: the CUDA provider with the GPU's
+    ``device_id`` and ``use_tf32`` for ``precision`` (see :mod:`placement.runtime.precision`),
+    the CPU provider as fallback for ops it lacks; or the CPU provider alone.
+
+    Before a CUDA session is built, ONNX Runtime's default logger is set to
+    :func:`ort_log_severity` (errors only unless the ``placement`` logger asks for more):
+    since 1.26, building a CUDA session with a ``device_id`` logs a warning through that
+    logger ("No registered plugin EP device found") that says nothing to a user. Errors
+    still show.
+
+    Example:
+        >>> providers(PhysicalDevice("cpu"))
+        [('CPUExecutionProvider', {})]
+    """
+    if not physical.is_cuda:
+        return [physical.ort_provider]
+    ort.set_default_logger_severity(ort_log_severity())
+    name, options = physical.ort_provider
+    return [(name, {**options, **ort_cuda_options(precision)}), "CPUExecutionProvider"]
 
 
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
@@ -116,11 +146,13 @@ def stage_session(
     *,
     threads: int | None = None,
     optimized_path: Path | None = None,
+    precision: str = DEFAULT_PRECISION,
 ) -> ort.InferenceSession:
     """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
 
     Options from :func:`stage_options`; the CUDA provider with the GPU's
-    ``device_id`` (CPU as fallback for ops it lacks), or the CPU provider (whose
+    ``device_id`` and TF32 on or off for ``precision`` (:func:`providers`; CPU as
+    fallback for ops it lacks), or the CPU provider (whose
     session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
     :mod:`placement.runtime.layout`). With ``optimized_path``, ONNX Runtime also
     writes the graph it optimised there, weights of a kilobyte or more beside it in
@@ -148,12 +180,10 @@ def stage_session(
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
         )
-    providers: list[Any] = [physical.ort_provider]
-    if physical.is_cuda:
-        providers.append("CPUExecutionProvider")
+    chosen = providers(physical, precision=precision)
     try:
         model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
-        return session_from_ir(model, options, providers)
+        return session_from_ir(model, options, chosen)
     except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PlacementError(

@@ -197,7 +197,8 @@ def test_scripted_loop_stage_is_never_traced() -> None:
     with torch.no_grad():
         for feeds in _decoder_feeds(TRIPS):
             args = [torch.from_numpy(feeds[name]) for name in plain.input_names]
-            torch.testing.assert_close(piped(*args), plain(*args), rtol=0, atol=0)
+            # traced vs eager kernels, micro-batches vs the whole batch: equal within float tolerance
+            torch.testing.assert_close(piped(*args), plain(*args))
     reasons = [s.call.disabled or "" for s in piped._pl_stages]
     assert any("Loop" in r and "If" in r for r in reasons), reasons
     assert any(s.call.traced for s in piped._pl_stages)  # the stage without control flow still traces

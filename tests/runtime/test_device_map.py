@@ -46,7 +46,7 @@ def test_unavailable_gpu_is_an_error():
 
 def test_auto_emulates_once_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(dm, "_warned_emulation", False)
-    monkeypatch.setattr(dm, "cuda_device_count", lambda runtime="torch": 1)
+    monkeypatch.setattr(dm, "cuda_device_count", lambda runtime="torch": 0)
     with caplog.at_level(logging.WARNING, logger=dm.__name__):
         first = resolve_device_map([D0, D1])
         second = resolve_device_map([D0, D1], None)
@@ -62,6 +62,43 @@ def test_auto_uses_real_gpus_when_present(monkeypatch):
     assert dmap[D1] == PhysicalDevice("cuda", 1) and dmap[CPU] == PhysicalDevice("cpu", 0)
     assert dmap[D0].ort_provider == ("CUDAExecutionProvider", {"device_id": 0})
     assert dmap[CPU].ort_provider == ("CPUExecutionProvider", {})
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "expected"),
+    [
+        (1, ["cuda:0", "cuda:0", "cuda:0", "cuda:0"]),
+        (2, ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]),
+        (3, ["cuda:0", "cuda:0", "cuda:1", "cuda:2"]),
+    ],
+)
+def test_auto_shares_the_gpus_there_are_in_order(monkeypatch, caplog, n_gpus, expected):
+    monkeypatch.setattr(dm, "_warned_sharing", False)
+    monkeypatch.setattr(dm, "cuda_device_count", lambda runtime="torch": n_gpus)
+    logical = [pl.Device("cuda", k) for k in range(4)]
+    with caplog.at_level(logging.WARNING, logger=dm.__name__):
+        first = resolve_device_map([*logical, CPU])
+        second = resolve_device_map(logical, "auto")
+    assert [str(first[d]) for d in logical] == expected
+    assert not any(p.emulated for p in first.values()) and first[CPU] == PhysicalDevice("cpu", 0)
+    assert [str(second[d]) for d in logical] == expected
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "sharing" in said[0] and f"on {n_gpus} GPU(s)" in said[0]
+
+
+def test_auto_sharing_follows_the_faked_torch_and_ort_gpu_count(monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    for runtime in ("torch", "ort"):
+        dmap = resolve_device_map([D0, D1], runtime=runtime)
+        assert dmap == {D0: PhysicalDevice("cuda", 0), D1: PhysicalDevice("cuda", 0)}
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert all(p.emulated for p in resolve_device_map([D0, D1], runtime="ort").values())
 
 
 def test_physical_device_views():

@@ -23,7 +23,12 @@ micro-batch ``i + 1``), with ``torch.autograd.grad`` per stage, and returns the
 gradients of the inputs and of every parameter (summed over micro-batches and,
 for a parameter several stages read such as a tied embedding, over stages).
 So ``loss.backward()`` and ``torch.autograd.grad`` both work and give the
-unsplit module's gradients. ``checkpoint`` chooses which micro-batches drop
+unsplit module's gradients. When the autograd engine calls that backward on one
+of its per-device threads (a GPU output: the engine runs GPU backward work on a
+thread per device), the backward never waits there for workers that would need
+that same thread: it runs each stage's ``torch.autograd.grad`` itself, in the
+schedule's order (a reentrant backward; see
+:mod:`placement.runtime.lowering.reentrant`). ``checkpoint`` chooses which micro-batches drop
 their activations after forward and recompute them in backward: ``"always"``,
 ``"except_last"`` (GPipe's default: the last micro-batch is needed first in
 backward) or ``"never"``.
@@ -62,6 +67,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -76,6 +82,7 @@ from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model, subgraphs_of
 from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
+from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
     Stage,
     accumulate,
@@ -429,6 +436,34 @@ def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -
     )
 
 
+def _backward_schedule(
+    stages: list[Stage], make: Callable[[Stage], Any], genvs: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Run the micro-batches' gradient environments, last first, through ``stages`` (in
+    backward order): on the workers, or on this thread when it is an autograd engine
+    thread, which must never wait on threads that call into autograd
+    (:mod:`placement.runtime.lowering.reentrant`). Results last micro-batch first."""
+    order = list(reversed(range(len(genvs))))
+    if on_engine_thread():
+        log.debug("pipelined backward on an autograd engine thread: %d stages run inline", len(stages))
+        devices = [s.device for s in stages]
+
+        def context(j: int) -> Any:
+            return torch.cuda.device(devices[j]) if devices[j].type == "cuda" else contextlib.nullcontext()
+
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            [genvs[i] for i in order],
+            ids=order,
+            context=context,
+        )
+    with _workers(stages, make, grad=True) as w:
+        for i in order:
+            w.submit(i, genvs[i])
+        return [w.result() for _ in order]
+
+
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
     for env in envs:
         wait_for(env)
@@ -551,10 +586,7 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        with _workers(list(reversed(stages)), make, grad=True) as w:
-            for i in reversed(range(n_mb)):
-                w.submit(i, genvs[i])
-            done = [w.result() for _ in range(n_mb)]
+        done = _backward_schedule(list(reversed(stages)), make, genvs)
         done.reverse()
         for genv in done:
             wait_for(genv)
