@@ -32,6 +32,10 @@ def test_main_job_default_model():
         assert needle in text
     if result.emulated:
         assert "EMULATED" in text
+    # the check says its precision and tolerance: strict fp32 by default, on any device
+    assert result.precision == "fp32"
+    assert "precision of onnxruntime: fp32 (TF32 off), rtol=0.0001, atol=0.0001" in text
+    assert "precision of torch lowered: fp32 (TF32 off)" in text
 
 
 def test_four_devices_and_model_none_means_default():
