@@ -523,7 +523,8 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     command += ["-m", "placement.launch", str(args.model)]
     for spec in args.input:
         command += ["--input", spec]
-    for flag in ("output", "ranks", "runtime", "schedule", "chunks", "backend", "timeout", "threads"):
+    flags = ("output", "ranks", "runtime", "schedule", "chunks", "backend", "timeout", "threads", "precision")
+    for flag in flags:
         value = getattr(args, flag)
         if value is not None:
             command += [f"--{flag}", str(value)]
@@ -780,11 +781,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (torch runtime)"
     )
     p.add_argument("--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)")
-    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with GPUs, else gloo)")
+    p.add_argument(
+        "--backend", default=None, help="gloo or nccl (default: nccl with a GPU per rank, else gloo)"
+    )
     p.add_argument(
         "--timeout", type=float, default=None, help="seconds a rank waits for a peer (default 300)"
     )
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank")
+    p.add_argument(
+        "--precision", default=None, choices=["fp32", "tf32"], help="fp32: TF32 off on GPUs (default); tf32"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
     p.set_defaults(func=_cmd_launch)
     return parser
