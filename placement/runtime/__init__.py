@@ -15,7 +15,12 @@
   convolution layout across a cut (a BatchNormalization cut from its Conv).
 - :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
-- :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).
+- :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, GPUs shared in
+  order, or CPU emulation).
+- :mod:`~placement.runtime.precision`: whether fp32 goes through TF32 on a GPU (``precision=``)
+  and the tolerance a check against the CPU uses.
+- :mod:`~placement.runtime.sessions`: how a stage becomes an ONNX Runtime session (options,
+  providers).
 - :mod:`~placement.runtime.inputs`: checking and converting user inputs.
 
 May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
