@@ -307,7 +307,7 @@ def _cmd_run(args: argparse.Namespace, console: Any) -> int:
     target = _check_output(args.output, [".npz"], "the output file") if args.output else None
     if args.repeat < 1:
         raise pl.InputError(f"--repeat must be at least 1, got {args.repeat}")
-    options: dict[str, Any] = {"device_map": _parse_device_map(args.device_map)}
+    options: dict[str, Any] = {"device_map": _parse_device_map(args.device_map), "precision": args.precision}
     if args.threads is not None:
         options["threads"] = args.threads
     if args.chunks is not None:
@@ -322,6 +322,7 @@ def _cmd_run(args: argparse.Namespace, console: Any) -> int:
         outputs = runner.run(inputs)
     times = _timed_runs(runner, inputs, args.repeat, console)
     _print_stages(runner, console)
+    console.print(f"precision: {runner.tolerance}", highlight=False)
     median = statistics.median(times)
     batch = next((int(a.shape[0]) for a in inputs.values() if a.ndim > 0), 1)
     console.print(
@@ -684,6 +685,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, help="split the batch into K micro-batches (pipelined Runner)")
     p.add_argument("--repeat", type=int, default=10, help="timed runs after the warm-up (default 10)")
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: ORT's choice)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "tf32"],
+        help="fp32: TF32 off on GPUs (default); tf32: TF32 tensor cores allowed",
+    )
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser(

@@ -132,6 +132,7 @@ def test_run_a_placed_file_matches_torch(work, files):
         )
     )
     assert "where each stage ran" in out and "latency: median" in out and "samples/s" in out
+    assert "precision: fp32 (TF32 off), rtol=0.0001, atol=0.0001" in out
     assert "\r" not in out and "\x1b[" not in out  # no progress bars or colours in a pipe
     with np.load(work / "out.npz") as saved:
         (name,) = saved.files

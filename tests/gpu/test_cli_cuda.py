@@ -55,7 +55,7 @@ def test_placement_run_on_cuda_0(tmp_path):
         "run", "placed.onnx", "--input", f"{name}=x.npy", "--output", "out.npz", "--repeat", "2",
         "--device-map", "cuda:0", cwd=tmp_path,
     ).stdout  # fmt: skip
-    assert "cuda:0" in out
+    assert "cuda:0" in out and "precision: fp32 (TF32 off)" in out
     want = pl.run(model, [batch[0][:rows]], device_map="cpu")
     with np.load(tmp_path / "out.npz") as got:
         for key, w in zip(model.outputs, want):
