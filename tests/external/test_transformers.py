@@ -162,7 +162,7 @@ def _lowered_output(model: pl.Model, args: tuple[torch.Tensor, ...]) -> np.ndarr
     module = pl.to_torch(model)
     with torch.no_grad():
         out = module(*args)
-    return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
+    return (out[0] if isinstance(out, (list, tuple)) else out).cpu().numpy()  # auto: maybe a GPU
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -201,7 +201,8 @@ def test_pipelined_over_microbatches(name: str, exported: Any) -> None:
     module = pl.to_torch(model, chunks=2)
     with torch.no_grad():
         out = module(*args)
-    np.testing.assert_allclose((out[0] if isinstance(out, (list, tuple)) else out).numpy(), expected, **TOL)
+    got = (out[0] if isinstance(out, (list, tuple)) else out).cpu().numpy()  # auto: maybe a GPU
+    np.testing.assert_allclose(got, expected, **TOL)
 
 
 @pytest.mark.parametrize("name", ["t5", "qwen2"])

@@ -213,7 +213,7 @@ def churn() -> None:
 def run_placed(model: pl.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Run ``model`` with :func:`placement.run` (one emulated session per stage, real
     copies between logical devices), then :func:`churn`: compare the result afterwards."""
-    outputs = pl.run(model, feeds)
+    outputs = pl.run(model, feeds, device_map="cpu")
     churn()
     return outputs
 

@@ -212,7 +212,8 @@ def test_runner_reuses_sessions_and_outputs_are_not_overwritten(exported):
     assert runner.stats.runs == 2
 
 
-def test_stages_on_their_logical_devices(exported):
+def test_stages_on_their_logical_devices(exported, monkeypatch):
+    monkeypatch.setattr(device_map_module, "cuda_device_count", lambda runtime="torch": 0)  # emulated
     model, _, _ = exported("gpt")
     place_shift(model, 2)
     runner = pl.Runner(model)
