@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     reason = "needs a GPU: torch.cuda sees none and onnxruntime has no usable CUDA provider"
     skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
