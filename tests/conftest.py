@@ -29,3 +29,15 @@ def exported():
 
 
 MODEL_NAMES = ["mlp", "resnet", "gpt", "unet"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu``-marked tests, with the reason, where torch sees no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch sees none)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
