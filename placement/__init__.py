@@ -28,6 +28,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from placement.errors import (
+    CUDAGraphError,
     DeviceError,
     ExportError,
     InfeasiblePlacementError,
@@ -128,6 +129,7 @@ __all__ = [
     "verify",
     # errors
     "PlacementError",
+    "CUDAGraphError",
     "DeviceError",
     "ExportError",
     "InfeasiblePlacementError",
