@@ -356,7 +356,7 @@ def predict(
         raise PlanError(f"predict needs a placement.Model or a Plan, got {type(model_or_plan).__name__}")
     model = model_or_plan
     if gpus is None:
-        plan = _own_plan(model, link_model)
+        plan = _own_plan(model, link_model, timed=stage_times is None)
         return [_predict_plan(plan, _times_for(stage_times, len(_used(plan)), "stage_times"),
                               _times_for(backward_times, len(_used(plan)), "backward_times"),
                               link_model, chunks, schedule, overlap, call_overhead_s)]  # fmt: skip
@@ -440,13 +440,13 @@ def _link(links: Links | None, src: str, dst: str) -> Link | None:
     return None if links is None else links.link(src, dst)
 
 
-def _own_plan(model: Model, links: Links | None) -> Plan:
+def _own_plan(model: Model, links: Links | None, *, timed: bool = True) -> Plan:
     """The model's own placement as a :class:`Plan` (op costs from its cached or a fresh
-    profile; its devices in order of first use)."""
+    profile, timed or, with ``timed=False``, counted in FLOPs; its devices in order of first use)."""
     from placement.planning.planner import evaluate_assignment
     from placement.planning.profile import GraphInfo, profile
 
-    prof = profile(model, time=True, optimized=True)
+    prof = profile(model, time=timed, optimized=True)
     info = GraphInfo(model)
     devices: list[Device] = []
     part = []
@@ -457,11 +457,11 @@ def _own_plan(model: Model, links: Links | None) -> Plan:
         part.append(devices.index(device))
     return evaluate_assignment(
         info,
-        prof.costs("time"),
+        prof.costs("time" if timed else "flops"),
         part,
         devices,
         [None] * len(devices),
-        cost_kind="time",
+        cost_kind="time" if timed else "flops",
         objective="throughput",
         fp=prof.fingerprint,
         links=links,
