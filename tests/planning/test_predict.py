@@ -111,3 +111,12 @@ def test_predict_a_model_on_several_gpu_counts():
     assert model.device_state() == state  # the model is not placed by predicting
     one = results[0]
     assert one.gpus == 1 and one.bubble == pytest.approx(0.0)
+
+
+def test_predict_a_placed_model_from_its_measured_stages():
+    from placement.models import mlp
+
+    placed = pl.place_evenly(pl.from_torch(*mlp.build("tiny")), 2)  # with copies
+    (p,) = pl.predict(placed, stage_times=[0.003, 0.001], links="nvlink", chunks=2)
+    assert p.gpus == 2 and p.extra["devices"] == ["cuda:0", "cuda:1"]
+    assert p.stream_s == pytest.approx(0.003) and p.transfer_s[0] > 0

@@ -164,3 +164,15 @@ def test_cuda_pipelined_split_and_join_on_the_gpu():
     (out,) = runner.run([b.cuda() for b in batch], outputs="torch")
     assert out.device.type == "cuda" and runner.stats.host_copies == 0
     np.testing.assert_allclose(out.cpu().numpy(), _reference(net, batch), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_stage_sessions_of_one_gpu_share_an_arena():
+    from placement.runtime.device_map import PhysicalDevice
+    from placement.runtime.sessions import shared_cuda_allocator
+
+    model, net, args = _placed("gpt")
+    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"})
+    assert shared_cuda_allocator(PhysicalDevice("cuda", 0))
+    (out,) = runner.run([a.cuda() for a in args], outputs="torch")
+    np.testing.assert_allclose(out.cpu().numpy(), _reference(net, args), atol=1e-2, rtol=1e-2)
