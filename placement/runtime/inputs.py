@@ -245,7 +245,8 @@ _ONNX_NUMPY = {
 def ortvalue_from_torch(tensor: Any) -> Any:
     """An ``OrtValue`` over a torch tensor's memory (DLPack: no copy; a non-contiguous tensor is
     made contiguous on its device first). Bool tensors go through a ``uint8`` view, which ONNX
-    Runtime's DLPack import reads as bool when told.
+    Runtime's DLPack import reads as bool when told. For a CUDA tensor, torch's current stream
+    on its device is synchronised first (ONNX Runtime runs on streams of its own).
 
     Example:
         >>> import torch
@@ -260,6 +261,8 @@ def ortvalue_from_torch(tensor: Any) -> Any:
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
+    if tensor.device.type == "cuda":  # ONNX Runtime reads it on its own stream: let torch's finish first
+        torch.cuda.current_stream(tensor.device).synchronize()
     if tensor.dtype == torch.bool:
         return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.view(torch.uint8).__dlpack__(), True))
     return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.__dlpack__(), False))

@@ -663,11 +663,7 @@ def place(value: Any, physical: PhysicalDevice) -> Any:
     if _is_torch(value):
         from placement.runtime.inputs import ortvalue_from_torch
 
-        if value.device.type == "cuda":
-            import torch
-
-            torch.cuda.current_stream(value.device).synchronize()  # ORT reads it on its own stream
-        value = ortvalue_from_torch(value)
+        value = ortvalue_from_torch(value)  # a CUDA tensor's stream is synchronised there
     if not isinstance(value, ort.OrtValue):
         return value
     here = value_device(value)
