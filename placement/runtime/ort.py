@@ -337,8 +337,8 @@ class Runner:
                 self.stats.host_copies = HOST_COPIES.count - before
 
     def stream(
-        self, batches: Iterable[InputsLike], *, window: int | None = None
-    ) -> Iterator[list[np.ndarray]]:
+        self, batches: Iterable[InputsLike], *, window: int | None = None, outputs: str = "numpy"
+    ) -> Iterator[list[Any]]:
         """Run a stream of input batches with every stage busy; yield their outputs in order.
 
         Each batch goes through the stages as one micro-batch (or ``chunks``
@@ -349,11 +349,12 @@ class Runner:
         the iteration early stops the workers.
 
         Args:
-            batches: an iterable of inputs, each as :meth:`run` takes them.
+            batches: an iterable of inputs, each as :meth:`run` takes them (device values too).
             window: batches in flight at most.
+            outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"``, as for :meth:`run`.
 
         Yields:
-            Each batch's outputs (numpy arrays in graph-output order).
+            Each batch's outputs in graph-output order, as ``outputs`` says (numpy by default).
 
         Raises:
             PipelineError: a stage failed (names the stage and the batch).
@@ -369,9 +370,11 @@ class Runner:
         """
         from placement.runtime.pipeline import ort_stream
 
+        if outputs not in OUTPUT_KINDS:
+            raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
             self.update()
-        return ort_stream(self, batches, window=window)
+        return ort_stream(self, batches, window=window, outputs=outputs)
 
     def __call__(self, inputs: InputsLike) -> list[np.ndarray]:
         """Same as :meth:`run`."""

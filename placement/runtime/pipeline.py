@@ -728,12 +728,16 @@ def _as_ortvalue_or_numpy(value: Any) -> Any:
     return ortvalue_from_torch(value) if hasattr(value, "__dlpack__") else value
 
 
-def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None) -> Iterator[list[Any]]:
-    """The generator behind :meth:`Runner.stream`."""
+def ort_stream(
+    runner: Any, batches: Iterable[Any], *, window: int | None = None, outputs: str = "numpy"
+) -> Iterator[list[Any]]:
+    """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`)."""
     from placement.runtime.inputs import normalize_inputs
+    from placement.runtime.program import to_output
 
-    fns, names = _ort_stages(runner)
     chunks = runner.chunks
+    joined_on_device = chunks > 1 and outputs != "numpy"
+    fns, names = _ort_stages(runner, "torch" if joined_on_device else outputs)
     if chunks > 1:
         axes = runner._pipeline_axes()
         in_axes = [axes.inputs[name] for name in runner.input_names]
@@ -742,10 +746,11 @@ def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None
 
     def payloads() -> Iterator[Any]:
         for batch in batches:
-            arrays = normalize_inputs(batch, runner._specs)
+            arrays = normalize_inputs(batch, runner._specs, device_values=True)
             if chunks == 1:
                 yield [arrays]
             else:
+                arrays = [_as_torch(a) for a in arrays]  # device values split where they are
                 yield [[_contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
 
     def flat() -> Iterator[Any]:
@@ -765,7 +770,13 @@ def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None
         pending.append(result)
         if len(pending) == sizes[0]:
             del sizes[: len(pending)]
-            yield pending[0] if chunks == 1 else concat_batch(pending, out_axes)
+            if chunks == 1:
+                yield pending[0]
+            else:
+                joined = concat_batch(pending, out_axes)
+                if outputs == "ortvalue":
+                    joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
+                yield joined
             pending = []
 
 

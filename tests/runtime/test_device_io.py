@@ -176,3 +176,16 @@ def test_stage_sessions_of_one_gpu_share_an_arena():
     assert shared_cuda_allocator(PhysicalDevice("cuda", 0))
     (out,) = runner.run([a.cuda() for a in args], outputs="torch")
     np.testing.assert_allclose(out.cpu().numpy(), _reference(net, args), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_stream_hands_back_device_outputs(chunks):
+    model, net, args = _placed("gpt", dynamic=True)
+    batch = tuple(torch.cat([a, a.flip(0)]) for a in args)
+    runner = pl.Runner(model, device_map="cpu", chunks=chunks)
+    feeds = [list(batch), [ort.OrtValue.ortvalue_from_numpy(b.numpy()) for b in batch]]
+    for kind, expected_type in (("torch", torch.Tensor), ("ortvalue", ort.OrtValue)):
+        outs = list(runner.stream(feeds, outputs=kind))
+        assert len(outs) == 2 and all(isinstance(o[0], expected_type) for o in outs)
+        for (out,) in outs:
+            np.testing.assert_allclose(np.asarray(out.numpy()), _reference(net, batch), atol=1e-4)
