@@ -16,7 +16,8 @@
 - :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 - :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, or CPU emulation).
-- :mod:`~placement.runtime.inputs`: checking and converting user inputs.
+- :mod:`~placement.runtime.inputs`: checking and converting user inputs (numpy, torch tensors
+  and ``OrtValue`` s; device values kept on their device through DLPack).
 
 May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
 
