@@ -47,6 +47,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -375,30 +376,38 @@ def section_memory(models: Sequence[str]) -> list[dict[str, Any]]:
 
 def stage_times(runner: pl.Runner, feeds: Any, *, repeats: int) -> list[float]:
     """Median seconds of each stage of ``runner``'s program run alone (with the transfers after
-    it), stages taking turns run by run; for a GPU, each stage's run ends synchronised."""
-    from placement.runtime.program import StageStep, TransferStep
+    it), stages taking turns run by run; a stage on a GPU ends synchronised (ONNX Runtime
+    synchronises its stream at the end of each run)."""
+    timer = _StageTimer(runner, feeds)
+    samples = [timer.round() for _ in range(repeats + 2)][2:]  # two warm-up rounds
+    return [statistics.median(column) for column in zip(*samples)]
 
-    program = runner.program
-    arrays = [feeds[name] for name in runner.input_names]
-    groups: list[list[Any]] = []
-    for step in program.steps:
-        if not isinstance(step, TransferStep) or not groups:
-            groups.append([])
-        groups[-1].append(step)
-    samples: list[list[float]] = [[] for _ in groups]
-    for r in range(repeats + 2):
-        values = program.feed(arrays)
-        for g, group in enumerate(groups):
+
+class _StageTimer:
+    """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
+
+    def __init__(self, runner: pl.Runner, feeds: Any) -> None:
+        from placement.runtime.program import StageStep, TransferStep
+
+        self.program = runner.program
+        self.arrays = [feeds[name] for name in runner.input_names]
+        self.groups: list[list[Any]] = []
+        for step in self.program.steps:
+            if not isinstance(step, TransferStep) or not self.groups:
+                self.groups.append([])
+            self.groups[-1].append(step)
+        self.timed = [any(isinstance(x, StageStep) for x in group) for group in self.groups]
+
+    def round(self) -> list[float]:
+        values = self.program.feed(self.arrays)
+        spent = []
+        for group, timed in zip(self.groups, self.timed):
             start = time.perf_counter()
             for step in group:
                 step.run(values)
-            if r >= 2:  # two warm-up rounds
-                samples[g].append(time.perf_counter() - start)
-    return [
-        statistics.median(s)
-        for s, group in zip(samples, groups)
-        if any(isinstance(x, StageStep) for x in group)
-    ]
+            if timed:
+                spent.append(time.perf_counter() - start)
+        return spent
 
 
 def section_predict(*, repeats: int) -> list[dict[str, Any]]:
@@ -426,22 +435,37 @@ def section_predict(*, repeats: int) -> list[dict[str, Any]]:
 def validate_cpu(
     *, size: str = "bench", chunks: Sequence[int] = (1, 2, 4), repeats: int = 20
 ) -> list[dict[str, Any]]:
-    """The predictor against measured pipelines of two devices emulated on the CPU."""
+    """The predictor against measured pipelines of two devices emulated on the CPU.
+
+    Per ``k``: the stages' times at the micro-batch size (one thread each) and the
+    pipelined run (``Runner(chunks=k)``, one thread per stage) are measured in alternation,
+    round by round, so load on the machine hits both; the prediction from the stage times'
+    medians (times ``k``: whole-batch times) is compared with the run's median."""
     net, args = model_and_inputs("tiny-gpt" if size == "tiny" else "gpt", batch=8)
     model = export(net, args, dynamic=True)
     placed = pl.place_evenly(model.copy(), 2)
     feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
     rows = []
     for k in chunks:
-        single = pl.Runner(placed, device_map="cpu", threads=1)
         micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
-        times = [t * k for t in stage_times(single, micro, repeats=repeats)]
+        timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1), micro)
         runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1)
-        measured = _median_run(runner, feeds, repeats)
+        stages: list[list[float]] = []
+        runs: list[float] = []
+        for r in range(repeats + 2):
+            spent = timer.round()
+            start = time.perf_counter()
+            runner.run(feeds)
+            if r >= 2:
+                runs.append(time.perf_counter() - start)
+                stages.append(spent)
+        times = [statistics.median(column) * k for column in zip(*stages)]
+        measured = statistics.median(runs)
         (p,) = pl.predict(placed, stage_times=times, links=None, chunks=k)
         rows.append({"chunks": k, "stage_ms": [round(t * 1e3, 3) for t in times],
                      "predicted_ms": round(p.step_s * 1e3, 3), "measured_ms": round(measured * 1e3, 3),
-                     "error": round(p.step_s / measured - 1, 4)})  # fmt: skip
+                     "error": round(p.step_s / measured - 1, 4),
+                     "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})  # fmt: skip
     return rows
 
 
