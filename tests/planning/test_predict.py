@@ -120,3 +120,15 @@ def test_predict_a_placed_model_from_its_measured_stages():
     (p,) = pl.predict(placed, stage_times=[0.003, 0.001], links="nvlink", chunks=2)
     assert p.gpus == 2 and p.extra["devices"] == ["cuda:0", "cuda:1"]
     assert p.stream_s == pytest.approx(0.003) and p.transfer_s[0] > 0
+
+
+def test_gpu_benchmark_validates_the_predictor_on_the_cpu(capsys):
+    """``benchmarks/gpu.py``: the CPU validation rows, and a clean exit of the GPU sections without a GPU."""
+    from benchmarks import gpu
+
+    rows = gpu.validate_cpu(size="tiny", chunks=(1, 2), repeats=2)
+    assert [r["chunks"] for r in rows] == [1, 2]
+    assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 and math.isfinite(r["error"]) for r in rows)
+    if not gpu.has_gpu():
+        assert gpu.main(["--sections", "ort", "graphs"]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().err
