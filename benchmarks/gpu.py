@@ -380,14 +380,14 @@ def stage_times(runner: pl.Runner, feeds: Any, *, repeats: int) -> list[float]:
     synchronises its stream at the end of each run)."""
     timer = _StageTimer(runner, feeds)
     samples = [timer.round() for _ in range(repeats + 2)][2:]  # two warm-up rounds
-    return [statistics.median(column) for column in zip(*samples)]
+    return timer.by_device([statistics.median(column) for column in zip(*samples)])
 
 
 class _StageTimer:
     """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
 
     def __init__(self, runner: pl.Runner, feeds: Any) -> None:
-        from placement.runtime.program import StageStep, TransferStep
+        from placement.runtime.program import TransferStep
 
         self.program = runner.program
         self.arrays = [feeds[name] for name in runner.input_names]
@@ -396,7 +396,21 @@ class _StageTimer:
             if not isinstance(step, TransferStep) or not self.groups:
                 self.groups.append([])
             self.groups[-1].append(step)
-        self.timed = [any(isinstance(x, StageStep) for x in group) for group in self.groups]
+        self.timed = [any(not isinstance(x, TransferStep) for x in group) for group in self.groups]
+        #: the logical device of each timed group, in run order
+        self.devices = [
+            next(x.exec.stage.device for x in group if not isinstance(x, TransferStep))
+            for group, timed in zip(self.groups, self.timed)
+            if timed
+        ]
+
+    def by_device(self, times: Sequence[float]) -> list[float]:
+        """Per-stage ``times`` summed per logical device, devices in order of first use (the
+        stages of a plan's part, as ``pl.predict`` counts them)."""
+        totals: dict[Any, float] = {}
+        for device, spent in zip(self.devices, times):
+            totals[device] = totals.get(device, 0.0) + spent
+        return list(totals.values())
 
     def round(self) -> list[float]:
         values = self.program.feed(self.arrays)
@@ -459,7 +473,7 @@ def validate_cpu(
             if r >= 2:
                 runs.append(time.perf_counter() - start)
                 stages.append(spent)
-        times = [statistics.median(column) * k for column in zip(*stages)]
+        times = [t * k for t in timer.by_device([statistics.median(column) for column in zip(*stages)])]
         measured = statistics.median(runs)
         (p,) = pl.predict(placed, stage_times=times, links=None, chunks=k)
         rows.append({"chunks": k, "stage_ms": [round(t * 1e3, 3) for t in times],

@@ -686,8 +686,12 @@ def to_output(value: Any, kind: str, *, copy: bool = False) -> Any:
         out = to_numpy(value)
         return out.copy() if copy and isinstance(out, np.ndarray) else out
     if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
-        value = ort.OrtValue.ortvalue_from_numpy(np.array(value) if copy else value)
-        copy = False
+        array = np.array(value) if copy else value
+        if kind == "torch":
+            import torch
+
+            return torch.from_numpy(array)  # the tensor keeps the array alive
+        return ort.OrtValue.ortvalue_from_numpy(array)  # the OrtValue keeps the array alive
     if not isinstance(value, ort.OrtValue):
         return value
     if copy:
@@ -705,8 +709,10 @@ def to_output(value: Any, kind: str, *, copy: bool = False) -> Any:
 def _copy_value(value: ort.OrtValue) -> ort.OrtValue:
     """A copy of an ``OrtValue`` on its own device."""
     device = value_device(value)
-    if not device.is_cuda:
-        return ort.OrtValue.ortvalue_from_numpy(np.array(value.numpy()))
+    if not device.is_cuda:  # memory ONNX Runtime owns (a DLPack view of it stays valid on its own)
+        dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cpu", 0)
+        dst.update_inplace(np.ascontiguousarray(value.numpy()))
+        return dst
     dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cuda", device.index)
     ort.copy_tensors([value], [dst])
     return dst
