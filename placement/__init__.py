@@ -28,6 +28,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from placement.errors import (
+    CUDAGraphError,
     DeviceError,
     ExportError,
     InfeasiblePlacementError,
@@ -128,6 +129,7 @@ __all__ = [
     "verify",
     # errors
     "PlacementError",
+    "CUDAGraphError",
     "DeviceError",
     "ExportError",
     "InfeasiblePlacementError",
@@ -178,6 +180,8 @@ _LAZY.update(
     Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"
 )
 __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
+_LAZY.update(predict="placement.planning.predict", Prediction="placement.planning.predict")
+__all__ += ["predict", "Prediction"]
 
 _SUBPACKAGES = frozenset(
     {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}

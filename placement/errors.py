@@ -30,6 +30,7 @@ __all__ = [
     "InputError",
     "PlanError",
     "PipelineError",
+    "CUDAGraphError",
 ]
 
 
@@ -101,3 +102,8 @@ class PipelineError(PlacementError):
         super().__init__(message)
         self.stage = stage
         self.microbatch = microbatch
+
+
+class CUDAGraphError(PlacementError):
+    """CUDA graphs were asked for where they cannot run (no GPU, nothing placed on one,
+    or a pipelined module); the message says which."""

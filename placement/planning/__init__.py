@@ -8,6 +8,8 @@
 - :mod:`~placement.planning.frontend`: what the front-ends share (transactions, neighbours).
 - :mod:`~placement.planning.profile`: per-op ONNX Runtime times, bytes, FLOPs, liveness.
 - :mod:`~placement.planning.planner`: the exact planner ``auto_place`` and its ``Plan``.
+- :mod:`~placement.planning.predict`: ``predict``, a plan's step time and speed-up on N devices
+  from measured stage times and a link model (pipeline bubbles, transfer overlap).
 
 Every front-end only sets op devices, in place and transactionally; copies come after.
 

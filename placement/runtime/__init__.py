@@ -20,8 +20,9 @@
 - :mod:`~placement.runtime.precision`: whether fp32 goes through TF32 on a GPU (``precision=``)
   and the tolerance a check against the CPU uses.
 - :mod:`~placement.runtime.sessions`: how a stage becomes an ONNX Runtime session (options,
-  providers).
-- :mod:`~placement.runtime.inputs`: checking and converting user inputs.
+  providers, a shared CUDA arena per GPU).
+- :mod:`~placement.runtime.inputs`: checking and converting user inputs (numpy, torch tensors
+  and ``OrtValue`` s; device values kept on their device through DLPack).
 
 May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
 

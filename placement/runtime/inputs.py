@@ -8,6 +8,12 @@ dtypes, ranks and static dimensions, raising :class:`placement.InputError`
 that names the offending input (expected vs got). Symbolic dimensions accept
 any size.
 
+With ``device_values=True`` (what :class:`placement.Runner` asks for), values that
+live on a device stay there: a torch CUDA tensor becomes an ``OrtValue`` over the
+same memory (DLPack, no copy; made contiguous on its device first if it is not), and
+an ``onnxruntime.OrtValue`` is taken as it is. Both are checked like arrays. A torch
+CPU tensor becomes a numpy array over its memory either way (no copy).
+
 Example:
     >>> import numpy as np
     >>> from placement.runtime.inputs import InputSpec, normalize_inputs
@@ -31,7 +37,16 @@ import onnx_ir as ir
 
 from placement.errors import InputError
 
-__all__ = ["InputSpec", "InputsLike", "input_specs", "normalize_inputs", "to_numpy"]
+__all__ = [
+    "InputSpec",
+    "InputsLike",
+    "input_specs",
+    "is_device_value",
+    "normalize_inputs",
+    "ortvalue_from_torch",
+    "to_numpy",
+    "value_dtype",
+]
 
 #: What runtimes accept as ``inputs``.
 InputsLike = Union[Mapping[str, Any], Sequence[Any], Any]
@@ -120,12 +135,16 @@ def to_numpy(name: str, value: Any) -> np.ndarray:
     module = type(value).__module__ or ""
     if module.startswith("torch") and hasattr(value, "detach"):
         return value.detach().cpu().numpy()
+    if module.startswith("onnxruntime") and hasattr(value, "numpy"):
+        return value.numpy()
     if isinstance(value, (int, float, bool, np.generic, list, tuple)):
         return np.asarray(value)
     raise InputError(f"input {name!r}: expected a numpy array or torch tensor, got {type(value).__name__}")
 
 
-def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[Any]:
+def normalize_inputs(
+    inputs: InputsLike, specs: Sequence[InputSpec], *, device_values: bool = False
+) -> list[Any]:
     """Validated, contiguous numpy arrays in graph-input order.
 
     Inputs that are not tensors (sequences, optionals) come back as lists of
@@ -135,6 +154,8 @@ def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[Any
         inputs: a dict by input name, a sequence in input order, or one array
             when the model has exactly one input.
         specs: the model's inputs (see :func:`input_specs`).
+        device_values: keep torch CUDA tensors and ``OrtValue`` s on their device:
+            they come back as ``OrtValue`` s (see the module docstring).
 
     Raises:
         InputError: an unknown or missing name, a wrong count, dtype, rank or
@@ -179,10 +200,83 @@ def normalize_inputs(inputs: InputsLike, specs: Sequence[InputSpec]) -> list[Any
         if spec.kind != "tensor":
             arrays.append(_non_tensor(spec, value))
             continue
+        if device_values and is_device_value(value):
+            arrays.append(_device_value(spec, value))
+            continue
         array = to_numpy(spec.name, value)
         _check(spec, array)
         arrays.append(_contiguous(array))
     return arrays
+
+
+def is_device_value(value: Any) -> bool:
+    """True for an ``onnxruntime.OrtValue`` or a torch tensor on a GPU (values that
+    :func:`normalize_inputs` keeps on their device with ``device_values=True``)."""
+    module = type(value).__module__ or ""
+    if module.startswith("onnxruntime"):
+        return hasattr(value, "_ortvalue") or hasattr(value, "data_ptr")
+    return module.startswith("torch") and getattr(getattr(value, "device", None), "type", "cpu") == "cuda"
+
+
+def value_dtype(value: Any) -> np.dtype | None:
+    """The numpy dtype of an ``OrtValue`` or torch tensor (None where numpy has none, e.g. bfloat16)."""
+    if hasattr(value, "data_type"):
+        name = value.data_type().removeprefix("tensor(").removesuffix(")")
+        return _ONNX_NUMPY.get(name)
+    import torch
+
+    try:
+        return np.dtype(torch.empty((), dtype=value.dtype).numpy().dtype)
+    except (TypeError, RuntimeError):
+        return None
+
+
+#: ONNX tensor element type names (as ``OrtValue.data_type()`` spells them) -> numpy dtypes.
+_ONNX_NUMPY = {
+    name: np.dtype(dtype)
+    for name, dtype in {
+        "float": "float32", "double": "float64", "float16": "float16", "int8": "int8", "int16": "int16",
+        "int32": "int32", "int64": "int64", "uint8": "uint8", "uint16": "uint16", "uint32": "uint32",
+        "uint64": "uint64", "bool": "bool",
+    }.items()
+}  # fmt: skip
+
+
+def ortvalue_from_torch(tensor: Any) -> Any:
+    """An ``OrtValue`` over a torch tensor's memory (DLPack: no copy; a non-contiguous tensor is
+    made contiguous on its device first). Bool tensors go through a ``uint8`` view, which ONNX
+    Runtime's DLPack import reads as bool when told. For a CUDA tensor, torch's current stream
+    on its device is synchronised first (ONNX Runtime runs on streams of its own).
+
+    Example:
+        >>> import torch
+        >>> t = torch.arange(6.0).reshape(2, 3)
+        >>> ortvalue_from_torch(t).data_ptr() == t.data_ptr()
+        True
+    """
+    import onnxruntime as ort
+    import torch
+    from onnxruntime.capi import _pybind_state as _C
+
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.device.type == "cuda":  # ONNX Runtime reads it on its own stream: let torch's finish first
+        torch.cuda.current_stream(tensor.device).synchronize()
+    if tensor.dtype == torch.bool:
+        return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.view(torch.uint8).__dlpack__(), True))
+    return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.__dlpack__(), False))
+
+
+def _device_value(spec: InputSpec, value: Any) -> Any:
+    """A checked device value (an ``OrtValue`` on its device)."""
+    if hasattr(value, "data_type"):  # an OrtValue
+        if not value.is_tensor():
+            raise InputError(f"input {spec.name!r}: expected a tensor OrtValue, got {value.data_type()}")
+        _check_parts(spec, value_dtype(value), tuple(value.shape()), value.data_type())
+        return value
+    _check_parts(spec, value_dtype(value), tuple(value.shape), str(value.dtype))
+    return ortvalue_from_torch(value)
 
 
 def _ready(inputs: dict[str, Any], specs: Sequence[InputSpec]) -> list[np.ndarray] | None:
@@ -218,33 +312,37 @@ def _is_array(value: Any) -> bool:
     if isinstance(value, np.ndarray):
         return True
     module = type(value).__module__ or ""
-    return module.startswith("torch") and hasattr(value, "detach")
+    return (module.startswith("torch") and hasattr(value, "detach")) or (
+        module.startswith("onnxruntime") and hasattr(value, "data_type")
+    )
 
 
 def _check(spec: InputSpec, array: np.ndarray) -> None:
     strings = spec.dtype == np.dtype(object) and array.dtype.kind in "OUS"
-    if spec.dtype is not None and array.dtype != spec.dtype and not strings:
+    _check_parts(spec, None if strings else array.dtype, array.shape, str(array.dtype))
+
+
+def _check_parts(spec: InputSpec, dtype: np.dtype | None, shape: tuple[int, ...], dtype_name: str) -> None:
+    """Check a value's dtype (None: not checked) and shape against ``spec``."""
+    got = f"{dtype_name}[{', '.join(map(str, shape))}]"
+    if spec.dtype is not None and dtype is not None and dtype != spec.dtype:
         raise InputError(
-            f"input {spec.name!r} has dtype {array.dtype}, expected {spec.dtype} "
-            f"(expected {spec.describe()}, got {_describe(array)})"
+            f"input {spec.name!r} has dtype {dtype_name}, expected {spec.dtype} "
+            f"(expected {spec.describe()}, got {got})"
         )
     if spec.shape is None:
         return
-    if array.ndim != len(spec.shape):
+    if len(shape) != len(spec.shape):
         raise InputError(
-            f"input {spec.name!r} has rank {array.ndim}, expected {len(spec.shape)} "
-            f"(expected {spec.describe()}, got {_describe(array)})"
+            f"input {spec.name!r} has rank {len(shape)}, expected {len(spec.shape)} "
+            f"(expected {spec.describe()}, got {got})"
         )
-    for axis, (want, have) in enumerate(zip(spec.shape, array.shape)):
+    for axis, (want, have) in enumerate(zip(spec.shape, shape)):
         if isinstance(want, int) and want != have:
             raise InputError(
                 f"input {spec.name!r} has size {have} in dimension {axis}, expected {want} "
-                f"(expected {spec.describe()}, got {_describe(array)})"
+                f"(expected {spec.describe()}, got {got})"
             )
-
-
-def _describe(array: np.ndarray) -> str:
-    return f"{array.dtype}[{', '.join(map(str, array.shape))}]"
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from placement.errors import PlacementError
+from placement.errors import InputError, PlacementError
 from placement.graph.device import Device
 from placement.graph.model import (
     DEVICE_KEY,
@@ -101,7 +101,7 @@ from placement.runtime.boundaries import optimized_path
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
-from placement.runtime.program import Program, StageExec, compile_program
+from placement.runtime.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
 from placement.runtime.sessions import ort_log_severity, session_options, stage_session
 from placement.runtime.stages import Stage, split_stages
 
@@ -122,6 +122,10 @@ class RunnerStats:
         partitions: times the model was partitioned (1 + re-placements seen).
         runs: calls to :meth:`Runner.run`.
         transfers: transfers per run (cross-device copies that move data).
+        host_copies: tensor copies through host memory the last :meth:`Runner.run` made
+            (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
+            back as numpy; see :data:`placement.runtime.program.HOST_COPIES`; a run
+            in another thread at the same time counts here too).
     """
 
     sessions_built: int = 0
@@ -129,6 +133,7 @@ class RunnerStats:
     partitions: int = 0
     runs: int = 0
     transfers: int = 0
+    host_copies: int = 0
 
 
 class Runner:
@@ -309,34 +314,59 @@ class Runner:
             self._rebuild()
         return True
 
-    def run(self, inputs: InputsLike) -> list[np.ndarray]:
+    def run(self, inputs: InputsLike, *, outputs: str = "numpy") -> list[Any]:
         """Run the model once.
 
         Args:
             inputs: a dict by graph-input name or a sequence in graph-input
-                order (numpy arrays or torch tensors; one array for a one-input model).
+                order (one value for a one-input model): numpy arrays, torch tensors
+                (CPU or CUDA) or ``onnxruntime.OrtValue`` s. Torch tensors and
+                ``OrtValue`` s are read where they are, without a copy (DLPack); a value
+                on another device than the stage reading it is moved there (GPU to GPU
+                directly). A CUDA tensor's producing stream is synchronised first.
+            outputs: what the graph outputs come back as: ``"numpy"`` (default; host
+                arrays), ``"torch"`` (torch tensors on the device that made each
+                output, sharing its memory through DLPack) or ``"ortvalue"``
+                (``OrtValue`` s on that device). Every output owns its memory: nothing
+                a later run allocates overwrites it.
 
         Returns:
-            The graph outputs as numpy arrays, in graph-output order.
+            The graph outputs, in graph-output order.
 
         Raises:
             InputError: unknown/missing input names, wrong dtypes or static
-                dimensions (the message names the input).
+                dimensions (the message names the input), or an unknown ``outputs``.
+
+        Example:
+            >>> import torch
+            >>> import placement as pl
+            >>> from placement.models import mlp
+            >>> net, (x,) = mlp.build("tiny")
+            >>> runner = Runner(pl.from_torch(net, (x,)), device_map="cpu")
+            >>> (y,) = runner.run([x], outputs="torch")
+            >>> type(y).__name__, bool(torch.allclose(y, net(x), atol=1e-5))
+            ('Tensor', True)
         """
+        if outputs not in OUTPUT_KINDS:
+            raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
             self.update()
-        arrays = normalize_inputs(inputs, self._specs)
+        arrays = normalize_inputs(inputs, self._specs, device_values=True)
         with self._lock:
             self.stats.runs += 1
-            if self.chunks > 1:
-                from placement.runtime.pipeline import ort_run_pipelined
+            before = HOST_COPIES.count
+            try:
+                if self.chunks > 1:
+                    from placement.runtime.pipeline import ort_run_pipelined
 
-                return ort_run_pipelined(self, arrays)
-            return self._execute(arrays)
+                    return ort_run_pipelined(self, arrays, outputs=outputs)
+                return self._execute(arrays, outputs)
+            finally:
+                self.stats.host_copies = HOST_COPIES.count - before
 
     def stream(
-        self, batches: Iterable[InputsLike], *, window: int | None = None
-    ) -> Iterator[list[np.ndarray]]:
+        self, batches: Iterable[InputsLike], *, window: int | None = None, outputs: str = "numpy"
+    ) -> Iterator[list[Any]]:
         """Run a stream of input batches with every stage busy; yield their outputs in order.
 
         Each batch goes through the stages as one micro-batch (or ``chunks``
@@ -347,11 +377,12 @@ class Runner:
         the iteration early stops the workers.
 
         Args:
-            batches: an iterable of inputs, each as :meth:`run` takes them.
+            batches: an iterable of inputs, each as :meth:`run` takes them (device values too).
             window: batches in flight at most.
+            outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"``, as for :meth:`run`.
 
         Yields:
-            Each batch's outputs (numpy arrays in graph-output order).
+            Each batch's outputs in graph-output order, as ``outputs`` says (numpy by default).
 
         Raises:
             PipelineError: a stage failed (names the stage and the batch).
@@ -367,9 +398,11 @@ class Runner:
         """
         from placement.runtime.pipeline import ort_stream
 
+        if outputs not in OUTPUT_KINDS:
+            raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
             self.update()
-        return ort_stream(self, batches, window=window)
+        return ort_stream(self, batches, window=window, outputs=outputs)
 
     def __call__(self, inputs: InputsLike) -> list[np.ndarray]:
         """Same as :meth:`run`."""
@@ -545,10 +578,10 @@ class Runner:
 
     # -- running -----------------------------------------------------------------------
 
-    def _execute(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def _execute(self, arrays: list[Any], outputs: str = "numpy") -> list[Any]:
         program = self._program
         assert program is not None
-        return program.run(arrays)
+        return program.run(arrays, outputs)
 
 
 def run(
@@ -557,7 +590,8 @@ def run(
     *,
     device_map: DeviceMapLike = "auto",
     precision: str = DEFAULT_PRECISION,
-) -> list[np.ndarray]:
+    outputs: str = "numpy",
+) -> list[Any]:
     """Run a placed model once through per-stage ONNX Runtime sessions.
 
     The one-shot form of :class:`Runner` (which builds its sessions once; use
@@ -569,9 +603,10 @@ def run(
             or torch tensors).
         device_map: see :class:`Runner`.
         precision: ``"fp32"`` or ``"tf32"``; see :class:`Runner`.
+        outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"`` (see :meth:`Runner.run`).
 
     Returns:
-        The graph outputs as numpy arrays, in graph-output order.
+        The graph outputs (numpy arrays by default), in graph-output order.
 
     Example:
         >>> import placement as pl
@@ -580,7 +615,8 @@ def run(
         >>> run(pl.from_torch(net, (x,)), [x], device_map="cpu")[0].shape
         (4, 8)
     """
-    return Runner(model, device_map=device_map, auto_update=False, precision=precision).run(inputs)
+    runner = Runner(model, device_map=device_map, auto_update=False, precision=precision)
+    return runner.run(inputs, outputs=outputs)
 
 
 def _stale_copies(model: Model) -> bool:

@@ -642,7 +642,7 @@ def stream_microbatches(
 # --- ONNX Runtime ---------------------------------------------------------------------------
 
 
-def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str]]:
+def _ort_stages(runner: Any, outputs: str = "numpy") -> tuple[list[StageFn], list[str]]:
     """The runner's program as pipeline stage functions (one per stage session).
 
     Each function runs one stage and the transfers that follow it on a
@@ -672,30 +672,72 @@ def _ort_stages(runner: Any) -> tuple[list[StageFn], list[str]]:
             values = program.feed(payload) if first else payload
             for step in group:
                 step.run(values, bindings.get(id(step)))
-            return program.collect(values) if last else values
+            return program.collect(values, outputs) if last else values
 
         return fn
 
     return [make(n, group) for n, group in enumerate(groups)], names
 
 
-def ort_run_pipelined(runner: Any, arrays: list[Any]) -> list[Any]:
-    """One :meth:`Runner.run` with ``chunks > 1``: split, pipeline, concatenate."""
-    fns, names = _ort_stages(runner)
+def ort_run_pipelined(runner: Any, arrays: list[Any], *, outputs: str = "numpy") -> list[Any]:
+    """One :meth:`Runner.run` with ``chunks > 1``: split, pipeline, concatenate.
+
+    Device values (``OrtValue`` s, torch CUDA tensors) are split and the outputs joined
+    where they are, as torch tensors over the same memory (DLPack): nothing goes
+    through the host for device inputs and ``outputs="torch"`` / ``"ortvalue"``."""
+    from placement.runtime.program import to_output
+
+    device = outputs != "numpy" or any(isinstance(a, ort_value_type()) for a in arrays)
+    if device:
+        arrays = [_as_torch(a) for a in arrays]
+    fns, names = _ort_stages(runner, "torch" if device else "numpy")
     axes = runner._pipeline_axes()
     in_axes = [axes.inputs[name] for name in runner.input_names]
     parts = split_batch(arrays, in_axes, runner.chunks)
     parts = [[_contiguous(a) for a in part] for part in parts]
     results = run_microbatches(fns, parts, names=names)
-    return concat_batch(results, [axes.outputs[name] for name in runner.output_names])
+    joined = concat_batch(results, [axes.outputs[name] for name in runner.output_names])
+    if not device or outputs == "torch":
+        return joined
+    return [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
 
 
-def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None) -> Iterator[list[Any]]:
-    """The generator behind :meth:`Runner.stream`."""
+def ort_value_type() -> type:
+    """``onnxruntime.OrtValue`` (imported on use)."""
+    import onnxruntime as ort
+
+    return ort.OrtValue
+
+
+def _as_torch(value: Any) -> Any:
+    """A tensor input as a torch tensor over the same memory (DLPack; numpy: ``from_numpy``)."""
+    import torch
+
+    if isinstance(value, ort_value_type()):
+        tensor = torch.from_dlpack(value._ortvalue)
+        return tensor.view(torch.bool) if value.data_type() == "tensor(bool)" else tensor
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
+        return torch.from_numpy(value)
+    return value
+
+
+def _as_ortvalue_or_numpy(value: Any) -> Any:
+    """A joined output (a torch tensor, which owns its memory) as an ``OrtValue`` over it."""
+    from placement.runtime.inputs import ortvalue_from_torch
+
+    return ortvalue_from_torch(value) if hasattr(value, "__dlpack__") else value
+
+
+def ort_stream(
+    runner: Any, batches: Iterable[Any], *, window: int | None = None, outputs: str = "numpy"
+) -> Iterator[list[Any]]:
+    """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`)."""
     from placement.runtime.inputs import normalize_inputs
+    from placement.runtime.program import to_output
 
-    fns, names = _ort_stages(runner)
     chunks = runner.chunks
+    joined_on_device = chunks > 1 and outputs != "numpy"
+    fns, names = _ort_stages(runner, "torch" if joined_on_device else outputs)
     if chunks > 1:
         axes = runner._pipeline_axes()
         in_axes = [axes.inputs[name] for name in runner.input_names]
@@ -704,10 +746,11 @@ def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None
 
     def payloads() -> Iterator[Any]:
         for batch in batches:
-            arrays = normalize_inputs(batch, runner._specs)
+            arrays = normalize_inputs(batch, runner._specs, device_values=True)
             if chunks == 1:
                 yield [arrays]
             else:
+                arrays = [_as_torch(a) for a in arrays]  # device values split where they are
                 yield [[_contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
 
     def flat() -> Iterator[Any]:
@@ -727,9 +770,17 @@ def ort_stream(runner: Any, batches: Iterable[Any], *, window: int | None = None
         pending.append(result)
         if len(pending) == sizes[0]:
             del sizes[: len(pending)]
-            yield pending[0] if chunks == 1 else concat_batch(pending, out_axes)
+            if chunks == 1:
+                yield pending[0]
+            else:
+                joined = concat_batch(pending, out_axes)
+                if outputs == "ortvalue":
+                    joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
+                yield joined
             pending = []
 
 
 def _contiguous(array: Any) -> Any:
+    if hasattr(array, "contiguous") and hasattr(array, "__dlpack__"):
+        return array.contiguous()  # a torch tensor: on its own device
     return np.ascontiguousarray(array)

@@ -18,7 +18,15 @@ one session per stage; :func:`compile_program` then turns the partition into a
 Every step carries the keys whose last reader it is (``free``), so intermediate
 values are dropped as soon as possible. :meth:`Program.collect` hands the graph
 outputs back as numpy arrays that own their memory (or keep their ``OrtValue``
-alive), so later allocations can never overwrite them.
+alive), so later allocations can never overwrite them; or, asked for device
+outputs (``outputs="torch"`` / ``"ortvalue"``, see :data:`OUTPUT_KINDS`), as torch
+tensors over the ``OrtValue`` s' memory (DLPack, no copy) or the ``OrtValue`` s
+themselves, on the device that made them.
+
+Host copies: every copy of a tensor through host memory that a run makes (a graph
+input fed from numpy to a GPU, a transfer to or from the host, an output on a GPU
+handed back as numpy) is counted in :data:`HOST_COPIES`; with device-resident
+inputs and outputs, stages on GPUs make none (the GPU tests assert it).
 
 Example:
     >>> import placement as pl
@@ -34,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +57,9 @@ from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.stages import Partition, Stage
 
 __all__ = [
+    "HOST_COPIES",
+    "OUTPUT_KINDS",
+    "HostCopies",
     "HostStep",
     "NativeRun",
     "Program",
@@ -56,6 +68,8 @@ __all__ = [
     "Step",
     "TransferStep",
     "compile_program",
+    "place",
+    "to_output",
     "transfer_kind",
 ]
 
@@ -67,6 +81,34 @@ _CPU = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
 #: How a blob moves between two physical devices (see :func:`transfer_kind`).
 ALIAS, TO_GPU, TO_HOST, GPU_TO_GPU = "alias", "h2d", "d2h", "d2d"
 _warned_d2d_fallback = False
+
+#: What :meth:`Program.collect` (and ``Runner.run(outputs=...)``) hands back: host numpy arrays
+#: (the default), torch tensors on the outputs' devices (DLPack, no copy), or ``OrtValue`` s.
+OUTPUT_KINDS = ("numpy", "torch", "ortvalue")
+
+
+class HostCopies:
+    """A process-wide count of tensor copies through host memory (see the module docstring).
+
+    Example:
+        >>> before = HOST_COPIES.count
+        >>> HOST_COPIES.add()
+        >>> HOST_COPIES.count - before
+        1
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int = 1) -> None:
+        """Count ``n`` more copies."""
+        with self._lock:
+            self.count += n
+
+
+#: The count of host copies made by runs in this process.
+HOST_COPIES = HostCopies()
 
 
 @dataclass
@@ -288,24 +330,30 @@ class Program:
         return sum(1 for step in self.steps if isinstance(step, TransferStep))
 
     def feed(self, arrays: list[Any]) -> dict[str, Any]:
-        """The value table of one run, holding the graph inputs on their devices."""
-        return {
-            name: ortvalue(array, physical) if _is_tensor(array) else array
-            for (name, physical), array in zip(self.feeds, arrays)
-        }
+        """The value table of one run, holding the graph inputs on their devices (numpy arrays,
+        ``OrtValue`` s or torch tensors; see :func:`place`)."""
+        return {name: place(array, physical) for (name, physical), array in zip(self.feeds, arrays)}
 
-    def collect(self, values: dict[str, Any]) -> list[Any]:
-        """The graph outputs of a finished run, in graph-output order, each owning its memory."""
-        return [to_numpy(values[key]) if const is None else const.copy() for key, const in self.outputs]
+    def collect(self, values: dict[str, Any], kind: str = "numpy") -> list[Any]:
+        """The graph outputs of a finished run, in graph-output order, each owning its memory,
+        as ``kind`` says (:data:`OUTPUT_KINDS`). An output that is a graph input (the caller's
+        own memory) is copied for device kinds."""
+        if kind == "numpy":
+            return [to_numpy(values[key]) if const is None else const.copy() for key, const in self.outputs]
+        fed = {name for name, _ in self.feeds}
+        return [
+            to_output(const.copy() if const is not None else values[key], kind, copy=key in fed)
+            for key, const in self.outputs
+        ]
 
-    def run(self, arrays: list[Any]) -> list[Any]:
+    def run(self, arrays: list[Any], kind: str = "numpy") -> list[Any]:
         """One whole run: feed, every step, collect (by :attr:`native` where it is set)."""
         if self.native is not None:
-            return self.native.run(arrays)
+            return self.native.run(arrays, kind)
         values = self.feed(arrays)
         for step in self.steps:
             step.run(values)
-        return self.collect(values)
+        return self.collect(values, kind)
 
 
 @dataclass(frozen=True)
@@ -361,12 +409,18 @@ class NativeRun:
         frees = _last_reads(reads, {key for key, const in outputs if const is None})
         return cls(feeds, tuple((*stage, free) for stage, free in zip(stages, frees)), outputs)
 
-    def run(self, arrays: list[Any]) -> list[Any]:
+    def run(self, arrays: list[Any], kind: str = "numpy") -> list[Any]:
         """One whole run on ``arrays`` (graph inputs in order): the graph outputs, in
-        order, each owning its memory or keeping its value alive."""
+        order, each owning its memory or keeping its value alive (as ``kind`` says,
+        :data:`OUTPUT_KINDS`)."""
         values: dict[str, Any] = {}
         for key, array in zip(self.feeds, arrays):
-            values[key] = _C.OrtValue.ortvalue_from_numpy(array, _CPU) if _is_tensor(array) else array
+            if _is_tensor(array):
+                values[key] = _C.OrtValue.ortvalue_from_numpy(array, _CPU)
+            elif isinstance(array, ort.OrtValue) or _is_torch(array):
+                values[key] = place(array, _HOST)._ortvalue
+            else:
+                values[key] = array
         for ex, bind, outputs, free in self.stages:
             try:
                 results = ex.direct({name: values[key] for name, key in bind}, outputs, None)
@@ -379,10 +433,13 @@ class NativeRun:
         collected = []
         for key, const in self.outputs:
             if const is not None:
-                collected.append(const.copy())
+                collected.append(const.copy() if kind == "numpy" else to_output(const.copy(), kind))
                 continue
             value = values[key]
-            collected.append(_owned(value, value.numpy()))
+            if kind == "numpy":
+                collected.append(_owned(value, value.numpy()))
+            else:
+                collected.append(to_output(ort.OrtValue(value) if _is_native(value) else value, kind))
         return collected
 
 
@@ -570,10 +627,103 @@ def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: boo
 
 
 def ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:
-    """``array`` as an ``OrtValue`` on ``physical``."""
+    """``array`` as an ``OrtValue`` on ``physical`` (a host copy when that is a GPU)."""
     if physical.is_cuda:
+        HOST_COPIES.add()
         return ort.OrtValue.ortvalue_from_numpy(array, "cuda", physical.index)
     return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+#: The host, as a physical device (where values of CPU stages and emulated devices live).
+_HOST = PhysicalDevice("cpu", 0)
+
+
+def value_device(value: ort.OrtValue) -> PhysicalDevice:
+    """The physical device an ``OrtValue`` lives on."""
+    if value.device_name().lower() == "cpu":
+        return _HOST
+    _, index = value._ortvalue.__dlpack_device__()
+    return PhysicalDevice("cuda", int(index))
+
+
+def place(value: Any, physical: PhysicalDevice) -> Any:
+    """A graph input as the value table holds it on ``physical``: numpy arrays become
+    ``OrtValue`` s there (a host copy for a GPU), torch tensors ``OrtValue`` s over their
+    memory (DLPack), and ``OrtValue`` s on another device are moved
+    (:func:`transfer_kind`); host values (lists, ``None``, strings) stay as they are.
+
+    Example:
+        >>> import numpy as np
+        >>> value = place(np.ones(3, np.float32), PhysicalDevice("cpu"))
+        >>> value.device_name().lower(), value.shape()
+        ('cpu', [3])
+    """
+    if _is_tensor(value):
+        return ortvalue(value, physical)
+    if _is_torch(value):
+        from placement.runtime.inputs import ortvalue_from_torch
+
+        value = ortvalue_from_torch(value)  # a CUDA tensor's stream is synchronised there
+    if not isinstance(value, ort.OrtValue):
+        return value
+    here = value_device(value)
+    if here.is_cuda == physical.is_cuda and here.index == physical.index:
+        return value
+    return move(value, transfer_kind(here, physical, same_logical=False), physical)
+
+
+def to_output(value: Any, kind: str, *, copy: bool = False) -> Any:
+    """A graph output handed to the caller as ``kind`` (:data:`OUTPUT_KINDS`), on the device
+    it was made on; ``copy``: the value is not the run's own (a graph input passed through),
+    so it is copied first. Host values (lists, ``None``) are returned as they are.
+
+    Example:
+        >>> import numpy as np
+        >>> to_output(np.arange(3), "torch")
+        tensor([0, 1, 2])
+    """
+    if kind == "numpy":
+        out = to_numpy(value)
+        return out.copy() if copy and isinstance(out, np.ndarray) else out
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
+        array = np.array(value) if copy else value
+        if kind == "torch":
+            import torch
+
+            return torch.from_numpy(array)  # the tensor keeps the array alive
+        return ort.OrtValue.ortvalue_from_numpy(array)  # the OrtValue keeps the array alive
+    if not isinstance(value, ort.OrtValue):
+        return value
+    if copy:
+        value = _copy_value(value)
+    if kind == "ortvalue":
+        return value
+    if kind == "torch":
+        import torch
+
+        tensor = torch.from_dlpack(value._ortvalue)
+        return tensor.view(torch.bool) if value.data_type() == "tensor(bool)" else tensor
+    raise PlacementError(f"unknown output kind {kind!r}; expected one of {', '.join(OUTPUT_KINDS)}")
+
+
+def _copy_value(value: ort.OrtValue) -> ort.OrtValue:
+    """A copy of an ``OrtValue`` on its own device."""
+    device = value_device(value)
+    if not device.is_cuda:  # memory ONNX Runtime owns (a DLPack view of it stays valid on its own)
+        dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cpu", 0)
+        dst.update_inplace(np.ascontiguousarray(value.numpy()))
+        return dst
+    dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cuda", device.index)
+    ort.copy_tensors([value], [dst])
+    return dst
+
+
+def _is_torch(value: Any) -> bool:
+    return (type(value).__module__ or "").startswith("torch") and hasattr(value, "__dlpack__")
+
+
+def _is_native(value: Any) -> bool:
+    return isinstance(value, _C.OrtValue)
 
 
 def move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtValue:
@@ -581,8 +731,10 @@ def move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtVal
     if kind == ALIAS:
         return value
     if kind == TO_HOST:
+        HOST_COPIES.add()
         return ort.OrtValue.ortvalue_from_numpy(value.numpy())
     if kind == TO_GPU:
+        HOST_COPIES.add()
         return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
     return _gpu_to_gpu(value, physical)
 
@@ -608,6 +760,8 @@ def to_numpy(value: Any) -> Any:
     """
     if not isinstance(value, ort.OrtValue):
         return value
+    if value.device_name().lower() != "cpu":
+        HOST_COPIES.add()
     array = value.numpy()
     if not isinstance(array, np.ndarray):
         return array
@@ -705,6 +859,7 @@ def _gpu_to_gpu(value: ort.OrtValue, physical: PhysicalDevice) -> ort.OrtValue:
                 "cross-GPU transfers go through host memory",
                 err,
             )
+    HOST_COPIES.add(2)
     return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
 
 

@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +32,24 @@ from placement.runtime.precision import DEFAULT_PRECISION, ort_cuda_options
 from placement.runtime.stages import Stage
 
 __all__ = [
+    "cuda_provider_options",
     "ort_log_severity",
     "providers",
     "session_from_ir",
     "session_options",
+    "shared_cuda_allocator",
     "stage_options",
     "stage_session",
 ]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable: a byte limit for the CUDA memory of the sessions of one GPU
+#: (``gpu_mem_limit`` of ONNX Runtime's CUDA provider and of the shared arena).
+GPU_MEM_LIMIT_ENV = "PLACEMENT_GPU_MEM_LIMIT"
+
+_shared_allocators: dict[int, bool] = {}
+_allocator_lock = threading.Lock()
 
 #: An optimised graph written by :func:`stage_session` keeps weights of this many bytes or more
 #: in a side file.
@@ -80,8 +93,10 @@ def providers(physical: PhysicalDevice, *, precision: str = DEFAULT_PRECISION) -
     if not physical.is_cuda:
         return [physical.ort_provider]
     ort.set_default_logger_severity(ort_log_severity())
-    name, options = physical.ort_provider
-    return [(name, {**options, **ort_cuda_options(precision)}), "CPUExecutionProvider"]
+    return [
+        ("CUDAExecutionProvider", {**cuda_provider_options(physical), **ort_cuda_options(precision)}),
+        "CPUExecutionProvider",
+    ]
 
 
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
@@ -140,6 +155,72 @@ def stage_options(physical: PhysicalDevice, *, threads: int | None = None) -> or
     return options
 
 
+def cuda_provider_options(physical: PhysicalDevice) -> dict[str, str]:
+    """The CUDA execution provider's options of a session on ``physical`` (a GPU).
+
+    * ``device_id``: the GPU.
+    * ``arena_extend_strategy=kSameAsRequested``: an arena grows by what is asked for,
+      not by doubling (``kNextPowerOfTwo``, the default), so several sessions on one GPU
+      (the stages, and any other session in the process) do not each hold up to twice
+      their peak.
+    * ``gpu_mem_limit``: from the ``PLACEMENT_GPU_MEM_LIMIT`` environment variable (bytes)
+      when set.
+    * ``do_copy_in_default_stream=1`` (ONNX Runtime's default and recommendation: copies
+      on the compute stream, no race between a copy and the kernels reading it).
+    * ``cudnn_conv_algo_search=EXHAUSTIVE`` (the default, said explicitly: the fastest
+      convolution algorithms, searched once per input shape).
+
+    Example:
+        >>> cuda_provider_options(PhysicalDevice("cuda", 1))["arena_extend_strategy"]
+        'kSameAsRequested'
+    """
+    options = {
+        "device_id": str(physical.index),
+        "arena_extend_strategy": "kSameAsRequested",
+        "do_copy_in_default_stream": "1",
+        "cudnn_conv_algo_search": "EXHAUSTIVE",
+    }
+    limit = os.environ.get(GPU_MEM_LIMIT_ENV)
+    if limit:
+        options["gpu_mem_limit"] = str(int(limit))
+    return options
+
+
+def shared_cuda_allocator(physical: PhysicalDevice) -> bool:
+    """Register, once per process and GPU, one CUDA arena that every stage session on that
+    GPU allocates from (``onnxruntime.create_and_register_allocator_v2`` and the session
+    option ``session.use_env_allocators``): stages of one GPU then share one arena instead
+    of each growing its own, so a placed model holds about what one session holds.
+
+    Returns whether the shared arena is registered; False (logged once) where this
+    onnxruntime build cannot register a CUDA allocator, and sessions keep their own.
+    """
+    with _allocator_lock:
+        done = _shared_allocators.get(physical.index)
+        if done is not None:
+            return done
+        try:
+            info = ort.OrtMemoryInfo(
+                "Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, physical.index, ort.OrtMemType.DEFAULT
+            )
+            arena = {"arena_extend_strategy": 1}  # kSameAsRequested
+            limit = os.environ.get(GPU_MEM_LIMIT_ENV)
+            if limit:
+                arena["max_mem"] = int(limit)
+            provider = {k: v for k, v in cuda_provider_options(physical).items() if k != "gpu_mem_limit"}
+            ort.create_and_register_allocator_v2(
+                "CUDAExecutionProvider", info, provider, ort.OrtArenaCfg(arena)
+            )
+            ok = True
+        except Exception as err:  # noqa: BLE001 (an older or CPU-only build: per-session arenas)
+            log.info(
+                "cannot register a shared CUDA arena for %s (%s); each session keeps its own", physical, err
+            )
+            ok = False
+        _shared_allocators[physical.index] = ok
+        return ok
+
+
 def stage_session(
     stage: Stage,
     physical: PhysicalDevice,
@@ -150,9 +231,10 @@ def stage_session(
 ) -> ort.InferenceSession:
     """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
 
-    Options from :func:`stage_options`; the CUDA provider with the GPU's
-    ``device_id`` and TF32 on or off for ``precision`` (:func:`providers`; CPU as
-    fallback for ops it lacks), or the CPU provider (whose
+    Options from :func:`stage_options`; the CUDA provider with
+    :func:`cuda_provider_options` and TF32 on or off for ``precision`` (:func:`providers`;
+    CPU as fallback for ops it lacks), allocating from the GPU's shared arena
+    (:func:`shared_cuda_allocator`), or the CPU provider (whose
     session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
     :mod:`placement.runtime.layout`). With ``optimized_path``, ONNX Runtime also
     writes the graph it optimised there, weights of a kilobyte or more beside it in
@@ -181,6 +263,8 @@ def stage_session(
             "session.optimized_model_external_initializers_min_size_in_bytes", str(_EXTERNAL_MIN_BYTES)
         )
     chosen = providers(physical, precision=precision)
+    if physical.is_cuda and shared_cuda_allocator(physical):
+        options.add_session_config_entry("session.use_env_allocators", "1")
     try:
         model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
         return session_from_ir(model, options, chosen)

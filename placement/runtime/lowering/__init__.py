@@ -6,7 +6,9 @@ module per op family). ``pipelined`` runs the lowered module's stages over
 micro-batches (``to_torch(chunks=k)``) and ``train_step`` trains through them
 (1F1B, with ``weight_grads`` deferring weight gradients; ``stage_exec`` runs one
 stage for both), ``traced`` runs a stage as TorchScript
-traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``.
+traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``,
+``cuda_graphs`` replays the lowered module's GPU segments as CUDA graphs
+(``to_torch(cuda_graphs=True)``).
 Imports: the layers below ``placement.runtime`` and its ``device_map``,
 ``stages`` and ``pipeline`` modules.
 """

@@ -83,7 +83,7 @@ import onnx_ir as ir
 import torch
 import torch.fx as fx
 
-from placement.errors import LoweringError
+from placement.errors import CUDAGraphError, LoweringError
 from placement.graph.device import Device
 from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device, subgraphs_of
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
@@ -119,6 +119,7 @@ def to_torch(
     chunks: int = 1,
     checkpoint: str = "except_last",
     batch_axes: Mapping[str, int | None] | None = None,
+    cuda_graphs: bool = False,
 ) -> torch.nn.Module:
     """Lower a (placed) model to a ``torch.fx.GraphModule``.
 
@@ -140,6 +141,11 @@ def to_torch(
         batch_axes: input/output name -> batch axis, replacing the detection
             from the graph's symbolic batch dimension (see
             :func:`placement.runtime.pipeline.batch_axes`).
+        cuda_graphs: with ``chunks=1``, return a
+            :class:`~placement.runtime.lowering.cuda_graphs.CUDAGraphModule`: each run of
+            ops on one GPU is captured as a CUDA graph per input shape and replayed
+            (inference: with gradients enabled it runs eagerly); see
+            :mod:`placement.runtime.lowering.cuda_graphs`.
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -154,6 +160,7 @@ def to_torch(
             example op each), unsupported attributes, or an opset older than 13 that
             ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map``.
+        CUDAGraphError: ``cuda_graphs=True`` without a GPU in the device map, or with ``chunks > 1``.
 
     Example:
         >>> import torch
@@ -165,6 +172,8 @@ def to_torch(
     """
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
+    if cuda_graphs and chunks != 1:
+        raise CUDAGraphError(f"cuda_graphs=True runs the unpipelined module (chunks=1), got chunks={chunks}")
     model, problems = _upgraded(model)
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
@@ -174,6 +183,10 @@ def to_torch(
         from placement.runtime.lowering.pipelined import pipeline_module
 
         return pipeline_module(model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes)
+    if cuda_graphs:
+        from placement.runtime.lowering.cuda_graphs import cuda_graph_module
+
+        return cuda_graph_module(module)
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),

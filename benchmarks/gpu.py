@@ -1,0 +1,599 @@
+"""Benchmark: what placement costs on a GPU, side by side in one process, and what N GPUs would give.
+
+Two logical devices share one GPU (``device_map={0: "cuda:0", 1: "cuda:0"}``), so every
+ratio is what placement itself costs there. Contenders alternate (blocks of runs, the
+order flipping every round), each pair is built afresh ``--trials`` times and the
+ratio is the median of the per-pair median ratios. Sections (``--sections``):
+
+* ``ort``: ``pl.Runner`` (placed in halves) / one CUDA ``InferenceSession`` of the
+  unplaced model, for bench gpt (batch 8), resnet, hf-gpt2 and the big GPT (12 layers,
+  d=1024, 16 heads, vocabulary 8192, sequence 512, batch 8), with numpy I/O and with
+  device-resident I/O (torch CUDA tensors in, ``outputs="torch"`` out, against the single
+  session run through an IOBinding), each without and with another CUDA session of
+  the same model alive in the process. Targets: <= 1.03 (big), <= 1.10 (bench models).
+* ``call``: the fixed cost of one more stage call: bench gpt in 4 stages vs 2, per extra stage.
+* ``pipeline``: ``Runner(chunks=4)`` / ``Runner(chunks=1)`` (ORT run) and ``pl.train_step``
+  on ``to_torch(chunks=4)`` / on ``to_torch()`` (torch step), bench and big GPT, with the
+  micro-batches run one after another on one session beside them (what smaller
+  micro-batches cost the GPU itself). Target <= 1.15 on the big GPT.
+* ``graphs``: ``to_torch(cuda_graphs=True)`` and plain ``to_torch`` / the eager module,
+  tiny and bench gpt, under ``torch.no_grad()``. Targets: graphs <= 1.0, plain <= 1.05.
+* ``memory``: the GPU memory a placed run holds / a single session's, each measured in a
+  fresh process (``torch.cuda.mem_get_info`` before building and after three runs:
+  ONNX Runtime's arenas keep what they grew to, so this is their peak). Target <= 1.15.
+* ``predict``: the big GPT placed in 2, 4 and 8 equal parts, each stage timed on the one
+  GPU, and ``pl.predict`` for NVLink and PCIe, chunks 1 and 4; the predictor checked
+  against the measured unpipelined run on the one GPU (the sum of its stage times).
+* ``validate-cpu`` (runs on any machine): bench gpt (batch 8) on two devices emulated on
+  the CPU, one thread per stage: ``pl.predict`` from the stages' times measured at the
+  micro-batch size against the measured ``Runner(chunks=k)``; the error per ``k``.
+
+Without a CUDA GPU (torch's and ONNX Runtime's CUDA provider) only ``validate-cpu``
+runs; every GPU section says so and is skipped. ``--dry-run`` runs ``validate-cpu`` on
+the tiny gpt with a few repeats (a smoke test).
+
+Usage::
+
+    python benchmarks/gpu.py                        # everything (on a GPU machine)
+    python benchmarks/gpu.py --sections ort graphs --trials 3
+    python benchmarks/gpu.py --dry-run              # CPU smoke of the predictor validation
+
+Writes ``benchmarks/results/gpu.json`` (the device name and versions included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import placement as pl  # noqa: E402
+from benchmarks.runtime import _alternate, _environment, build_model  # noqa: E402
+from placement.graph.serialize import to_proto  # noqa: E402
+from placement.runtime.sessions import cuda_provider_options, session_options  # noqa: E402
+
+__all__ = ["main", "validate_cpu", "stage_times"]
+
+log = logging.getLogger("benchmarks.gpu")
+
+RESULTS = _ROOT / "benchmarks" / "results" / "gpu.json"
+SECTIONS = ("ort", "call", "pipeline", "graphs", "memory", "predict", "validate-cpu")
+SHARED = {0: "cuda:0", 1: "cuda:0"}
+TARGETS = {
+    "ort_big": 1.03,
+    "ort_bench": 1.10,
+    "pipeline": 1.15,
+    "graphs": 1.0,
+    "lowered": 1.05,
+    "memory": 1.15,
+}
+
+
+def has_gpu() -> bool:
+    """Whether torch sees a CUDA GPU and ONNX Runtime has its CUDA provider."""
+    import torch
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def big_gpt(batch: int = 8, *, seed: int = 0) -> tuple[Any, tuple[Any, ...]]:
+    """The big GPT: 12 layers, d=1024, 16 heads, vocabulary 8192, sequence 512 (160M parameters)."""
+    import torch
+
+    from placement.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=8192, block_size=512, n_layer=12, n_head=16, d_model=1024)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        net = GPT(config)
+    net.reset_parameters(generator)
+    idx = torch.randint(config.vocab_size, (batch, 512), generator=generator)
+    return net.eval(), (idx,)
+
+
+def model_and_inputs(name: str, *, batch: int | None = None) -> tuple[Any, tuple[Any, ...]]:
+    """``big``, ``tiny-gpt`` or a bench model of ``benchmarks/runtime.py`` (its batch repeated up
+    to ``batch``)."""
+    import torch
+
+    if name == "big":
+        return big_gpt(batch or 8)
+    size, base = ("tiny", "gpt") if name == "tiny-gpt" else ("bench", name)
+    net, args = build_model(base, size)
+    if batch:
+        args = tuple(torch.cat([a] * -(-batch // a.shape[0]))[:batch] for a in args)
+    return net, args
+
+
+def export(net: Any, args: tuple[Any, ...], *, dynamic: bool = False) -> pl.Model:
+    import torch
+
+    shapes = tuple({0: torch.export.Dim("batch")} for _ in args) if dynamic else None
+    return pl.from_torch(net, args, dynamic_shapes=shapes)
+
+
+def _single(proto: bytes) -> ort.InferenceSession:
+    """One CUDA session of the unplaced model, with the options the stage sessions use."""
+    from placement.runtime.device_map import PhysicalDevice
+
+    physical = PhysicalDevice("cuda", 0)
+    providers = [("CUDAExecutionProvider", cuda_provider_options(physical)), "CPUExecutionProvider"]
+    return ort.InferenceSession(proto, session_options(physical), providers=providers)
+
+
+def _sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _pairs(
+    build: Callable[[], dict[str, Callable[[], Any]]], *, trials: int, repeats: int, block: int
+) -> dict:
+    """Median ratio (second / first contender) over fresh pairs, and the medians in ms."""
+    ratios: list[float] = []
+    times: dict[str, list[float]] = {}
+    names: list[str] = []
+    for _ in range(max(1, trials)):
+        fns = build()
+        names = list(fns)
+        pair = _alternate(fns, repeats, warmup=3, block=block)
+        ratios.append(statistics.median(pair[names[1]]) / statistics.median(pair[names[0]]))
+        for key, spent in pair.items():
+            times.setdefault(key, []).extend(spent)
+    row = {f"{k}_ms": round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
+    row.update(ratio=round(statistics.median(ratios), 4), ratio_trials=[round(r, 4) for r in ratios])
+    return row
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+def section_ort(models: Sequence[str], *, trials: int, repeats: int, block: int) -> list[dict[str, Any]]:
+    """Placed ORT / single CUDA session, numpy and device-resident I/O, with and without another session."""
+    rows = []
+    for name in models:
+        rows += _ort_model(name, trials=trials, repeats=repeats, block=block)
+    return rows
+
+
+def _ort_model(name: str, *, trials: int, repeats: int, block: int) -> list[dict[str, Any]]:
+    import torch
+
+    net, args = model_and_inputs(name, batch=8 if name in ("gpt", "big") else None)
+    model = export(net, args)
+    placed = pl.place_evenly(model.copy(), 2)
+    proto = to_proto(model).SerializeToString()
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    cuda_in = [a.cuda() for a in args]
+    keep: list[Any] = []
+
+    def build(io: str, other: bool) -> dict[str, Callable[[], Any]]:
+        runner = pl.Runner(placed, device_map=SHARED)
+        single = _single(proto)
+        keep.clear()
+        if other:  # another CUDA session of the same model, alive (and run once) in the process
+            keep.append(_single(proto))
+            keep[-1].run(None, feeds)
+        if io == "numpy":
+            return {
+                "single": functools.partial(single.run, None, feeds),
+                "placed": functools.partial(runner.run, feeds),
+            }
+        outputs = [o.name for o in single.get_outputs()]
+
+        def single_bound() -> Any:
+            binding = single.io_binding()
+            for value, tensor in zip(single.get_inputs(), cuda_in):
+                binding.bind_input(
+                    value.name, "cuda", 0, _np_dtype(tensor), tuple(tensor.shape), tensor.data_ptr()
+                )
+            for out in outputs:
+                binding.bind_output(out, "cuda", 0)
+            single.run_with_iobinding(binding)
+            return binding.get_outputs()
+
+        return {"single": single_bound, "placed": functools.partial(runner.run, cuda_in, outputs="torch")}
+
+    rows = []
+    for other in (False, True):
+        for io in ("numpy", "device"):
+            row = _pairs(functools.partial(build, io, other), trials=trials, repeats=repeats, block=block)
+            row.update(model=name, io=io, other_session=other)
+            rows.append(row)
+            log.info("ort %s", row)
+    keep.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _np_dtype(tensor: Any) -> Any:
+    import torch
+
+    return torch.empty((), dtype=tensor.dtype).numpy().dtype
+
+
+def section_call(*, trials: int, repeats: int, block: int) -> dict[str, Any]:
+    """The fixed cost of a stage call: bench gpt in 4 stages vs 2, per extra stage."""
+    net, args = model_and_inputs("gpt", batch=8)
+    model = export(net, args)
+    two, four = pl.place_evenly(model.copy(), 2), pl.place_evenly(model.copy(), 4)
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    on_one = {k: "cuda:0" for k in range(4)}
+
+    def build() -> dict[str, Callable[[], Any]]:
+        return {
+            "two": functools.partial(pl.Runner(two, device_map=SHARED).run, feeds),
+            "four": functools.partial(pl.Runner(four, device_map=on_one).run, feeds),
+        }
+
+    row = _pairs(build, trials=trials, repeats=repeats, block=block)
+    row["per_stage_call_ms"] = round((row["four_ms"] - row["two_ms"]) / 2, 4)
+    return row
+
+
+def section_pipeline(models: Sequence[str], *, trials: int, repeats: int, block: int) -> list[dict[str, Any]]:
+    """chunks=4 / unpipelined: ORT run and torch train_step; micro-batches on one session beside them."""
+    rows = []
+    for name in models:
+        rows += _pipeline_model(name, trials=trials, repeats=repeats, block=block)
+    return rows
+
+
+def _pipeline_model(name: str, *, trials: int, repeats: int, block: int) -> list[dict[str, Any]]:
+    import torch
+
+    net, args = model_and_inputs(name, batch=8)
+    model = export(net, args, dynamic=True)
+    placed = pl.place_evenly(model.copy(), 2)
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    proto = to_proto(model).SerializeToString()
+
+    def build_ort() -> dict[str, Callable[[], Any]]:
+        return {
+            "unpipelined": functools.partial(pl.Runner(placed, device_map=SHARED).run, feeds),
+            "chunks4": functools.partial(pl.Runner(placed, device_map=SHARED, chunks=4).run, feeds),
+        }
+
+    row = _pairs(build_ort, trials=trials, repeats=repeats, block=block)
+    single = _single(proto)
+    quarters = [{n: a[i * 2 : (i + 1) * 2] for n, a in feeds.items()} for i in range(4)]
+
+    def whole() -> Any:
+        return single.run(None, feeds)
+
+    def one_by_one() -> Any:
+        return [single.run(None, q) for q in quarters]
+
+    seq = _alternate({"whole": whole, "quarters": one_by_one}, repeats, 3, block)
+    row["microbatches_one_session_ratio"] = round(
+        statistics.median(seq["quarters"]) / statistics.median(seq["whole"]), 4
+    )
+    row.update(model=name, runtime="ort run")
+    x = args[0].cuda()
+
+    def loss(out: Any) -> Any:
+        return out.float().square().mean()
+
+    def step(module: Any) -> None:
+        pl.train_step(module, x, loss_fn=loss)
+        module.zero_grad(set_to_none=True)
+        _sync()
+
+    def build_torch() -> dict[str, Callable[[], Any]]:
+        plain = pl.to_torch(placed, device_map=SHARED)
+        piped = pl.to_torch(placed, device_map=SHARED, chunks=4)
+        return {"unpipelined": functools.partial(step, plain), "chunks4": functools.partial(step, piped)}
+
+    trow = _pairs(build_torch, trials=trials, repeats=max(5, repeats // 3), block=block)
+    trow.update(model=name, runtime="torch train_step")
+    torch.cuda.empty_cache()
+    return [row, trow]
+
+
+def section_graphs(models: Sequence[str], *, trials: int, repeats: int, block: int) -> list[dict[str, Any]]:
+    """CUDA graphs and plain lowering / the eager module, under no_grad."""
+    rows = []
+    for name in models:
+        for contender in ("graphs", "lowered"):
+            rows.append(_graphs_model(name, contender, trials=trials, repeats=repeats, block=block))
+    return rows
+
+
+def _graphs_model(name: str, contender: str, *, trials: int, repeats: int, block: int) -> dict[str, Any]:
+    import torch
+
+    net, args = model_and_inputs(name)
+    placed = pl.place_evenly(export(net, args), 2)
+    inputs = [a.cuda() for a in args]
+
+    def call(fn: Any) -> None:
+        with torch.no_grad():
+            fn(*inputs)
+        _sync()
+
+    def build() -> dict[str, Callable[[], Any]]:
+        eager = net.cuda()
+        module = pl.to_torch(placed, device_map=SHARED, cuda_graphs=contender == "graphs")
+        return {"eager": functools.partial(call, eager), contender: functools.partial(call, module)}
+
+    row = _pairs(build, trials=trials, repeats=repeats, block=block)
+    row.update(model=name, contender=contender)
+    return row
+
+
+def _memory_child(kind: str, name: str) -> None:
+    """In a fresh process: GPU bytes held after building ``kind`` (placed/single) and three runs."""
+    import torch
+
+    net, args = model_and_inputs(name, batch=8 if name in ("gpt", "big") else None)
+    model = export(net, args)
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    torch.cuda.init()
+    free_before, total = torch.cuda.mem_get_info()
+    if kind == "placed":
+        runner = pl.Runner(pl.place_evenly(model.copy(), 2), device_map=SHARED)
+        for _ in range(3):
+            runner.run(feeds)
+    else:
+        single = _single(to_proto(model).SerializeToString())
+        for _ in range(3):
+            single.run(None, feeds)
+    free_after, _ = torch.cuda.mem_get_info()
+    print(json.dumps({"bytes": free_before - free_after, "total": total}))
+
+
+def section_memory(models: Sequence[str]) -> list[dict[str, Any]]:
+    rows = []
+    for name in models:
+        held = {}
+        for kind in ("single", "placed"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--memory-child", kind, name],
+                capture_output=True, text=True, check=True, timeout=900,
+            )  # fmt: skip
+            held[kind] = json.loads(out.stdout.strip().splitlines()[-1])["bytes"]
+        ratio = round(held["placed"] / max(1, held["single"]), 4)
+        rows.append({"model": name, "single_mib": held["single"] / 2**20,
+                     "placed_mib": held["placed"] / 2**20, "ratio": ratio})  # fmt: skip
+    return rows
+
+
+def stage_times(runner: pl.Runner, feeds: Any, *, repeats: int) -> list[float]:
+    """Median seconds of each stage of ``runner``'s program run alone (with the transfers after
+    it), stages taking turns run by run; a stage on a GPU ends synchronised (ONNX Runtime
+    synchronises its stream at the end of each run)."""
+    timer = _StageTimer(runner, feeds)
+    samples = [timer.round() for _ in range(repeats + 2)][2:]  # two warm-up rounds
+    return timer.by_device([statistics.median(column) for column in zip(*samples)])
+
+
+class _StageTimer:
+    """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
+
+    def __init__(self, runner: pl.Runner, feeds: Any) -> None:
+        from placement.runtime.program import TransferStep
+
+        self.program = runner.program
+        self.arrays = [feeds[name] for name in runner.input_names]
+        self.groups: list[list[Any]] = []
+        for step in self.program.steps:
+            if not isinstance(step, TransferStep) or not self.groups:
+                self.groups.append([])
+            self.groups[-1].append(step)
+        self.timed = [any(not isinstance(x, TransferStep) for x in group) for group in self.groups]
+        #: the logical device of each timed group, in run order
+        self.devices = [
+            next(x.exec.stage.device for x in group if not isinstance(x, TransferStep))
+            for group, timed in zip(self.groups, self.timed)
+            if timed
+        ]
+
+    def by_device(self, times: Sequence[float]) -> list[float]:
+        """Per-stage ``times`` summed per logical device, devices in order of first use (the
+        stages of a plan's part, as ``pl.predict`` counts them)."""
+        totals: dict[Any, float] = {}
+        for device, spent in zip(self.devices, times):
+            totals[device] = totals.get(device, 0.0) + spent
+        return list(totals.values())
+
+    def round(self) -> list[float]:
+        values = self.program.feed(self.arrays)
+        spent = []
+        for group, timed in zip(self.groups, self.timed):
+            start = time.perf_counter()
+            for step in group:
+                step.run(values)
+            if timed:
+                spent.append(time.perf_counter() - start)
+        return spent
+
+
+def section_predict(*, repeats: int) -> list[dict[str, Any]]:
+    """The big GPT in 2/4/8 parts: stages timed on the one GPU, predicted on NVLink and PCIe."""
+    net, args = big_gpt(8)
+    model = export(net, args)
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    rows = []
+    for gpus in (2, 4, 8):
+        placed = pl.place_evenly(model.copy(), gpus)
+        runner = pl.Runner(placed, device_map={k: "cuda:0" for k in range(gpus)})
+        times = stage_times(runner, feeds, repeats=repeats)
+        measured = _median_run(runner, feeds, repeats)
+        for links in ("nvlink", "pcie"):
+            for chunks in (1, 4):
+                (p,) = pl.predict(placed, stage_times=times, links=links, chunks=chunks)
+                row = {"gpus": gpus, "links": links, "chunks": chunks, **_rounded(p.to_dict())}
+                row["one_gpu_measured_ms"] = round(measured * 1e3, 4)
+                row["one_gpu_error"] = round(sum(times) / measured - 1, 4)
+                rows.append(row)
+        del runner
+    return rows
+
+
+def validate_cpu(
+    *, size: str = "bench", chunks: Sequence[int] = (1, 2, 4), repeats: int = 20
+) -> list[dict[str, Any]]:
+    """The predictor against measured pipelines of two devices emulated on the CPU.
+
+    Per ``k``: the stages' times at the micro-batch size (one thread each) and the
+    pipelined run (``Runner(chunks=k)``, one thread per stage) are measured in alternation,
+    round by round, so load on the machine hits both; the prediction from the stage times'
+    medians (times ``k``: whole-batch times) is compared with the run's median."""
+    net, args = model_and_inputs("tiny-gpt" if size == "tiny" else "gpt", batch=8)
+    model = export(net, args, dynamic=True)
+    placed = pl.place_evenly(model.copy(), 2)
+    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
+    rows = []
+    for k in chunks:
+        micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
+        timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1), micro)
+        runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1)
+        stages: list[list[float]] = []
+        runs: list[float] = []
+        for r in range(repeats + 2):
+            spent = timer.round()
+            start = time.perf_counter()
+            runner.run(feeds)
+            if r >= 2:
+                runs.append(time.perf_counter() - start)
+                stages.append(spent)
+        times = [t * k for t in timer.by_device([statistics.median(column) for column in zip(*stages)])]
+        measured = statistics.median(runs)
+        (p,) = pl.predict(placed, stage_times=times, links=None, chunks=k)
+        rows.append({"chunks": k, "stage_ms": [round(t * 1e3, 3) for t in times],
+                     "predicted_ms": round(p.step_s * 1e3, 3), "measured_ms": round(measured * 1e3, 3),
+                     "error": round(p.step_s / measured - 1, 4),
+                     "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})  # fmt: skip
+    return rows
+
+
+def _median_run(runner: pl.Runner, feeds: Any, repeats: int) -> float:
+    """Median seconds of ``runner.run(feeds)`` (three warm-up runs)."""
+    return statistics.median(_alternate({"run": functools.partial(runner.run, feeds)}, repeats, 3)["run"])
+
+
+def _rounded(data: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, float):
+            out[key] = round(value, 6)
+        elif isinstance(value, list):
+            out[key] = [round(v, 6) if isinstance(v, float) else v for v in value]
+        else:
+            out[key] = value
+    return out
+
+
+def _table(results: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    env = results["environment"]
+    devices = ", ".join(env.get("cuda_devices") or ["no GPU"])
+    table = Table(title=f"placement on {devices} (torch {env['torch']}, onnxruntime {env['onnxruntime']})")
+    for col in ("section", "what", "ms", "ratio", "target"):
+        table.add_column(col)
+    for row in results.get("ort", []):
+        what = f"{row['model']} {row['io']} I/O{' + other session' if row['other_session'] else ''}"
+        target = TARGETS["ort_big"] if row["model"] == "big" else TARGETS["ort_bench"]
+        ms = f"{row['single_ms']:.3f} / {row['placed_ms']:.3f}"
+        table.add_row("ort", what, ms, f"{row['ratio']:.3f}", f"<= {target}")
+    if "call" in results:
+        table.add_row("call", "one more stage call", f"{results['call']['per_stage_call_ms']:.3f}", "", "")
+    for row in results.get("pipeline", []):
+        extra = row.get("microbatches_one_session_ratio")
+        what = f"{row['model']} {row['runtime']}" + (f" (micro-batches alone {extra:.3f})" if extra else "")
+        ms = f"{row['unpipelined_ms']:.2f} / {row['chunks4_ms']:.2f}"
+        table.add_row("pipeline", what, ms, f"{row['ratio']:.3f}", f"<= {TARGETS['pipeline']}")
+    for row in results.get("graphs", []):
+        c = row["contender"]
+        ms = f"{row['eager_ms']:.3f} / {row[c + '_ms']:.3f}"
+        target = TARGETS["graphs" if c == "graphs" else "lowered"]
+        table.add_row("graphs", f"{row['model']} {c} / eager", ms, f"{row['ratio']:.3f}", f"<= {target}")
+    for row in results.get("memory", []):
+        ms = f"{row['single_mib']:.0f} / {row['placed_mib']:.0f} MiB"
+        table.add_row("memory", f"{row['model']} placed / single", ms, f"{row['ratio']:.3f}", "<= 1.15")
+    for row in results.get("predict", []):
+        what = f"big GPT, {row['gpus']} GPUs {row['links']} chunks={row['chunks']}"
+        ratio = f"x{row['speedup']:.2f} (stream x{row['stream_speedup']:.2f})"
+        table.add_row(
+            "predict", what, f"{row['step_s'] * 1e3:.2f}", ratio, f"1-GPU err {row['one_gpu_error']:+.3f}"
+        )
+    for row in results.get("validate-cpu", []):
+        what = f"gpt, 2 emulated devices, chunks={row['chunks']}"
+        ms = f"{row['predicted_ms']:.2f} vs {row['measured_ms']:.2f}"
+        table.add_row("validate-cpu", what, ms, f"error {row['error']:+.3f}", "")
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--models", nargs="+", default=["gpt", "resnet", "hf-gpt2", "big"])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU smoke: validate-cpu on tiny gpt, few repeats"
+    )
+    parser.add_argument("--memory-child", nargs=2, metavar=("KIND", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.memory_child:
+        _memory_child(*args.memory_child)
+        return 0
+    gpu = has_gpu()
+    sections = ["validate-cpu"] if args.dry_run else args.sections
+    if not gpu and any(s != "validate-cpu" for s in sections):
+        print("benchmarks/gpu.py: no CUDA GPU here (torch.cuda and onnxruntime's CUDAExecutionProvider); "
+              "the GPU sections are skipped. Run it on a GPU machine, or use --dry-run / "
+              "--sections validate-cpu on the CPU.", file=sys.stderr)  # fmt: skip
+        sections = [s for s in sections if s == "validate-cpu"]
+        if not sections:
+            return 0
+    results: dict[str, Any] = {"environment": _environment(), "targets": TARGETS}
+    kw = {"trials": args.trials, "repeats": args.repeats, "block": args.block}
+    if "ort" in sections:
+        results["ort"] = section_ort(args.models, **kw)
+    if "call" in sections:
+        results["call"] = section_call(**kw)
+    if "pipeline" in sections:
+        results["pipeline"] = section_pipeline(
+            [m for m in ("gpt", "big") if m in args.models or m == "gpt"], **kw
+        )
+    if "graphs" in sections:
+        results["graphs"] = section_graphs(["tiny-gpt", "gpt"], **kw)
+    if "memory" in sections:
+        results["memory"] = section_memory([m for m in args.models if m != "hf-gpt2"])
+    if "predict" in sections:
+        results["predict"] = section_predict(repeats=max(5, args.repeats // 3))
+    if "validate-cpu" in sections:
+        results["validate-cpu"] = validate_cpu(size="tiny" if args.dry_run else "bench",
+                                               repeats=3 if args.dry_run else args.repeats)  # fmt: skip
+    from rich.console import Console
+
+    Console().print(_table(results))
+    if not args.dry_run:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

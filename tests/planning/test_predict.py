@@ -1,0 +1,134 @@
+"""The pipeline predictor: bubbles, link times, overlap and schedules on synthetic stages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import placement as pl
+from placement.planning.links import Link
+from placement.planning.predict import simulate_pipeline
+from placement.runtime.pipeline import bubble_fraction
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 16), st.floats(0.001, 10.0))
+def test_equal_stages_give_the_gpipe_bubble(stages, chunks, t):
+    p = simulate_pipeline([t] * stages, chunks=chunks)
+    assert math.isclose(p.step_s, (chunks + stages - 1) * t / chunks, rel_tol=1e-9)
+    assert math.isclose(p.bubble, bubble_fraction(chunks, stages), rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(p.single_s, stages * t)
+    assert math.isclose(p.stream_s, t)  # streaming: the slowest stage bounds
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 4), (4, 4), (4, 8), (8, 2)])
+def test_training_bubble_is_the_same_for_both_schedules(schedule, stages, chunks):
+    f, b = 1.0, 2.0
+    p = simulate_pipeline([f] * stages, backward_times=[b] * stages, chunks=chunks, schedule=schedule)
+    assert math.isclose(p.step_s, (chunks + stages - 1) * (f + b) / chunks, rel_tol=1e-9)
+    assert math.isclose(p.bubble, bubble_fraction(chunks, stages), rel_tol=1e-9)
+    assert p.stream_s == p.step_s and p.training
+
+
+def test_the_slowest_stage_bounds_a_long_pipeline():
+    p = simulate_pipeline([1.0, 3.0, 1.0], chunks=64)
+    assert p.stream_s == pytest.approx(3.0)
+    assert p.step_s == pytest.approx(3.0 + (1.0 + 1.0) / 64, rel=1e-9)  # fill and drain of the others
+    assert p.speedup == pytest.approx(5.0 / p.step_s)
+
+
+def test_transfers_overlap_or_hold_the_sender():
+    c = 0.1
+    overlapped = simulate_pipeline([1.0, 1.0], transfer_times=[c], chunks=4)
+    held = simulate_pipeline([1.0, 1.0], transfer_times=[c], chunks=4, overlap=False)
+    # overlapped: one transfer on the critical path (the fill); held: every micro-batch's on stage 0
+    assert overlapped.step_s == pytest.approx(5 * 0.25 + c)
+    assert held.step_s == pytest.approx(4 * (0.25 + c) + 0.25)
+    assert held.stream_s == pytest.approx(4 * (0.25 + c)) and overlapped.stream_s == pytest.approx(1.0)
+
+
+def test_a_slow_link_becomes_the_bottleneck():
+    p = simulate_pipeline([1.0, 1.0], transfer_times=[0.5], chunks=8)  # 0.5 per micro-batch > 0.125
+    assert p.stream_s == pytest.approx(4.0)
+    assert p.step_s == pytest.approx(0.125 + 8 * 0.5 + 0.125)
+
+
+def test_call_overhead_is_paid_per_micro_batch():
+    base = simulate_pipeline([1.0, 1.0], chunks=4)
+    costly = simulate_pipeline([1.0, 1.0], chunks=4, call_overhead_s=0.01)
+    assert costly.step_s - base.step_s == pytest.approx(5 * 0.01)
+
+
+def test_bad_inputs_are_plan_errors():
+    with pytest.raises(pl.PlanError, match="transfer times"):
+        simulate_pipeline([1.0, 1.0], transfer_times=[])
+    with pytest.raises(pl.PlanError, match="schedule"):
+        simulate_pipeline([1.0], schedule="zero-bubble")
+    with pytest.raises(pl.PlanError, match="non-negative"):
+        simulate_pipeline([1.0, -1.0])
+
+
+def _plan(cut_bytes: int, devices=("cuda:0", "cuda:1")) -> pl.Plan:
+    from placement.planning.planner import DevicePlan
+
+    rows = [DevicePlan(d, 3, "a", "b", 1_000_000, 0, 0, None, 0, 0) for d in devices]
+    return pl.Plan({}, rows, "time", "throughput", 1_000_000, 1_000_000, 2_000_000, cut_bytes, [cut_bytes])
+
+
+def test_link_time_scales_with_bytes_and_bandwidth():
+    nbytes = 64 << 20
+    (nv,) = pl.predict(_plan(nbytes), links="nvlink", chunks=4)
+    (pcie,) = pl.predict(_plan(nbytes), links="pcie", chunks=4)
+    link = Link(bandwidth=20e9, latency=10e-6)
+    assert pcie.transfer_s == [pytest.approx(link.latency + nbytes / 4 / link.bandwidth, rel=1e-6)]
+    assert pcie.transfer_s[0] > nv.transfer_s[0] and pcie.step_s > nv.step_s
+    (double,) = pl.predict(_plan(2 * nbytes), links="pcie", chunks=4)
+    assert double.transfer_s[0] - link.latency == pytest.approx(2 * (pcie.transfer_s[0] - link.latency))
+    (free,) = pl.predict(_plan(nbytes), links=None, chunks=4)
+    assert free.transfer_s == [0.0] and free.step_s == pytest.approx(5 * 1e-3 / 4)
+
+
+def test_predict_takes_measured_stage_times_over_the_plans_costs():
+    (p,) = pl.predict(_plan(0), stage_times=[0.002, 0.004], chunks=2)
+    assert p.stage_s == [0.002, 0.004] and p.single_s == pytest.approx(0.006)
+    with pytest.raises(pl.PlanError, match="2 stages"):
+        pl.predict(_plan(0), stage_times=[0.1])
+    with pytest.raises(pl.PlanError, match="gpus"):
+        pl.predict(_plan(0), gpus=[2])
+
+
+def test_predict_a_model_on_several_gpu_counts():
+    from placement.models import mlp
+
+    model = pl.from_torch(*mlp.build("tiny"))
+    state = model.device_state()
+    results = pl.predict(model, gpus=[1, 2, 3], links="pcie", chunks=4)
+    assert [p.gpus for p in results] <= [1, 2, 3] and all(p.step_s > 0 for p in results)
+    assert model.device_state() == state  # the model is not placed by predicting
+    one = results[0]
+    assert one.gpus == 1 and one.bubble == pytest.approx(0.0)
+
+
+def test_predict_a_placed_model_from_its_measured_stages():
+    from placement.models import mlp
+
+    placed = pl.place_evenly(pl.from_torch(*mlp.build("tiny")), 2)  # with copies
+    (p,) = pl.predict(placed, stage_times=[0.003, 0.001], links="nvlink", chunks=2)
+    assert p.gpus == 2 and p.extra["devices"] == ["cuda:0", "cuda:1"]
+    assert p.stream_s == pytest.approx(0.003) and p.transfer_s[0] > 0
+
+
+def test_gpu_benchmark_validates_the_predictor_on_the_cpu(capsys):
+    """``benchmarks/gpu.py``: the CPU validation rows, and a clean exit of the GPU sections without a GPU."""
+    from benchmarks import gpu
+
+    rows = gpu.validate_cpu(size="tiny", chunks=(1, 2), repeats=2)
+    assert [r["chunks"] for r in rows] == [1, 2]
+    assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 and math.isfinite(r["error"]) for r in rows)
+    if not gpu.has_gpu():
+        assert gpu.main(["--sections", "ort", "graphs"]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().err
