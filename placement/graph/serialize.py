@@ -325,7 +325,9 @@ def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs:
     Models written for IR version 3 (old converters) list every initializer as a
     graph input too. They are normalised: initializers are parameters, not
     inputs (as from IR version 4 on), so runtimes treat them as constants. Pass
-    ``initializers_as_inputs=True`` to keep such inputs listed.
+    ``initializers_as_inputs=True`` to keep such inputs listed. Dimensions
+    written as ``-1`` (which ONNX Runtime reads as unknown) are read as dynamic,
+    with one warning naming them (:func:`placement.graph.dims.dynamic_negative_dims`).
 
     Raises:
         ModelLoadError: the file is missing, truncated, not ONNX, or its
