@@ -123,12 +123,12 @@ def dynamic_negative_dims(model: ir.Model) -> list[tuple[str, int]]:
                 dims.append(dim)
         value.shape = ir.Shape(dims, denotations=[shape.get_denotation(i) for i in range(shape.rank())])
     listed = ", ".join(
-        f"{name!r} dimension {axis} ({size})" for (name, axis), size in zip(rewritten[:_LISTED], written)
+        f"{name!r} dimension {axis} = {size}" for (name, axis), size in zip(rewritten[:_LISTED], written)
     )
     more = f" and {len(rewritten) - _LISTED} more" if len(rewritten) > _LISTED else ""
     warnings.warn(
-        f"model {model.graph.name or '(unnamed)'!r} is off the ONNX spec: {listed}{more} "
-        "written as a negative size; read as dynamic (unknown size), as ONNX Runtime reads them",
+        f"model {model.graph.name or '(unnamed)'!r} is off the ONNX spec, it gives negative sizes: "
+        f"{listed}{more}; read as dynamic (any size), as ONNX Runtime reads them",
         UserWarning,
         stacklevel=_outside_the_package(),
     )

@@ -87,8 +87,8 @@ def test_load_warns_once_naming_each_negative_dimension():
         model = pl.load(negative_model())
     messages = [str(w.message) for w in caught if "off the ONNX spec" in str(w.message)]
     assert len(messages) == 1
-    assert "'x' dimension 0 (-1)" in messages[0] and "'y' dimension 0 (-1)" in messages[0]
-    assert "'h' dimension 0 (-1)" in messages[0] and "'carried' dimension 0 (-1)" in messages[0]
+    assert "'x' dimension 0 = -1" in messages[0] and "'y' dimension 0 = -1" in messages[0]
+    assert "'h' dimension 0 = -1" in messages[0] and "'carried' dimension 0 = -1" in messages[0]
     assert caught[0].filename == __file__  # points at the caller, not inside the library
     (x,) = model.graph.inputs
     assert isinstance(x.shape[0], ir.SymbolicDim) and x.shape[0].value == "x_dim0" and x.shape[1] == F
