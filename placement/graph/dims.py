@@ -89,7 +89,7 @@ def dynamic_negative_dims(model: ir.Model) -> list[tuple[str, int]]:
         >>> dynamic_negative_dims(ir.Model(graph, ir_version=10))
         []
     """
-    found = [v for v in dict.fromkeys(_values(model.graph)) if _negative(v.shape)]
+    found = list(dict.fromkeys(v for v in _values(model.graph) if _negative(v.shape)))
     if not found:
         return []
     taken = {
