@@ -202,6 +202,9 @@ def test_time_planning_a_model_with_an_unread_large_weight():
     for optimized in (False, True):
         prof = pl.profile(model, repeats=1, optimized=optimized, refresh=True)
         assert prof.has_time and set(prof.ops) == {"mm", "relu", "tanh"}
+    from placement.planning.fusion import _optimized_value_names
+
+    assert {"x", "y"} <= _optimized_value_names(model)  # the fusion probe's session builds too
     pl.auto_place(model, devices=2, cost="time", repeats=1)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     expected = np.tanh(np.maximum(x @ numpy_helper.to_array(weights[0]), 0))
