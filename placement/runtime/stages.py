@@ -45,7 +45,9 @@ into an initializer when the session loads; such blobs make no stage-graph
 edges, are never stage outputs and their copies are never run-time transfers.
 This keeps weights constant inside each session (so ONNX Runtime can fuse and
 pre-pack them) and avoids moving them on every run. Graph outputs are always
-produced by their stage.
+produced by their stage. A stage model leaves out its ops whose results only
+other stages' clones read (a ``Constant`` weight, a transposed parameter used on
+another device), and the weights only they read: the stage does not hold them.
 
 Example:
     >>> import placement as pl
