@@ -4,6 +4,9 @@
   ops, blobs, parameters, scopes, each op's device in node metadata).
 - :mod:`~placement.graph.device`: ``Device`` and its parsing (``1``, ``"cuda:1"``, ``"cpu"``).
 - :mod:`~placement.graph.serialize`: ``load``/``save`` (standard ONNX, atomic, external data).
+- :mod:`~placement.graph.session`: ``ort_session``, an ONNX Runtime session whose weights bypass
+  the protobuf (every session the package builds).
+- :mod:`~placement.graph.dims`: dimensions written as ``-1`` (off the spec) read as dynamic.
 - :mod:`~placement.graph.torch_import`: ``from_torch`` (the exporter front-end).
 - :mod:`~placement.graph.verify`: ``verify``, the placement invariants.
 - :mod:`~placement.graph.views`: networkx views of the op graph.

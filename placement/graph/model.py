@@ -41,6 +41,7 @@ import onnx_ir as ir
 
 from placement.errors import UnknownBlobError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
+from placement.graph.dims import dynamic_negative_dims
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -328,7 +329,9 @@ class Model:
 
     Wraps an ``onnx_ir.Model`` (``model.ir_model``); every op without a device
     is placed on ``device``. Build one with :func:`placement.from_torch` or
-    :func:`placement.load` rather than directly.
+    :func:`placement.load` rather than directly. Dimensions the file writes as
+    ``-1`` (off the ONNX spec) become dynamic, with a warning
+    (:func:`placement.graph.dims.dynamic_negative_dims`).
 
     Example:
         >>> import placement as pl
@@ -343,6 +346,7 @@ class Model:
         if not isinstance(ir_model, ir.Model):
             raise TypeError(f"Model wraps an onnx_ir.Model, got {type(ir_model).__name__}")
         self.ir_model = ir_model
+        dynamic_negative_dims(ir_model)  # -1 sizes (off the spec) are dynamic, as ONNX Runtime reads them
         default = str(Device.parse(device))
         for node in ir_model.graph:
             node.metadata_props.setdefault(DEVICE_KEY, default)

@@ -325,7 +325,9 @@ def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs:
     Models written for IR version 3 (old converters) list every initializer as a
     graph input too. They are normalised: initializers are parameters, not
     inputs (as from IR version 4 on), so runtimes treat them as constants. Pass
-    ``initializers_as_inputs=True`` to keep such inputs listed.
+    ``initializers_as_inputs=True`` to keep such inputs listed. Dimensions
+    written as ``-1`` (which ONNX Runtime reads as unknown) are read as dynamic,
+    with one warning naming them (:func:`placement.graph.dims.dynamic_negative_dims`).
 
     Raises:
         ModelLoadError: the file is missing, truncated, not ONNX, or its
@@ -559,7 +561,10 @@ def split_weights(
     a model loaded lazily, the model's own array otherwise (never a copy). Give
     them to the session with ``SessionOptions.add_external_initializers``; the
     proto stays small, so a model of any size loads. A :class:`Model` gets its
-    placement annotations as in :func:`to_proto`. The model is not modified.
+    placement annotations as in :func:`to_proto`. Initializers that nothing reads
+    (not an op, in the graph or a subgraph, nor a graph input or output) are left
+    out, as ONNX Runtime would drop them before taking the supplied weights. The
+    model is not modified.
 
     Example:
         >>> import placement as pl
@@ -571,6 +576,7 @@ def split_weights(
         True
     """
     clone = (model.ir_model if isinstance(model, Model) else model).clone()
+    _drop_unread_initializers(clone.graph)
     weights: dict[str, np.ndarray] = {}
     for name, value in clone.graph.initializers.items():
         tensor = value.const_value
@@ -592,6 +598,21 @@ def split_weights(
     proto = ir.serde.serialize_model(clone)
     proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
     return proto, weights
+
+
+def _drop_unread_initializers(graph: ir.Graph) -> None:
+    """Remove the initializers of ``graph`` that no op (in it or a subgraph) reads and that
+    are neither graph inputs nor outputs.
+
+    ONNX Runtime removes them itself when it loads a graph, *before* it takes the
+    weights handed to ``add_external_initializers``; a supplied weight whose
+    initializer is gone fails the session ("Failed to find existing initializer").
+    """
+    keep = set(graph.inputs) | set(graph.outputs)
+    for name, value in list(graph.initializers.items()):
+        if value not in keep and not value.uses():
+            log.debug("initializer %s is read by no op: left out of the session", name)
+            del graph.initializers[name]
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file") -> None:

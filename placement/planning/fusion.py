@@ -251,9 +251,8 @@ def _optimized_value_names(model: Model) -> set[str]:
     import onnx
     import onnxruntime as ort
 
-    from placement.graph.serialize import split_weights
+    from placement.graph.session import ort_session
 
-    proto, weights = split_weights(model)
     tmp = tempfile.mkdtemp(prefix="placement-fused-")
     try:
         options = ort.SessionOptions()
@@ -265,11 +264,7 @@ def _optimized_value_names(model: Model) -> set[str]:
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_file_name", "weights.bin"
         )
-        if weights:
-            options.add_external_initializers(
-                list(weights), [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
-            )
-        ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        ort_session(model, options, ["CPUExecutionProvider"])
         optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -643,18 +643,17 @@ def _time_with_ort(
     it came from (:func:`_attribute_to_ops`); otherwise optimisations are off and every
     op is timed by its own name.
 
-    The session's weights bypass the protobuf (:func:`placement.graph.serialize.split_weights`),
-    so models over 2 GB are timed too; their weights are read from the model's own (possibly
-    memory-mapped) arrays.
+    The session is built as stage sessions are (:func:`placement.graph.session.ort_session`):
+    its weights bypass the protobuf, so models over 2 GB are timed too; their weights are read
+    from the model's own (possibly memory-mapped) arrays.
 
     Raises:
         PlanError: ONNX Runtime cannot build or run the model (the message says which).
     """
     import onnxruntime as ort
 
-    from placement.graph.serialize import split_weights
+    from placement.graph.session import ort_session
 
-    proto, weights = split_weights(model)
     tmp = tempfile.mkdtemp(prefix="placement-profile-")
     stage = "build a session of"
     try:
@@ -666,10 +665,7 @@ def _time_with_ort(
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
-        if values:
-            options.add_external_initializers(list(weights), values)
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = ort_session(model, options, ["CPUExecutionProvider"])
         stage = "run"
         for _ in range(warmup + repeats):
             session.run(None, inputs)

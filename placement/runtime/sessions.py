@@ -26,6 +26,7 @@ from typing import Any
 import onnxruntime as ort
 
 from placement.errors import PlacementError
+from placement.graph.session import ort_session
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import batchnorm_as_conv
 from placement.runtime.precision import DEFAULT_PRECISION, ort_cuda_options
@@ -278,18 +279,7 @@ def stage_session(
 
 
 def session_from_ir(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
-    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf.
-
-    The proto holds only the graph (so no 2 GB limit); each large weight is handed
-    to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
-    for a model loaded lazily), which the session copies onto its device once.
+    """An ``InferenceSession`` of an ``onnx_ir`` model whose weights bypass the protobuf
+    (:func:`placement.graph.session.ort_session`, which every session here goes through).
     """
-    from placement.graph.serialize import split_weights
-
-    proto, weights = split_weights(model)
-    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in weights.values()]
-    if values:
-        options.add_external_initializers(list(weights), values)
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
-    session._placement_weights = values  # the session may read them for as long as it lives
-    return session
+    return ort_session(model, options, providers)

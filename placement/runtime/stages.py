@@ -45,7 +45,9 @@ into an initializer when the session loads; such blobs make no stage-graph
 edges, are never stage outputs and their copies are never run-time transfers.
 This keeps weights constant inside each session (so ONNX Runtime can fuse and
 pre-pack them) and avoids moving them on every run. Graph outputs are always
-produced by their stage.
+produced by their stage. A stage model leaves out its ops whose results only
+other stages' clones read (a ``Constant`` weight, a transposed parameter used on
+another device), and the weights only they read: the stage does not hold them.
 
 Example:
     >>> import placement as pl
@@ -223,15 +225,17 @@ def split_stages(model: Model) -> Partition:
         inputs, params, extra = _boundary(model, nodes, copies.static, consts)
         outputs = _stage_outputs(graph, nodes, consts, readers, old)
         body = sorted(set(nodes) | extra, key=position.__getitem__)
+        stage_model = _stage_model(model, body, inputs, outputs, params, renumber[old])
+        carried = stage_model.graph.initializers
         stage = Stage(
             index=renumber[old],
             device=stage_device[old],
             ops=tuple(n.name or "" for n in nodes),
             inputs=tuple(v.name or "" for v in inputs),
             outputs=tuple(v.name or "" for v in outputs),
-            parameters=tuple(name for name, _ in params),
+            parameters=tuple(name for name, _ in params if name in carried),
             depends_on=tuple(sorted({renumber[p] for p in sg.predecessors(old)})),
-            model=_stage_model(model, body, inputs, outputs, params, renumber[old]),
+            model=stage_model,
             load_time_ops=tuple(n.name or "" for n in body if n in extra),
         )
         stage.fingerprint = _fingerprint(stage, body, params)
@@ -483,7 +487,22 @@ def _stage_model(
         producer_name="placement",
         functions=list(source.functions.values()),
     )
+    _drop_dead_ops(stage_model)
     return stage_model
+
+
+def _drop_dead_ops(stage_model: ir.Model) -> None:
+    """Remove the ops of a stage model whose results nothing in the stage reads, and the
+    initializers left unread.
+
+    A stage keeps its ops whose only readers are other stages' load-time clones (a
+    ``Constant`` weight, a transposed parameter read on another device): the stage
+    itself needs neither them nor the weights they read, and would otherwise hold
+    those weights on its device for nothing.
+    """
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(stage_model)
 
 
 #: ``Constant`` tensors of at least this many elements become stage initializers.

@@ -171,3 +171,41 @@ def test_optimized_profile_gives_fused_nodes_to_their_ops(exported):
     convs = [name for name, p in prof.ops.items() if p.op_type == "Conv"]
     assert len(timed) < len(prof.ops) and not set(convs) <= timed  # fused away
     assert all(plain.ops[name].time_s > 0 for name in convs)
+
+
+def test_time_planning_a_model_with_an_unread_large_weight():
+    # A 64x64 initializer nothing reads (dead weights are common in exported files): ONNX Runtime
+    # drops it when it loads the graph, so handing it over as a supplied weight failed profiling.
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((64, 64), np.float32), name) for name in ("w", "unused")
+    ]
+    nodes = [
+        oh.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        oh.make_node("Relu", ["h"], ["r"], name="relu"),
+        oh.make_node("Tanh", ["r"], ["y"], name="tanh"),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+        initializer=weights,
+    )
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(proto)
+    model = pl.load(proto)
+    for optimized in (False, True):
+        prof = pl.profile(model, repeats=1, optimized=optimized, refresh=True)
+        assert prof.has_time and set(prof.ops) == {"mm", "relu", "tanh"}
+    from placement.planning.fusion import _optimized_value_names
+
+    assert {"x", "y"} <= _optimized_value_names(model)  # the fusion probe's session builds too
+    pl.auto_place(model, devices=2, cost="time", repeats=1)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    expected = np.tanh(np.maximum(x @ numpy_helper.to_array(weights[0]), 0))
+    np.testing.assert_allclose(pl.run(model, {"x": x})[0], expected, rtol=1e-4, atol=1e-5)
