@@ -214,7 +214,18 @@ def exportable_settings(module: Any) -> Iterator[list[str]]:
                 old = setting.get(sub)
                 if setting.exportable(old):
                     continue
-                setting.put(sub, setting.replacement)
+                try:
+                    setting.put(sub, setting.replacement)
+                except Exception as err:  # the library refuses the switch: export as configured
+                    log.warning(
+                        "cannot switch %s's %s from %r to %r for the export (%s); exporting as configured",
+                        path or type(module).__name__,
+                        setting.name,
+                        old,
+                        setting.replacement,
+                        err,
+                    )
+                    continue
                 undo.append((setting, sub, old))
                 line = f"{path or type(module).__name__}: {setting.name} {old!r} -> {setting.replacement!r}"
                 changed.append(line)

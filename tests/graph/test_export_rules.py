@@ -85,12 +85,13 @@ def _record(net: FakeMoE, implementation: str) -> None:
 class FakeMoE(torch.nn.Module):
     """A module with Hugging Face's experts-implementation API (and a config shared by its parts)."""
 
-    def __init__(self, implementation: str, *, fail: bool = False) -> None:
+    def __init__(self, implementation: str, *, fail: bool = False, locked: bool = False) -> None:
         super().__init__()
         self.implementation = implementation
         self.key = id(self)  # torch.export undoes changes to module attributes: record outside
         SEEN[self.key] = []
         self.fail = fail
+        self.locked = locked
         self.linear = torch.nn.Linear(2, 2)
 
     @property
@@ -105,6 +106,8 @@ class FakeMoE(torch.nn.Module):
         return {"": self.implementation}
 
     def set_experts_implementation(self, value: Any) -> None:
+        if self.locked:
+            raise RuntimeError("a load-time choice")
         self.implementation = value[""] if isinstance(value, dict) else value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,3 +145,12 @@ def test_the_setting_is_restored_when_the_export_fails() -> None:
 def test_the_table_names_each_setting_once() -> None:
     names = [s.name for s in EXPORTABLE_SETTINGS]
     assert len(names) == len(set(names)) and "experts_implementation" in names
+
+
+def test_a_setting_the_library_refuses_to_switch_is_exported_as_configured(caplog: Any) -> None:
+    net = FakeMoE("deepgemm_megamoe", locked=True)
+    with caplog.at_level(logging.WARNING, logger="placement.graph.export_rules"):
+        model = pl.from_torch(net, (torch.randn(1, 2),), exporter="dynamo")
+    assert set(net.seen) == {"deepgemm_megamoe"} and net.implementation == "deepgemm_megamoe"
+    assert any("load-time choice" in r.getMessage() for r in caplog.records)
+    assert [op.op_type for op in model.ops] == ["Gemm"]
