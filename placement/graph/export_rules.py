@@ -49,7 +49,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Node metadata key a translation sets on the ops of one expert (its index); the
-#: importer appends it to the op's scope and removes the key.
+#: importer appends it to the op's scope (``<experts module>.<index>``) and keeps it
+#: (:func:`placement.planning.experts.spread_experts` reads it).
 EXPERT_KEY = "placement.expert"
 
 

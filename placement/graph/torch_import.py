@@ -190,7 +190,7 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
         scope = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
-        expert = node.metadata_props.pop(EXPERT_KEY, None)
+        expert = node.metadata_props.get(EXPERT_KEY)
         if expert is not None:  # one expert's ops of a grouped matmul (export_rules.grouped_mm)
             scope = f"{scope}.{expert}" if scope else expert
         node.metadata_props[SCOPE_KEY] = scope

@@ -163,3 +163,18 @@ def test_eager_experts_are_exported_as_grouped_and_restored(imported: Any) -> No
     pl.inject_cross_device_copies(model)
     np.testing.assert_allclose(pl.run(model, [ids.numpy()])[0], expected, **TOL)
     np.testing.assert_allclose(_lowered(model, ids), expected, **TOL)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_layers_experts_spread_after_auto_place(name: str, imported: Any) -> None:
+    model, ids, expected, _ = imported(name)
+    pl.auto_place(model, devices=2, cost="flops")
+    spread = pl.spread_experts(model, [0, 1])
+    assert len(spread) == SMALL["num_hidden_layers"] * EXPERTS
+    for layer in range(SMALL["num_hidden_layers"]):
+        experts = _experts_scope(model, layer)
+        assert [spread[f"{experts}.{g}"].index for g in range(EXPERTS)] == [0, 1, 0, 1]
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+    np.testing.assert_allclose(pl.run(model, [ids.numpy()])[0], expected, **TOL)
+    np.testing.assert_allclose(_lowered(model, ids), expected, **TOL)
