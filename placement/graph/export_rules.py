@@ -13,9 +13,10 @@ Two small tables, each entry one known gap between a library's default and what
   ``<experts module>.<expert index>``, so experts of one layer can be placed apart
   (``pl.assign_modules(model, {"...mlp.experts.3": 1})``).
 * :data:`EXPORTABLE_SETTINGS`: module settings whose value cannot be exported, and the
-  exportable value used for the export instead (``experts_implementation="eager"``
-  stops ``torch.export`` on a data-dependent guard; ``"grouped_mm"`` exports through
-  the translation above). Inside :func:`exportable_settings` the module runs with the
+  exportable value used instead, per exporter (``experts_implementation="eager"``
+  stops ``torch.export`` on a data-dependent guard; the dynamo exporter gets
+  ``"grouped_mm"``, which exports through the translation above, the TorchScript
+  exporter ``"batched_mm"``). Inside :func:`exportable_settings` the module runs with the
   replacement, a one-line notice is logged, and the user's setting is restored on exit,
   even when the export fails.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,16 +146,23 @@ class Setting:
     """A module setting that may hold a non-exportable value.
 
     ``applies(module)`` says whether ``module`` has the setting; ``get``/``put`` read
-    and write it (``get``'s value is what ``put`` restores); ``exportable(value)``
-    says whether a value exports; ``replacement`` is the value used for the export.
+    and write it (``get``'s value is what ``put`` restores; a ``dict`` value holds one
+    entry per sub-configuration); ``exportable[exporter]`` are the values that
+    exporter (``"dynamo"``, ``"torchscript"``) can export; ``replacement[exporter]``
+    is the value used instead.
     """
 
     name: str
     applies: Callable[[Any], bool]
     get: Callable[[Any], Any]
     put: Callable[[Any, Any], None]
-    exportable: Callable[[Any], bool]
-    replacement: str
+    exportable: Mapping[str, frozenset[Any]]
+    replacement: Mapping[str, Any]
+
+    def exports(self, value: Any, exporter: str) -> bool:
+        """Whether ``exporter`` can export the module with ``value``."""
+        values = value.values() if isinstance(value, dict) else [value]
+        return all(v is None or v in self.exportable[exporter] for v in values)
 
 
 def _has_experts_implementation(module: Any) -> bool:
@@ -167,29 +175,29 @@ def _has_experts_implementation(module: Any) -> bool:
     )
 
 
-def _experts_exportable(value: Any) -> bool:
-    values = value.values() if isinstance(value, dict) else [value]
-    return all(v in (None, "grouped_mm", "batched_mm") for v in values)
-
-
-#: The known non-exportable settings. Hugging Face MoE models: ``"grouped_mm"``
-#: (default) and ``"batched_mm"`` export, ``"eager"`` (a data-dependent loop over the
-#: experts hit) and the GPU kernels (``"deepgemm"``, ``"sonicmoe"``) do not.
+#: The known non-exportable settings. Hugging Face MoE models: the dynamo exporter
+#: exports ``"grouped_mm"`` (the default, through :func:`grouped_mm`) and ``"batched_mm"``;
+#: the TorchScript exporter only ``"batched_mm"`` (it has no grouped matmul); none
+#: exports ``"eager"`` (a data-dependent loop over the experts hit) or the GPU kernels
+#: (``"deepgemm"``, ``"sonicmoe"``).
 EXPORTABLE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         name="experts_implementation",
         applies=_has_experts_implementation,
         get=lambda m: m.get_experts_implementation(),
         put=lambda m, v: m.set_experts_implementation(v),
-        exportable=_experts_exportable,
-        replacement="grouped_mm",
+        exportable={
+            "dynamo": frozenset({"grouped_mm", "batched_mm"}),
+            "torchscript": frozenset({"batched_mm"}),
+        },
+        replacement={"dynamo": "grouped_mm", "torchscript": "batched_mm"},
     ),
 )
 
 
 @contextlib.contextmanager
-def exportable_settings(module: Any) -> Iterator[list[str]]:
-    """Give ``module`` (and its submodules) exportable settings inside the block.
+def exportable_settings(module: Any, exporter: str = "dynamo") -> Iterator[list[str]]:
+    """Give ``module`` (and its submodules) settings ``exporter`` can export inside the block.
 
     Yields one line per changed setting (``"<module path>: <setting> <old> -> <new>"``);
     each change is logged once. On exit every changed setting gets its old value
@@ -204,7 +212,7 @@ def exportable_settings(module: Any) -> Iterator[list[str]]:
     """
     changed: list[str] = []
     undo: list[tuple[Setting, Any, Any]] = []
-    handled: set[int] = set()
+    handled: set[tuple[int, int]] = set()
     try:
         for path, sub in module.named_modules():
             for setting in EXPORTABLE_SETTINGS:
@@ -213,28 +221,30 @@ def exportable_settings(module: Any) -> Iterator[list[str]]:
                     continue
                 handled.add(key)
                 old = setting.get(sub)
-                if setting.exportable(old):
+                new = setting.replacement[exporter]
+                if setting.exports(old, exporter):
                     continue
                 try:
-                    setting.put(sub, setting.replacement)
+                    setting.put(sub, new)
                 except Exception as err:  # the library refuses the switch: export as configured
                     log.warning(
                         "cannot switch %s's %s from %r to %r for the export (%s); exporting as configured",
                         path or type(module).__name__,
                         setting.name,
                         old,
-                        setting.replacement,
+                        new,
                         err,
                     )
                     continue
                 undo.append((setting, sub, old))
-                line = f"{path or type(module).__name__}: {setting.name} {old!r} -> {setting.replacement!r}"
+                line = f"{path or type(module).__name__}: {setting.name} {old!r} -> {new!r}"
                 changed.append(line)
                 log.warning(
-                    "exporting %s with %s=%r (%r cannot be exported); restored afterwards",
+                    "exporting %s with %s=%r (the %s exporter cannot export %r); restored afterwards",
                     path or type(module).__name__,
                     setting.name,
-                    setting.replacement,
+                    new,
+                    exporter,
                     old,
                 )
         yield changed

@@ -102,8 +102,7 @@ def from_torch(
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     name = type(module).__name__
-    with exportable_settings(module):
-        ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
+    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
     from placement.graph.serialize import load
@@ -127,7 +126,8 @@ def _export(
     used = ""
     if exporter in ("auto", "dynamo"):
         try:
-            ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "dynamo"):
+                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
             causes.append(f"dynamo exporter: {_cause(err)}")
@@ -138,7 +138,8 @@ def _export(
             )
     if ir_model is None:
         try:
-            ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "torchscript"):
+                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
             causes.append(f"TorchScript exporter: {_cause(err)}")

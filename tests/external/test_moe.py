@@ -178,3 +178,33 @@ def test_every_layers_experts_spread_after_auto_place(name: str, imported: Any) 
     pl.verify(model)
     np.testing.assert_allclose(pl.run(model, [ids.numpy()])[0], expected, **TOL)
     np.testing.assert_allclose(_lowered(model, ids), expected, **TOL)
+
+
+class MaskedLogits(torch.nn.Module):
+    """With an attention mask: transformers' packed-sequence check (``aten::diff``, which the
+    TorchScript exporter lacks) runs only without one."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=ids, attention_mask=mask).logits
+
+
+def test_the_torchscript_exporter_gets_batched_experts() -> None:
+    torch.manual_seed(0)
+    net = ARCHITECTURES["mixtral"]().eval()
+    wrapped = MaskedLogits(net).eval()
+    ids, mask = _ids(), torch.ones(2, 8, dtype=torch.long)
+    with torch.no_grad():
+        expected = wrapped(ids, mask).numpy()
+    model = pl.from_torch(wrapped, (ids, mask), exporter="torchscript")
+    assert exporter_of(model) == "torchscript"
+    assert net.get_experts_implementation() == {"": "grouped_mm"}
+    pl.auto_place(model, devices=2, cost="flops")
+    pl.inject_cross_device_copies(model)
+    np.testing.assert_allclose(pl.run(model, [ids.numpy(), mask.numpy()])[0], expected, **TOL)
+    with torch.no_grad():
+        lowered = pl.to_torch(model)(ids, mask)
+    np.testing.assert_allclose(lowered.numpy(), expected, **TOL)

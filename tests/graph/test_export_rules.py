@@ -134,11 +134,19 @@ def test_an_exportable_setting_is_left_alone(implementation: str) -> None:
         assert changed == [] and net.implementation == implementation
 
 
+def test_the_replacement_depends_on_the_exporter() -> None:
+    net = FakeMoE("grouped_mm")
+    with exportable_settings(net, "torchscript") as changed:
+        assert net.implementation == "batched_mm"
+        assert changed == ["FakeMoE: experts_implementation {'': 'grouped_mm'} -> 'batched_mm'"]
+    assert net.implementation == "grouped_mm"
+
+
 def test_the_setting_is_restored_when_the_export_fails() -> None:
     net = FakeMoE("sonicmoe", fail=True)
     with pytest.raises(pl.ExportError, match="boom"):
         pl.from_torch(net, (torch.randn(1, 2),))
-    assert net.seen and set(net.seen) == {"grouped_mm"}
+    assert set(net.seen) == {"grouped_mm", "batched_mm"}  # dynamo's replacement, then TorchScript's
     assert net.implementation == "sonicmoe"
 
 
