@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 EXPERT_KEY = "placement.expert"
 
 
-def grouped_mm(mat_a: Any, mat_b: Any, offs: Any, bias: Any = None, out_dtype: Any = None) -> Any:
+def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
     """ONNX translation of a grouped matmul (``aten._grouped_mm``, ``transformers::grouped_mm_fallback``).
 
     ``mat_a`` is ``(S, K)`` with its rows sorted by group, ``mat_b`` is ``(G, K, N)``
@@ -67,6 +67,11 @@ def grouped_mm(mat_a: Any, mat_b: Any, offs: Any, bias: Any = None, out_dtype: A
     """
     from onnxscript.onnx_opset import opset18 as op
 
+    ranks = [None if v.shape is None else len(v.shape) for v in (mat_a, mat_b)]
+    if ranks != [2, 3] or offs is None:  # the other grouped-matmul modes (3-D x 3-D, 2-D x 2-D)
+        raise ValueError(
+            f"grouped_mm: only (rows, K) x (groups, K, N) with offsets is translated, got ranks {ranks}"
+        )
     groups = mat_b.shape[0]
     if not isinstance(groups, int):
         raise ValueError("grouped_mm: the number of groups (experts) must be static to export it")

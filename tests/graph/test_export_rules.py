@@ -162,3 +162,14 @@ def test_a_setting_the_library_refuses_to_switch_is_exported_as_configured(caplo
     assert set(net.seen) == {"deepgemm_megamoe"} and net.implementation == "deepgemm_megamoe"
     assert any("load-time choice" in r.getMessage() for r in caplog.records)
     assert [op.op_type for op in model.ops] == ["Gemm"]
+
+
+def test_other_grouped_matmul_modes_are_refused_not_mistranslated() -> None:
+    class Batched(torch.nn.Module):  # (G, M, K) x (G, K, N): no offsets, not the MoE form
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(a, b)
+
+    a = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    b = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(pl.ExportError, match="grouped_mm: only"):
+        pl.from_torch(Batched(), (a, b), exporter="dynamo")
