@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         place_evenly,
         profile,
         set_stage_assignment,
+        spread_experts,
     )
     from placement.report import summary
     from placement.report.draw import draw
@@ -104,6 +105,7 @@ _LAZY = {
             "module_devices",
             "profile",
             "set_stage_assignment",
+            "spread_experts",
         ],
         "placement.planning",
     ),
@@ -151,6 +153,7 @@ __all__ = [
     # planning
     "module_devices",
     "assign_modules",
+    "spread_experts",
     "begin_block",
     "place_evenly",
     "get_stage_assignment",

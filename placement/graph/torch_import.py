@@ -6,7 +6,10 @@ control flow, ops torch.export cannot trace), the TorchScript exporter
 parameters after the module (kept as initializer names) and names each node
 after its module path (``/encoder/block.0/layer.0/...``), from which op scopes are
 recovered. The exporter used is logged and recorded on the model
-(:func:`exporter_of`).
+(:func:`exporter_of`). Known gaps between library defaults and the exporter (custom
+ops without an ONNX function, settings that cannot be exported, such as Hugging
+Face's mixture-of-experts implementations) are bridged by
+:mod:`placement.graph.export_rules`.
 
 Example:
     >>> import torch
@@ -31,6 +34,7 @@ from typing import Any
 
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
+from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
 from placement.graph.model import SCOPE_KEY, Model, scope_from_torch_name_scopes
 
 __all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
@@ -67,6 +71,10 @@ def from_torch(
     parameter names (a parameter shared by two modules, like a tied LM head,
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
+    A setting the exporter cannot handle (a Hugging Face mixture-of-experts model's
+    ``experts_implementation="eager"``) is switched to an exportable one for the
+    export, with a logged notice, and restored afterwards
+    (:mod:`placement.graph.export_rules`).
 
     Args:
         module: a ``torch.nn.Module``.
@@ -94,12 +102,32 @@ def from_torch(
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     name = type(module).__name__
+    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
+    _fold_shape_arithmetic(ir_model)
+    ir_model.metadata_props[EXPORTER_KEY] = used
+    from placement.graph.serialize import load
+
+    model = load(ir_model, device=dev)
+    log.info("imported %s with the %s exporter: %d ops on %s", name, used, model.graph.num_nodes(), dev)
+    return model
+
+
+def _export(
+    module: Any,
+    args: tuple,
+    kwargs: Mapping[str, Any] | None,
+    dynamic_shapes: Any,
+    exporter: str,
+    name: str,
+) -> tuple[Any, str]:
+    """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
     ir_model = None
     used = ""
     if exporter in ("auto", "dynamo"):
         try:
-            ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "dynamo"):
+                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
             causes.append(f"dynamo exporter: {_cause(err)}")
@@ -110,18 +138,13 @@ def from_torch(
             )
     if ir_model is None:
         try:
-            ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "torchscript"):
+                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
             causes.append(f"TorchScript exporter: {_cause(err)}")
             raise ExportError(f"torch.onnx.export failed on {name}: {'; '.join(causes)}; {_HINT}") from err
-    _fold_shape_arithmetic(ir_model)
-    ir_model.metadata_props[EXPORTER_KEY] = used
-    from placement.graph.serialize import load
-
-    model = load(ir_model, device=dev)
-    log.info("imported %s with the %s exporter: %d ops on %s", name, used, model.graph.num_nodes(), dev)
-    return model
+    return ir_model, used
 
 
 def exporter_of(model: Model) -> str | None:
@@ -160,13 +183,18 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
             kwargs=dict(kwargs) if kwargs else None,
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
+            custom_translation_table=translation_table(),
             optimize=False,
             verbose=False,
         )
     ir_model = program.model
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        node.metadata_props[SCOPE_KEY] = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+        scope = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+        expert = node.metadata_props.get(EXPERT_KEY)
+        if expert is not None:  # one expert's ops of a grouped matmul (export_rules.grouped_mm)
+            scope = f"{scope}.{expert}" if scope else expert
+        node.metadata_props[SCOPE_KEY] = scope
     return ir_model
 
 

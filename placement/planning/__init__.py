@@ -1,6 +1,7 @@
 """Deciding where ops go: the seed systems' front-ends, the profiler and the planner.
 
 - :mod:`~placement.planning.modules`: module path -> device maps (modelsplit).
+- :mod:`~placement.planning.experts`: ``spread_experts``, mixture-of-experts layers over devices.
 - :mod:`~placement.planning.blocks`: ``begin_block`` (poptorch's BeginBlock).
 - :mod:`~placement.planning.stage_assignment`: per-op stage lists (Keras IPU).
 - :mod:`~placement.planning.balance`: torchgpipe balance lists, by time or size.
@@ -29,6 +30,7 @@ from __future__ import annotations
 from placement.planning.balance import balance, balance_by_size, balance_by_time
 from placement.planning.blocks import begin_block
 from placement.planning.evenly import place_evenly
+from placement.planning.experts import expert_modules, spread_experts
 from placement.planning.modules import assign_modules, module_devices
 from placement.planning.planner import Plan, auto_place
 from placement.planning.profile import Profile, profile
@@ -46,6 +48,8 @@ __all__ = [
     "place_evenly",
     "assign_modules",
     "module_devices",
+    "expert_modules",
+    "spread_experts",
     "Plan",
     "auto_place",
     "Profile",
