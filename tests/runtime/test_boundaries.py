@@ -48,11 +48,13 @@ def test_blocked_boundaries_give_the_usual_outputs_exactly(devices):
 
 def test_a_boundary_that_is_also_a_graph_output_stays_plain():
     model, _, (x,) = _placed()
-    (blob,) = pl.Runner(model, device_map="cpu").blocked_boundaries
+    before = pl.Runner(model, device_map="cpu").blocked_boundaries
+    assert before  # which cuts stay blocked depends on ONNX Runtime's fusions: one or more
+    blob = before[-1]
     graph = model.ir_model.graph
     graph.outputs.append(next(v for node in graph for v in node.outputs if v.name == blob))
     runner = pl.Runner(model, device_map="cpu")
-    assert runner.blocked_boundaries == []
+    assert blob not in runner.blocked_boundaries
     got = runner.run([x])
     want = pl.Runner(model, device_map="cpu", keep_layout=False).run([x])
     _same(got, want)
