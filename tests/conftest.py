@@ -29,3 +29,28 @@ def exported():
 
 
 MODEL_NAMES = ["mlp", "resnet", "gpt", "unet"]
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    try:
+        import onnxruntime as ort
+
+        return "CUDAExecutionProvider" in ort.get_available_providers()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests, with the reason, where no GPU is visible."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and not _has_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch) or onnxruntime's CUDAExecutionProvider")
+        for item in gpu_items:
+            item.add_marker(skip)
