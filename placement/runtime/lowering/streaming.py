@@ -12,9 +12,11 @@ instead of a plain ``.to``. On a GPU the streamer
   ``record_stream``\\ ed on the compute stream so the caching allocator reuses its block
   (the device buffers of the window) only once the compute that reads it is done;
 * prefetches: handing out weight ``k`` issues the copies of weights ``k+1, k+2, ...``
-  (in first-use order) while the bytes copied ahead stay within the prefetch window
-  (``placement.stream_window``; unset: room for the next weight, double-buffering), so
-  the copy of the next streamed layer overlaps the compute of the current one.
+  (in first-use order, wrapping round to the first ones for the next forward) while
+  the bytes copied ahead stay within the prefetch window (``placement.stream_window``;
+  unset: room for the largest weight, double-buffering), so the copy of the next
+  streamed layer overlaps the compute of the current one. A weight prefetched under
+  ``torch.no_grad`` is copied again when it is used with autograd on.
 
 On the CPU (and in CPU emulation of GPUs) the copy is ``.to(device)``, a no-op when
 the parameter is already there; the window bookkeeping runs the same way. Autograd
@@ -105,11 +107,14 @@ class WeightStreamer(torch.nn.Module):
         """Weight ``index`` on its device (waited for on the current stream), then prefetch ahead."""
         with self._lock:
             hit = self._pending.pop(index, None)
+            if hit is not None:
+                self._in_flight -= self.sizes[index]
+                if hit[0].grad_fn is None and weight.requires_grad and torch.is_grad_enabled():
+                    hit = None  # prefetched without autograd (an earlier no_grad call): copy again
             if hit is None:
                 tensor, event = self._copy(weight, index)
             else:
                 tensor, event = hit
-                self._in_flight -= self.sizes[index]
             self._prefetch(index + 1)
         if event is not None:
             current = torch.cuda.current_stream(self.devices[index])
@@ -140,10 +145,13 @@ class WeightStreamer(torch.nn.Module):
     # -- internals --------------------------------------------------------------------------
 
     def _prefetch(self, start: int) -> None:
-        """Copy weights ``start, start+1, ...`` ahead while they fit the window."""
+        """Copy weights ``start, start+1, ...`` ahead while they fit the window; past the last
+        weight, the first ones again (for the next forward: serving loops run back to back)."""
         if not self._sources:
             return
-        for index in range(start, len(self.sizes)):
+        n = len(self.sizes)
+        for step in range(n - 1):
+            index = (start + step) % n
             if index in self._pending:
                 continue
             if self._in_flight + self.sizes[index] > self.window:
