@@ -72,8 +72,9 @@ class Layer:
     Attributes:
         name: the block's module path (``"h.3"``), or the first op's name.
         start, end: its ops are positions ``start .. end-1`` of the graph order.
-        params: parameters it reads first (it owns them), in read order.
+        params: weights it reads first (it owns them), in read order.
         param_bytes: bytes of ``params``.
+        weights: every weight it reads (owned or not, e.g. a tied embedding) -> bytes.
         gpu_ns, host_ns: predicted compute time on the GPU and on the host.
         in_bytes, out_bytes: activation bytes it reads from earlier layers and that later
             layers read from it.
@@ -88,6 +89,7 @@ class Layer:
     host_ns: int
     in_bytes: int
     out_bytes: int
+    weights: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,15 +132,9 @@ class OffloadPlan:
         )
 
     def streamed_parameters(self) -> list[str]:
-        """The parameters that live on the host and stream to the GPU."""
-        resident = {p for layer in self.layers if self.modes[layer.name] == "resident" for p in layer.params}
-        return [
-            p
-            for layer in self.layers
-            if self.modes[layer.name] == "streamed"
-            for p in layer.params
-            if p not in resident
-        ]
+        """The weights that live on the host and stream to the GPU, in first-use order."""
+        modes = [self.modes[layer.name] for layer in self.layers]
+        return [name for per_layer in _streamed(self.layers, modes) for name in per_layer]
 
     def assignment(self, info: GraphInfo) -> dict[str, str]:
         """Op name -> device."""
@@ -188,8 +184,9 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
     n = len(info)
     keys = [_layer_key(node_scope(node)) for node in info.nodes]
     runs: list[list[int]] = []  # [start, end]
-    for pos in range(n):
-        if runs and (keys[pos] == keys[runs[-1][0]] or not info.op_params[pos]):
+    for pos in range(n):  # ops outside any module scope: each op with weights starts a layer
+        same = bool(keys[pos]) and runs and keys[pos] == keys[runs[-1][0]]
+        if runs and (same or not info.op_params[pos]):
             runs[-1][1] = pos + 1
         else:
             runs.append([pos, pos + 1])
@@ -217,6 +214,12 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
                 host_ns=int(sum(host_ns[start:end])),
                 in_bytes=info.segment_in_bytes(start, end),
                 out_bytes=0,
+                weights={
+                    info.param_names[p]: info.param_bytes[p]
+                    for pos in range(start, end)
+                    for p in info.op_params[pos]
+                    if _is_weight(model, info.param_names[p])
+                },
             )
         )
     for k, layer in enumerate(layers):
@@ -236,30 +239,39 @@ def _is_weight(model: Model, name: str) -> bool:
     return value is not None and value.dtype.is_floating_point() and len(value.shape) >= 1
 
 
-def simulate(layers: Sequence[Layer], modes: Sequence[str], link: Link, back: Link | None = None) -> int:
+def simulate(
+    layers: Sequence[Layer],
+    modes: Sequence[str],
+    link: Link,
+    back: Link | None = None,
+    streamed: Sequence[Mapping[str, int]] | None = None,
+) -> int:
     """Predicted nanoseconds of one forward (see the module docstring).
 
     The GPU runs resident and streamed layers in order; the copy stream copies streamed
     layers in order, the copy of a streamed layer starting once the previous streamed
     layer is in use (the window holds one layer ahead); a host layer waits for its input
     on the host (``back``: the GPU -> host link) and the GPU waits for its output.
+    ``streamed``: per layer, the weights it streams in (default: its own, ``params``).
 
     Example:
-        >>> a = Layer("a", 0, 1, ["w"], 10**6, 1000, 10**5, 0, 0)
+        >>> a = Layer("a", 0, 1, ["w"], 10**6, 1000, 10**5, 0, 0, {"w": 10**6})
         >>> fast = Link(1e12)
         >>> simulate([a, a], ["resident", "streamed"], fast) < simulate([a, a], ["resident", "host"], fast)
         True
     """
     back = back or link
+    if streamed is None:
+        streamed = _streamed(layers, modes)
     t_gpu = 0  # when the GPU's compute stream is free
     t_copy = 0  # when the copy stream is free
     room = 0  # when the window has room for the next streamed layer
-    for layer, mode in zip(layers, modes):
+    for layer, mode, weights in zip(layers, modes, streamed):
         if mode == "resident":
             t_gpu += layer.gpu_ns
         elif mode == "streamed":
             start_copy = max(t_copy, room)
-            t_copy = start_copy + link.time_ns(layer.param_bytes)
+            t_copy = start_copy + sum(link.time_ns(size) for size in weights.values())
             start = max(t_gpu, t_copy)
             room = start  # in use now: the next streamed layer may be copied in
             t_gpu = start + layer.gpu_ns
@@ -276,12 +288,35 @@ def _spread(candidates: Sequence[int], m: int) -> list[int]:
     return sorted({candidates[min(len(candidates) - 1, int((i + 0.5) * step))] for i in range(m)})
 
 
+def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, int]]:
+    """Per layer, the weights it streams in (name -> bytes): those it reads that no resident
+    layer reads and no earlier streamed layer brought in (one copy per weight and device)."""
+    resident = {name for layer, mode in zip(layers, modes) if mode == "resident" for name in layer.weights}
+    seen: set[str] = set()
+    out: list[dict[str, int]] = []
+    for layer, mode in zip(layers, modes):
+        mine: dict[str, int] = {}
+        if mode == "streamed":
+            for name, size in layer.weights.items():
+                if name not in resident and name not in seen:
+                    mine[name] = size
+                    seen.add(name)
+        out.append(mine)
+    return out
+
+
 def _memory(layers: Sequence[Layer], modes: Sequence[str], activations: int) -> tuple[int, int, int]:
-    """(GPU bytes, host bytes, window) of an assignment of modes."""
-    window = max((layer.param_bytes for layer, mode in zip(layers, modes) if mode == "streamed"), default=0)
-    resident = sum(layer.param_bytes for layer, mode in zip(layers, modes) if mode == "resident")
-    host = sum(layer.param_bytes for layer, mode in zip(layers, modes) if mode != "resident")
-    return resident + 2 * window + activations, host, window
+    """(GPU bytes, host bytes, window) of an assignment of modes: the GPU holds the weights of
+    resident layers, the largest streamed layer in use and one more in flight (twice the window)
+    and the activations; the host holds every weight a streamed or host layer reads."""
+    sizes = [sum(m.values()) for m in _streamed(layers, modes) if m]
+    window = max(sizes, default=0)
+    in_flight = window if len(sizes) == 1 else 2 * window  # one streamed layer: never two at once
+    resident: dict[str, int] = {}
+    hosted: dict[str, int] = {}
+    for layer, mode in zip(layers, modes):
+        (resident if mode == "resident" else hosted).update(layer.weights)
+    return sum(resident.values()) + in_flight + activations, sum(hosted.values()), window
 
 
 def _choose(
@@ -302,7 +337,7 @@ def _choose(
 
     if fits(every):
         return every, simulate(layers, every, link, back)
-    candidates = [k for k, layer in enumerate(layers) if layer.param_bytes > 0]
+    candidates = [k for k, layer in enumerate(layers) if layer.weights]
     best: tuple[int, list[str]] | None = None
     for m in range(1, len(candidates) + 1):
         chosen = _spread(candidates, m)
@@ -326,7 +361,7 @@ def _choose(
         if best is None or t < best[0]:
             best = (t, modes)
     if best is None:
-        smallest = activations + 2 * max((layer.param_bytes for layer in layers), default=0)
+        smallest = activations + 2 * max((sum(layer.weights.values()) for layer in layers), default=0)
         raise InfeasiblePlacementError(
             f"no offload plan fits the budgets (GPU {format_bytes(gpu_budget)}, host "
             f"{format_bytes(host_budget)}): streaming needs at least {format_bytes(smallest)} on the GPU "
@@ -371,12 +406,16 @@ def plan_offload(
         InfeasiblePlacementError: no assignment fits.
 
     Example:
+        >>> import os, tempfile
         >>> import placement as pl
-        >>> from placement.models import gpt
-        >>> model = pl.from_torch(*gpt.build("tiny"))
-        >>> fast = pl.plan_offload(model.copy(), {0: "40KiB", "cpu": None}, cost="flops", links=pl.Link(1e13))
-        >>> "streamed" in fast.modes.values()
-        True
+        >>> from placement.models.synthetic import write_matmul_chain
+        >>> path = os.path.join(tempfile.mkdtemp(), "chain.onnx")
+        >>> weights = write_matmul_chain(path, layers=12, width=64)  # 12 x 16 KiB
+        >>> opts = dict(cost="flops", throughput={"cuda": 1e10, "cpu": 1e8})
+        >>> fast = pl.plan_offload(pl.load(path), {0: "140KiB"}, links=pl.Link(1e12), **opts)
+        >>> slow = pl.plan_offload(pl.load(path), {0: "140KiB"}, links=pl.Link(1e5), **opts)
+        >>> sorted(set(fast.modes.values())), sorted(set(slow.modes.values()))
+        (['resident', 'streamed'], ['host', 'resident'])
     """
     from placement.passes.streaming import stream_parameters  # passes sit below planning
     from placement.planning.frontend import check_no_copies, transaction
@@ -439,7 +478,9 @@ def plan_offload(
         budgets=budgets,
         predicted_ns=predicted,
         all_gpu_ns=simulate(layers, ["resident"] * len(layers), to_gpu, to_host),
-        copy_ns=sum(to_gpu.time_ns(layer.param_bytes) for layer, m in zip(layers, modes) if m == "streamed"),
+        copy_ns=sum(
+            to_gpu.time_ns(size) for per_layer in _streamed(layers, modes) for size in per_layer.values()
+        ),
         link=to_gpu,
     )
     if apply:
