@@ -39,10 +39,10 @@ def _has_gpu() -> bool:
             return True
     except ImportError:
         pass
-    try:
-        import onnxruntime as ort
+    try:  # onnxruntime-gpu lists its CUDA provider whether or not a GPU is present: count devices
+        from placement.runtime.device_map import cuda_device_count
 
-        return "CUDAExecutionProvider" in ort.get_available_providers()
+        return cuda_device_count("ort") > 0
     except ImportError:
         return False
 
