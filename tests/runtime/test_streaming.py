@@ -192,3 +192,13 @@ def test_ort_streams_weights_on_a_gpu(exported):
     np.testing.assert_allclose(got, expected, atol=1e-3)  # ORT CUDA may use TF32: a looser bound
     np.testing.assert_allclose(again, got, atol=0)
     assert set(runner.program.resident) == set(result.streamed)
+
+
+def test_pipelined_stages_with_streamed_weights_are_not_traced(exported):
+    """A trace would freeze a prefetched weight: stages reading streamed weights stay fx."""
+    from placement.runtime.lowering.lower import UNTRACEABLE_META
+
+    model, _, _, _ = _streamed_gpt(exported)
+    module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
+    calls = [n for n in module.graph.nodes if n.op == "call_module" and n.target == "weight_streamer"]
+    assert calls and all("streamed weight" in n.meta[UNTRACEABLE_META] for n in calls)

@@ -822,7 +822,10 @@ class _Lowering:
         data = self.model.graph.initializers[src.name].const_value
         index = self.streamer.add(phys, int(data.nbytes) if data is not None else 0)
         self.streamed_sources.append(src.name)
-        return self._create("call_module", self.streamer_path, (source,), {"index": index}, out)
+        call = self._create("call_module", self.streamer_path, (source,), {"index": index}, out)
+        # a trace would freeze a prefetched weight as a constant and drop the prefetching
+        call.meta[UNTRACEABLE_META] = f"copy {out!r}: a streamed weight, copied and prefetched every run"
+        return call
 
     def _fold(
         self, node: ir.Node, rule: Rule, ins: list[_Val | None], attrs: dict[str, Any], outs: list[ir.Value]
