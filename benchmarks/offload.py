@@ -1,6 +1,6 @@
 """Benchmark: one GPU and a model that does not fit, placement's offload plan against accelerate's.
 
-The model is GPT-2-shaped (``models/gpt.py``): ``--size issue`` is 24 layers,
+The model is GPT-2-shaped (``models/gpt.py``): ``--size large`` (the default) is 24 layers,
 d=2048, 16 heads, vocabulary 8192, fp16 (1.23B parameters, 2.28 GiB);
 ``--size tiny`` is a smoke size for CPU machines. It is exported once with a
 dynamic batch and saved as ONNX with external data. With the same GPU budget
@@ -31,7 +31,7 @@ against the eager outputs, and the GPU-only columns say why they are empty.
 
 Usage::
 
-    python benchmarks/offload.py                                 # on a GPU: the issue's model
+    python benchmarks/offload.py                                 # on a GPU: the 1.23B model
     python benchmarks/offload.py --gpu-budget 1GiB --repeats 10
     python benchmarks/offload.py --size tiny --out /tmp/o.json   # a smoke run (CPU)
 
@@ -65,7 +65,7 @@ from placement.models.gpt import GPT, GPTConfig  # noqa: E402
 RESULTS = _ROOT / "benchmarks" / "results" / "offload.json"
 #: size -> (config, sequence length, batches (throughput, latency), dtype)
 SIZES: dict[str, tuple[GPTConfig, int, tuple[int, int], torch.dtype]] = {
-    "issue": (
+    "large": (
         GPTConfig(vocab_size=8192, block_size=512, n_layer=24, n_head=16, d_model=2048),
         512,
         (8, 1),
@@ -294,7 +294,7 @@ def parser_default(name: str) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="issue", choices=sorted(SIZES), help="tiny: a CPU smoke run")
+    parser.add_argument("--size", default="large", choices=sorted(SIZES), help="tiny: a CPU smoke run")
     parser.add_argument("--gpu-budget", default="1GiB", help="GPU memory budget, e.g. 1GiB")
     parser.add_argument("--host-budget", default="48GiB", help="host memory budget")
     parser.add_argument("--host-flops", type=float, default=0.5e12, help="host FLOP/s assumed by the planner")

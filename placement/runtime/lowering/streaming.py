@@ -11,7 +11,7 @@ instead of a plain ``.to``. On a GPU the streamer
   ``wait_event``\\ s it only when the weight is used, and the weight is
   ``record_stream``\\ ed on the compute stream so the caching allocator reuses its block
   (the device buffers of the window) only once the compute that reads it is done;
-* prefetches: handing out weight ``k`` issues the copies of weights ``k+1, k+2, ...``
+* prefetches: handing out weight ``k`` starts the copies of weights ``k+1, k+2, ...``
   (in first-use order, wrapping round to the first ones for the next forward) while
   the bytes copied ahead stay within the prefetch window (``placement.stream_window``;
   unset: room for the largest weight, double-buffering), so the copy of the next
