@@ -185,6 +185,9 @@ _LAZY.update(
 __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
 _LAZY.update(predict="placement.planning.predict", Prediction="placement.planning.predict")
 __all__ += ["predict", "Prediction"]
+# host memory as a device: streamed parameters and the offload planner
+_LAZY.update(stream_parameters="placement.passes.streaming", plan_offload="placement.planning.offload")
+__all__ += ["stream_parameters", "plan_offload"]
 
 _SUBPACKAGES = frozenset(
     {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}

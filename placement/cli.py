@@ -551,7 +551,10 @@ def _add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | N
     p.add_argument(
         "--max-memory",
         metavar="DEV=SIZE,...",
-        help="memory budget per device for the planner, e.g. 0=2GiB,1=6GiB (implies --auto)",
+        help=(
+            "memory budget per device for the planner, e.g. 0=2GiB,1=6GiB (implies --auto); one GPU and "
+            "the host, 0=2GiB,cpu=48GiB, plans layers resident, streamed from the host or on the host"
+        ),
     )
     p.add_argument(
         "--cost",

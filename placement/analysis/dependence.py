@@ -151,6 +151,8 @@ def load_time_values(graph: ir.Graph) -> set[ir.Value]:
     for node in graph:
         if node.op_type in NONDETERMINISTIC_OPS or node.domain not in ("", "ai.onnx"):
             continue
+        if node.metadata_props.get(COPY_KEY) == "streamed":  # copied every run, on purpose
+            continue
         if _has_subgraph(node):
             continue
         if all(v is None or v in fixed for v in node.inputs):

@@ -6,7 +6,11 @@ operation and serialises with the model:
 * each op (``onnx_ir.Node``) carries its device in ``metadata_props["placement.device"]``;
 * a cross-device copy is an ``Identity`` node marked ``placement.copy``;
 * the model may carry the device graph inputs are fed on and graph outputs are
-  gathered on (``placement.input_device`` / ``placement.output_device``).
+  gathered on (``placement.input_device`` / ``placement.output_device``);
+* *streamed* parameters live in host memory whatever device reads them
+  (``placement.streamed``: a JSON object, parameter -> host device, and the
+  prefetch window in bytes under ``placement.stream_window``); their copies to
+  the device that reads them are marked ``streamed`` (made every run, prefetched).
 
 Parameters (initializers) and graph inputs have no device of their own: a
 parameter lives where its first consumer (in graph order) runs, a graph input
@@ -30,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import operator
 import os
@@ -39,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 
-from placement.errors import UnknownBlobError, UnknownOpError
+from placement.errors import DeviceError, UnknownBlobError, UnknownOpError, VerificationError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.dims import dynamic_negative_dims
 
@@ -55,6 +60,11 @@ __all__ = [
     "SCOPE_KEY",
     "INPUT_DEVICE_KEY",
     "OUTPUT_DEVICE_KEY",
+    "STREAMED_KEY",
+    "STREAM_WINDOW_KEY",
+    "COPY_KINDS",
+    "streamed_homes",
+    "stream_window",
     "node_device",
     "set_node_device",
     "is_copy_node",
@@ -73,10 +83,45 @@ COPY_KEY = "placement.copy"
 SCOPE_KEY = "placement.scope"
 INPUT_DEVICE_KEY = "placement.input_device"
 OUTPUT_DEVICE_KEY = "placement.output_device"
+STREAMED_KEY = "placement.streamed"
+STREAM_WINDOW_KEY = "placement.stream_window"
+#: The values of ``placement.copy``: a copy of an activation or graph input made every run
+#: (``dynamic``), of a parameter made once at load time (``static``), or of a parameter that
+#: lives in host memory and is copied every run, prefetched ahead of its use (``streamed``).
+COPY_KINDS = ("dynamic", "static", "streamed")
 _TORCH_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 # --- node-level helpers (fast paths for passes over large graphs) -----------------
+
+
+def streamed_homes(ir_model: ir.Model) -> dict[str, Device]:
+    """Streamed parameter -> the host device it lives on (``{}`` when nothing streams).
+
+    Raises:
+        VerificationError: the ``placement.streamed`` annotation is malformed.
+    """
+    text = ir_model.metadata_props.get(STREAMED_KEY)
+    if not text:
+        return {}
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("not an object")
+        return {str(name): Device.parse(spec) for name, spec in raw.items()}
+    except (ValueError, TypeError, DeviceError) as err:
+        raise VerificationError(f"malformed {STREAMED_KEY} annotation {text[:80]!r}: {err}") from err
+
+
+def stream_window(ir_model: ir.Model) -> int | None:
+    """The prefetch window of streamed parameters in bytes, or None (unset: runtimes double-buffer)."""
+    text = ir_model.metadata_props.get(STREAM_WINDOW_KEY)
+    if not text:
+        return None
+    try:
+        return max(0, int(text))
+    except ValueError as err:
+        raise VerificationError(f"malformed {STREAM_WINDOW_KEY} annotation {text!r}") from err
 
 
 #: Standard ONNX ops with subgraphs (``Loop``/``Scan`` bodies, ``If`` branches, ``SequenceMap``).
@@ -282,6 +327,11 @@ class Op:
         """True for copies of parameters, which runtimes perform once at load time."""
         return self.node.metadata_props.get(COPY_KEY) == "static"
 
+    @property
+    def is_streamed_copy(self) -> bool:
+        """True for copies of host-resident parameters made every run (see :func:`streamed_homes`)."""
+        return self.node.metadata_props.get(COPY_KEY) == "streamed"
+
     def __repr__(self) -> str:
         return (
             f"Op({self.name!r}, {self.op_type}, in={list(self.inputs)}, "
@@ -431,6 +481,7 @@ class Model:
     def parameters(self) -> dict[str, Parameter]:
         """Initializers by name, with shape, dtype, byte size and device."""
         first_device = self._first_consumer_devices()
+        streamed = self.streamed
         params: dict[str, Parameter] = {}
         for name, value in self.graph.initializers.items():
             shape = tuple(int(d) for d in value.shape) if value.shape is not None else ()
@@ -439,9 +490,14 @@ class Model:
                 shape=shape,
                 dtype=value.dtype.name if value.dtype is not None else "UNDEFINED",
                 nbytes=value_nbytes(value) or 0,
-                device=first_device.get(name, self._default_device()),
+                device=streamed.get(name) or first_device.get(name, self._default_device()),
             )
         return params
+
+    @property
+    def streamed(self) -> dict[str, Device]:
+        """Streamed parameters: name -> their host device (see :func:`placement.stream_parameters`)."""
+        return streamed_homes(self.ir_model)
 
     @property
     def devices(self) -> list[Device]:
@@ -481,6 +537,10 @@ class Model:
             fixed = self.input_device
             if fixed is not None:
                 return fixed
+        if value.is_initializer():
+            host = self.streamed.get(value.name or "")
+            if host is not None:
+                return host
         consumers = [use.node for use in value.uses() if use.node.graph is self.graph]
         if not consumers:
             inside = self._first_consumer_devices().get(value.name or "")  # read in a subgraph only

@@ -6,7 +6,8 @@
 3. every edge whose ends sit on different devices goes through a copy, and no
    copy is redundant (a copy's source and destination devices differ); a read of
    a blob from inside an op's subgraph (a ``Loop`` body reading an outer value) is
-   an edge to that op;
+   an edge to that op; a streamed parameter lives on its host device and every
+   copy of it is marked ``streamed`` (and only such copies are);
 4. graph outputs sit on the model's output device, when one is set;
 5. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
 
@@ -30,7 +31,15 @@ from onnx_ir.passes.common import CheckerPass
 
 from placement.errors import VerificationError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, SUBGRAPH_OP_TYPES, Model, is_copy_node, node_reads
+from placement.graph.model import (
+    COPY_KEY,
+    COPY_KINDS,
+    DEVICE_KEY,
+    SUBGRAPH_OP_TYPES,
+    Model,
+    is_copy_node,
+    node_reads,
+)
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -47,6 +56,11 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
     devices: dict[int, Device] = {}
     defined: set[int] = {id(v) for v in graph.inputs} | {id(v) for v in inits.values()}
     home: dict[int, Device] = {}  # parameters / graph inputs: device of first consumer
+    streamed: set[int] = set()
+    for name, host in model.streamed.items():  # streamed parameters live on their host
+        if name in inits:
+            home[id(inits[name])] = host
+            streamed.add(id(inits[name]))
     for node in graph:
         spec = node.metadata_props.get(DEVICE_KEY)
         if spec is None:
@@ -77,6 +91,8 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
                 )
         if copy and (len(node.inputs) != 1 or len(node.outputs) != 1):
             raise VerificationError(f"copy {node.name!r} must have one input and one output")
+        if copy:
+            _check_copy_kind(node, streamed)
         for value in node.outputs:
             defined.add(id(value))
             devices[id(value)] = device
@@ -91,6 +107,22 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
                 )
     if check_onnx:
         run_onnx_checker(model)
+
+
+def _check_copy_kind(node: ir.Node, streamed: set[int]) -> None:
+    """A copy's kind is known, and ``streamed`` exactly for copies of streamed parameters."""
+    kind = node.metadata_props.get(COPY_KEY)
+    if kind not in COPY_KINDS:
+        raise VerificationError(
+            f"copy {node.name!r} has an unknown kind {kind!r}; expected one of {COPY_KINDS}"
+        )
+    source = node.inputs[0]
+    is_streamed = source is not None and id(source) in streamed
+    if is_streamed != (kind == "streamed"):
+        what = "streamed parameter" if is_streamed else "blob that is not a streamed parameter"
+        raise VerificationError(
+            f"copy {node.name!r} of {what} {source.name if source is not None else None!r} is marked {kind!r}"
+        )
 
 
 def _source_device(

@@ -29,6 +29,7 @@ from placement.passes.base import (
 )
 from placement.passes.copies import CopyResult, InjectCrossDeviceCopiesPass, inject_cross_device_copies
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
+from placement.passes.streaming import StreamResult, stream_parameters
 
 __all__ = [
     "get_activation_blobs",
@@ -39,6 +40,8 @@ __all__ = [
     "inject_cross_device_copies",
     "InjectCrossDeviceCopiesPass",
     "CopyResult",
+    "stream_parameters",
+    "StreamResult",
     "PlacementPass",
     "Pipeline",
     "PipelineResult",

@@ -7,7 +7,10 @@ it already has:
 * one copy per (blob, destination device), never two; every consumer on that
   device reads it, consumers on the blob's own device read the blob;
 * a copy is an ``Identity`` op on its destination device, marked ``static`` when
-  its source is a parameter (runtimes copy it once at load time) or ``dynamic``;
+  its source is a parameter (runtimes copy it once at load time), ``streamed``
+  when that parameter is streamed (it lives in host memory, see
+  :func:`placement.stream_parameters`, and runtimes copy it every run, prefetched),
+  or ``dynamic``;
   its output blob is ``<blob>_<type>_<index>`` (``fc3_cuda_1``), made unique
   (``fc3_cuda_1_1``) if the name is taken;
 * a copy sits just before the first op that reads it, so it joins that op's
@@ -60,9 +63,11 @@ from placement.graph.model import (
     DEVICE_KEY,
     INPUT_DEVICE_KEY,
     OUTPUT_DEVICE_KEY,
+    STREAMED_KEY,
     SUBGRAPH_OP_TYPES,
     graph_nodes,
     name_of,
+    streamed_homes,
     subgraphs_of,
 )
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
@@ -108,9 +113,12 @@ class CopyResult(PassResult):
         )
 
 
-def copy_kind(source: ir.Value) -> str:
-    """``"static"`` for a copy of a parameter (not also a graph input), else ``"dynamic"``."""
-    return "static" if source.is_initializer() and not source.is_graph_input() else "dynamic"
+def copy_kind(source: ir.Value, *, streamed: bool = False) -> str:
+    """``"static"`` for a copy of a parameter (not also a graph input), ``"streamed"`` for one of
+    a streamed parameter (``streamed=True``), else ``"dynamic"``."""
+    if source.is_initializer() and not source.is_graph_input():
+        return "streamed" if streamed else "static"
+    return "dynamic"
 
 
 @dataclasses.dataclass(slots=True)
@@ -227,6 +235,16 @@ class _Injection:
         self._blob_names: list[str] = []
         self._copy_nodes: list[ir.Node] = []
         self._spelled: dict[Device, tuple[str, str]] = {}  # device -> (annotation, name part)
+        #: streamed parameters -> their (interned) host device; they live there, not at their reader
+        self.homes: dict[ir.Value, Device] = {}
+        if STREAMED_KEY in model.metadata_props:
+            inits = model.graph.initializers
+            for name, host in streamed_homes(model).items():
+                value = inits.get(name)
+                if value is None:
+                    log.warning("streamed parameter %r is not in the model; ignored", name)
+                    continue
+                self.homes[value] = self.reader.canonical(host)
 
     def run(self) -> CopyResult:
         """Scan (read only), plan (read only), then apply: the graph changes in the last step only."""
@@ -257,6 +275,7 @@ class _Injection:
         spec_device: dict[str | None, Device] = {}
         dev_get, origin_get, record = dev_of.get, origin.get, scan.uses.append
         nodes = graph_nodes(graph)
+        homes = self.homes
         op_name, blob_name = self._op_names.append, self._blob_names.append
         for pos, node in enumerate(nodes):  # slots read directly: see graph_nodes
             props = node._metadata_props
@@ -289,10 +308,10 @@ class _Injection:
                 if where is None:  # a graph input or a parameter, read for the first time
                     if source in inputs_:
                         where = in_dev
-                    else:  # a parameter lives where its first reader runs
+                    else:  # a parameter lives where its first reader runs (streamed: on its host)
                         if not source._is_initializer:
                             self._not_topological(node, source)
-                        where = device
+                        where = homes.get(source, device) if homes else device
                         param(source)
                         param_pos(pos)
                     dev_of[source] = where
@@ -335,7 +354,7 @@ class _Injection:
                         else:
                             if not source.is_initializer():
                                 self._not_topological(node, source)
-                            where = device
+                            where = self.homes.get(source, device)
                             scan.params.append(source)
                             scan.param_pos.append(pos)
                         dev_of[source] = where
@@ -400,7 +419,8 @@ class _Injection:
                 decision.remove.append(node)
                 continue
             keep[key] = node
-            if (need.first_pos >= 0 and pos > need.first_pos) or pos < home_pos.get(source, -1):
+            early = pos < home_pos.get(source, -1) and source not in self.homes  # streamed: no home op
+            if (need.first_pos >= 0 and pos > need.first_pos) or early:
                 decision.misplaced.append((node, need))
         return decision
 
@@ -436,7 +456,7 @@ class _Injection:
             if node.inputs[0] is not source:
                 rewire(node, 0, source)
                 result.rewired += 1
-            kind = copy_kind(source)
+            kind = copy_kind(source, streamed=source in self.homes)
             if node.metadata_props.get(COPY_KEY) != kind:
                 node.metadata_props[COPY_KEY] = kind
                 result.modified = True
@@ -608,6 +628,7 @@ class _Injection:
             shape = source._shape
             out = Value(name=name, type=source._type, shape=copy_shape(shape) if shape is not None else None)
             static = source._is_initializer and not source._is_graph_input  # copy_kind, inlined
+            kind = ("streamed" if source in self.homes else "static") if static else "dynamic"
             need.copy = out
             node = new_node(  # ir.Node(...), faster: see placement.graph.edit
                 "",
@@ -615,7 +636,7 @@ class _Injection:
                 (source,),
                 out,
                 name=node_name,
-                metadata_props={DEVICE_KEY: pair[0], COPY_KEY: "static" if static else "dynamic"},
+                metadata_props={DEVICE_KEY: pair[0], COPY_KEY: kind},
             )
             if need.output_slot >= 0:
                 graph.outputs[need.output_slot] = out

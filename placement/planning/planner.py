@@ -95,16 +95,17 @@ import json
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, set_node_device
+from placement.graph.model import STREAM_WINDOW_KEY, STREAMED_KEY, Model, set_node_device
+from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.links import Link, Links, LinksLike, resolve_links
+from placement.planning.offload import is_offload_budget
 from placement.planning.profile import COST_KINDS, GraphInfo, fingerprint, profile
 
 __all__ = [
@@ -122,56 +123,6 @@ log = logging.getLogger(__name__)
 OBJECTIVES = ("throughput", "latency")
 #: What ``auto_place(runtime=...)`` balances a plan for.
 RUNTIMES = ("ort", "torch")
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(spec: int | float | str) -> int:
-    """Parse a memory budget: an int (bytes) or ``"2GB"``, ``"512MiB"``, ``"1.5 GB"``.
-
-    KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024 (as in accelerate).
-
-    Raises:
-        PlanError: the spec is malformed or negative.
-
-    Example:
-        >>> parse_bytes("1.5 GB"), parse_bytes("512MiB"), parse_bytes(1024)
-        (1500000000, 536870912, 1024)
-    """
-    if isinstance(spec, bool):
-        raise PlanError(f"not a memory size: {spec!r}")
-    if isinstance(spec, (int, float)):
-        if spec < 0 or (isinstance(spec, float) and not math.isfinite(spec)):
-            raise PlanError(f"memory sizes must be non-negative, got {spec!r}")
-        return int(spec)
-    if isinstance(spec, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", spec)
-        if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise PlanError(f"bad memory size {spec!r}: use bytes or a string like '2GB', '512MiB'")
-
-
-def format_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'`` (binary units)."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def _format_cost(value: float, kind: str) -> str:
@@ -605,6 +556,9 @@ class Plan:
         links: the link model planned with (see :meth:`Links.to_dict`), or None.
         runtime: the executor the op times were taken for (``auto_place(runtime=...)``):
             ``"ort"`` or ``"torch"``.
+        streamed: parameters that live on the host and stream to the GPU that reads
+            them (parameter -> host device; see :func:`placement.plan_offload`).
+        stream_window: bytes of streamed weights copied ahead of use, or None.
     """
 
     assignment: dict[str, str]
@@ -620,6 +574,8 @@ class Plan:
     overhead: int = 0
     links: dict[str, Any] | None = None
     runtime: str = "ort"
+    streamed: dict[str, str] = field(default_factory=dict)
+    stream_window: int | None = None
 
     @property
     def ratio(self) -> float:
@@ -659,6 +615,11 @@ class Plan:
         with transaction(model):
             for node in model.graph:
                 set_node_device(node, parsed[node.name or ""])
+        if self.streamed:  # the plan keeps these weights on the host (see plan_offload)
+            props = model.ir_model.metadata_props
+            props[STREAMED_KEY] = json.dumps(self.streamed)
+            if self.stream_window is not None:
+                props[STREAM_WINDOW_KEY] = str(self.stream_window)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -1005,8 +966,16 @@ def auto_place(
     fusion: bool = True,
     runtime: str = "ort",
     op_costs: Mapping[str, float] | None = None,
+    offload: bool | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
+
+    One GPU plus host memory (``max_memory={"cuda:0": "2GiB", "cpu": "48GiB"}``, or
+    accelerate's ``{0: "2GiB", "cpu": "48GiB"}``) is planned by
+    :func:`placement.plan_offload` instead (``offload=None``: whenever the devices are
+    one GPU with a budget and then the host): each layer stays resident on the GPU,
+    streams its weights from the host or runs on the host, and the plan's
+    :attr:`Plan.streamed` names the parameters kept on the host.
 
     Args:
         model: the model, placed in place.
@@ -1049,6 +1018,8 @@ def auto_place(
             Conv+BN+ReLU kernels run much faster than their ops one by one. For a
             plan balanced on *measured* stage sessions, see
             :func:`placement.runtime.calibrate.calibrate`.
+        offload: plan one GPU plus the host with :func:`placement.plan_offload` (``None``:
+            when the devices are exactly that; ``False``: a contiguous GPU-then-host split).
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -1075,6 +1046,20 @@ def auto_place(
         raise PlanError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    if offload is None:
+        offload = is_offload_budget(device_list, budgets)
+    if offload:
+        return _auto_offload(
+            model,
+            device_list,
+            budgets,
+            cost=cost,
+            objective=objective,
+            links=links,
+            sample_inputs=sample_inputs,
+            repeats=repeats,
+            runtime=runtime,
+        )
     if cost != "time" and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
     if cost == "time":
@@ -1133,4 +1118,66 @@ def auto_place(
         plan.ratio,
         plan.transfer_bytes,
     )
+    return plan
+
+
+def _auto_offload(
+    model: Model,
+    devices: list[Device],
+    budgets: list[int | None],
+    *,
+    cost: str,
+    objective: str,
+    links: LinksLike,
+    sample_inputs: Any,
+    repeats: int,
+    runtime: str,
+) -> Plan:
+    """``auto_place`` for one GPU plus the host: :func:`plan_offload`, reported as a :class:`Plan`."""
+    from placement.planning.offload import plan_offload
+
+    if not is_offload_budget(devices, budgets):
+        raise PlanError("offload=True needs exactly one GPU with a budget, then the host")
+    if cost == "time":
+        cost = _time_or_flops(model)
+    kind = cost if cost in ("time", "flops") else "flops"
+    offload = plan_offload(
+        model,
+        {devices[0]: budgets[0], devices[1]: budgets[1]},
+        links=links,
+        cost=kind,
+        sample_inputs=sample_inputs,
+        repeats=repeats,
+    )
+    prof = profile(model, sample_inputs=sample_inputs, time=kind == "time", repeats=repeats)
+    info = GraphInfo(model)
+    part = [
+        1 if offload.modes[layer.name] == "host" else 0
+        for layer in offload.layers
+        for _ in range(layer.start, layer.end)
+    ]
+    link_model = resolve_links(links) if kind == "time" else None
+    plan = evaluate_assignment(
+        info,
+        prof.costs(cost),
+        part,
+        devices,
+        budgets,
+        cost_kind=cost,
+        objective=objective,
+        fp=prof.fingerprint,
+        links=link_model,
+    )
+    streamed = offload.streamed_parameters()
+    gpu_row = plan.devices[0]
+    params = info.param_names
+    streamed_set = set(streamed)
+    streamed_bytes = sum(info.param_bytes[k] for k, name in enumerate(params) if name in streamed_set)
+    gpu_row.param_bytes = gpu_row.param_bytes - streamed_bytes + 2 * offload.window
+    plan.devices[1].param_bytes += streamed_bytes
+    plan.streamed = {name: str(offload.host) for name in streamed}
+    plan.stream_window = offload.window if streamed else None
+    plan.runtime = runtime
+    plan.apply(model)
+    log.info("auto_place: %s", offload)
     return plan

@@ -13,6 +13,10 @@ with the ``dot`` program (SVG, PNG or PDF, chosen by the file suffix):
   move nothing per step and are listed in the tooltip of the op reading them;
   values computed from parameters alone (a transposed weight) are recomputed where
   they are read, at load time: their cross-device edges are dotted, without bytes;
+  an op reading *streamed* weights (parameters that live on the host and are copied
+  every run, see :func:`placement.stream_parameters`) has a thick blue border
+  (:data:`STREAMED_COLOUR`), a "streamed" line in its label and the weights in its
+  tooltip; the legend counts streamed copies and their bytes per step;
 * module scopes (``blocks.0.attn``) become nested clusters;
 * graph inputs and outputs are ellipses; a legend (the graph's label) gives each
   device's colour, op count and stages.
@@ -58,7 +62,16 @@ from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, no
 from placement.graph.serialize import write_file
 from placement.report.summary import format_bytes
 
-__all__ = ["draw", "Drawing", "device_colour", "scope_of", "DEVICE_PALETTE", "CPU_COLOUR", "FORMATS"]
+__all__ = [
+    "draw",
+    "Drawing",
+    "device_colour",
+    "scope_of",
+    "DEVICE_PALETTE",
+    "CPU_COLOUR",
+    "FORMATS",
+    "STREAMED_COLOUR",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +92,8 @@ DEVICE_PALETTE = (
 CPU_COLOUR = "#bab0ac"
 #: Colour of copy (cut) edges.
 COPY_EDGE_COLOUR = "#d62728"
+#: Border of an op that reads weights streamed from the host every run.
+STREAMED_COLOUR = "#1f4fd6"
 #: Picture formats by file suffix; ``dot``/``gv`` write the DOT source only.
 FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf", ".dot": "dot", ".gv": "dot"}
 
@@ -316,6 +331,7 @@ class _Builder:
             dev = self.device[id(node)]
             self.per_device[dev] = self.per_device.get(dev, 0) + 1
         self.static: dict[int, list[str]] = {}  # op -> parameters copied in at load time
+        self.streamed: dict[int, list[str]] = {}  # op -> streamed parameters it reads
         self.edges: dict[tuple[str, str], _Edge] = {}
         self.input_ids = {v.name: f"in{i}" for i, v in enumerate(model.graph.inputs) if v.name}
         self.inputs = [v for v in graph.inputs if v.name and v.name not in graph.initializers]
@@ -365,7 +381,10 @@ class _Builder:
                 src, src_device, crossed, is_param = self._source(value)
                 root, _ = self._root(value)
                 if is_param:
-                    if crossed:
+                    producer = value.producer()
+                    if producer is not None and producer.metadata_props.get(COPY_KEY) == "streamed":
+                        self.streamed.setdefault(id(node), []).append(root.name or "?")
+                    elif crossed:
                         self.static.setdefault(id(node), []).append(root.name or "?")
                     continue
                 if src is None:
@@ -506,27 +525,39 @@ class _Builder:
             for n in nodes:
                 types[n.op_type] = types.get(n.op_type, 0) + 1
             top = ", ".join(f"{t} x{c}" for t, c in sorted(types.items(), key=lambda kv: -kv[1])[:4])
+            streamed = [p for n in nodes for p in self.streamed.get(id(n), ())]
+            count = f"{len(nodes)} op{'s' if len(nodes) > 1 else ''} on {device}"
             g.node(
                 box,
-                label=_label(scope, f"{len(nodes)} op{'s' if len(nodes) > 1 else ''} on {device}"),
+                label=_label(scope, count + (f"; {len(streamed)} weights streamed" if streamed else "")),
                 fillcolor=colour,
-                tooltip=f"{scope} on {device}{stage_text}: {top}",
+                tooltip=f"{scope} on {device}{stage_text}: {top}"
+                + (
+                    "; weights streamed from the host every run: " + ", ".join(streamed[:10])
+                    if streamed
+                    else ""
+                ),
                 id=box,
-                **{"class": cls},
+                **{"class": cls + (" streamed" if streamed else "")},
+                **_streamed_style(bool(streamed)),
             )
             return
         node = nodes[0]
         static = self.static.get(id(node))
+        streamed = self.streamed.get(id(node))
         tip = f"{node.name} ({node.op_type}) on {device}{stage_text}"
         if static:
             tip += "; parameters copied in at load time: " + ", ".join(static[:10])
+        if streamed:
+            tip += "; weights streamed from the host every run: " + ", ".join(streamed[:10])
         g.node(
             box,
-            label=_label(node.op_type, _short(node.name or "")),
+            label=_label(node.op_type, _short(node.name or "") + ("\nstreamed" if streamed else "")),
             fillcolor=colour,
             tooltip=tip,
             id=box,
-            **{"class": cls},
+            **{"class": cls + (" streamed" if streamed else "")},
+            **_streamed_style(bool(streamed)),
         )
 
     def _groups(self, collapsed: bool, max_nodes: int) -> dict[int, tuple[str, Device, str, str]]:
@@ -580,7 +611,27 @@ class _Builder:
             f"copy between devices (blob, bytes per step); dotted: load-time values; "
             f"copies done once at load time: {static}</TD></TR>"
         )
+        streamed = [n for n in self.model.graph if n.metadata_props.get(COPY_KEY) == "streamed"]
+        if streamed:
+            nbytes = sum(int(value_nbytes(n.inputs[0]) or 0) for n in streamed if n.inputs and n.inputs[0])
+            rows.append(
+                f'<TR><TD COLSPAN="3" ALIGN="LEFT">'
+                f'<FONT COLOR="{STREAMED_COLOUR}"><B>thick border</B></FONT>: '
+                f"reads weights streamed from the host every run: {len(streamed)} copies, "
+                f"{html.escape(_format_bytes(nbytes))} per step</TD></TR>"
+            )
         return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>>"
+
+
+def _streamed_style(streamed: bool) -> dict[str, str]:
+    """Graphviz attributes of a box whose op reads streamed weights."""
+    return {"color": STREAMED_COLOUR, "penwidth": "3"} if streamed else {}
+
+
+def _format_bytes(n: int) -> str:
+    from placement.graph.sizes import format_bytes
+
+    return format_bytes(n)
 
 
 def _parent(scope: str) -> str:

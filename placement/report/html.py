@@ -161,6 +161,9 @@ def write_report(
         "<h2>Bytes copied per step, per cut</h2>",
         _traffic_section(traffic),
     ]
+    streamed = _streamed_section(model)
+    if streamed:
+        parts += ["<h2>Weights streamed from the host</h2>", streamed]
     if plan is not None:
         parts += ["<h2>Planner: choice against the lower bound</h2>", _plan_section(plan)]
     parts += ["<h2>Graph</h2>"]
@@ -176,6 +179,44 @@ def write_report(
 
 
 # --- sections ---------------------------------------------------------------------
+
+
+def _device_cell(device: Device) -> str:
+    return f'<td class="left">{_swatch(device)}{html.escape(str(device))}</td>'
+
+
+def _streamed_section(model: Model) -> str:
+    """The streamed copies (weights living on the host, copied every run), or ``""``."""
+    rows = []
+    total = 0
+    for node in model.graph:
+        if node.metadata_props.get(COPY_KEY) != "streamed" or not node.inputs or node.inputs[0] is None:
+            continue
+        source = node.inputs[0]
+        nbytes = int(value_nbytes(source) or 0)
+        total += nbytes
+        rows.append(
+            f'<tr><td class="left">{html.escape(source.name or "?")}</td>'
+            + _device_cell(model.blob_device(source))
+            + _device_cell(node_device(node))
+            + f"<td>{format_bytes(nbytes)}</td></tr>"
+        )
+    if not rows:
+        return ""
+    from placement.graph.model import stream_window
+
+    window = stream_window(model.ir_model)
+    head = (
+        "".join(f"<th class='left'>{h}</th>" for h in ("parameter", "lives on", "read on")) + "<th>bytes</th>"
+    )
+    head = f"<tr>{head}</tr>"
+    note = (
+        f"<p>{len(rows)} weights, {format_bytes(total)} copied every run on a side stream, prefetched "
+        "within a window of "
+        + (format_bytes(window) if window is not None else "one weight ahead (double-buffering)")
+        + ".</p>"
+    )
+    return f"{note}<table>{head}{''.join(rows)}</table>"
 
 
 def _swatch(device: str | Device) -> str:

@@ -5,7 +5,10 @@ parameters homed there and their bytes, activations produced there and their
 bytes, activation bytes received and sent through (dynamic) copies, and bytes
 replicated there once, at load time: static copies of parameters and copies of
 load-time values (see :mod:`placement.analysis.dependence`), which the runtime
-rematerialises where they are read instead of moving them per run. Sizes come
+rematerialises where they are read instead of moving them per run; and streamed
+weights (parameters living on the host, copied every run, see
+:func:`placement.stream_parameters`): counted on the host's row as parameters and
+bytes streamed out, and on the reading device's row as streamed copies in. Sizes come
 from static shapes (``value_nbytes``); a blob whose shape or dtype is unknown
 counts 0 bytes and is listed in ``Summary.unknown_sizes``.
 
@@ -38,7 +41,7 @@ import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, value_nbytes
+from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes, value_nbytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
 from placement.planning.profile import add_estimates
@@ -61,6 +64,8 @@ class DeviceRow:
     recv_bytes: int = 0
     sent_bytes: int = 0
     static_copy_bytes: int = 0
+    streamed_copies: int = 0  # copies of weights that live on the host, made every run
+    streamed_bytes: int = 0  # bytes they move per run (the host's row: the weights it streams out)
     # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
     time_s: float | None = None
@@ -100,6 +105,10 @@ DEFAULT_COLUMNS: list[Column] = [
     Column("recv", lambda r: format_bytes(r.recv_bytes)),
     Column("sent", lambda r: format_bytes(r.sent_bytes)),
     Column("params copied in", lambda r: format_bytes(r.static_copy_bytes)),
+    Column(
+        "streamed",
+        lambda r: f"{r.streamed_copies} ({format_bytes(r.streamed_bytes)})" if r.streamed_bytes else "-",
+    ),
     Column("peak act.", lambda r: format_bytes(r.peak_activation_bytes)),
     Column("est. time", lambda r: f"{r.time_s * 1e3:.3f} ms" if r.time_s is not None else "-"),
 ]
@@ -212,6 +221,12 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
 
     fixed = load_time_values(graph)  # rematerialised where read, like static copies
     dev_of: dict[int, Device] = {}
+    inits = graph.initializers
+    for name, host in streamed_homes(ir_model).items():  # streamed weights live on their host
+        if name in inits:
+            dev_of[id(inits[name])] = reader.canonical(host)
+            row(reader.canonical(host)).params += 1
+            row(reader.canonical(host)).param_bytes += size(inits[name])
     first_node: ir.Node | None = None
     for node in graph:
         device = reader.of(node)
@@ -232,7 +247,12 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
             source = node.inputs[0] if node.inputs else None
             if source is not None:
                 nbytes = size(source)
-                if node.metadata_props.get(COPY_KEY) == "static" or copy_origin(source) in fixed:
+                if node.metadata_props.get(COPY_KEY) == "streamed":
+                    current.streamed_copies += 1
+                    current.streamed_bytes += nbytes
+                    host = row(dev_of.get(id(source), device))
+                    host.streamed_bytes += nbytes
+                elif node.metadata_props.get(COPY_KEY) == "static" or copy_origin(source) in fixed:
                     current.static_copies += 1
                     current.static_copy_bytes += nbytes
                 else:

@@ -490,7 +490,9 @@ class Runner:
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
             inject_cross_device_copies(model)
         part = split_stages(model)
-        logical = {s.device for s in part.stages} | set(part.input_devices.values())
+        logical = (
+            {s.device for s in part.stages} | set(part.input_devices.values()) | set(part.streamed.values())
+        )
         logical |= {t.device for t in part.transfers}  # a copy may be the only op on its device
         self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}

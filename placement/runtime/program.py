@@ -307,6 +307,8 @@ class Program:
         steps: what a run does, in order.
         outputs: per graph output, its value-table key and ``None``, or its
             name and a constant (an output that is a parameter).
+        resident: streamed parameters (value-table key -> the value on its host), which
+            every run's transfers copy to the devices that read them.
         native: the same run without per-step Python, where every stage runs
             natively on the CPU and every transfer is an alias (see
             :class:`NativeRun`); None otherwise. :meth:`run` uses it; pipelines
@@ -316,6 +318,8 @@ class Program:
     partition: Partition
     feeds: list[tuple[str, PhysicalDevice]]
     steps: list[Step] = field(default_factory=list)
+    #: streamed parameters, as values on their host: every run's table starts with them
+    resident: dict[str, Any] = field(default_factory=dict)
     outputs: list[tuple[str, np.ndarray | None]] = field(default_factory=list)
     native: NativeRun | None = None
 
@@ -331,8 +335,11 @@ class Program:
 
     def feed(self, arrays: list[Any]) -> dict[str, Any]:
         """The value table of one run, holding the graph inputs on their devices (numpy arrays,
-        ``OrtValue`` s or torch tensors; see :func:`place`)."""
-        return {name: place(array, physical) for (name, physical), array in zip(self.feeds, arrays)}
+        ``OrtValue`` s or torch tensors; see :func:`place`) and the streamed parameters on their
+        host."""
+        values = dict(self.resident)
+        values.update((name, place(array, physical)) for (name, physical), array in zip(self.feeds, arrays))
+        return values
 
     def collect(self, values: dict[str, Any], kind: str = "numpy") -> list[Any]:
         """The graph outputs of a finished run, in graph-output order, each owning its memory,
@@ -381,6 +388,7 @@ class NativeRun:
     feeds: tuple[str, ...]
     stages: tuple[tuple[StageExec, tuple[tuple[str, str], ...], list[str], tuple[str, ...]], ...]
     outputs: tuple[tuple[str, np.ndarray | None], ...]
+    resident: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, program: Program) -> NativeRun | None:
@@ -406,14 +414,15 @@ class NativeRun:
         if any(const is None and key in feeds for key, const in outputs):
             return None
         reads = [[key for _, key in bind] for _, bind, _ in stages]
-        frees = _last_reads(reads, {key for key, const in outputs if const is None})
-        return cls(feeds, tuple((*stage, free) for stage, free in zip(stages, frees)), outputs)
+        frees = _last_reads(reads, {key for key, const in outputs if const is None} | set(program.resident))
+        resident = tuple((key, value._ortvalue) for key, value in program.resident.items())
+        return cls(feeds, tuple((*stage, free) for stage, free in zip(stages, frees)), outputs, resident)
 
     def run(self, arrays: list[Any], kind: str = "numpy") -> list[Any]:
         """One whole run on ``arrays`` (graph inputs in order): the graph outputs, in
         order, each owning its memory or keeping its value alive (as ``kind`` says,
         :data:`OUTPUT_KINDS`)."""
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(self.resident)
         for key, array in zip(self.feeds, arrays):
             if _is_tensor(array):
                 values[key] = _C.OrtValue.ortvalue_from_numpy(array, _CPU)
@@ -492,6 +501,13 @@ class _Compiler:
             device = part.input_devices[name]
             self._produced(name, device)
             program.feeds.append((name, self.dmap[device]))
+        inits = self.model.graph.initializers
+        for name, host in part.streamed.items():  # streamed parameters: host values, read every run
+            data = inits[name].const_value
+            if data is None:
+                raise PlacementError(f"streamed parameter {name!r} has no data")
+            self._produced(name, host)
+            program.resident[name] = ortvalue(np.ascontiguousarray(data.numpy()), self.dmap[host])
         self._flush_transfers()
         for stage in part.stages:
             ex = self.execs.get(stage.index)

@@ -32,6 +32,10 @@ For a model placed by ``shift_activation_devices`` (a prefix on one device, the
 rest on another) this gives one stage per contiguous device segment; for a
 random op assignment it gives few stages, never a cyclic stage graph.
 
+Streamed copies (copies of parameters that live in host memory, see
+:func:`placement.stream_parameters`) are transfers made every run: the stage reads
+the copy's blob as an input, bound on its device (ONNX Runtime's IOBinding).
+
 Static copies (copies of parameters) need no transfer at run time: the stage
 that reads the copy's blob carries the parameter itself as an initializer
 under the copy's name, so the parameter is copied onto the device exactly once,
@@ -75,7 +79,7 @@ from placement.analysis.dependence import load_time_values
 from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device, node_reads
+from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_reads
 
 __all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
@@ -160,6 +164,8 @@ class Partition:
         outputs: the model's graph outputs, in order.
         input_devices: graph input -> the device it is fed on.
         output_devices: graph output -> the device it is produced on.
+        streamed: streamed parameter -> the host device it lives on; its copies are
+            transfers made every run (a stage reads the copy as an input).
     """
 
     stages: list[Stage]
@@ -169,6 +175,7 @@ class Partition:
     outputs: list[str]
     input_devices: dict[str, Device]
     output_devices: dict[str, Device]
+    streamed: dict[str, Device] = field(default_factory=dict)
 
 
 def partition(model: Model) -> list[Stage]:
@@ -256,6 +263,7 @@ def split_stages(model: Model) -> Partition:
         outputs=list(model.outputs),
         input_devices={name: model.blob_device(model.value(name)) for name in model.inputs},
         output_devices={v.name or "": model.blob_device(v) for v in graph.outputs},
+        streamed={name: host for name, host in model.streamed.items() if name in graph.initializers},
     )
 
 
@@ -309,7 +317,8 @@ def _scan_copies(model: Model, consts: set[ir.Value]) -> _Copies:
         root = found.root.get(src, src)
         out = node.outputs[0]
         found.root[out] = root
-        if root.producer() is None and root.name in initializers:
+        streamed = node.metadata_props.get(COPY_KEY) == "streamed"
+        if root.producer() is None and root.name in initializers and not streamed:
             found.static[out.name or ""] = root.name or ""
         elif out not in consts:
             found.transfers.append(

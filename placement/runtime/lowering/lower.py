@@ -85,9 +85,18 @@ import torch.fx as fx
 
 from placement.errors import CUDAGraphError, LoweringError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, Model, is_copy_node, node_device, subgraphs_of
+from placement.graph.model import (
+    COPY_KEY,
+    DEVICE_KEY,
+    Model,
+    is_copy_node,
+    node_device,
+    stream_window,
+    subgraphs_of,
+)
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
+from placement.runtime.lowering.streaming import STREAMER_NAME, WeightStreamer, pin_streamed
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
@@ -286,7 +295,7 @@ def _upgraded(model: Model) -> tuple[Model, list[str]]:
 
 
 def _logical_devices(model: Model) -> list[Device]:
-    devices = set(model.devices)
+    devices = set(model.devices) | set(model.streamed.values())
     for extra in (model.input_device, model.output_device):
         if extra is not None:
             devices.add(extra)
@@ -382,6 +391,9 @@ class _Lowering:
         self.default_device = next(iter(model.devices), Device("cuda", 0))
         self.current_device: Device | None = None  # logical device of the op being lowered
         self.current_op: str | None = None  # recorded on each fx node (its stage, when pipelining)
+        self.streamer: WeightStreamer | None = None  # made at the first streamed copy
+        self.streamer_path = ""
+        self.streamed_sources: list[str] = []  # per streamed copy, its parameter's name
 
     # -- driver -----------------------------------------------------------------------------
 
@@ -395,6 +407,10 @@ class _Lowering:
         self.current_op = None
         self._outputs()
         module = _graph_module(self.root, self.graph, "PlacedModule")
+        if self.streamer is not None:
+            paths = [self.paths[name] for name in self.streamed_sources]
+            pin_streamed(module, sorted(set(paths)))
+            self.streamer.bind([module.get_parameter(path) for path in paths])
         present = {name for name, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         for path in self.transient & present:
             owner, _, leaf = path.rpartition(".")
@@ -805,8 +821,24 @@ class _Lowering:
             return
         assert src.device is not None
         source = self._param_node(src) if src.node is None else src.node
-        moved = self._emit_to(source, self._phys(src.device), phys, out)
+        if node.metadata_props.get(COPY_KEY) == "streamed" and src.node is None and src.param:
+            moved = self._emit_streamed(source, src, phys, out)
+        else:
+            moved = self._emit_to(source, self._phys(src.device), phys, out)
         self.values[out] = _Val(out, node=moved, device=device)
+
+    def _emit_streamed(self, source: fx.Node, src: _Val, phys: str, out: str) -> fx.Node:
+        """A streamed copy: ``self.weight_streamer(param, index=k)`` (see :mod:`.streaming`)."""
+        if self.streamer is None:
+            self.streamer = WeightStreamer([], window=stream_window(self.model.ir_model))
+            self.streamer_path = self.add_module(STREAMER_NAME, self.streamer)
+        data = self.model.graph.initializers[src.name].const_value
+        index = self.streamer.add(phys, int(data.nbytes) if data is not None else 0)
+        self.streamed_sources.append(src.name)
+        call = self._create("call_module", self.streamer_path, (source,), {"index": index}, out)
+        # a trace would freeze a prefetched weight as a constant and drop the prefetching
+        call.meta[UNTRACEABLE_META] = f"copy {out!r}: a streamed weight, copied and prefetched every run"
+        return call
 
     def _fold(
         self, node: ir.Node, rule: Rule, ins: list[_Val | None], attrs: dict[str, Any], outs: list[ir.Value]

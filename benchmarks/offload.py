@@ -1,0 +1,358 @@
+"""Benchmark: one GPU and a model that does not fit, placement's offload plan against accelerate's.
+
+The model is GPT-2-shaped (``models/gpt.py``): ``--size large`` (the default) is 24 layers,
+d=2048, 16 heads, vocabulary 8192, fp16 (1.23B parameters, 2.28 GiB);
+``--size tiny`` is a smoke size for CPU machines. It is exported once with a
+dynamic batch and saved as ONNX with external data. With the same GPU budget
+(``--gpu-budget``, default 1 GiB):
+
+* **placement**: ``pl.plan_offload(model, {0: budget, "cpu": ...})`` with the
+  host->GPU link measured here (pinned copies) and the GPU's FLOP rate measured from
+  the all-on-GPU run; the plan is lowered to torch (``pl.to_torch``): resident
+  layers on the GPU, streamed weights in pinned host memory copied on a side stream
+  and prefetched, host layers on the CPU;
+* **accelerate**: ``infer_auto_device_map(max_memory={0: budget, "cpu": ...},
+  no_split_module_classes=["Block"])`` + ``dispatch_model`` (its hooks copy each
+  offloaded layer's weights synchronously before it runs); skipped with a message
+  when accelerate is not installed;
+* **all on the GPU** (the eager module, no budget): the compute-bound reference.
+
+Reported per batch (throughput at 8 x 512, latency at 1 x 512): median time of
+``--repeats`` forwards; the transfer-bound limit (bytes streamed per forward /
+measured pinned bandwidth, against the all-on-GPU compute: the larger of the two);
+placement's transfer overlap (the fraction of its copy time, timed with CUDA events
+on the copy stream, hidden behind compute: ``1 - (t - t_all_gpu) / t_copy``,
+clipped to [0, 1]); peak GPU memory (``torch.cuda.max_memory_allocated``); and the
+largest difference from the all-on-GPU outputs (fp16 on both sides; TF32 off).
+
+On a machine without CUDA only ``--size tiny`` runs: the placement path (plan,
+streamed weights, lowering, CPU emulation of ``cuda:0``) is exercised and checked
+against the eager outputs, and the GPU-only columns say why they are empty.
+
+Usage::
+
+    python benchmarks/offload.py                                 # on a GPU: the 1.23B model
+    python benchmarks/offload.py --gpu-budget 1GiB --repeats 10
+    python benchmarks/offload.py --size tiny --out /tmp/o.json   # a smoke run (CPU)
+
+Writes ``benchmarks/results/offload.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+import placement as pl  # noqa: E402
+from placement.graph.sizes import format_bytes, parse_bytes  # noqa: E402
+from placement.models.gpt import GPT, GPTConfig  # noqa: E402
+
+RESULTS = _ROOT / "benchmarks" / "results" / "offload.json"
+#: size -> (config, sequence length, batches (throughput, latency), dtype)
+SIZES: dict[str, tuple[GPTConfig, int, tuple[int, int], torch.dtype]] = {
+    "large": (
+        GPTConfig(vocab_size=8192, block_size=512, n_layer=24, n_head=16, d_model=2048),
+        512,
+        (8, 1),
+        torch.float16,
+    ),
+    "tiny": (
+        GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, d_model=32),
+        16,
+        (4, 1),
+        torch.float32,
+    ),
+}
+NO_GPU = "no CUDA GPU here: accelerate, peak GPU memory, overlap and the limit need one"
+
+
+def _median_time(fn: Any, repeats: int, *, cuda: bool) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def pinned_bandwidth(nbytes: int = 256 << 20) -> dict[str, float]:
+    """Host->GPU bytes/s of a pinned and a pageable copy, timed with CUDA events."""
+    result = {}
+    for kind in ("pinned", "pageable"):
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        if kind == "pinned":
+            host = host.pin_memory()
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dev.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        result[kind] = nbytes / statistics.median(times)
+        del host, dev
+    return result
+
+
+def build(size: str, folder: Path) -> tuple[torch.nn.Module, Path, GPTConfig, int]:
+    """The model (eval, on the host, in its dtype) and its placed-graph source saved with external data."""
+    config, seq, _, dtype = SIZES[size]
+    torch.manual_seed(0)
+    net = GPT(config).eval().to(dtype)
+    idx = torch.randint(0, config.vocab_size, (2, seq))
+    model = pl.from_torch(net, (idx,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    path = folder / "gpt.onnx"
+    model.save(path, external_data=True)
+    return net, path, config, seq
+
+
+def _flops(net: torch.nn.Module, batch: int, seq: int) -> float:
+    """Forward FLOPs of the GPT, 2 per multiply-add of its matrices (attention scores included)."""
+    params = sum(p.numel() for p in net.parameters())
+    config = net.config
+    return 2.0 * batch * seq * params + 4.0 * batch * config.n_layer * seq * seq * config.d_model
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    if not cuda and args.size != "tiny":
+        raise SystemExit(f"--size {args.size} needs a CUDA GPU ({NO_GPU}); use --size tiny for a smoke run")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    budget = parse_bytes(args.gpu_budget)
+    host_budget = parse_bytes(args.host_budget)
+    _, seq, batches, dtype = SIZES[args.size]
+    work = Path(tempfile.mkdtemp(prefix="offload-bench-"))
+    print(f"building and exporting the {args.size} model to {work} ...", flush=True)
+    net, path, config, seq = build(args.size, work)
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    if args.size == "tiny" and args.gpu_budget == parser_default("gpu_budget"):
+        budget = int(weight_bytes * 0.6)  # the smoke size: 60% of its weights fit
+    if not cuda:
+        torch.set_num_threads(1)  # the smoke run: one thread, steady on a shared machine
+    inputs = {b: torch.randint(0, config.vocab_size, (b, seq)) for b in batches}
+    rows: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    gpu = "cuda:0" if cuda else "cpu"
+
+    # -- all on the GPU: the reference outputs and the compute-bound time ----------------------
+    reference: dict[int, torch.Tensor] = {}
+    all_gpu: dict[int, float] = {}
+    net_gpu = net.to(gpu)
+    with torch.no_grad():
+        for b, idx in inputs.items():
+            x = idx.to(gpu)
+            reference[b] = net_gpu(x).float().cpu()
+            all_gpu[b] = _median_time(functools.partial(net_gpu, x), args.repeats, cuda=cuda)
+    peak_all = torch.cuda.max_memory_allocated() if cuda else None
+    rows["all on the GPU"] = {"time_s": all_gpu, "peak_gpu_bytes": peak_all, "max_abs_diff": 0.0}
+    net = net_gpu.cpu()
+    del net_gpu
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # -- placement: plan_offload, lowered to torch ---------------------------------------------
+    bandwidth = pinned_bandwidth() if cuda else None
+    link = pl.Link(bandwidth["pinned"]) if bandwidth else pl.Link(20e9)
+    big = batches[0]
+    # the GPU's FLOP rate from the all-on-GPU run; emulated on the CPU: a GPU 100x the host
+    gpu_rate = _flops(net, big, seq) / all_gpu[big] if cuda else 100 * args.host_flops
+    model = pl.load(path)
+    plan = pl.plan_offload(
+        model,
+        {0: budget, "cpu": host_budget},
+        cost="flops",
+        links=link,
+        throughput={"cuda": gpu_rate, "cpu": args.host_flops},
+        sample_inputs={"idx": inputs[big].numpy()},
+    )
+    print(plan, flush=True)
+    pl.inject_cross_device_copies(model, output_device=0)
+    pl.verify(model)
+    streamed_bytes = sum(model.parameters[name].nbytes for name in model.streamed)
+    module = pl.to_torch(model, device_map={"cuda:0": gpu, "cpu": "cpu"})
+    del model
+    gc.collect()
+    streamer = getattr(module, "weight_streamer", None)
+    times: dict[int, float] = {}
+    diffs: dict[int, float] = {}
+    overlap: dict[int, float | None] = {}
+    peak: int | None = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for b, idx in inputs.items():
+            x = idx.to(gpu)
+            diffs[b] = float((module(x).float().cpu() - reference[b]).abs().max())
+            times[b] = _median_time(functools.partial(module, x), args.repeats, cuda=cuda)
+            overlap[b] = None
+            if cuda and streamer is not None and streamed_bytes:
+                streamer.timing = True
+                streamer.reset_stats()
+                module(x)
+                torch.cuda.synchronize()
+                copy_s = streamer.copy_seconds()
+                streamer.timing = False
+                streamer.reset_stats()
+                hidden = 1.0 - (times[b] - all_gpu[b]) / copy_s if copy_s > 0 else 1.0
+                overlap[b] = min(1.0, max(0.0, hidden))
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    limit = {b: max(all_gpu[b], streamed_bytes / bandwidth["pinned"]) if bandwidth else None for b in batches}
+    rows["placement"] = {
+        "time_s": times,
+        "peak_gpu_bytes": peak,
+        "max_abs_diff": max(diffs.values()),
+        "overlap": overlap,
+        "modes": {
+            mode: sum(1 for m in plan.modes.values() if m == mode)
+            for mode in ("resident", "streamed", "host")
+        },
+        "streamed_bytes": streamed_bytes,
+        "window_bytes": plan.window,
+        "predicted_s": plan.predicted_ns / 1e9,
+    }
+    del module
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # -- accelerate -----------------------------------------------------------------------------
+    if not cuda:
+        notes.append(f"accelerate: skipped ({NO_GPU})")
+    else:
+        try:
+            from accelerate import dispatch_model, infer_auto_device_map
+        except ImportError:
+            notes.append("accelerate: not installed (pip install accelerate); its row is skipped")
+        else:
+            device_map = infer_auto_device_map(
+                net, max_memory={0: budget, "cpu": host_budget}, no_split_module_classes=["Block"]
+            )
+            on_gpu = sum(1 for d in device_map.values() if d == 0)
+            dispatched = dispatch_model(net, device_map)
+            torch.cuda.reset_peak_memory_stats()
+            acc_times, acc_diffs = {}, {}
+            with torch.no_grad():
+                for b, idx in inputs.items():
+                    x = idx.to("cuda:0")
+                    acc_diffs[b] = float((dispatched(x).float().cpu() - reference[b]).abs().max())
+                    acc_times[b] = _median_time(functools.partial(dispatched, x), args.repeats, cuda=True)
+            rows["accelerate"] = {
+                "time_s": acc_times,
+                "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+                "max_abs_diff": max(acc_diffs.values()),
+                "entries_on_gpu": f"{on_gpu} of {len(device_map)}",
+            }
+    return {
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or 'unknown'})",
+        },
+        "size": args.size,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "weight_bytes": weight_bytes,
+        "dtype": str(dtype).replace("torch.", ""),
+        "gpu_budget_bytes": budget,
+        "batches": {"throughput": f"{batches[0]} x {seq}", "latency": f"{batches[1]} x {seq}"},
+        "bandwidth": bandwidth,
+        "limit_s": limit,
+        "rows": rows,
+        "notes": notes,
+    }
+
+
+def parser_default(name: str) -> Any:
+    return _parser().get_default(name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="large", choices=sorted(SIZES), help="tiny: a CPU smoke run")
+    parser.add_argument("--gpu-budget", default="1GiB", help="GPU memory budget, e.g. 1GiB")
+    parser.add_argument("--host-budget", default="48GiB", help="host memory budget")
+    parser.add_argument("--host-flops", type=float, default=0.5e12, help="host FLOP/s assumed by the planner")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    batches = list(next(iter(result["rows"].values()))["time_s"])
+    title = (
+        f"{result['environment']['device']}: GPT {result['parameters'] / 1e9:.2f}B {result['dtype']} "
+        f"({format_bytes(result['weight_bytes'])}), GPU budget {format_bytes(result['gpu_budget_bytes'])}"
+    )
+    table = Table(title=title)
+    for col in (
+        "contender",
+        *(f"batch {b} (ms)" for b in batches),
+        "x accelerate",
+        "overlap",
+        "peak GPU",
+        "max |diff|",
+    ):
+        table.add_column(col)
+    acc = result["rows"].get("accelerate")
+    for name, row in result["rows"].items():
+        speedups = []
+        if acc is not None and name != "accelerate":
+            speedups = [f"{acc['time_s'][b] / row['time_s'][b]:.1f}" for b in batches]
+        overlap = row.get("overlap") or {}
+        table.add_row(
+            name,
+            *(f"{row['time_s'][b] * 1e3:.1f}" for b in batches),
+            " / ".join(speedups) or "-",
+            " / ".join(f"{overlap[b]:.0%}" for b in batches if overlap.get(b) is not None) or "-",
+            format_bytes(row["peak_gpu_bytes"]) if row.get("peak_gpu_bytes") is not None else "-",
+            f"{row['max_abs_diff']:.2e}",
+        )
+    limit = result["limit_s"]
+    if all(v is not None for v in limit.values()):
+        table.add_row("transfer-bound limit", *(f"{limit[b] * 1e3:.1f}" for b in batches), "-", "-", "-", "-")
+    Console(width=160).print(table)
+    for note in result["notes"]:
+        print(note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result = run(args)
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""The CLI plans one GPU plus host memory from ``--max-memory 0=...,cpu=...``."""
+
+from __future__ import annotations
+
+import placement as pl
+from placement.cli import _parse_max_memory, main
+
+
+def test_parse_max_memory_takes_the_host():
+    assert _parse_max_memory("0=2GiB,cpu=48GiB") == {"0": "2GiB", "cpu": "48GiB"}
+
+
+def test_place_with_gpu_and_host_budgets(exported, tmp_path):
+    model, _, _ = exported("gpt")
+    source, target = tmp_path / "gpt.onnx", tmp_path / "placed.onnx"
+    model.save(source)
+    budget = int(sum(p.nbytes for p in model.parameters.values()) * 0.6)
+    argv = [
+        "place",
+        str(source),
+        "--max-memory",
+        f"0={budget},cpu=48GiB",
+        "--cost",
+        "flops",
+        "-o",
+        str(target),
+    ]
+    assert main(argv) == 0
+    placed = pl.load(target)
+    pl.verify(placed)
+    assert {str(d) for d in placed.devices} == {"cuda:0", "cpu"}
