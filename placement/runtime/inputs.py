@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from placement.errors import InputError
 
-__all__ = ["InputSpec", "InputsLike", "input_specs", "normalize_inputs", "to_numpy"]
+__all__ = ["InputSpec", "InputsLike", "check_value", "input_specs", "normalize_inputs", "to_numpy"]
 
 #: What runtimes accept as ``inputs``.
 InputsLike = Union[Mapping[str, Any], Sequence[Any], Any]
@@ -222,24 +222,45 @@ def _is_array(value: Any) -> bool:
 
 
 def _check(spec: InputSpec, array: np.ndarray) -> None:
-    strings = spec.dtype == np.dtype(object) and array.dtype.kind in "OUS"
-    if spec.dtype is not None and array.dtype != spec.dtype and not strings:
+    check_value(spec, array.dtype, tuple(array.shape))
+
+
+def check_value(spec: InputSpec, dtype: np.dtype | None, shape: Sequence[int]) -> None:
+    """Check a value's dtype (``None``: not expressible in numpy, unchecked) and shape against
+    ``spec``, without touching its data (so it serves torch tensors on any device too).
+
+    Raises:
+        InputError: a wrong dtype, rank or static dimension, naming the input, what
+            was expected and what was given.
+
+    Example:
+        >>> spec = InputSpec("x", np.dtype("float32"), (4,))
+        >>> check_value(spec, np.dtype("float32"), (4,))
+        >>> check_value(spec, np.dtype("float32"), (2, 4))
+        Traceback (most recent call last):
+        ...
+        placement.errors.InputError: input 'x' has rank 2, expected 1 (expected float32[4], got float32[2, 4])
+    """
+    shape = tuple(int(d) for d in shape)
+    got = f"{dtype if dtype is not None else '?'}[{', '.join(map(str, shape))}]"
+    strings = spec.dtype == np.dtype(object) and dtype is not None and dtype.kind in "OUS"
+    if spec.dtype is not None and dtype is not None and dtype != spec.dtype and not strings:
         raise InputError(
-            f"input {spec.name!r} has dtype {array.dtype}, expected {spec.dtype} "
-            f"(expected {spec.describe()}, got {_describe(array)})"
+            f"input {spec.name!r} has dtype {dtype}, expected {spec.dtype} "
+            f"(expected {spec.describe()}, got {got})"
         )
     if spec.shape is None:
         return
-    if array.ndim != len(spec.shape):
+    if len(shape) != len(spec.shape):
         raise InputError(
-            f"input {spec.name!r} has rank {array.ndim}, expected {len(spec.shape)} "
-            f"(expected {spec.describe()}, got {_describe(array)})"
+            f"input {spec.name!r} has rank {len(shape)}, expected {len(spec.shape)} "
+            f"(expected {spec.describe()}, got {got})"
         )
-    for axis, (want, have) in enumerate(zip(spec.shape, array.shape)):
+    for axis, (want, have) in enumerate(zip(spec.shape, shape)):
         if isinstance(want, int) and want != have:
             raise InputError(
                 f"input {spec.name!r} has size {have} in dimension {axis}, expected {want} "
-                f"(expected {spec.describe()}, got {_describe(array)})"
+                f"(expected {spec.describe()}, got {got})"
             )
 
 
