@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
 from placement.graph import serialize
-from placement.graph.serialize import DATA_CHECK_KEY, clean_stale_temporaries, write_atomic
+from placement.graph.serialize import DATA_CHECK_KEY, write_atomic
 from tests.graph.builders import mlp_graph
 
 # --- watching which files Python opens (sys.addaudithook cannot be removed: gate it) --------
@@ -116,7 +116,7 @@ def test_no_file_outside_the_model_folder_is_opened_by_onnx_runtime(tmp_path):
     )
     log = tmp_path / "trace.txt"
     done = subprocess.run(
-        ["strace", "-f", "-e", "trace=open,openat,openat2", "-o", str(log), sys.executable, "-c", script],
+        ["strace", "-f", "--seccomp-bpf", "-e", "trace=open,openat,openat2", "-o", str(log), sys.executable, "-c", script],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -366,7 +366,7 @@ def test_next_save_removes_temporaries_of_dead_saves_only(tmp_path):
     mlp_graph().save(tmp_path / "m.onnx")
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".placement-save-"))
     assert left == sorted([live.name, young_old_style.name])
-    assert clean_stale_temporaries(tmp_path) == []
+    assert serialize.clean_stale_temporaries(tmp_path) == []
 
 
 def test_sigterm_during_a_save_removes_its_temporary_folder(tmp_path):
