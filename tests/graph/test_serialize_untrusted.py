@@ -116,7 +116,18 @@ def test_no_file_outside_the_model_folder_is_opened_by_onnx_runtime(tmp_path):
     )
     log = tmp_path / "trace.txt"
     done = subprocess.run(
-        ["strace", "-f", "--seccomp-bpf", "-e", "trace=open,openat,openat2", "-o", str(log), sys.executable, "-c", script],
+        [
+            "strace",
+            "-f",
+            "--seccomp-bpf",
+            "-e",
+            "trace=open,openat,openat2",
+            "-o",
+            str(log),
+            sys.executable,
+            "-c",
+            script,
+        ],
         cwd=cwd,
         capture_output=True,
         text=True,
