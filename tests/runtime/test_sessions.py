@@ -9,8 +9,9 @@ import pytest
 
 import placement as pl
 from placement.cli import main
+from placement.runtime import sessions
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.sessions import THREADS_PER_CORE_CAP, check_threads, session_options, usable_cores
+from placement.runtime.sessions import session_options
 from tests.graph.builders import mlp_graph
 
 
@@ -23,12 +24,12 @@ def test_bad_thread_counts_are_refused(bad):
 
 
 def test_huge_thread_counts_are_capped_with_a_warning(caplog):
-    cap = THREADS_PER_CORE_CAP * usable_cores()
+    cap = sessions.THREADS_PER_CORE_CAP * sessions.usable_cores()
     with caplog.at_level(logging.WARNING, logger="placement"):
         options = session_options(PhysicalDevice("cpu"), threads=10000)
     assert options.intra_op_num_threads == cap
     assert "far above" in caplog.text
-    assert check_threads(cap) == cap and check_threads(None) is None
+    assert sessions.check_threads(cap) == cap and sessions.check_threads(None) is None
 
 
 def test_runner_with_capped_threads_still_runs():
