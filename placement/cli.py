@@ -537,7 +537,9 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
         return 0
     if args.verbose:
         sys.stderr.write(result.details)
-    raise pl.PipelineError(result.message or f"torchrun failed (exit status {result.returncode})")
+    from placement.distributed.errors import RankFailedError
+
+    raise RankFailedError(result.message or f"torchrun failed (exit status {result.returncode})")
 
 
 def _check_launch_arguments(
