@@ -4,8 +4,8 @@ a rank's failure in one line.
 * **What listens where.** torchrun's rendezvous store and the agent's store for the
   ranks (both ``TCPStore`` servers, unauthenticated) bind every interface by default;
   so do gloo's and NCCL's sockets on a host whose name resolves to an outside address.
-  A single-node launch runs torchrun through :mod:`placement.distributed.loopback`,
-  which binds both stores to ``127.0.0.1`` (``--local-addr 127.0.0.1``, the rendezvous
+  A single-node launch runs torchrun through :mod:`placement.distributed.torchrun`
+  ``--loopback``, which binds both stores to ``127.0.0.1`` (``--local-addr 127.0.0.1``, the rendezvous
   at ``127.0.0.1:0``), and the ranks' transports to the loopback interface
   (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo`` unless set). A multi-node launch
   binds what torchrun binds for the ``--rdzv-endpoint`` the user names: it must run on a
@@ -13,7 +13,8 @@ a rank's failure in one line.
 * **Lives.** torchrun gets SIGTERM when the launcher dies (even by ``kill -9``), and
   every rank gets SIGKILL when torchrun dies (``PR_SET_PDEATHSIG``), so nothing runs on
   after the launcher. torchrun waits :data:`SHUTDOWN_TIMEOUT` seconds for a rank it
-  stops (not 30), so a stopped or hung rank ends the run soon after ``--timeout``.
+  stops (not 30, also after a rank failure: :func:`placement.distributed.torchrun.bounded_stop`),
+  so a stopped or hung rank ends the run soon after ``--timeout``.
 * **Failures.** Each rank writes its one-line error to a folder the launcher names
   (``PLACEMENT_LAUNCH_ERRORS``); torchrun's own output is kept aside and shown with
   ``--verbose``. :func:`failure_summary` turns them into one line naming the rank.
@@ -21,7 +22,7 @@ a rank's failure in one line.
 Example:
     >>> cmd = torchrun_command("placed.onnx", nproc=2, script_args=["--input", "x.npy"])
     >>> cmd[1:4], "--local-addr=127.0.0.1" in cmd
-    (['-m', 'placement.distributed.loopback', '--nproc-per-node=2'], True)
+    (['-m', 'placement.distributed.torchrun', '--loopback'], True)
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def torchrun_command(
 ) -> list[str]:
     """The command line running ``python -m placement.launch MODEL`` under torchrun.
 
-    One node (``nnodes`` None or ``"1"``): through :mod:`placement.distributed.loopback`,
-    every listening socket on ``127.0.0.1``. Several nodes: plain torchrun with the
-    c10d rendezvous at ``rdzv_endpoint`` (required).
+    Always through :mod:`placement.distributed.torchrun`. One node (``nnodes`` None or
+    ``"1"``): ``--loopback``, every listening socket on ``127.0.0.1``. Several nodes:
+    the c10d rendezvous at ``rdzv_endpoint`` (required), bound as torchrun binds it.
 
     Raises:
         PlanError: several nodes without ``rdzv_endpoint``.
@@ -84,8 +85,9 @@ def torchrun_command(
     from placement.errors import PlanError
 
     multi = bool(nnodes) and nnodes != "1"
-    runner = "torch.distributed.run" if multi else "placement.distributed.loopback"
-    command = [sys.executable, "-m", runner, f"--nproc-per-node={nproc}"]
+    command = [sys.executable, "-m", "placement.distributed.torchrun"]
+    command += [] if multi else ["--loopback"]
+    command += [f"--nproc-per-node={nproc}"]
     if multi:
         if not rdzv_endpoint:
             raise PlanError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")

@@ -1,8 +1,8 @@
-"""torchrun with every ``TCPStore`` server it starts bound to the loopback interface.
+"""``TCPStore`` servers bound to the loopback interface, and what listens where.
 
-``python -m placement.distributed.loopback ARGS`` is ``torchrun ARGS`` for one node,
-except that the stores torchrun's agent hosts (the c10d rendezvous store and the
-store it shares with the ranks) listen on ``127.0.0.1`` instead of every interface.
+Inside :func:`loopback_stores` (``python -m placement.distributed.torchrun --loopback``
+runs torchrun so), the stores torchrun's agent hosts (the c10d rendezvous store and
+the store it shares with the ranks) listen on ``127.0.0.1`` instead of every interface.
 ``torch.distributed.TCPStore`` binds the wildcard address whatever host it is given;
 its ``master_listen_fd`` argument takes a socket already listening, so the server
 here is handed one bound to ``127.0.0.1`` (on the requested port, or a free one).
@@ -23,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["loopback_stores", "listening_addresses", "main", "LOOPBACK"]
+__all__ = ["loopback_stores", "listening_addresses", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -117,16 +116,3 @@ def _socket_inodes(pids: set[int]) -> set[str]:
                     if target.startswith("socket:["):
                         inodes.add(target[8:-1])
     return inodes
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``torchrun`` with loopback-only stores (see the module docstring)."""
-    from torch.distributed.run import main as torchrun
-
-    with loopback_stores():
-        torchrun(argv if argv is not None else sys.argv[1:])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -158,9 +158,9 @@ def test_single_node_command_binds_loopback_and_bounds_shutdown():
 
     single = torchrun_command("m.onnx", nproc=2)
     assert "--rdzv-endpoint=127.0.0.1:0" in single and "--local-addr=127.0.0.1" in single
-    assert "placement.distributed.loopback" in single and f"--shutdown-timeout={SHUTDOWN_TIMEOUT}" in single
+    assert "--loopback" in single and f"--shutdown-timeout={SHUTDOWN_TIMEOUT}" in single
     multi = torchrun_command("m.onnx", nproc=1, nnodes="2", rdzv_endpoint="host0:29400")
-    assert "torch.distributed.run" in multi and "--rdzv-endpoint=host0:29400" in multi
+    assert "--loopback" not in multi and "--rdzv-endpoint=host0:29400" in multi
     with pytest.raises(pl.PlanError, match="--rdzv-endpoint"):
         torchrun_command("m.onnx", nproc=1, nnodes="2")
 
@@ -213,3 +213,21 @@ def test_killing_the_launcher_ends_what_it_started(tmp_path):
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.wait(5)
+
+
+def test_after_a_rank_failure_torchrun_stops_the_others_within_its_shutdown_timeout():
+    """torchrun's rank-failure path waited a fixed 30 s for a rank ignoring SIGTERM (a stopped one)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from placement.distributed.torchrun import bounded_stop
+
+    class Agent:
+        _shutdown_timeout = 3
+
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            self.timeout = timeout
+
+    agent = Agent()
+    with bounded_stop():
+        LocalElasticAgent._stop_workers(agent, None)  # type: ignore[arg-type]
+    assert agent.timeout == 3
