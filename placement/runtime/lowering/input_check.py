@@ -79,11 +79,16 @@ def check_call(
         check_value(spec, _numpy_dtype(value.dtype), tuple(value.shape))
 
 
+class _InputCheck:
+    """The forward pre-hook (a class, so that the module still pickles and deep-copies)."""
+
+    def __init__(self, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
+        self.specs, self.keywords = list(specs), list(keywords)
+
+    def __call__(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        check_call(self.specs, self.keywords, args, kwargs)
+
+
 def install_input_check(module: torch.nn.Module, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
     """Check every call of ``module`` with :func:`check_call` before its forward runs."""
-    specs, keywords = list(specs), list(keywords)
-
-    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        check_call(specs, keywords, args, kwargs)
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    module.register_forward_pre_hook(_InputCheck(specs, keywords), with_kwargs=True)
