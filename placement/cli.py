@@ -505,8 +505,6 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     import placement as pl
     from placement.distributed.launcher import run_torchrun, torchrun_command
     from placement.distributed.ranks import rank_groups
-    from placement.launch import read_inputs
-    from placement.runtime.sessions import check_threads
 
     model = pl.load(args.model)
     nproc = args.nproc_per_node or len(rank_groups(model, ranks=args.ranks))
@@ -529,7 +527,7 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     console.print(" ".join(shlex.quote(part) for part in command), highlight=False, soft_wrap=True)
     if args.dry_run:
         return 0
-    _check_launch_arguments(args, model, single=single, read_inputs=read_inputs, check_threads=check_threads)
+    _check_launch_arguments(args, model, single=single)
     result = run_torchrun(command, single_node=single)
     if result.returncode == 0:
         if args.verbose and result.details:
@@ -542,10 +540,11 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     raise RankFailedError(result.message or f"torchrun failed (exit status {result.returncode})")
 
 
-def _check_launch_arguments(
-    args: argparse.Namespace, model: Any, *, single: bool, read_inputs: Any, check_threads: Any
-) -> None:
+def _check_launch_arguments(args: argparse.Namespace, model: Any, *, single: bool) -> None:
     """Everything the ranks would refuse, refused before any rank starts."""
+    from placement.launch import read_inputs
+    from placement.runtime.sessions import check_threads
+
     if single or args.input:  # on several nodes only the one running rank 0 needs the inputs
         read_inputs(args.input, model.inputs)
     if args.output:
