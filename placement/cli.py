@@ -504,35 +504,60 @@ def _cmd_demo(args: argparse.Namespace, console: Any) -> int:
 
 def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
     import shlex
-    import subprocess
 
     import placement as pl
+    from placement.distributed.launcher import run_torchrun, torchrun_command
     from placement.distributed.ranks import rank_groups
 
     model = pl.load(args.model)
     nproc = args.nproc_per_node or len(rank_groups(model, ranks=args.ranks))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if args.nnodes and args.nnodes != "1":
-        if not args.rdzv_endpoint:
-            raise pl.PlanError(
-                f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)"
-            )
-        command += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-        command += [f"--rdzv-id={args.rdzv_id}"]
-    else:
-        command += ["--standalone"]
-    command += ["-m", "placement.launch", str(args.model)]
+    single = not args.nnodes or args.nnodes == "1"
+    script: list[str] = []
     for spec in args.input:
-        command += ["--input", spec]
+        script += ["--input", spec]
     flags = ("output", "ranks", "runtime", "schedule", "chunks", "backend", "timeout", "threads", "precision")
     for flag in flags:
         value = getattr(args, flag)
         if value is not None:
-            command += [f"--{flag}", str(value)]
+            script += [f"--{flag}", str(value)]
+    command = torchrun_command(
+        str(args.model),
+        nproc=nproc,
+        script_args=script,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+    )
     console.print(" ".join(shlex.quote(part) for part in command), highlight=False, soft_wrap=True)
     if args.dry_run:
         return 0
-    return subprocess.run(command, check=False).returncode
+    _check_launch_arguments(args, model, single=single)
+    result = run_torchrun(command, single_node=single)
+    if result.returncode == 0:
+        if args.verbose and result.details:
+            sys.stderr.write(result.details)
+        return 0
+    if args.verbose:
+        sys.stderr.write(result.details)
+    from placement.distributed.errors import RankFailedError
+
+    raise RankFailedError(result.message or f"torchrun failed (exit status {result.returncode})")
+
+
+def _check_launch_arguments(args: argparse.Namespace, model: Any, *, single: bool) -> None:
+    """Everything the ranks would refuse, refused before any rank starts."""
+    from placement.launch import read_inputs
+    from placement.runtime.sessions import check_threads
+
+    if single or args.input:  # on several nodes only the one running rank 0 needs the inputs
+        read_inputs(args.input, model.inputs)
+    if args.output:
+        _check_output(args.output, [".npz"], "the output file")
+    check_threads(args.threads, what="--threads")
+    for flag in ("chunks", "timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise pl.InputError(f"--{flag} must be positive, got {value}")
 
 
 # --- the parser ---------------------------------------------------------------------

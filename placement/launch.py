@@ -180,8 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _tie_to_agent()
+    try:
+        from placement.runtime.sessions import check_threads
+
+        threads = check_threads(args.threads, what="--threads")
+    except PlacementError as err:
+        return _fail(rank, f"error: {err}", code=2, own=True)
+    if threads:
+        torch.set_num_threads(threads)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     if "WORLD_SIZE" not in os.environ:
         print(
@@ -213,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ranks=args.ranks,
                 chunks=args.chunks,
                 device=device,
-                threads=args.threads,
+                threads=threads,
                 precision=args.precision,
             )
         else:
@@ -232,21 +239,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipe.barrier()  # every rank learns whether the others got through
         return 0
     except RankFailedError as err:
-        print(f"placement.launch: rank {rank}: {err}", file=sys.stderr)
-        return 3
+        return _fail(rank, str(err), code=3, own=False)
     except PlacementError as err:
         if pipe is not None:
             pipe.report_failure(err)
-        print(f"placement.launch: rank {rank}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(rank, f"error: {err}", code=2, own=True)
     except BaseException as err:
         if pipe is not None:
             pipe.report_failure(err)
+        from placement.distributed.launcher import record_rank_error
+
+        record_rank_error(rank, f"{type(err).__name__}: {err}", own=True)
         raise
     finally:
         if pipe is not None:
             pipe.close()
         dist.destroy_process_group()
+
+
+def _fail(rank: int, message: str, *, code: int, own: bool) -> int:
+    """Print a rank's one-line failure and leave it where ``placement launch`` reads it."""
+    from placement.distributed.launcher import record_rank_error
+
+    print(f"placement.launch: rank {rank}: {message}", file=sys.stderr)
+    record_rank_error(rank, message.removeprefix("error: "), own=own)
+    return code
+
+
+def _tie_to_agent() -> None:
+    """Under ``placement launch``, die with torchrun's agent (nothing runs on after the launcher)."""
+    from placement.distributed.launcher import TIE_ENV, die_with_parent
+
+    if os.environ.get(TIE_ENV) == "1":
+        die_with_parent()
 
 
 if __name__ == "__main__":

@@ -244,12 +244,18 @@ def node_scope(node: ir.Node) -> str | None:
     """The module path that produced a node, or None (root-level or unknown)."""
     props = node.metadata_props
     scope = props.get(SCOPE_KEY)
-    if scope is not None:
-        return scope or None
-    scopes = props.get(_TORCH_SCOPES_KEY)
-    if not scopes:
+    if scope is None:
+        scopes = props.get(_TORCH_SCOPES_KEY)
+        scope = scope_from_torch_name_scopes(scopes) if scopes else None
+    return _clean_scope(scope)
+
+
+def _clean_scope(scope: str | None) -> str | None:
+    """A module path without empty components: a file's ``.``, ``..`` or ``.a`` read as
+    ``None``, ``None`` and ``a`` (an empty component would make a scope its own parent)."""
+    if not scope:
         return None
-    return scope_from_torch_name_scopes(scopes)
+    return ".".join(part for part in scope.split(".") if part) or None
 
 
 def scope_from_torch_name_scopes(text: str) -> str | None:
@@ -683,11 +689,20 @@ class Model:
         """A deep copy: a new IR model with the same ops, blobs, devices and metadata."""
         return Model(self.ir_model.clone())
 
-    def save(self, path: str | os.PathLike[str], *, external_data: bool | None = None) -> None:
-        """Save as standard ONNX with placement annotations (atomic; see ``graph.serialize``)."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        external_data: bool | None = None,
+        follow_symlinks: bool = False,
+    ) -> None:
+        """Save as standard ONNX with placement annotations (atomic; see ``graph.serialize``).
+
+        A symlink at ``path`` is replaced, not written through, unless ``follow_symlinks=True``.
+        """
         from placement.graph.serialize import save
 
-        save(self, path, external_data=external_data)
+        save(self, path, external_data=external_data, follow_symlinks=follow_symlinks)
 
     def __repr__(self) -> str:
         return (

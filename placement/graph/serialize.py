@@ -18,8 +18,18 @@ Saving is atomic: the model and its data file are written under temporary
 names beside the target; the data file moves in under a name no earlier save
 used, then the model file replaces the old one (the switch), then the old data
 file is removed. The model records the tag written in its data file's header,
-and ``load`` refuses a data file from another save. A symlink target is
-written through, permission bits are kept, and non-regular files are refused.
+and ``load`` refuses a data file from another save. A symlink at the target path is replaced by the new
+file (the file it pointed to is left alone) unless ``follow_symlinks=True``;
+permission bits of a replaced regular file are kept, and non-regular files are
+refused. A save killed half-way (``kill -9``) leaves a ``.placement-save-*``
+folder behind: the next save into that folder removes it once its owner is
+gone; SIGTERM during a save cleans up as SIGINT does.
+
+Every path a model file names is confined to the model's folder: external data
+``location`` entries and the data-pairing metadata must resolve (links
+followed) to regular files inside it, and tensors handed to ONNX Runtime are
+never left as relative references (ORT would resolve them against the working
+directory).
 
 Example:
     >>> import os, tempfile
@@ -40,8 +50,11 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
@@ -88,7 +101,9 @@ def to_proto(model: Model) -> onnx.ModelProto:
 
     Weights held in memory are copied into the proto (so it is limited to 2 GB);
     weights of a model loaded lazily from external data stay references to their
-    data file. For ONNX Runtime sessions of any size see :func:`split_weights`.
+    data file (relative to the model's folder: do not hand this proto to ONNX
+    Runtime, which resolves them against the working directory). For ONNX Runtime
+    sessions of any size see :func:`split_weights`.
     The in-memory model is not modified.
     """
     proto = ir.serde.serialize_model(model.ir_model)
@@ -111,7 +126,13 @@ def to_proto(model: Model) -> onnx.ModelProto:
     return proto
 
 
-def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> None:
+def save(
+    model: Model,
+    path: str | os.PathLike[str],
+    *,
+    external_data: bool | None = None,
+    follow_symlinks: bool = False,
+) -> None:
     """Write ``model`` to ``path`` atomically as standard ONNX.
 
     With external data the weights go to ``<file>.<tag>.data`` beside the
@@ -125,30 +146,60 @@ def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | No
     model loaded lazily), so saving never holds a second copy of them; tensors
     held in ``Constant`` attributes are moved out too.
 
-    ``path`` may be a symlink: the file it points to is written (the link stays).
-    An existing file keeps its permission bits. Anything that is not a regular
-    file (a device node such as ``/dev/null``, a FIFO, a folder) is refused.
+    ``path`` may be a symlink: the link itself is replaced by the new file and
+    the file it pointed to is left as it was; ``follow_symlinks=True`` writes
+    the file the link points to instead (the link stays). An existing regular
+    file keeps its permission bits. Anything that is not a regular file (a
+    device node such as ``/dev/null``, a FIFO, a folder) is refused.
+
+    Temporary folders (``.placement-save-<pid>-...``) left in the target folder
+    by a save that was killed are removed here once their process is gone; a
+    SIGTERM during the save (main thread) removes this save's temporary folder
+    and then ends the process as SIGTERM would.
 
     Args:
         model: the placed model.
         path: target ``.onnx`` file; its folder must exist.
         external_data: store weights in a data file beside the model.
             ``None`` (default) does so only when they exceed 2 GB.
+        follow_symlinks: when ``path`` is a symlink, write the file it points
+            to rather than replacing the link.
 
     Raises:
         ModelSaveError: the folder is missing, the target is not a regular file,
             or the write failed; an existing file at ``path`` (and the data file
             it uses) is left as it was.
+
+    Example:
+        >>> import os, tempfile
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> folder = tempfile.mkdtemp()
+        >>> open(os.path.join(folder, "victim.txt"), "w").write("keep")
+        4
+        >>> os.symlink("victim.txt", os.path.join(folder, "m.onnx"))
+        >>> save(pl.from_torch(*mlp.build("tiny")), os.path.join(folder, "m.onnx"))
+        >>> open(os.path.join(folder, "victim.txt")).read(), os.path.islink(os.path.join(folder, "m.onnx"))
+        ('keep', False)
     """
-    target = Path(path)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    try:
+        _save(model, path, external_data=external_data, follow_symlinks=follow_symlinks)
+    except _Terminated:
+        _die_by_sigterm()
+        raise
+
+
+def _save(
+    model: Model, path: str | os.PathLike[str], *, external_data: bool | None, follow_symlinks: bool
+) -> None:
+    """The body of :func:`save`."""
+    target = _save_target(Path(path), follow_symlinks=follow_symlinks)
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise ModelSaveError(f"cannot save to {str(path)!r}: folder {str(folder)!r} does not exist")
     mode = None
-    if os.path.lexists(target):
-        info = target.stat()
+    if os.path.lexists(target) and not target.is_symlink():
+        info = target.lstat()
         if stat.S_ISDIR(info.st_mode):
             raise ModelSaveError(f"cannot save to {str(path)!r}: it is a folder")
         if not stat.S_ISREG(info.st_mode):
@@ -157,55 +208,58 @@ def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | No
                 "(a device, FIFO or socket); refusing to replace it"
             )
         mode = stat.S_IMODE(info.st_mode)
+    clean_stale_temporaries(folder)
     clone = model.ir_model.clone()
     clone.metadata_props.pop(DATA_CHECK_KEY, None)
     tensors = _weight_slots(clone)
     weight_bytes = sum(_nbytes(get()) for get, _ in tensors)
     use_external = weight_bytes >= TWO_GB - 2**24 if external_data is None else external_data
     try:
-        tmpdir = tempfile.mkdtemp(prefix=".placement-save-", dir=folder)
+        tmpdir = tempfile.mkdtemp(prefix=_temporary_prefix(), dir=folder)
     except OSError as err:
         raise ModelSaveError(f"cannot save to {str(path)!r}: {err}") from err
     data_name = None
+    stale: list[Path] = []
     repoint: dict[int, ir.ExternalTensor] = {}
     moved_data: Path | None = None
     try:
-        tmp_model = Path(tmpdir) / target.name
-        if use_external:
-            tag = secrets.token_hex(8)
-            data_name = f"{target.name}.{tag}.data"
-            big = [(get, put) for get, put in tensors if _nbytes(get()) >= _EXTERNAL_THRESHOLD]
-            header = ir.Tensor(np.frombuffer(_header(tag), dtype=np.uint8), name="placement.header")
-            written = ir.external_data.convert_tensors_to_external(
-                [header, *(get() for get, _ in big)], tmpdir, data_name, alignment=4096
-            )
-            for (get, put), ext in zip(big, written[1:]):
-                repoint[id(get())] = ext
-                put(ext)
-            clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
-        else:  # one self-contained file: weights still on disk are read into the proto
-            for get, put in tensors:
-                tensor = get()
-                if isinstance(tensor, ir.ExternalTensor):
-                    put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
-        proto = to_proto(Model(clone))
-        with open(tmp_model, "wb") as f:
-            f.write(proto.SerializeToString())
-        del proto
-        if mode is not None:
-            os.chmod(tmp_model, mode)
-        stale = _our_data_files(folder, target.name)
-        if data_name is not None:
+        with _sigterm_cleans_up():
+            tmp_model = Path(tmpdir) / target.name
+            if use_external:
+                tag = secrets.token_hex(8)
+                data_name = f"{target.name}.{tag}.data"
+                big = [(get, put) for get, put in tensors if _nbytes(get()) >= _EXTERNAL_THRESHOLD]
+                header = ir.Tensor(np.frombuffer(_header(tag), dtype=np.uint8), name="placement.header")
+                written = ir.external_data.convert_tensors_to_external(
+                    [header, *(get() for get, _ in big)], tmpdir, data_name, alignment=4096
+                )
+                for (get, put), ext in zip(big, written[1:]):
+                    repoint[id(get())] = ext
+                    put(ext)
+                clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
+            else:  # one self-contained file: weights still on disk are read into the proto
+                for get, put in tensors:
+                    tensor = get()
+                    if isinstance(tensor, ir.ExternalTensor):
+                        put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
+            proto = to_proto(Model(clone))
+            with open(tmp_model, "wb") as f:
+                f.write(proto.SerializeToString())
+            del proto
             if mode is not None:
-                os.chmod(Path(tmpdir) / data_name, mode)
-            moved_data = folder / data_name
-            os.replace(Path(tmpdir) / data_name, moved_data)
-        os.replace(tmp_model, target)  # the switch: from here on the new pair is the model
-        moved_data = None
+                os.chmod(tmp_model, mode)
+            stale = _our_data_files(folder, target.name)
+            if data_name is not None:
+                if mode is not None:
+                    os.chmod(Path(tmpdir) / data_name, mode)
+                moved_data = folder / data_name
+                os.replace(Path(tmpdir) / data_name, moved_data)
+            os.replace(tmp_model, target)  # the switch: from here on the new pair is the model
+            moved_data = None
     except (OSError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as err:
         raise ModelSaveError(f"failed to save {str(path)!r}: {err}") from err
     finally:
-        if moved_data is not None:
+        if moved_data is not None and os.path.lexists(Path(tmpdir) / target.name):  # before the switch
             with contextlib.suppress(OSError):
                 moved_data.unlink()
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -217,6 +271,132 @@ def save(model: Model, path: str | os.PathLike[str], *, external_data: bool | No
         _format_bytes(weight_bytes),
         f", external data {data_name}" if data_name else "",
     )
+
+
+def _save_target(path: Path, *, follow_symlinks: bool) -> Path:
+    """The path a save replaces: ``path`` itself (a link there is replaced, not written
+    through), or with ``follow_symlinks`` the file the link points to."""
+    if follow_symlinks and path.is_symlink():
+        return Path(os.path.realpath(path))
+    return path
+
+
+# --- temporary folders of saves --------------------------------------------------------
+
+_TEMP_PREFIX = ".placement-save-"
+_TEMP_OWNER = re.compile(re.escape(_TEMP_PREFIX) + r"(\d+)-(\d+)-")
+#: A temporary folder whose name names no owner (older versions) is stale after this long.
+_UNOWNED_STALE_SECONDS = 3600.0
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:  # the command name may hold spaces and parentheses: fields follow the last ')'
+        return int(text[text.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _temporary_prefix() -> str:
+    """``.placement-save-<pid>-<start time>-``: who owns a temporary folder, for clean-up."""
+    pid = os.getpid()
+    return f"{_TEMP_PREFIX}{pid}-{_start_time(pid) or 0}-"
+
+
+def _owner_alive(pid: int, started: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    now = _start_time(pid)
+    return now is None or started == 0 or now == started  # a reused pid has another start time
+
+
+def clean_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary folders that killed saves left in ``folder``; return them.
+
+    A folder named ``.placement-save-<pid>-<start>-...`` is stale when that process
+    is gone (or the pid now belongs to a process started at another time); one
+    from an older version, whose name names no owner, when it is over an hour old.
+
+    Example:
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> os.mkdir(os.path.join(folder, ".placement-save-999999999-1-abc"))
+        >>> [p.name for p in clean_stale_temporaries(folder)]
+        ['.placement-save-999999999-1-abc']
+    """
+    removed: list[Path] = []
+    try:
+        entries = [p for p in Path(folder).iterdir() if p.name.startswith(_TEMP_PREFIX)]
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            continue
+        owner = _TEMP_OWNER.match(entry.name)
+        if owner is not None:
+            stale = not _owner_alive(int(owner.group(1)), int(owner.group(2)))
+        else:
+            stale = now - info.st_mtime > _UNOWNED_STALE_SECONDS
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not os.path.lexists(entry):
+                removed.append(entry)
+                log.info("removed %s, left by a save that was killed", entry)
+    return removed
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during a save: unwind (removing temporaries), then end as SIGTERM would."""
+
+
+@contextlib.contextmanager
+def _sigterm_cleans_up() -> Iterator[None]:
+    """While a save runs in the main thread, SIGTERM unwinds it like SIGINT does, then the
+    process ends by SIGTERM as it would have (a handler the program set is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        previous = None
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _die_by_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 #: Model metadata key recording the external data file and the tag in its header.
@@ -373,19 +553,51 @@ def _initializers_off_inputs(model: Model) -> None:
         )
 
 
+#: How often :func:`load` re-reads a model file that a concurrent save replaced.
+_LOAD_ATTEMPTS = 5
+
+
 def _from_path(path: Path, device: DeviceLike) -> Model:
+    """Read, check and build a model file. A save that replaces the file (and retires
+    its data file) while it is being read makes the checks of the old pair fail: the
+    file is then read again, so a load sees the old pair or the new one, never a mix."""
+    for attempt in range(_LOAD_ATTEMPTS):
+        proto, identity = _read_model_file(path)
+        try:
+            _check_external_data(proto, path)
+            _check_data_pairing(proto, path)
+        except ModelLoadError:
+            if attempt + 1 < _LOAD_ATTEMPTS and _file_identity(path) != identity:
+                log.debug("%s was replaced while it was read; reading it again", path)
+                continue
+            raise
+        return _from_proto(proto, device, origin=repr(str(path)), path=path)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _file_identity(path: Path) -> tuple[int, ...] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _read_model_file(path: Path) -> tuple[onnx.ModelProto, tuple[int, ...]]:
+    """Parse a model file (read once, through one descriptor) and say which file it was."""
     if not path.exists():
         raise ModelLoadError(f"no such model file: {str(path)!r}")
     if not path.is_file():
         raise ModelLoadError(f"not a file: {str(path)!r}")
     try:
-        size = path.stat().st_size
-        if size >= TWO_GB:
-            raise ModelLoadError(
-                f"{str(path)!r} is {size} bytes, over protobuf's 2 GB limit: save its weights as "
-                "external data (onnx.save_model(..., save_as_external_data=True))"
-            )
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if info.st_size >= TWO_GB:
+                raise ModelLoadError(
+                    f"{str(path)!r} is {info.st_size} bytes, over protobuf's 2 GB limit: save its weights as "
+                    "external data (onnx.save_model(..., save_as_external_data=True))"
+                )
+            data = f.read()
     except OSError as err:
         raise ModelLoadError(f"cannot read {str(path)!r}: {err}") from err
     if not data:
@@ -395,10 +607,33 @@ def _from_path(path: Path, device: DeviceLike) -> Model:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeWarning, ValueError) as err:
         raise ModelLoadError(f"{str(path)!r} is not a valid ONNX file (truncated or corrupt): {err}") from err
-    del data
-    _check_external_data(proto, path)
-    _check_data_pairing(proto, path)
-    return _from_proto(proto, device, origin=repr(str(path)), path=path)
+    return proto, (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _confined(path: Path, location: str, what: str) -> Path:
+    """``location`` (named by the model file at ``path``) resolved inside the model's
+    folder, links followed; refuse anything outside it, absolute, or not a regular file.
+    Nothing outside the folder is opened or even looked at."""
+    base = path.parent.resolve()
+    if not location or os.path.isabs(location) or "\0" in location:
+        raise ModelLoadError(
+            f"{str(path)!r}: {what} points outside the model's folder ({location!r}); refusing to read it"
+        )
+    candidate = (base / location).resolve()
+    if base not in candidate.parents:
+        raise ModelLoadError(
+            f"{str(path)!r}: {what} points outside the model's folder ({location!r}); refusing to read it"
+        )
+    try:
+        info = candidate.stat()
+    except OSError:
+        raise ModelLoadError(f"{str(path)!r}: {what} {location!r} is missing") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelLoadError(
+            f"{str(path)!r}: {what} {location!r} is not a regular file (a folder, FIFO or device); "
+            "refusing to read it"
+        )
+    return candidate
 
 
 def _graph_tensors(graph: onnx.GraphProto, where: str) -> Iterator[tuple[onnx.TensorProto, str]]:
@@ -421,27 +656,23 @@ def _graph_tensors(graph: onnx.GraphProto, where: str) -> Iterator[tuple[onnx.Te
 
 
 def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
-    """Refuse external data outside the model's folder, missing or too short (subgraphs included)."""
-    base = path.parent.resolve()
+    """Refuse external data outside the model's folder, missing, not a regular file or
+    too short (subgraphs included)."""
     sizes: dict[Path, int] = {}
     for tensor, where in _graph_tensors(proto.graph, "the main graph"):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location", "")
-        candidate = (base / location).resolve()
-        if not location or os.path.isabs(location) or base not in (candidate, *candidate.parents):
-            raise ModelLoadError(
-                f"{str(path)!r}: external data of tensor {tensor.name!r} ({where}) points outside "
-                f"the model's folder ({location!r}); refusing to read it"
-            )
+        candidate = _confined(path, location, f"external data of tensor {tensor.name!r} ({where})")
         if candidate not in sizes:
-            if not candidate.is_file():
+            try:
+                sizes[candidate] = candidate.stat().st_size
+            except OSError:
                 raise ModelLoadError(
                     f"{str(path)!r}: external data file {location!r} of tensor {tensor.name!r} "
                     f"({where}) is missing"
-                )
-            sizes[candidate] = candidate.stat().st_size
+                ) from None
         try:
             offset, length = int(info.get("offset", 0) or 0), int(info.get("length", 0) or 0)
         except ValueError:
@@ -469,18 +700,26 @@ def _proto_nbytes(tensor: onnx.TensorProto) -> int:
 
 def _check_data_pairing(proto: onnx.ModelProto, path: Path) -> None:
     """A model saved with external data names its data file and the tag in its header;
-    refuse a data file that another save wrote."""
+    refuse a data file that another save wrote. The file it names is confined to the
+    model's folder like every external data location, and opened without blocking."""
     props = {p.key: p.value for p in proto.metadata_props}
     spec = props.get(DATA_CHECK_KEY)
     if not spec:
         return
     location, _, tag = spec.rpartition(":")
-    data_path = path.parent / location
+    data_path = _confined(path, location, f"the external data file its metadata names ({DATA_CHECK_KEY})")
     try:
-        with open(data_path, "rb") as f:
-            head = f.read(_HEADER_SIZE)
+        fd = os.open(data_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise ModelLoadError(f"{str(path)!r}: cannot read its external data {location!r}: {err}") from err
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO since it was checked
+            raise ModelLoadError(f"{str(path)!r}: external data {location!r} is not a regular file")
+        head = os.read(fd, _HEADER_SIZE)
+    except OSError as err:
+        raise ModelLoadError(f"{str(path)!r}: cannot read its external data {location!r}: {err}") from err
+    finally:
+        os.close(fd)
     if head != _header(tag):
         raise ModelLoadError(
             f"{str(path)!r}: external data file {location!r} belongs to another save "
@@ -493,9 +732,11 @@ def _from_proto(
 ) -> Model:
     if not proto.HasField("graph") or not proto.opset_import:
         raise ModelLoadError(f"{origin} is not an ONNX model (no graph or opset); is the file truncated?")
+    _sort_nodes(proto.graph, origin)
     try:
-        # From a file, the checker resolves external data next to it (reading none of it).
-        onnx.checker.check_model(str(path) if path is not None else proto)
+        # The proto that was parsed is checked (never the file again: a concurrent save may
+        # have replaced it); external data locations were checked by _check_external_data.
+        onnx.checker.check_model(_checkable(proto))
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise ModelLoadError(f"{origin} is not valid ONNX (truncated or corrupt?): {first}") from err
@@ -510,6 +751,75 @@ def _from_proto(
         ir.external_data.set_base_dir(ir_model.graph, path.parent)
     ir_model.metadata_props.pop(DATA_CHECK_KEY, None)
     return _from_ir(ir_model, device, stages)
+
+
+def _checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` for ``onnx.checker``: with external tensors, a copy in which they are empty.
+
+    Given a proto, the checker resolves external data against the working directory;
+    their locations were checked against the model's folder already
+    (:func:`_check_external_data`), so the copy leaves them out. Only models with
+    external data are copied, and their copies hold no weights of note.
+    """
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t, _ in _graph_tensors(proto.graph, "")):
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for tensor, _ in _graph_tensors(copy.graph, ""):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.dims[:]
+            tensor.dims.append(0)
+    return copy
+
+
+def _sort_nodes(graph: onnx.GraphProto, origin: str) -> None:
+    """Put the nodes of ``graph`` (and its subgraphs) in topological order, in place.
+
+    ONNX requires the order but ONNX Runtime does not, so such files exist. Nodes
+    already in order keep it (a stable sort by position); a cycle is left for the
+    checker to report.
+    """
+    import networkx as nx
+
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _sort_nodes(sub, origin)
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    edges: list[tuple[int, int]] = []
+    in_order = True
+    for i, node in enumerate(graph.node):
+        for name in _names_used(node):
+            j = producer.get(name)
+            if j is not None and j != i:
+                edges.append((j, i))
+                in_order = in_order and j < i
+    if in_order:
+        return
+    dag = nx.DiGraph(edges)
+    dag.add_nodes_from(range(len(graph.node)))
+    try:
+        order = list(nx.lexicographical_topological_sort(dag))
+    except nx.NetworkXUnfeasible:
+        return
+    nodes = [graph.node[i] for i in order]
+    copies = [onnx.NodeProto() for _ in nodes]
+    for copy, node in zip(copies, nodes):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(copies)
+    log.debug("%s: nodes of graph %r were not in topological order; sorted them", origin, graph.name)
+
+
+def _names_used(node: onnx.NodeProto) -> Iterator[str]:
+    """The value names a node reads: its inputs and, from its subgraphs, outer-scope names."""
+    yield from (name for name in node.input if name)
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            for inner in sub.node:
+                yield from _names_used(inner)
 
 
 def _stage_devices(proto: onnx.ModelProto) -> dict[str, str]:
@@ -564,7 +874,10 @@ def split_weights(
     placement annotations as in :func:`to_proto`. Initializers that nothing reads
     (not an op, in the graph or a subgraph, nor a graph input or output) are left
     out, as ONNX Runtime would drop them before taking the supplied weights. The
-    model is not modified.
+    model is not modified. Every other tensor still on disk (under ``threshold``,
+    in subgraphs or ``Constant`` ops) is read into the proto: ONNX Runtime would
+    resolve a relative data-file reference against the working directory, not the
+    model's folder.
 
     Example:
         >>> import placement as pl
@@ -593,6 +906,7 @@ def split_weights(
         value.const_value = ir.ExternalTensor(
             SUPPLIED_LOCATION, 0, int(tensor.nbytes), tensor.dtype, shape=tensor.shape, name=name
         )
+    _inline_external(clone)
     if isinstance(model, Model):
         return to_proto(Model(clone)), weights
     proto = ir.serde.serialize_model(clone)
@@ -615,12 +929,27 @@ def _drop_unread_initializers(graph: ir.Graph) -> None:
             del graph.initializers[name]
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file") -> None:
+def _inline_external(model: ir.Model) -> None:
+    """Read every tensor still stored in a data file (small ones, tensors of subgraphs and
+    ``Constant`` ops, dtypes numpy lacks) into memory, so that no relative data-file
+    reference reaches ONNX Runtime: it would resolve it against the working directory,
+    not the model's folder. Stubs at :data:`SUPPLIED_LOCATION` stay."""
+    for get, put in _weight_slots(model):
+        tensor = get()
+        if isinstance(tensor, ir.ExternalTensor) and tensor.location != SUPPLIED_LOCATION:
+            put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
+
+
+def write_atomic(
+    path: str | os.PathLike[str], data: bytes, *, what: str = "file", follow_symlinks: bool = False
+) -> None:
     """Replace ``path`` with ``data`` atomically (a temporary file beside it, then ``os.replace``).
 
-    Follows a symlink to its target, keeps an existing file's permission bits and
-    refuses targets that are not regular files. On any failure the old file is
-    untouched and an ``OSError`` propagates (callers wrap it in their own error).
+    A symlink at ``path`` is replaced by the new file (what it pointed to is left
+    alone) unless ``follow_symlinks=True``, which writes the file it points to.
+    An existing regular file keeps its permission bits; targets that are not
+    regular files are refused. On any failure the old file is untouched and an
+    ``OSError`` propagates (callers wrap it in their own error).
 
     Example:
         >>> import os, tempfile
@@ -629,13 +958,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file
         >>> open(path).read()
         '{}'
     """
-    target = Path(path)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    target = _save_target(Path(path), follow_symlinks=follow_symlinks)
     folder = target.parent if str(target.parent) else Path(".")
     mode = None
-    if os.path.lexists(target):
-        info = target.stat()
+    if os.path.lexists(target) and not target.is_symlink():
+        info = target.lstat()
         if not stat.S_ISREG(info.st_mode):
             raise OSError(f"{str(path)!r} exists and is not a regular file; refusing to replace it")
         mode = stat.S_IMODE(info.st_mode)

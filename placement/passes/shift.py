@@ -127,7 +127,15 @@ class ShiftActivationDevicesPass(PlacementPass):
         check_onnx: bool = True,
     ) -> None:
         super().__init__(debug=debug, check_onnx=check_onnx)
-        names = [activations] if isinstance(activations, str) else list(activations)
+        if isinstance(activations, str):
+            names = [activations]
+        else:
+            try:
+                names = list(activations)
+            except TypeError:
+                raise UnknownBlobError(
+                    f"activations must be a list of activation blob names, got {activations!r}"
+                ) from None
         if not all(map(isinstance, names, repeat(str))):  # checked in C; then find the offender
             bad = next(name for name in names if not isinstance(name, str))
             raise UnknownBlobError(f"activation names are strings, got {bad!r}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from typing import Any
 
@@ -360,11 +361,13 @@ class _SegmentTimer:
     def __init__(self, model: Model, *, repeats: int) -> None:
         import onnx.utils
 
-        from placement.graph.serialize import to_proto
+        from placement.graph.serialize import split_weights
 
         self.repeats = repeats
         self._call: float | None = None
-        self.extractor = onnx.utils.Extractor(to_proto(model))
+        # every weight in the proto: a data-file reference would be resolved by ORT in the working folder
+        proto, _ = split_weights(model, threshold=sys.maxsize)
+        self.extractor = onnx.utils.Extractor(proto)
 
     def _session(self, info: GraphInfo, start: int, end: int) -> tuple[Any, dict[str, np.ndarray]]:
         """A session running ops ``start..end-1`` alone, and random feeds for it."""

@@ -277,7 +277,7 @@ def scope_of(node: ir.Node) -> str | None:
             parts.append(component[len(parts[-1]) + 1 :])
         else:
             parts.append(component)
-    return ".".join(parts) or None
+    return ".".join(p for part in parts for p in part.split(".") if p) or None
 
 
 def dot_available() -> bool:

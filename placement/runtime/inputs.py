@@ -40,6 +40,7 @@ from placement.errors import InputError
 __all__ = [
     "InputSpec",
     "InputsLike",
+    "check_value",
     "input_specs",
     "is_device_value",
     "normalize_inputs",
@@ -273,9 +274,9 @@ def _device_value(spec: InputSpec, value: Any) -> Any:
     if hasattr(value, "data_type"):  # an OrtValue
         if not value.is_tensor():
             raise InputError(f"input {spec.name!r}: expected a tensor OrtValue, got {value.data_type()}")
-        _check_parts(spec, value_dtype(value), tuple(value.shape()), value.data_type())
+        check_value(spec, value_dtype(value), tuple(value.shape()))
         return value
-    _check_parts(spec, value_dtype(value), tuple(value.shape), str(value.dtype))
+    check_value(spec, value_dtype(value), tuple(value.shape))
     return ortvalue_from_torch(value)
 
 
@@ -318,16 +319,31 @@ def _is_array(value: Any) -> bool:
 
 
 def _check(spec: InputSpec, array: np.ndarray) -> None:
-    strings = spec.dtype == np.dtype(object) and array.dtype.kind in "OUS"
-    _check_parts(spec, None if strings else array.dtype, array.shape, str(array.dtype))
+    check_value(spec, array.dtype, tuple(array.shape))
 
 
-def _check_parts(spec: InputSpec, dtype: np.dtype | None, shape: tuple[int, ...], dtype_name: str) -> None:
-    """Check a value's dtype (None: not checked) and shape against ``spec``."""
-    got = f"{dtype_name}[{', '.join(map(str, shape))}]"
-    if spec.dtype is not None and dtype is not None and dtype != spec.dtype:
+def check_value(spec: InputSpec, dtype: np.dtype | None, shape: Sequence[int]) -> None:
+    """Check a value's dtype (``None``: not expressible in numpy, unchecked) and shape against
+    ``spec``, without touching its data (so it serves torch tensors on any device too).
+
+    Raises:
+        InputError: a wrong dtype, rank or static dimension, naming the input, what
+            was expected and what was given.
+
+    Example:
+        >>> spec = InputSpec("x", np.dtype("float32"), (4,))
+        >>> check_value(spec, np.dtype("float32"), (4,))
+        >>> check_value(spec, np.dtype("float32"), (2, 4))
+        Traceback (most recent call last):
+        ...
+        placement.errors.InputError: input 'x' has rank 2, expected 1 (expected float32[4], got float32[2, 4])
+    """
+    shape = tuple(int(d) for d in shape)
+    got = f"{dtype if dtype is not None else '?'}[{', '.join(map(str, shape))}]"
+    strings = spec.dtype == np.dtype(object) and dtype is not None and dtype.kind in "OUS"
+    if spec.dtype is not None and dtype is not None and dtype != spec.dtype and not strings:
         raise InputError(
-            f"input {spec.name!r} has dtype {dtype_name}, expected {spec.dtype} "
+            f"input {spec.name!r} has dtype {dtype}, expected {spec.dtype} "
             f"(expected {spec.describe()}, got {got})"
         )
     if spec.shape is None:

@@ -102,7 +102,7 @@ from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
-from placement.runtime.sessions import ort_log_severity, session_options, stage_session
+from placement.runtime.sessions import check_threads, ort_log_severity, session_options, stage_session
 from placement.runtime.stages import Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
@@ -221,6 +221,8 @@ class Runner:
         self._blocked_sessions: dict[tuple[str, ...], ort.InferenceSession] = {}
         self._optimized_graphs: dict[tuple[str, ...], Any] = {}  # stage -> ORT's optimised graph
         self._device_map_arg = device_map
+        threads = check_threads(threads)
+        threads_per_stage = check_threads(threads_per_stage, what="threads_per_stage")
         self._threads = threads
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")

@@ -23,9 +23,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 
-from placement.errors import PlacementError
+from placement.errors import InputError, PlacementError
 from placement.graph.session import ort_session
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.layout import batchnorm_as_conv
@@ -33,12 +34,15 @@ from placement.runtime.precision import DEFAULT_PRECISION, ort_cuda_options
 from placement.runtime.stages import Stage
 
 __all__ = [
+    "THREADS_PER_CORE_CAP",
+    "check_threads",
     "cuda_provider_options",
     "ort_log_severity",
     "providers",
     "session_from_ir",
     "session_options",
     "shared_cuda_allocator",
+    "usable_cores",
     "stage_options",
     "stage_session",
 ]
@@ -100,6 +104,47 @@ def providers(physical: PhysicalDevice, *, precision: str = DEFAULT_PRECISION) -
     ]
 
 
+#: Thread counts above this many per usable core are capped (with a warning).
+THREADS_PER_CORE_CAP = 4
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else ``os.cpu_count``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def check_threads(threads: int | None, *, what: str = "threads") -> int | None:
+    """A validated intra-op thread count: ``None`` (the runtime's choice) or at least 1.
+
+    A count far above the cores this process may use (more than
+    :data:`THREADS_PER_CORE_CAP` per core) only adds threads fighting for them: it is
+    capped there with a warning.
+
+    Raises:
+        InputError: ``threads`` is not a whole number of at least 1 (names ``what``).
+
+    Example:
+        >>> check_threads(None) is None, check_threads(1)
+        (True, 1)
+        >>> check_threads(-3)
+        Traceback (most recent call last):
+        ...
+        placement.errors.InputError: threads must be a whole number of at least 1, got -3
+    """
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise InputError(f"{what} must be a whole number of at least 1, got {threads!r}")
+    cap = THREADS_PER_CORE_CAP * usable_cores()
+    if threads > cap:
+        log.warning("%s=%d is far above the %d usable cores: using %d", what, threads, usable_cores(), cap)
+        return cap
+    return int(threads)
+
+
 def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> ort.SessionOptions:
     """The ``SessionOptions`` every session here starts from (a stage session's are
     :func:`stage_options`; the runtime benchmark's single session uses these as they are).
@@ -119,6 +164,7 @@ def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> 
         >>> opts.get_session_config_entry("session.force_spinning_stop")
         '1'
     """
+    threads = check_threads(threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -171,6 +171,10 @@ def to_torch(
         DeviceError: a bad ``device_map``.
         CUDAGraphError: ``cuda_graphs=True`` without a GPU in the device map, or with ``chunks > 1``.
 
+    The module (``chunks=1``) checks its inputs as :class:`placement.Runner` does: a
+    wrong dtype, rank or static dimension raises :class:`placement.InputError`
+    naming the input (see :mod:`placement.runtime.lowering.input_check`).
+
     Example:
         >>> import torch
         >>> import placement as pl
@@ -188,6 +192,13 @@ def to_torch(
     devices = _logical_devices(model)
     dmap = resolve_device_map(devices, device_map, runtime="torch")
     module = _Lowering(model, dmap).build()
+    if chunks == 1:  # a pipelined module's batch may be several graph batches: its stages check
+        from placement.runtime.inputs import input_specs
+        from placement.runtime.lowering.input_check import install_input_check
+
+        specs = input_specs(model.graph)
+        keywords = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"][: len(specs)]
+        install_input_check(module, specs, keywords)
     if chunks != 1:
         from placement.runtime.lowering.pipelined import pipeline_module
 

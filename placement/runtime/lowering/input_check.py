@@ -1,0 +1,94 @@
+"""Input checks for modules from :func:`placement.to_torch`, as :class:`placement.Runner` does them.
+
+A lowered module is generated ``torch.fx`` code: given a tensor of the wrong rank it
+would broadcast silently, and given the wrong dtype it fails deep inside an op with a
+raw torch error. :func:`install_input_check` adds a forward pre-hook that checks the
+call's tensors against the graph's inputs first (dtype, rank, static dimensions; no
+data is read, so tensors stay where they are) and raises :class:`placement.InputError`
+naming the input, what it expects and what it got.
+
+Example:
+    >>> import torch
+    >>> import placement as pl
+    >>> net = torch.nn.Linear(4, 2)
+    >>> module = pl.to_torch(pl.from_torch(net, (torch.randn(3, 4),)), device_map="cpu")
+    >>> module(torch.randn(4))
+    Traceback (most recent call last):
+    ...
+    placement.errors.InputError: input 'input' has rank 1, expected 2 (expected float32[3, 4], got float32[4])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from placement.errors import InputError
+from placement.runtime.inputs import InputSpec, check_value
+
+__all__ = ["install_input_check", "check_call"]
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The numpy dtype of a torch dtype; None for those numpy lacks (bfloat16, float8)."""
+    try:
+        return torch.empty((), dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+
+
+def check_call(
+    specs: Sequence[InputSpec], keywords: Sequence[str], args: Sequence[Any], kwargs: dict[str, Any]
+) -> None:
+    """Check a call's positional and keyword tensors against the graph inputs ``specs``
+    (``keywords``: the keyword name of each input, in the same order).
+
+    Raises:
+        InputError: too many, unknown, repeated or missing inputs, a value that is not
+            a tensor, or a wrong dtype, rank or static dimension (naming the input).
+    """
+    if len(args) > len(specs):
+        raise InputError(f"the module takes {len(specs)} input(s), got {len(args)} positional arguments")
+    given: dict[int, Any] = dict(enumerate(args))
+    index = {key: i for i, key in enumerate(keywords)}
+    index.update({spec.name: i for i, spec in enumerate(specs)})
+    for key, value in kwargs.items():
+        i = index.get(key)
+        if i is None:
+            listed = ", ".join(map(repr, keywords))
+            raise InputError(f"unknown input {key!r}; the module's inputs are: {listed}")
+        if i in given:
+            raise InputError(f"input {specs[i].name!r} given twice (by position and by keyword)")
+        given[i] = value
+    missing = [spec.name for i, spec in enumerate(specs) if i not in given and spec.kind == "tensor"]
+    if missing:
+        raise InputError(f"missing input(s): {', '.join(map(repr, missing))}")
+    for i, value in given.items():
+        spec = specs[i]
+        if spec.kind != "tensor":
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"input {spec.name!r}: expected a torch tensor {spec.describe()}, got {type(value).__name__}"
+            )
+        check_value(spec, _numpy_dtype(value.dtype), tuple(value.shape))
+
+
+class _InputCheck:
+    """The forward pre-hook (a class, so that the module still pickles and deep-copies)."""
+
+    def __init__(self, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
+        self.specs, self.keywords = list(specs), list(keywords)
+
+    def __call__(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        check_call(self.specs, self.keywords, args, kwargs)
+
+
+def install_input_check(module: torch.nn.Module, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
+    """Check every call of ``module`` with :func:`check_call` before its forward runs."""
+    module.register_forward_pre_hook(_InputCheck(specs, keywords), with_kwargs=True)

@@ -1,0 +1,52 @@
+"""Thread counts are validated where sessions are made, so the CLI and the Python API both get it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import placement as pl
+from placement.cli import main
+from placement.runtime import sessions
+from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.sessions import session_options
+from tests.graph.builders import mlp_graph
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True])
+def test_bad_thread_counts_are_refused(bad):
+    with pytest.raises(pl.InputError, match="threads must be a whole number of at least 1"):
+        session_options(PhysicalDevice("cpu"), threads=bad)
+    with pytest.raises(pl.InputError):
+        pl.Runner(mlp_graph(), device_map="cpu", threads=bad)
+
+
+def test_huge_thread_counts_are_capped_with_a_warning(caplog):
+    cap = sessions.THREADS_PER_CORE_CAP * sessions.usable_cores()
+    with caplog.at_level(logging.WARNING, logger="placement"):
+        options = session_options(PhysicalDevice("cpu"), threads=10000)
+    assert options.intra_op_num_threads == cap
+    assert "far above" in caplog.text
+    assert sessions.check_threads(cap) == cap and sessions.check_threads(None) is None
+
+
+def test_runner_with_capped_threads_still_runs():
+    model = mlp_graph()
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_allclose(
+        pl.Runner(model, device_map="cpu", threads=10000).run({"x": x})[0], pl.run(model, {"x": x})[0]
+    )
+
+
+def test_cli_refuses_negative_threads(tmp_path, capsys):
+    mlp_graph().save(tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.ones((2, 4), np.float32))
+    assert (
+        main(["run", str(tmp_path / "m.onnx"), "--input", f"x={tmp_path / 'x.npy'}", "--threads", "-3"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert (
+        "threads must be a whole number of at least 1, got -3" in err and len(err.strip().splitlines()) == 1
+    )
