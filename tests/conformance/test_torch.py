@@ -24,20 +24,11 @@ import placement as pl
 from tests.conformance import _cases
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    array = np.array(array)  # writable and owning
-    if array.dtype.name == "bfloat16":  # ml_dtypes: reinterpret the bits
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+#: Types autograd differentiates (float8 values are data, not differentiated).
+_DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
+_tensor = _cases.to_tensor
+_numpy = _cases.from_tensor
 
 
 def _lower(case: _cases.Case) -> torch.nn.Module:
@@ -55,7 +46,7 @@ def run_torch(case: _cases.Case) -> list[np.ndarray]:
     module = _lower(case)
     args = [_tensor(x) for x in case.inputs]
     for arg in args:
-        if arg.is_floating_point():
+        if arg.dtype in _DIFFERENTIABLE:
             arg.requires_grad_(True)
     got = module(*args)
     got = got if isinstance(got, tuple) else (got,)
@@ -65,7 +56,7 @@ def run_torch(case: _cases.Case) -> list[np.ndarray]:
 
 def _check_backward(module: torch.nn.Module, args: list[torch.Tensor], got: tuple) -> None:
     leaves = [a for a in args if a.requires_grad] + list(module.parameters())
-    heads = [t for t in got if t.is_floating_point() and t.requires_grad]
+    heads = [t for t in got if t.dtype in _DIFFERENTIABLE and t.requires_grad]
     if not leaves or not heads:
         return  # nothing differentiable: integer, boolean or constant outputs
     weights = [torch.linspace(0.5, 1.5, t.numel(), dtype=torch.float32).reshape(t.shape) for t in heads]
@@ -107,7 +98,7 @@ def _smooth_sample(limit: int = 40) -> list[str]:
         if name in listed or not inputs or not case.tensors_only:
             continue
         if all(node.op_type in _SMOOTH for node in graph.node) and all(
-            x.dtype in (np.float32, np.float64) for x in inputs
+            _cases.as_array(x).dtype in (np.float32, np.float64) for x in inputs
         ):
             names.append(name)
     return names[:: max(1, len(names) // limit)][:limit]

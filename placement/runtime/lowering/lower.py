@@ -211,6 +211,14 @@ def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
             issue = rule.check(attrs)
             if issue:
                 bad_attrs.setdefault(f"{key}: {issue}", node.name or "?")
+    for kind, values in (("input", model.graph.inputs), ("output", model.graph.outputs)):
+        for value in values:
+            if value.dtype is None or value.name in model.graph.initializers:
+                continue
+            try:
+                torch_dtype(int(value.dtype))
+            except LoweringError:
+                problems.append(f"graph {kind} {value.name!r} has type {value.dtype.name}, which torch has no tensors of")
     if missing:
         listed = "; ".join(
             f"{key} (e.g. op {example!r}{f', {count} ops' if count > 1 else ''})"
@@ -585,6 +593,8 @@ class _Lowering:
             attrs["num_outputs"] = len(outs)
         if "device" in (rule.params or ()):
             attrs["device"] = phys
+        if "opset" in (rule.params or ()):
+            attrs["opset"] = _default_opset(self.model) or MIN_OPSET
         continuation = self.deferred.pop(id(node), None)
         if continuation is not None:
             continuation(self, node, ins, phys)
