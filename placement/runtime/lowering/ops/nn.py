@@ -849,14 +849,43 @@ def col2im(
     pads: Sequence[int] | None = None,
     strides: Sequence[int] | None = None,
 ) -> Tensor:
-    """ONNX Col2Im for 2-D images (``F.fold``)."""
+    """ONNX Col2Im: ``F.fold`` for 2-D images, a scatter-add of the blocks for other ranks."""
     image, block = _ints(image_shape), _ints(block_shape)
     if len(image) != 2:
-        raise LoweringError(f"Col2Im: only 2-D images are lowered, got {len(image)}-D")
+        return _col2im_nd(input, image, block, dilations, pads, strides)
     pad = list(pads or [0, 0, 0, 0])
     padded = [image[0] + pad[0] + pad[2], image[1] + pad[1] + pad[3]]
     out = F.fold(input, padded, block, list(dilations or [1, 1]), 0, list(strides or [1, 1]))
     return out[..., pad[0] : pad[0] + image[0], pad[1] : pad[1] + image[1]]
+
+
+def _col2im_nd(
+    input: Tensor,  # noqa: A002
+    image: list[int],
+    block: list[int],
+    dilations: Sequence[int] | None,
+    pads: Sequence[int] | None,
+    strides: Sequence[int] | None,
+) -> Tensor:
+    """Col2Im over any number of image dims: each column element added at its image position."""
+    n = len(image)
+    dil = list(dilations or [1] * n)
+    stride = list(strides or [1] * n)
+    pad = list(pads or [0] * (2 * n))
+    padded = [image[d] + pad[d] + pad[n + d] for d in range(n)]
+    counts = [(padded[d] - dil[d] * (block[d] - 1) - 1) // stride[d] + 1 for d in range(n)]
+    offsets = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1).reshape(-1, n)
+    starts = np.stack(np.meshgrid(*[np.arange(c) for c in counts], indexing="ij"), -1).reshape(-1, n)
+    positions = offsets[:, None, :] * np.array(dil) + starts[None, :, :] * np.array(stride)
+    flat = np.ravel_multi_index(tuple(positions.reshape(-1, n).T), padded)
+    index = torch.from_numpy(flat).to(input.device)
+    batch, channels = input.shape[0], input.shape[1] // math.prod(block)
+    cols = input.reshape(batch, channels, -1)
+    out = cols.new_zeros(batch, channels, math.prod(padded)).index_add(2, index, cols)
+    out = out.reshape(batch, channels, *padded)
+    for d in range(n):
+        out = out.narrow(2 + d, pad[d], image[d])
+    return out
 
 
 @op("AffineGrid", shape_inputs=(1,))
