@@ -336,8 +336,10 @@ def from_tensor(tensor: Any) -> np.ndarray:
         _, bits = _ML_DTYPES[name]
         import torch
 
-        return tensor.view(torch.uint8 if bits is np.uint8 else torch.uint16).numpy().view(
-            getattr(ml_dtypes, name)
+        return (
+            tensor.view(torch.uint8 if bits is np.uint8 else torch.uint16)
+            .numpy()
+            .view(getattr(ml_dtypes, name))
         )
     return tensor.numpy()
 

@@ -24,7 +24,6 @@ import placement as pl
 from placement.analysis import NONDETERMINISTIC_OPS
 from tests.conformance import _cases
 
-
 #: Types autograd differentiates (float8 values are data, not differentiated).
 _DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -219,7 +219,9 @@ def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
             try:
                 torch_dtype(int(value.dtype))
             except LoweringError:
-                problems.append(f"graph {kind} {value.name!r} has type {value.dtype.name}, which torch has no tensors of")
+                problems.append(
+                    f"graph {kind} {value.name!r} has type {value.dtype.name}, which torch has no tensors of"
+                )
     if missing:
         listed = "; ".join(
             f"{key} (e.g. op {example!r}{f', {count} ops' if count > 1 else ''})"

@@ -191,7 +191,11 @@ def torch_dtype(onnx_dtype: int) -> torch.dtype:
     except (KeyError, ValueError, TypeError):
         dtype = None
     if dtype is None or dtype in _NO_KERNELS:
-        name = ir.DataType(int(onnx_dtype)).name if int(onnx_dtype) in ir.DataType._value2member_map_ else onnx_dtype
+        name = (
+            ir.DataType(int(onnx_dtype)).name
+            if int(onnx_dtype) in ir.DataType._value2member_map_
+            else onnx_dtype
+        )
         raise LoweringError(f"ONNX data type {name} has no torch equivalent with kernels")
     return dtype
 

@@ -363,15 +363,21 @@ def _dilated_window_sums(
     # the reference reads a window's elements only below the explicitly padded extent
     extent = [size + pads[i] + pads[n + i] for i, size in enumerate(X.shape[2:])]
     kept = torch.ones((1, 1, *extent), dtype=X.dtype, device=X.device)
-    kept = F.pad(kept, _torch_pads([0] * n + [b + e - p - q for b, e, p, q in
-                                             zip(begins, ends, pads[:n], pads[n:])], X.dim()))
-    real = F.pad(torch.ones((1, 1, *X.shape[2:]), dtype=X.dtype, device=X.device),
-                 _torch_pads(begins + ends, X.dim()))
+    kept = F.pad(
+        kept,
+        _torch_pads(
+            [0] * n + [b + e - p - q for b, e, p, q in zip(begins, ends, pads[:n], pads[n:])], X.dim()
+        ),
+    )
+    real = F.pad(
+        torch.ones((1, 1, *X.shape[2:]), dtype=X.dtype, device=X.device), _torch_pads(begins + ends, X.dim())
+    )
     flat = F.pad(X.reshape(-1, 1, *X.shape[2:]), _torch_pads(begins + ends, X.dim())) * kept
     sums = _CONV[n](flat, ones, None, list(strides), 0, list(dilations))
     sums = sums.reshape(*X.shape[:2], *sums.shape[2:])
-    counts = _CONV[n](kept if count_include_pad else kept * real, ones, None, list(strides), 0,
-                      list(dilations))
+    counts = _CONV[n](
+        kept if count_include_pad else kept * real, ones, None, list(strides), 0, list(dilations)
+    )
     return sums, counts
 
 
@@ -456,8 +462,18 @@ def resize(
             index = _nearest_index(X.shape[a], full_sizes[a], full_scales[a], ctm, nearest_mode, X.device)
             out = out.index_select(a, index)
         return out
-    fast = _interpolate_mode(X, changed, full_sizes, full_scales, mode, ctm, antialias, cubic_coeff_a,
-                             exclude_outside, bool(size_list))
+    fast = _interpolate_mode(
+        X,
+        changed,
+        full_sizes,
+        full_scales,
+        mode,
+        ctm,
+        antialias,
+        cubic_coeff_a,
+        exclude_outside,
+        bool(size_list),
+    )
     if fast is not None:
         align = ctm == "align_corners"
         if size_list:
@@ -469,8 +485,16 @@ def resize(
     out = compute
     for a in changed:
         weights, outside = _resize_weights(
-            X.shape[a], full_sizes[a], full_scales[a], mode, ctm, (full_roi[a], full_roi[rank + a]),
-            bool(antialias), float(cubic_coeff_a), bool(exclude_outside), nearest_mode,
+            X.shape[a],
+            full_sizes[a],
+            full_scales[a],
+            mode,
+            ctm,
+            (full_roi[a], full_roi[rank + a]),
+            bool(antialias),
+            float(cubic_coeff_a),
+            bool(exclude_outside),
+            nearest_mode,
         )
         w = torch.from_numpy(weights).to(device=X.device, dtype=compute.dtype)
         out = torch.movedim(torch.movedim(out, a, -1) @ w.T, -1, a)
@@ -746,8 +770,9 @@ def lp_pool(
     strides = list(strides or [1] * n)
     if dilations and any(d != 1 for d in dilations):
         pad = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
-        sums, _ = _dilated_window_sums(X.abs() ** p, kernel_shape, strides, list(dilations), pad,
-                                       bool(ceil_mode), False)
+        sums, _ = _dilated_window_sums(
+            X.abs() ** p, kernel_shape, strides, list(dilations), pad, bool(ceil_mode), False
+        )
         return sums ** (1.0 / p)
     pad = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
     padded = F.pad(X.abs() ** p, _torch_pads(pad, X.dim()))
