@@ -343,22 +343,21 @@ def _dilated_window_sums(
 ) -> tuple[Tensor, Tensor]:
     """Sums of ``X`` over dilated pooling windows and how many elements each average divides by.
 
-    The geometry is ONNX's (``get_output_shape_explicit_padding`` of the reference): the
-    output length, floor or ceil, then the extra padding a ceiled last window needs, split
-    between both ends; padding counts only up to the explicitly padded extent.
+    The geometry is ONNX Runtime's: the output length, floor or ceil (a last window must
+    start inside the input or its leading padding), then the extra padding a ceiled last
+    window needs at the end; padding counts only up to the explicitly padded extent.
+    (ONNX's reference splits that extra padding between both ends, which shifts the
+    windows when it is 2 or more; ONNX Runtime does not.)
     """
     n = len(kernel)
-    begins, ends, outs = [], [], []
+    begins, ends = list(pads[:n]), []
     for i, (size, k, s, d) in enumerate(zip(X.shape[2:], kernel, strides, dilations)):
         pb, pe = pads[i], pads[n + i]
         length = (size + pb + pe - d * (k - 1) - 1) / s + 1
         out = math.ceil(length) if ceil_mode else math.floor(length)
         if ceil_mode and (out - 1) * s >= size + pb:
             out -= 1
-        extra = max((out - 1) * s + (k - 1) * d + 1 - size - pb - pe, 0)
-        begins.append(pb + extra // 2)
-        ends.append(pe + extra - extra // 2)
-        outs.append(out)
+        ends.append(pe + max((out - 1) * s + (k - 1) * d + 1 - size - pb - pe, 0))
     ones = torch.ones((1, 1, *kernel), dtype=X.dtype, device=X.device)
     # the reference reads a window's elements only below the explicitly padded extent
     extent = [size + pads[i] + pads[n + i] for i, size in enumerate(X.shape[2:])]
@@ -456,7 +455,7 @@ def resize(
         or full_scales[a] != 1.0
         or (ctm == "tf_crop_and_resize" and (full_roi[a], full_roi[rank + a]) != (0.0, 1.0))
     ]
-    if mode == "nearest" and ctm != "tf_crop_and_resize":
+    if mode == "nearest" and ctm not in ("tf_crop_and_resize", "half_pixel_symmetric"):
         out = X
         for a in changed:
             index = _nearest_index(X.shape[a], full_sizes[a], full_scales[a], ctm, nearest_mode, X.device)
@@ -558,33 +557,40 @@ def _resize_weights(
     nearest_mode: str,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """ONNX's 1-D resize along one axis as an ``(out_size, in_size)`` matrix (float64), plus the
-    outputs that take ``extrapolation_value`` (``tf_crop_and_resize``), following the reference."""
-    y = np.arange(out_size, dtype=np.float64)
-    width = scale * in_size
+    outputs that take ``extrapolation_value`` (``tf_crop_and_resize``).
+
+    Source coordinates are computed as ONNX Runtime computes them, in float32 and from the
+    integer output length (ONNX's reference uses ``scale * in_size`` for ``align_corners`` and
+    ``tf_crop_and_resize``); the weights follow the reference's kernels.
+    """
+    f32 = np.float32
+    y = np.arange(out_size, dtype=f32)
+    s, n_in, n_out = f32(scale), f32(in_size), f32(out_size)
     outside = None
     if ctm == "align_corners":
-        x = np.zeros(out_size) if width == 1 else y * (in_size - 1) / (width - 1)
+        x = np.zeros(out_size, f32) if out_size == 1 else y * ((n_in - 1) / (n_out - 1))
     elif ctm == "asymmetric":
-        x = y / scale
+        x = y / s
     elif ctm == "tf_crop_and_resize":
-        start, end = roi
-        if width == 1:
-            x = np.full(out_size, (end - start) * (in_size - 1) / 2)
+        start, end = f32(roi[0]), f32(roi[1])
+        if out_size == 1:
+            x = np.full(out_size, (end - start) * (n_in - 1) / 2, f32)
         else:
-            x = y * (end - start) * (in_size - 1) / (width - 1)
-        x = x + start * (in_size - 1)
-        outside = (x < 0) | (x > in_size - 1)
+            x = y * (end - start) * (n_in - 1) / (n_out - 1)
+        x = x + start * (n_in - 1)
+        outside = (x < 0) | (x > n_in - 1)
     elif ctm == "pytorch_half_pixel":
-        x = np.full(out_size, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
+        x = np.zeros(out_size, f32) if out_size == 1 else (y + f32(0.5)) / s - f32(0.5)
     elif ctm == "half_pixel":
-        x = (y + 0.5) / scale - 0.5
+        x = (y + f32(0.5)) / s - f32(0.5)
     elif ctm == "half_pixel_symmetric":
-        offset = in_size / 2 * (1 - out_size / width)
-        x = offset + (y + 0.5) / scale - 0.5
+        offset = n_in / 2 * (1 - n_out / (s * n_in))
+        x = offset + (y + f32(0.5)) / s - f32(0.5)
     elif ctm == "tf_half_pixel_for_nn":
-        x = (y + 0.5) / scale
+        x = (y + f32(0.5)) / s
     else:
         raise LoweringError(f"Resize: coordinate_transformation_mode={ctm!r} is not an ONNX mode")
+    x = x.astype(np.float64)
     base = np.floor(x)
     ratio = np.where(x == base, 1.0, x - base)[:, None]
     s = min(scale, 1.0)
