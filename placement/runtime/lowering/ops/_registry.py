@@ -191,11 +191,10 @@ def torch_dtype(onnx_dtype: int) -> torch.dtype:
     except (KeyError, ValueError, TypeError):
         dtype = None
     if dtype is None or dtype in _NO_KERNELS:
-        name = (
-            ir.DataType(int(onnx_dtype)).name
-            if int(onnx_dtype) in ir.DataType._value2member_map_
-            else onnx_dtype
-        )
+        try:
+            name = f"{ir.DataType(int(onnx_dtype)).name} ({int(onnx_dtype)})"
+        except ValueError:
+            name = str(onnx_dtype)
         raise LoweringError(f"ONNX data type {name} has no torch equivalent with kernels")
     return dtype
 
