@@ -25,6 +25,7 @@ import torch
 
 from placement.errors import LoweringError
 from placement.runtime.lowering.ops._registry import Tensor, _axis, op, torch_dtype
+from placement.runtime.lowering.ops.elementwise import _cast
 from placement.runtime.lowering.ops.nn import conv
 
 #: Integer output types QuantizeLinear saturates to (float8 types saturate through their cast).
@@ -66,13 +67,6 @@ def _saturate(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.to(dtype)
 
 
-def _float8_saturate(values: Tensor, dtype: torch.dtype, saturate: int) -> Tensor:
-    if not saturate:
-        return values.to(dtype)
-    finfo = torch.finfo(dtype)
-    return torch.where(values.isinf() | values.isnan(), values, values.clamp(finfo.min, finfo.max)).to(dtype)
-
-
 @op("QuantizeLinear")
 def quantize_linear(
     x: Tensor,
@@ -101,7 +95,7 @@ def quantize_linear(
         if y_zero_point is not None:
             zero = _broadcast_param(y_zero_point.to(compute), x, axis, block_size)
             scaled = scaled + zero
-        return _float8_saturate(scaled, dtype, saturate)
+        return _cast(scaled, dtype, saturate)
     values = torch.round(scaled)
     if y_zero_point is not None:
         values = values + _broadcast_param(y_zero_point.to(compute), x, axis, block_size)
