@@ -230,8 +230,8 @@ def test_unsupported_ops_and_attributes_are_named_in_one_error():
     )
     nodes = [
         bn,
-        helper.make_node("DFT", ["y"], ["u"], name="dft_1"),
-        helper.make_node("DFT", ["u"], ["u2"], name="dft_2"),
+        helper.make_node("ImageDecoder", ["y"], ["u"], name="decode_1"),
+        helper.make_node("ImageDecoder", ["u"], ["u2"], name="decode_2"),
         helper.make_node("MaxPool", ["y"], ["p"], name="pool_1", kernel_shape=[1], storage_order=1),
         helper.make_node("Foo", ["x"], ["f"], name="foo_1", domain="my.domain"),
     ]
@@ -247,7 +247,7 @@ def test_unsupported_ops_and_attributes_are_named_in_one_error():
         pl.to_torch(model, device_map="cpu")
     message = str(info.value)
     expected = [
-        "DFT", "'dft_1'", "2 ops", "my.domain::Foo", "'foo_1'",
+        "ImageDecoder", "'decode_1'", "2 ops", "my.domain::Foo", "'foo_1'",
         "BatchNormalization: training_mode=1", "'bn_train'", "MaxPool: storage_order=1", "'pool_1'",
     ]  # fmt: skip
     for part in expected:
