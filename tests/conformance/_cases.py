@@ -89,8 +89,24 @@ class Case:
 
     @property
     def tensors_only(self) -> bool:
-        """True when every input and expected output is a plain (non-string) numpy array."""
-        return all(isinstance(v, np.ndarray) and v.dtype != object for v in (*self.inputs, *self.outputs))
+        """True when every input and expected output is a plain (non-string) tensor: a numpy
+        array, or a ``TensorProto`` (how the suite stores types numpy lacks, such as float8)."""
+        return all(_is_tensor(v) for v in (*self.inputs, *self.outputs))
+
+
+def _is_tensor(value: Any) -> bool:
+    from onnx import TensorProto
+
+    if isinstance(value, TensorProto):
+        return value.data_type != TensorProto.STRING
+    return isinstance(value, np.ndarray) and value.dtype != object
+
+
+def as_array(value: Any) -> Any:
+    """A ``TensorProto`` value as a numpy array (``ml_dtypes`` for float8 / int4); others unchanged."""
+    from onnx import TensorProto, numpy_helper
+
+    return numpy_helper.to_array(value) if isinstance(value, TensorProto) else value
 
 
 # --- the suite --------------------------------------------------------------------------
@@ -205,7 +221,7 @@ def _compare_value(got: Any, want: Any, rtol: float, atol: float, where: str) ->
         for j, (g, w) in enumerate(zip(got, want)):
             _compare_value(g, w, rtol, atol, f"{where}[{j}]")
         return
-    want = np.asarray(want)
+    want = np.asarray(as_array(want))
     assert isinstance(got, np.ndarray), f"{where}: expected an array, got {type(got).__name__}"
     assert got.shape == want.shape, f"{where}: shape {got.shape}, expected {want.shape}"
     if want.dtype == object or want.dtype.kind in "US":
@@ -283,23 +299,48 @@ def run_placed(case: Case, how: str) -> list[Any]:
     return runner.run(case.feeds)
 
 
-def _to_tensor(array: Any) -> Any:
+#: ``ml_dtypes`` names of the numpy types torch holds under the same bits.
+_ML_DTYPES = {
+    "bfloat16": ("bfloat16", np.uint16),
+    "float8_e4m3fn": ("float8_e4m3fn", np.uint8),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", np.uint8),
+    "float8_e5m2": ("float8_e5m2", np.uint8),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", np.uint8),
+}
+
+
+def to_tensor(value: Any) -> Any:
+    """A case value as a torch tensor (``ml_dtypes`` arrays reinterpreted bit for bit).
+
+    Raises:
+        TypeError: a type torch has no tensors of (int4, float4, ...).
+    """
     import torch
 
-    array = np.array(array)  # writable and owning
-    if array.dtype.name == "bfloat16":  # ml_dtypes: reinterpret the bits
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    array = np.array(as_array(value))  # writable and owning
+    if array.dtype.name in _ML_DTYPES:
+        name, bits = _ML_DTYPES[array.dtype.name]
+        return torch.from_numpy(array.view(bits)).view(getattr(torch, name))
+    if array.dtype.kind not in "biufc":
+        raise TypeError(f"torch has no tensors of numpy type {array.dtype.name}")
     return torch.from_numpy(array)
 
 
-def _from_tensor(tensor: Any) -> np.ndarray:
-    import torch
-
+def from_tensor(tensor: Any) -> np.ndarray:
+    """A torch tensor as a numpy array (``ml_dtypes`` for bfloat16 and float8)."""
     tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _ML_DTYPES:
         import ml_dtypes
 
-        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        _, bits = _ML_DTYPES[name]
+        import torch
+
+        return (
+            tensor.view(torch.uint8 if bits is np.uint8 else torch.uint16)
+            .numpy()
+            .view(getattr(ml_dtypes, name))
+        )
     return tensor.numpy()
 
 
@@ -309,8 +350,8 @@ def run_torch(case: Case) -> list[Any]:
     import placement as pl
 
     module = pl.to_torch(pl.load(case.model), device_map="cpu")
-    got = module(*[_to_tensor(x) for x in case.inputs])
-    return [_from_tensor(t) for t in (got if isinstance(got, tuple) else (got,))]
+    got = module(*[to_tensor(x) for x in case.inputs])
+    return [from_tensor(t) for t in (got if isinstance(got, tuple) else (got,))]
 
 
 register("ort", run_ort)

@@ -230,8 +230,8 @@ def test_unsupported_ops_and_attributes_are_named_in_one_error():
     )
     nodes = [
         bn,
-        helper.make_node("DFT", ["y"], ["u"], name="dft_1"),
-        helper.make_node("DFT", ["u"], ["u2"], name="dft_2"),
+        helper.make_node("ImageDecoder", ["y"], ["u"], name="decode_1"),
+        helper.make_node("ImageDecoder", ["u"], ["u2"], name="decode_2"),
         helper.make_node("MaxPool", ["y"], ["p"], name="pool_1", kernel_shape=[1], storage_order=1),
         helper.make_node("Foo", ["x"], ["f"], name="foo_1", domain="my.domain"),
     ]
@@ -247,7 +247,7 @@ def test_unsupported_ops_and_attributes_are_named_in_one_error():
         pl.to_torch(model, device_map="cpu")
     message = str(info.value)
     expected = [
-        "DFT", "'dft_1'", "2 ops", "my.domain::Foo", "'foo_1'",
+        "ImageDecoder", "'decode_1'", "2 ops", "my.domain::Foo", "'foo_1'",
         "BatchNormalization: training_mode=1", "'bn_train'", "MaxPool: storage_order=1", "'pool_1'",
     ]  # fmt: skip
     for part in expected:
@@ -406,3 +406,24 @@ def test_auto_map_uses_the_gpu(exported):
     module = pl.to_torch(model)  # one logical device, cuda:0
     assert {p.device.type for p in module.parameters()} == {"cuda"}
     torch.testing.assert_close(run(module, args), expected_outputs(net, args), **TOL)
+
+
+@pytest.mark.parametrize("slope_shape", [(3,), (1,), (1, 3, 4, 4)])
+def test_opset6_prelu_channel_slope_is_refused_at_lowering(slope_shape):
+    """PRelu-6 defines no broadcast for a per-channel slope (ONNX Runtime has no PRelu-6 kernel):
+    the lowering refuses it, naming the op and the input, instead of broadcasting another way."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 4, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 4, 4])
+    slope = onnx.numpy_helper.from_array(np.full(slope_shape, 0.25, np.float32), "slope")
+    graph = helper.make_graph(
+        [helper.make_node("PRelu", ["x", "slope"], ["y"], name="act")], "g", [x], [y], [slope]
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)])
+    proto.ir_version = 7
+    if slope_shape == (3,):
+        with pytest.raises(pl.LoweringError, match=r"'act' \(PRelu, opset 6\): input 'slope'"):
+            pl.to_torch(pl.load(proto), device_map="cpu")
+        return
+    module = pl.to_torch(pl.load(proto), device_map="cpu")
+    x_value = torch.linspace(-1, 1, 48).reshape(1, 3, 4, 4)
+    torch.testing.assert_close(module(x_value), torch.where(x_value < 0, 0.25 * x_value, x_value))

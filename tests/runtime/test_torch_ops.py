@@ -345,9 +345,13 @@ def test_constant_is_folded_and_used():
 
 
 def test_every_rule_is_an_onnx_op_with_a_callable():
-    for op_type, rule in RULES.items():
-        assert onnx.defs.has(op_type), op_type
+    for key, rule in RULES.items():
+        domain, _, op_type = key.rpartition("::")
         assert rule.op_type == op_type
+        assert domain in ("", "com.microsoft"), key  # ONNX Runtime's contrib ops, keyed by domain
+        if not domain:
+            assert onnx.defs.has(op_type), op_type
+        assert get_rule(op_type, domain) is rule
         assert callable(rule.fn)
 
 

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import keyword
 import logging
+import math
 import operator
 import re
 from collections.abc import Mapping
@@ -244,6 +245,16 @@ def check_supported(model: Model, *, problems: list[str] | None = None) -> None:
             issue = rule.check(attrs)
             if issue:
                 bad_attrs.setdefault(f"{key}: {issue}", node.name or "?")
+    for kind, values in (("input", model.graph.inputs), ("output", model.graph.outputs)):
+        for value in values:
+            if value.dtype is None or value.name in model.graph.initializers:
+                continue
+            try:
+                torch_dtype(int(value.dtype))
+            except LoweringError:
+                problems.append(
+                    f"graph {kind} {value.name!r} has type {value.dtype.name}, which torch has no tensors of"
+                )
     if missing:
         listed = "; ".join(
             f"{key} (e.g. op {example!r}{f', {count} ops' if count > 1 else ''})"
@@ -272,6 +283,9 @@ def _upgraded(model: Model) -> tuple[Model, list[str]]:
     opset = _default_opset(model)
     if opset is None or opset >= MIN_OPSET:
         return model, []
+    old_semantics = _old_semantics(model, opset)
+    if old_semantics:
+        return model, old_semantics
     import onnx
     from onnx import version_converter
 
@@ -300,6 +314,39 @@ def _upgraded(model: Model) -> tuple[Model, list[str]]:
             node.metadata_props[DEVICE_KEY] = placed.metadata_props[DEVICE_KEY]
     log.info("converted the model from opset %d to %d for the torch lowering", opset, MIN_OPSET)
     return Model(ir_model, device=_logical_devices(model)[0]), []
+
+
+def _old_semantics(model: Model, opset: int) -> list[str]:
+    """Ops of an old opset whose meaning ``onnx.version_converter`` does not carry over.
+
+    ``Scan`` before opset 9 has a batch axis and ``sequence_lens`` that the converted
+    graph drops; ``PRelu`` before opset 7 has no defined broadcast for a slope that is
+    neither one value nor the input's shape (ONNX Runtime has no kernel for it either).
+    """
+    problems: list[str] = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Scan" and opset < 9:
+            problems.append(
+                f"op {node.name or '?'!r} (Scan, opset {opset}): the batch axis and sequence_lens "
+                "of Scan before opset 9 are not lowered"
+            )
+        elif node.op_type == "PRelu" and opset < 7 and len(node.inputs) > 1:
+            x, slope = node.inputs[0], node.inputs[1]
+            slope_shape = None
+            if slope is not None:
+                const = slope.const_value
+                slope_shape = tuple(const.shape) if const is not None else _static_shape(slope)
+            x_shape = _static_shape(x) if x is not None else None
+            if slope_shape is None or (
+                math.prod(slope_shape) != 1 and (x_shape is None or tuple(slope_shape) != tuple(x_shape))
+            ):
+                problems.append(
+                    f"op {node.name or '?'!r} (PRelu, opset {opset}): input 'slope' of shape "
+                    f"{slope_shape} has no defined broadcast before opset 7 (one value or the input's shape)"
+                )
+    return problems
 
 
 # --- internals -------------------------------------------------------------------------
@@ -625,6 +672,8 @@ class _Lowering:
             attrs["num_outputs"] = len(outs)
         if "device" in (rule.params or ()):
             attrs["device"] = phys
+        if "opset" in (rule.params or ()):
+            attrs["opset"] = _default_opset(self.model) or MIN_OPSET
         continuation = self.deferred.pop(id(node), None)
         if continuation is not None:
             continuation(self, node, ins, phys)

@@ -37,7 +37,9 @@ direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
-(RNN, GRU, LSTM), :mod:`.control`.
+(RNN, GRU, LSTM), :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
+Runtime's ``com.microsoft`` quantized matmuls, keyed ``"com.microsoft::<op>"``), :mod:`.signal`
+(DFT, STFT, windows).
 
 Example:
     >>> import torch
@@ -58,10 +60,12 @@ from placement.runtime.lowering.ops import (
     elementwise,
     linalg,
     nn,
+    quantized,
     random,
     recurrent,
     reduction,
     shape,
+    signal,
 )
 from placement.runtime.lowering.ops._registry import (
     DEFAULT_RULE,
@@ -86,8 +90,10 @@ __all__ = [
     "elementwise",
     "linalg",
     "nn",
+    "quantized",
     "random",
     "recurrent",
     "reduction",
     "shape",
+    "signal",
 ]

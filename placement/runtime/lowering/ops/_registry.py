@@ -127,6 +127,7 @@ def op(
     buffer_inputs: tuple[int, ...] = (),
     widen_unsigned: bool = False,
     emit: Callable[..., bool] | None = None,
+    domain: str = "",
 ) -> Any:
     """Register the rule for ``op_type`` in :data:`RULES` (see :class:`Rule`).
 
@@ -134,15 +135,19 @@ def op(
     with an existing torch function whose semantics match ONNX
     (``op("Abs", torch.abs)``). Returns the function. ``foldable`` defaults to
     ``not nondeterministic`` (whether the op type is in
-    :data:`placement.analysis.NONDETERMINISTIC_OPS`).
+    :data:`placement.analysis.NONDETERMINISTIC_OPS`). An op of another ``domain``
+    (``"com.microsoft"``) is keyed ``"<domain>::<op_type>"``. A rule whose function takes
+    an ``opset`` keyword is given the model's default-domain opset (for defaults that
+    changed between opsets).
     """
 
     nondeterministic = op_type in NONDETERMINISTIC_OPS
+    key = op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
 
     def register(impl: Callable[..., Any]) -> Callable[..., Any]:
-        if op_type in RULES:
-            raise ValueError(f"op type {op_type!r} registered twice")
-        RULES[op_type] = Rule(
+        if key in RULES:
+            raise ValueError(f"op type {key!r} registered twice")
+        RULES[key] = Rule(
             op_type,
             impl,
             shape_inputs=shape_inputs,
@@ -163,12 +168,12 @@ def op(
 def get_rule(op_type: str, domain: str = "") -> Rule:
     """The rule for ``op_type`` in ``domain``, or :data:`DEFAULT_RULE`."""
     if domain not in ("", "ai.onnx"):
-        return DEFAULT_RULE
+        return RULES.get(f"{domain}::{op_type}", DEFAULT_RULE)
     return RULES.get(op_type, DEFAULT_RULE)
 
 
 def supported_op_types() -> list[str]:
-    """Sorted ONNX op types with a rule."""
+    """Sorted ONNX op types with a rule (other domains as ``"<domain>::<op_type>"``)."""
     return sorted(RULES)
 
 
@@ -182,9 +187,24 @@ def torch_dtype(onnx_dtype: int) -> torch.dtype:
         LoweringError: the type has no torch equivalent (strings, 4-bit types).
     """
     try:
-        return tensor_adapters.to_torch_dtype(ir.DataType(int(onnx_dtype)))
+        dtype = tensor_adapters.to_torch_dtype(ir.DataType(int(onnx_dtype)))
     except (KeyError, ValueError, TypeError):
-        raise LoweringError(f"ONNX data type {onnx_dtype} has no torch equivalent") from None
+        dtype = None
+    if dtype is None or dtype in _NO_KERNELS:
+        try:
+            name = f"{ir.DataType(int(onnx_dtype)).name} ({int(onnx_dtype)})"
+        except ValueError:
+            name = str(onnx_dtype)
+        raise LoweringError(f"ONNX data type {name} has no torch equivalent with kernels")
+    return dtype
+
+
+#: torch dtypes that exist as names only: no casts or arithmetic (sub-byte integers, e8m0).
+_NO_KERNELS = frozenset(
+    getattr(torch, name)
+    for name in [f"{s}int{b}" for s in ("", "u") for b in range(1, 8)] + ["float8_e8m0fnu"]
+    if hasattr(torch, name)
+)
 
 
 def _ints(value: IntsLike) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from typing import Any
 
@@ -242,22 +243,45 @@ def log_softmax(input: Tensor, *, axis: int = -1) -> Tensor:  # noqa: A002
     return torch.log_softmax(input, axis)
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
 def _direct_cast(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
-    if set(kwargs) != {"to"}:
+    if set(kwargs) != {"to"} or torch_dtype(kwargs["to"]) in _FLOAT8:
         return None
     return "call_method", "to", (args[0], torch_dtype(kwargs["to"])), {}
 
 
+def _cast(input: Tensor, dtype: torch.dtype, saturate: int) -> Tensor:  # noqa: A002
+    """``input.to(dtype)``, with ONNX's overflow rules for float8 targets: with ``saturate``,
+    values past the range (infinities too) become the largest finite value; without, NaN
+    (infinity for e5m2)."""
+    if dtype not in _FLOAT8 or input.dtype in _FLOAT8:
+        return input.to(dtype)
+    x = input if input.dtype in (torch.float32, torch.float64) else input.float()
+    info = torch.finfo(dtype)
+    # round to nearest even overflows from halfway between the largest value and the next step
+    limit = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+    overflow = x.abs() >= limit  # infinities too
+    if saturate:
+        y = torch.where(overflow, x.clamp(-info.max, info.max), x)
+    elif dtype == torch.float8_e5m2:
+        y = torch.where(overflow, x.sign() * math.inf, x)
+    else:
+        y = torch.where(overflow, torch.full_like(x, math.nan), x)
+    return y.to(dtype)
+
+
 @op("Cast", direct=_direct_cast)
 def cast(input: Tensor, *, to: int, saturate: int = 1, round_mode: str = "up") -> Tensor:  # noqa: A002
-    """ONNX Cast to the data type number ``to``."""
-    return input.to(torch_dtype(to))
+    """ONNX Cast to the data type number ``to`` (float8 targets saturate as ``saturate`` says)."""
+    return _cast(input, torch_dtype(to), saturate)
 
 
 @op("CastLike")
 def cast_like(input: Tensor, target_type: Tensor, *, saturate: int = 1, round_mode: str = "up") -> Tensor:  # noqa: A002
     """ONNX CastLike: cast to the dtype of ``target_type``."""
-    return input.to(target_type.dtype)
+    return _cast(input, target_type.dtype, saturate)
 
 
 @op("Identity")

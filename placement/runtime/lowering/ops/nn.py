@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -310,9 +311,15 @@ def average_pool(
     pads: Sequence[int] | None = None,
     strides: Sequence[int] | None = None,
 ) -> Tensor:
-    """ONNX AveragePool (1-3 spatial dims, ``count_include_pad``, asymmetric pads)."""
+    """ONNX AveragePool (1-3 spatial dims, ``count_include_pad``, asymmetric pads, dilations)."""
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
+    if dilations and any(d != 1 for d in dilations):
+        p = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
+        sums, counts = _dilated_window_sums(
+            X, kernel_shape, strides, list(dilations), p, bool(ceil_mode), bool(count_include_pad)
+        )
+        return sums / counts
     p = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
     if _symmetric(p) and all(v <= k // 2 for v, k in zip(p[:n], kernel_shape)):
         return _AVG_POOL[n](X, list(kernel_shape), strides, p[:n], bool(ceil_mode), bool(count_include_pad))
@@ -323,6 +330,54 @@ def average_pool(
     ones = F.pad(torch.ones_like(X[:1, :1]), _torch_pads(p, X.dim()))
     counts = _AVG_POOL[n](ones, list(kernel_shape), strides, 0, bool(ceil_mode), True)
     return sums / counts
+
+
+def _dilated_window_sums(
+    X: Tensor,
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Sums of ``X`` over dilated pooling windows and how many elements each average divides by.
+
+    The geometry is ONNX Runtime's: the output length, floor or ceil (a last window must
+    start inside the input or its leading padding), then the extra padding a ceiled last
+    window needs at the end; padding counts only up to the explicitly padded extent.
+    (ONNX's reference splits that extra padding between both ends, which shifts the
+    windows when it is 2 or more; ONNX Runtime does not.)
+    """
+    n = len(kernel)
+    begins, ends = list(pads[:n]), []
+    for i, (size, k, s, d) in enumerate(zip(X.shape[2:], kernel, strides, dilations)):
+        pb, pe = pads[i], pads[n + i]
+        length = (size + pb + pe - d * (k - 1) - 1) / s + 1
+        out = math.ceil(length) if ceil_mode else math.floor(length)
+        if ceil_mode and (out - 1) * s >= size + pb:
+            out -= 1
+        ends.append(pe + max((out - 1) * s + (k - 1) * d + 1 - size - pb - pe, 0))
+    ones = torch.ones((1, 1, *kernel), dtype=X.dtype, device=X.device)
+    # the reference reads a window's elements only below the explicitly padded extent
+    extent = [size + pads[i] + pads[n + i] for i, size in enumerate(X.shape[2:])]
+    kept = torch.ones((1, 1, *extent), dtype=X.dtype, device=X.device)
+    kept = F.pad(
+        kept,
+        _torch_pads(
+            [0] * n + [b + e - p - q for b, e, p, q in zip(begins, ends, pads[:n], pads[n:])], X.dim()
+        ),
+    )
+    real = F.pad(
+        torch.ones((1, 1, *X.shape[2:]), dtype=X.dtype, device=X.device), _torch_pads(begins + ends, X.dim())
+    )
+    flat = F.pad(X.reshape(-1, 1, *X.shape[2:]), _torch_pads(begins + ends, X.dim())) * kept
+    sums = _CONV[n](flat, ones, None, list(strides), 0, list(dilations))
+    sums = sums.reshape(*X.shape[:2], *sums.shape[2:])
+    counts = _CONV[n](
+        kept if count_include_pad else kept * real, ones, None, list(strides), 0, list(dilations)
+    )
+    return sums, counts
 
 
 @op("GlobalAveragePool")
@@ -337,24 +392,12 @@ def global_max_pool(X: Tensor) -> Tensor:
     return X.amax(dim=tuple(range(2, X.dim())), keepdim=True)
 
 
-_LINEAR_MODES = {"half_pixel", "pytorch_half_pixel", "align_corners"}
-
-
 def _resize_check(attrs: dict[str, Any]) -> str | None:
     mode = attrs.get("mode", "nearest")
-    ctm = attrs.get("coordinate_transformation_mode", "half_pixel")
-    if attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
-        return f"keep_aspect_ratio_policy={attrs['keep_aspect_ratio_policy']!r}"
-    if mode == "nearest":
-        if ctm == "tf_crop_and_resize":
-            return "coordinate_transformation_mode='tf_crop_and_resize'"
-        return None
-    if mode not in ("linear", "cubic"):
+    if mode not in ("nearest", "linear", "cubic"):
         return f"mode={mode!r}"
-    if ctm not in _LINEAR_MODES:
-        return f"mode={mode!r} with coordinate_transformation_mode={ctm!r}"
-    if mode == "cubic" and (attrs.get("exclude_outside") or attrs.get("cubic_coeff_a", -0.75) != -0.75):
-        return "cubic with exclude_outside or cubic_coeff_a != -0.75"
+    if mode == "nearest" and attrs.get("antialias"):
+        return "mode='nearest' with antialias=1"
     return None
 
 
@@ -375,62 +418,237 @@ def resize(
     mode: str = "nearest",
     nearest_mode: str = "round_prefer_floor",
 ) -> Tensor:
-    """ONNX Resize: ``nearest`` (every coordinate mode and rounding), ``linear`` and
-    ``cubic`` (through ``F.interpolate``) over the spatial dims."""
+    """ONNX Resize, every mode and attribute: ``F.interpolate`` where its weights equal ONNX's,
+    otherwise one interpolation matrix per resized axis (antialias, ``tf_crop_and_resize``, ...)."""
     rank = X.dim()
     axes_ = [_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
     scale_list = [
         float(s) for s in (scales.reshape(-1).tolist() if isinstance(scales, Tensor) else scales or [])
     ]
     size_list = _ints(sizes) if sizes is not None else []
+    roi_list = [float(v) for v in (roi.reshape(-1).tolist() if isinstance(roi, Tensor) else roi or [])]
     full_scales = [1.0] * rank
     full_sizes = list(X.shape)
     if size_list:
         for a, s in zip(axes_, size_list):
             full_sizes[a] = s
             full_scales[a] = s / X.shape[a]
+        if keep_aspect_ratio_policy != "stretch":
+            pick = min if keep_aspect_ratio_policy == "not_larger" else max
+            common = pick(full_scales[a] for a in axes_)
+            for a in axes_:
+                full_scales[a] = common
+                full_sizes[a] = int(common * X.shape[a] + 0.5)
     else:
         for a, s in zip(axes_, scale_list):
             full_scales[a] = s
             full_sizes[a] = int(math.floor(X.shape[a] * s))
-    if mode == "nearest":
+    full_roi = [0.0] * rank + [1.0] * rank
+    if roi_list:
+        for i, a in enumerate(axes_):
+            full_roi[a], full_roi[rank + a] = roi_list[i], roi_list[len(axes_) + i]
+    ctm = coordinate_transformation_mode
+    changed = [
+        a
+        for a in range(rank)
+        if full_sizes[a] != X.shape[a]
+        or full_scales[a] != 1.0
+        or (ctm == "tf_crop_and_resize" and (full_roi[a], full_roi[rank + a]) != (0.0, 1.0))
+    ]
+    if mode == "nearest" and ctm not in ("tf_crop_and_resize", "half_pixel_symmetric"):
         out = X
-        for a in range(rank):
-            if full_sizes[a] != X.shape[a] or full_scales[a] != 1.0:
-                index = _nearest_index(
-                    X.shape[a],
-                    full_sizes[a],
-                    full_scales[a],
-                    coordinate_transformation_mode,
-                    nearest_mode,
-                    X.device,
-                )
-                out = out.index_select(a, index)
+        for a in changed:
+            index = _nearest_index(X.shape[a], full_sizes[a], full_scales[a], ctm, nearest_mode, X.device)
+            out = out.index_select(a, index)
         return out
-    if full_sizes[:2] != list(X.shape[:2]):
-        raise LoweringError("Resize: linear/cubic modes only resize the spatial dims")
-    spatial = rank - 2
-    torch_mode = {
+    fast = _interpolate_mode(
+        X,
+        changed,
+        full_sizes,
+        full_scales,
+        mode,
+        ctm,
+        antialias,
+        cubic_coeff_a,
+        exclude_outside,
+        bool(size_list),
+    )
+    if fast is not None:
+        align = ctm == "align_corners"
+        if size_list:
+            return F.interpolate(X, size=full_sizes[2:], mode=fast, align_corners=align)
+        return F.interpolate(
+            X, scale_factor=full_scales[2:], mode=fast, align_corners=align, recompute_scale_factor=False
+        )
+    compute = X if X.dtype in (torch.float32, torch.float64) else X.to(torch.float32)
+    out = compute
+    for a in changed:
+        weights, outside = _resize_weights(
+            X.shape[a],
+            full_sizes[a],
+            full_scales[a],
+            mode,
+            ctm,
+            (full_roi[a], full_roi[rank + a]),
+            bool(antialias),
+            float(cubic_coeff_a),
+            bool(exclude_outside),
+            nearest_mode,
+        )
+        w = torch.from_numpy(weights).to(device=X.device, dtype=compute.dtype)
+        out = torch.movedim(torch.movedim(out, a, -1) @ w.T, -1, a)
+        if outside is not None:
+            mask = torch.from_numpy(outside).to(X.device).reshape([-1] + [1] * (rank - 1 - a))
+            out = out.masked_fill(mask, extrapolation_value)
+    if X.dtype == compute.dtype:
+        return out
+    if not X.dtype.is_floating_point:
+        info = torch.iinfo(X.dtype)
+        out = torch.round(out).clamp(info.min, info.max)
+    return out.to(X.dtype)
+
+
+def _interpolate_mode(
+    X: Tensor,
+    changed: list[int],
+    sizes: list[int],
+    scales: list[float],
+    mode: str,
+    ctm: str,
+    antialias: int,
+    cubic_coeff_a: float,
+    exclude_outside: int,
+    by_size: bool,
+) -> str | None:
+    """The ``F.interpolate`` mode that weighs pixels exactly as ONNX does here, or None."""
+    spatial = X.dim() - 2
+    if any(a < 2 for a in changed) or not X.dtype.is_floating_point:
+        return None
+    if antialias and any(scales[a] < 1 for a in changed):
+        return None
+    if mode == "cubic" and (exclude_outside or cubic_coeff_a != -0.75):
+        return None
+    if ctm == "align_corners":  # ONNX divides by scale * in_size - 1, torch by out_size - 1
+        if not by_size and any(scales[a] * X.shape[a] != sizes[a] for a in changed):
+            return None
+    elif ctm == "pytorch_half_pixel":
+        if any(sizes[a] == 1 for a in changed):
+            return None
+    elif ctm != "half_pixel":
+        return None
+    return {
         ("linear", 1): "linear",
         ("linear", 2): "bilinear",
         ("linear", 3): "trilinear",
         ("cubic", 2): "bicubic",
     }.get((mode, spatial))
-    if torch_mode is None:
-        raise LoweringError(f"Resize: mode {mode!r} over {spatial} spatial dims is not supported")
-    align = coordinate_transformation_mode == "align_corners"
-    if size_list:
-        return F.interpolate(
-            X, size=full_sizes[2:], mode=torch_mode, align_corners=align, antialias=bool(antialias)
+
+
+def _resize_weights(
+    in_size: int,
+    out_size: int,
+    scale: float,
+    mode: str,
+    ctm: str,
+    roi: tuple[float, float],
+    antialias: bool,
+    a: float,
+    exclude_outside: bool,
+    nearest_mode: str,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """ONNX's 1-D resize along one axis as an ``(out_size, in_size)`` matrix (float64), plus the
+    outputs that take ``extrapolation_value`` (``tf_crop_and_resize``).
+
+    Source coordinates are computed as ONNX Runtime computes them, in float32 and from the
+    integer output length (ONNX's reference uses ``scale * in_size`` for ``align_corners`` and
+    ``tf_crop_and_resize``); the weights follow the reference's kernels.
+    """
+    f32 = np.float32
+    y = np.arange(out_size, dtype=f32)
+    s, n_in, n_out = f32(scale), f32(in_size), f32(out_size)
+    outside = None
+    if ctm == "align_corners":
+        x = np.zeros(out_size, f32) if out_size == 1 else y * ((n_in - 1) / (n_out - 1))
+    elif ctm == "asymmetric":
+        x = y / s
+    elif ctm == "tf_crop_and_resize":
+        start, end = f32(roi[0]), f32(roi[1])
+        if out_size == 1:
+            x = np.full(out_size, (end - start) * (n_in - 1) / 2, f32)
+        else:
+            x = y * (end - start) * (n_in - 1) / (n_out - 1)
+        x = x + start * (n_in - 1)
+        outside = (x < 0) | (x > n_in - 1)
+    elif ctm == "pytorch_half_pixel":
+        x = np.zeros(out_size, f32) if out_size == 1 else (y + f32(0.5)) / s - f32(0.5)
+    elif ctm == "half_pixel":
+        x = (y + f32(0.5)) / s - f32(0.5)
+    elif ctm == "half_pixel_symmetric":
+        offset = n_in / 2 * (1 - n_out / (s * n_in))
+        x = offset + (y + f32(0.5)) / s - f32(0.5)
+    elif ctm == "tf_half_pixel_for_nn":
+        x = (y + f32(0.5)) / s
+    else:
+        raise LoweringError(f"Resize: coordinate_transformation_mode={ctm!r} is not an ONNX mode")
+    x = x.astype(np.float64)
+    base = np.floor(x)
+    ratio = np.where(x == base, 1.0, x - base)[:, None]
+    s = min(scale, 1.0)
+    if mode == "nearest":
+        right = {
+            "round_prefer_floor": ratio > 0.5,
+            "round_prefer_ceil": ratio >= 0.5,
+            "floor": np.zeros_like(ratio, dtype=bool),
+            "ceil": np.ones_like(ratio, dtype=bool),
+        }[nearest_mode] | (ratio == 1.0)
+        coeffs = np.concatenate([~right, right], axis=1).astype(np.float64)
+    elif mode == "linear" and antialias:
+        first = int(np.floor(-1 / s) + 1)
+        args = (np.arange(first, 2 - first)[None, :] - ratio) * s
+        coeffs = np.clip(1 - np.abs(args), 0, 1)
+        coeffs = coeffs / coeffs.sum(axis=1, keepdims=True)
+    elif mode == "linear":
+        coeffs = np.concatenate([1 - ratio, ratio], axis=1)
+    elif antialias:  # cubic
+        first = int(np.floor(-2 / s) + 1)
+        coeffs = _cubic_kernel(s * (np.arange(first, 2 - first)[None, :] - ratio), a)
+        coeffs = coeffs / coeffs.sum(axis=1, keepdims=True)
+    else:
+        r = ratio
+        coeffs = np.concatenate(
+            [
+                ((a * (r + 1) - 5 * a) * (r + 1) + 8 * a) * (r + 1) - 4 * a,
+                ((a + 2) * r - (a + 3)) * r * r + 1,
+                ((a + 2) * (1 - r) - (a + 3)) * (1 - r) * (1 - r) + 1,
+                ((a * (2 - r) - 5 * a) * (2 - r) + 8 * a) * (2 - r) - 4 * a,
+            ],
+            axis=1,
         )
-    return F.interpolate(
-        X,
-        scale_factor=full_scales[2:],
-        mode=torch_mode,
-        align_corners=align,
-        recompute_scale_factor=False,
-        antialias=bool(antialias),
-    )
+    n = coeffs.shape[1]
+    pad = int(np.ceil(n / 2))
+    padded = x + pad
+    p = np.floor(padded).astype(np.int64)
+    frac = padded - p
+    if n % 2 == 0:
+        offset = np.where(frac == 0, -(n // 2), -(n // 2) + 1)
+    else:
+        offset = np.where(frac <= 0.5, -((n - 1) // 2), -((n - 1) // 2) + 1)
+    index = (p + offset)[:, None] + np.arange(n)[None, :] - pad
+    if exclude_outside:
+        coeffs = np.where((index < 0) | (index >= in_size), 0.0, coeffs)
+        total = coeffs.sum(axis=1, keepdims=True)
+        coeffs = coeffs / np.where(total == 0, 1.0, total)
+    weights = np.zeros((out_size, in_size), dtype=np.float64)
+    rows = np.repeat(np.arange(out_size), n)
+    np.add.at(weights, (rows, np.clip(index, 0, in_size - 1).reshape(-1)), coeffs.reshape(-1))
+    return weights, outside
+
+
+def _cubic_kernel(x: np.ndarray, a: float) -> np.ndarray:
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x <= 1, near, np.where(x < 2, far, 0.0))
 
 
 def _nearest_index(
@@ -541,12 +759,7 @@ def _reflect(pos: Tensor, size: int, align: bool) -> Tensor:
     return (x + lo).clamp(0, size - 1)
 
 
-def _lp_pool_check(attrs: dict[str, Any]) -> str | None:
-    dil = attrs.get("dilations")
-    return "dilations != 1" if dil and any(d != 1 for d in dil) else None
-
-
-@op("LpPool", check=_lp_pool_check)
+@op("LpPool")
 def lp_pool(
     X: Tensor,
     *,
@@ -558,9 +771,15 @@ def lp_pool(
     pads: Sequence[int] | None = None,
     strides: Sequence[int] | None = None,
 ) -> Tensor:
-    """ONNX LpPool: ``(sum |x|^p)^(1/p)`` per window, zero padding."""
+    """ONNX LpPool: ``(sum |x|^p)^(1/p)`` per window, zero padding, dilations."""
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
+    if dilations and any(d != 1 for d in dilations):
+        pad = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
+        sums, _ = _dilated_window_sums(
+            X.abs() ** p, kernel_shape, strides, list(dilations), pad, bool(ceil_mode), False
+        )
+        return sums ** (1.0 / p)
     pad = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
     padded = F.pad(X.abs() ** p, _torch_pads(pad, X.dim()))
     window = math.prod(kernel_shape)
@@ -661,14 +880,43 @@ def col2im(
     pads: Sequence[int] | None = None,
     strides: Sequence[int] | None = None,
 ) -> Tensor:
-    """ONNX Col2Im for 2-D images (``F.fold``)."""
+    """ONNX Col2Im: ``F.fold`` for 2-D images, a scatter-add of the blocks for other ranks."""
     image, block = _ints(image_shape), _ints(block_shape)
     if len(image) != 2:
-        raise LoweringError(f"Col2Im: only 2-D images are lowered, got {len(image)}-D")
+        return _col2im_nd(input, image, block, dilations, pads, strides)
     pad = list(pads or [0, 0, 0, 0])
     padded = [image[0] + pad[0] + pad[2], image[1] + pad[1] + pad[3]]
     out = F.fold(input, padded, block, list(dilations or [1, 1]), 0, list(strides or [1, 1]))
     return out[..., pad[0] : pad[0] + image[0], pad[1] : pad[1] + image[1]]
+
+
+def _col2im_nd(
+    input: Tensor,  # noqa: A002
+    image: list[int],
+    block: list[int],
+    dilations: Sequence[int] | None,
+    pads: Sequence[int] | None,
+    strides: Sequence[int] | None,
+) -> Tensor:
+    """Col2Im over any number of image dims: each column element added at its image position."""
+    n = len(image)
+    dil = list(dilations or [1] * n)
+    stride = list(strides or [1] * n)
+    pad = list(pads or [0] * (2 * n))
+    padded = [image[d] + pad[d] + pad[n + d] for d in range(n)]
+    counts = [(padded[d] - dil[d] * (block[d] - 1) - 1) // stride[d] + 1 for d in range(n)]
+    offsets = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1).reshape(-1, n)
+    starts = np.stack(np.meshgrid(*[np.arange(c) for c in counts], indexing="ij"), -1).reshape(-1, n)
+    positions = offsets[:, None, :] * np.array(dil) + starts[None, :, :] * np.array(stride)
+    flat = np.ravel_multi_index(tuple(positions.reshape(-1, n).T), padded)
+    index = torch.from_numpy(flat).to(input.device)
+    batch, channels = input.shape[0], input.shape[1] // math.prod(block)
+    cols = input.reshape(batch, channels, -1)
+    out = cols.new_zeros(batch, channels, math.prod(padded)).index_add(2, index, cols)
+    out = out.reshape(batch, channels, *padded)
+    for d in range(n):
+        out = out.narrow(2 + d, pad[d], image[d])
+    return out
 
 
 @op("AffineGrid", shape_inputs=(1,))
