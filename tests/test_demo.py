@@ -31,7 +31,7 @@ def test_main_job_default_model():
     for needle in ("placement by device", "ONNX Runtime stages", "onnxruntime", "torch lowered", "OK"):
         assert needle in text
     if result.emulated:
-        assert "EMULATED" in text
+        assert "emulated on the CPU" in text and "EMULATED" not in text
 
 
 def test_four_devices_and_model_none_means_default():
