@@ -20,6 +20,9 @@ import placement as pl
 from placement import demo
 from placement.cli import _parse_dims, main
 
+# the module-scoped fixture runs once: every test of this module on one xdist worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("cli_inputs")
+
 SCRIPT = Path(sys.executable).with_name("placement")
 
 
