@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])
     parser.add_argument("--size", default="bench", choices=["bench", "tiny"], help="tiny: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS), help="default: all"
+    )
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "CONTENDER", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     env, allocator = _preload()
     results: list[dict[str, Any]] = []
     for model_name in args.models:
-        for contender in CONTENDERS:
+        for contender in args.contenders:
             print(f"{model_name}: {contender} ...", flush=True)
             out = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--child", model_name, contender, args.size],

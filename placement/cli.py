@@ -3,11 +3,12 @@
 Subcommands::
 
     placement models                         list the built-in models
-    placement inspect MODEL                  per-device table, scopes, parameters of a model
+    placement inspect MODEL                  inputs (dtype, shape), per-device table, scopes, parameters
     placement plan MODEL -o PLAN.json        plan a placement (devices, memory budgets) without placing
     placement place MODEL -o OUT.onnx        place a model (equal split, --auto, or --plan) and save it
     placement run PLACED.onnx --input x=x.npy --output out.npz
                                              run a placed model, print latency and where stages ran
+                                             (--input x=random or --random-inputs: no files needed)
     placement draw MODEL -o placed.svg       picture of the graph coloured by device (svg/png/pdf/dot)
     placement report MODEL -o report.html    one self-contained HTML page: tables, charts, the graph
     placement demo                           the main job: place the default model on 2 devices,
@@ -70,20 +71,28 @@ def _step(console: Any, description: str) -> Iterator[None]:
 
 
 def load_model_spec(
-    spec: str, *, size: str = "tiny", seed: int = 0, console: Any = None
+    spec: str, *, size: str = "tiny", seed: int = 0, console: Any = None, dynamic_batch: bool = False
 ) -> tuple[Any, Any, tuple]:
     """Load MODEL as the CLI understands it: an ONNX file or a built-in model name.
+
+    With ``dynamic_batch``, a built-in model is exported with a symbolic ``batch``
+    dimension (axis 0 of every input), so it can be run with any batch size and
+    pipelined (``placement run --chunks K``); an ONNX file must already have one.
 
     Returns ``(model, torch_module_or_None, example_args_or_None)``.
 
     Raises:
-        PlacementError: neither a readable file nor a known model name.
+        PlacementError: neither a readable file nor a known model name, or an ONNX
+            file without a batch dimension when ``dynamic_batch`` asks for one.
     """
     step = (lambda text: _step(console, text)) if console is not None else (lambda text: _nothing())
     path = Path(spec)
     if path.suffix == ".onnx" or path.exists():
         with step(f"loading {spec}"):
-            return pl.load(path), None, ()
+            model = pl.load(path)
+        if dynamic_batch:
+            _check_dynamic_batch(model, spec)
+        return model, None, ()
     from placement import models
 
     if spec not in models.MODELS:
@@ -92,8 +101,40 @@ def load_model_spec(
     if size not in models.SIZES:
         raise pl.PlanError(f"unknown size {size!r}; choose from {', '.join(models.SIZES)}")
     net, args = models.build(spec, size, seed=seed)
-    with step(f"exporting {spec} ({size}) to ONNX"):
-        return pl.from_torch(net, args), net, args
+    shapes = batch_dynamic_shapes(args) if dynamic_batch else None
+    with step(f"exporting {spec} ({size}) to ONNX" + (" with a dynamic batch" if dynamic_batch else "")):
+        return pl.from_torch(net, args, dynamic_shapes=shapes), net, args
+
+
+def batch_dynamic_shapes(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``dynamic_shapes`` for :func:`placement.from_torch` making axis 0 of every input ``batch``.
+
+    Example:
+        >>> import torch
+        >>> from placement.cli import batch_dynamic_shapes
+        >>> shapes = batch_dynamic_shapes((torch.zeros(2, 8), torch.tensor(1.0)))
+        >>> shapes[0][0].__name__, shapes[1]
+        ('batch', None)
+    """
+    import torch
+
+    batch = torch.export.Dim("batch")
+    return tuple({0: batch} if getattr(a, "ndim", 0) > 0 else None for a in args)
+
+
+def _check_dynamic_batch(model: Any, spec: str) -> None:
+    """Refuse an ONNX file none of whose inputs has a symbolic first dimension."""
+    from placement.runtime.inputs import input_specs
+
+    specs = [s for s in input_specs(model.graph) if s.kind == "tensor"]
+    if any(s.shape and not isinstance(s.shape[0], int) for s in specs):
+        return
+    described = ", ".join(f"{s.name}: {s.describe()}" for s in specs) or "no inputs"
+    raise pl.ExportError(
+        f"{spec} has a fixed batch size ({described}); --dynamic-batch re-exports built-in models "
+        "only: export your module with pl.from_torch(net, args, "
+        "dynamic_shapes=({0: torch.export.Dim('batch')},)) and save it"
+    )
 
 
 @contextlib.contextmanager
@@ -215,6 +256,8 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
         data["scopes"] = [
             {"scope": scope, "ops": counts} for scope, counts in _scope_counts(model, args.depth).items()
         ]
+        inputs, outputs = _io_specs(model)
+        data["inputs"], data["outputs"] = ([_spec_dict(x) for x in specs] for specs in (inputs, outputs))
         data["parameters"] = [
             {"name": p.name, "device": str(p.device), "shape": list(p.shape), "bytes": p.nbytes}
             for p in model.parameters.values()
@@ -222,10 +265,105 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
         console.print_json(data=data)
         return 0
     console.print(f"[bold]{args.model}[/bold]: {model!r}", highlight=False)
+    console.print(_io_table(model))
+    for line in _input_recipe(model):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(summary.to_table())
     console.print(_scope_table(model, args.depth))
     console.print(_parameter_table(model, args.top))
     return 0
+
+
+def _spec_dict(spec: Any) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": str(spec.dtype), "shape": list(spec.shape or ()), "kind": spec.kind}
+
+
+def _io_specs(model: Any) -> tuple[list[Any], list[Any]]:
+    """Input and output specs (name, dtype, dims with symbolic names) of ``model``'s graph."""
+    from placement.runtime.inputs import InputSpec, input_specs
+
+    graph = model.graph
+    outputs = []
+    for value in graph.outputs:
+        dtype = None
+        if value.dtype is not None:
+            with contextlib.suppress(Exception):
+                import numpy as np
+
+                dtype = np.dtype(value.dtype.numpy())
+        shape = None
+        if value.shape is not None:
+            shape = tuple(d if isinstance(d, int) else getattr(d, "value", None) for d in value.shape)
+        outputs.append(InputSpec(value.name or "", dtype, shape))
+    return input_specs(graph), outputs
+
+
+def _io_table(model: Any) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    inputs, outputs = _io_specs(model)
+    table = Table(title="graph inputs and outputs (symbolic dimensions by name, ? if unnamed)")
+    for column in ("", "name", "dtype", "shape"):
+        table.add_column(column)
+    for role, specs in (("input", inputs), ("output", outputs)):
+        for spec in specs:
+            dtype, _, shape = spec.describe().partition("[")
+            table.add_row(role, spec.name, dtype, escape("[" + shape if spec.kind == "tensor" else spec.kind))
+    return table
+
+
+def _input_recipe(model: Any) -> list[str]:
+    """Lines saying how to make input files for ``placement run`` (or run on random inputs)."""
+    inputs, _ = _io_specs(model)
+    tensors = [s for s in inputs if s.kind == "tensor" and s.dtype is not None and s.shape is not None]
+    if not tensors:
+        return []
+    lines = ["make an input file per graph input, e.g. with numpy:"]
+    for spec in tensors:
+        shape = tuple(d if isinstance(d, int) else _DEFAULT_DIM for d in spec.shape)
+        if spec.dtype.kind in "iu":
+            high = _index_bound(model, spec.name) or 10
+            maker = f"np.random.randint(0, {high}, {shape!r}).astype('{spec.dtype}')"
+        elif spec.dtype.kind == "b":
+            maker = f"np.random.rand(*{shape!r}) > 0.5"
+        else:
+            maker = f"np.random.rand(*{shape!r}).astype('{spec.dtype}')"
+        lines.append(f"  python -c \"import numpy as np; np.save('{spec.name}.npy', {maker})\"")
+    symbolic = sorted({str(d) for s in tensors for d in s.shape if not isinstance(d, int)})
+    if symbolic:
+        names = ", ".join(symbolic)
+        lines.append(f"  (symbolic dimensions {names} set to {_DEFAULT_DIM} here; any size works)")
+    feeds = " ".join(f"--input {s.name}={s.name}.npy" for s in tensors)
+    lines.append(f"then: placement run PLACED.onnx {feeds}")
+    randoms = " ".join(f"--input {s.name}=random" for s in tensors)
+    lines.append(f"or without files: placement run PLACED.onnx {randoms}")
+    return lines
+
+
+#: The size a symbolic dimension gets in random inputs and recipes unless ``--dim NAME=N`` says.
+_DEFAULT_DIM = 2
+
+
+def _index_bound(model: Any, name: str) -> int | None:
+    """The row count of the table graph input ``name`` indexes through a Gather (via copies), if any."""
+    names, bounds = {name}, []
+    for op in model.iter_ops():  # topological order: a copy of the input comes before its readers
+        node = op.node
+        if op.is_copy or node.op_type == "Identity":
+            if node.inputs and node.inputs[0] is not None and node.inputs[0].name in names:
+                names.update(v.name for v in node.outputs)
+            continue
+        if node.op_type != "Gather" or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        table = node.inputs[0]
+        if node.inputs[1].name not in names or table is None or table.shape is None:
+            continue
+        axis = node.attributes["axis"].value if "axis" in node.attributes else 0
+        axis = axis + len(table.shape) if axis < 0 else axis
+        if 0 <= axis < len(table.shape) and isinstance(table.shape[axis], int):
+            bounds.append(table.shape[axis])
+    return min(bounds) if bounds else None
 
 
 def _scope_counts(model: Any, depth: int) -> dict[str, dict[str, int]]:
@@ -290,7 +428,9 @@ def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
 
 def _cmd_place(args: argparse.Namespace, console: Any) -> int:
     target = _check_output(args.output, [".onnx"], "the placed model")
-    model, _, _ = load_model_spec(args.model, size=args.size, console=console)
+    model, _, _ = load_model_spec(
+        args.model, size=args.size, console=console, dynamic_batch=args.dynamic_batch
+    )
     plan = _place(model, args, console, default_split=2)
     if plan is not None:
         console.print(plan.to_table())
@@ -315,7 +455,13 @@ def _cmd_run(args: argparse.Namespace, console: Any) -> int:
             raise pl.InputError(f"--chunks must be at least 1, got {args.chunks}")
         options["chunks"] = args.chunks
     model = pl.load(args.model)
-    inputs = _read_inputs(args.input, model.inputs)
+    inputs = _read_inputs(
+        args.input,
+        model,
+        random_rest=args.random_inputs,
+        dims=_parse_dims(args.dim),
+        default_dim=_DEFAULT_DIM * (args.chunks or 1),
+    )
     with _step(console, "building ONNX Runtime sessions"):
         runner = pl.Runner(model, **options)
     with _step(console, "first run (warm-up)"):
@@ -399,16 +545,51 @@ def _parse_device_map(text: str) -> Any:
     return mapping
 
 
-def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str, Any]:
-    """``["x=x.npy"]`` -> ``{"x": array}``; a single input may be given as ``x.npy``."""
+def _parse_dims(items: Sequence[str] | None) -> dict[str, int]:
+    """``["batch=8", "seq=16,x=2"]`` -> ``{"batch": 8, "seq": 16, "x": 2}``."""
+    dims: dict[str, int] = {}
+    for item in ",".join(items or ()).split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        try:
+            size = int(value)
+        except ValueError:
+            size = -1
+        if not sep or not name.strip() or size < 1:
+            raise pl.InputError(f"bad --dim item {item!r}: use NAME=N with N >= 1, e.g. batch=8")
+        dims[name.strip()] = size
+    return dims
+
+
+def _read_inputs(
+    specs: Sequence[str] | None,
+    model: Any,
+    *,
+    random_rest: bool = False,
+    dims: dict[str, int] | None = None,
+    default_dim: int = _DEFAULT_DIM,
+) -> dict[str, Any]:
+    """``["x=x.npy", "y=random"]`` -> ``{"x": array, "y": array}``; a single input may be ``x.npy``.
+
+    ``NAME=random`` (or ``random_rest`` for every input not named) makes random data of the
+    input's dtype and shape; symbolic dimensions take ``dims[name]``, else ``default_dim``.
+    """
     import numpy as np
 
-    if not specs:
+    from placement.runtime.inputs import input_specs
+
+    names = model.inputs
+    if not specs and not random_rest:
         raise pl.InputError(
-            f"give the model's inputs with --input NAME=FILE.npy (it reads {', '.join(names)})"
+            f"give the model's inputs with --input NAME=FILE.npy or NAME=random, or --random-inputs "
+            f"(it reads {', '.join(names)}; 'placement inspect' shows their shapes)"
         )
+    by_name = {spec.name: spec for spec in input_specs(model.graph)}
+    wanted = dict(dims or {})
     arrays: dict[str, Any] = {}
-    for spec in specs:
+    random_names: list[str] = []
+    for spec in specs or ():
         name, sep, path = spec.partition("=")
         if not sep:
             if len(names) != 1:
@@ -418,13 +599,45 @@ def _read_inputs(specs: Sequence[str] | None, names: Sequence[str]) -> dict[str,
             raise pl.InputError(
                 f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})"
             )
+        if path == "random":
+            random_names.append(name)
+            continue
         try:
             arrays[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
             raise pl.InputError(f"cannot read input {name!r} from {path!r}: {err}") from err
         if not isinstance(arrays[name], np.ndarray):
             raise pl.InputError(f"input file {path!r} holds several arrays; give one .npy per input")
+    if random_rest:
+        random_names += [n for n in names if n not in arrays and n not in random_names]
+    symbolic = {str(d) for n in random_names for d in (by_name[n].shape or ()) if not isinstance(d, int)}
+    unknown = sorted(set(wanted) - symbolic)
+    if unknown:
+        known = ", ".join(sorted(symbolic)) or "none"
+        raise pl.InputError(
+            f"--dim {', '.join(unknown)}: not a symbolic dimension of the random inputs (theirs: {known})"
+        )
+    rng = np.random.default_rng(0)
+    for name in random_names:
+        arrays[name] = _random_input(model, by_name[name], rng, wanted, default_dim)
     return arrays
+
+
+def _random_input(model: Any, spec: Any, rng: Any, dims: dict[str, int], default_dim: int) -> Any:
+    """Random data of ``spec``'s dtype and shape: normal floats, valid indices, fair booleans."""
+    if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
+        raise pl.InputError(
+            f"input {spec.name!r} ({spec.describe() if spec.kind == 'tensor' else spec.kind}) has no "
+            "known tensor type and shape: give it as a file (--input NAME=FILE.npy)"
+        )
+    shape = tuple(d if isinstance(d, int) else dims.get(str(d), default_dim) for d in spec.shape)
+    if spec.dtype.kind in "iu":
+        return rng.integers(0, _index_bound(model, spec.name) or 10, shape).astype(spec.dtype)
+    if spec.dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    if spec.dtype.kind in "fc":
+        return rng.standard_normal(shape).astype(spec.dtype)
+    raise pl.InputError(f"input {spec.name!r} is {spec.dtype}: give it as a file (--input NAME=FILE.npy)")
 
 
 def _npz_bytes(arrays: dict[str, Any]) -> bytes:
@@ -615,16 +828,7 @@ def _add_place_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by 'placement plan'")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``placement`` command."""
-    parser = _Parser(
-        prog="placement",
-        description="Split neural networks across devices at the operator-graph level.",
-        epilog="Run 'placement COMMAND --help' for the options of each command.",
-    )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-
+def _add_models(sub: Any) -> None:
     p = sub.add_parser(
         "models",
         help="list the built-in models",
@@ -633,13 +837,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_models)
 
+
+def _add_inspect(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="per-device table, module scopes and parameters of a model",
+        help="inputs and outputs, per-device table, module scopes and parameters of a model",
         description=(
-            "Print a per-device table (ops, parameter bytes, activations, copies) of MODEL, its ops per "
-            "module scope and device (scopes recorded by the exporter, or read from '/a/b/Op' op names "
-            "of other exporters), and where its largest parameters live."
+            "Print MODEL's graph inputs and outputs (name, dtype, shape with symbolic dimensions by "
+            "name) with a numpy one-liner making an input file for 'placement run', a per-device "
+            "table (ops, parameter bytes, activations, copies), its ops per module scope and device "
+            "(scopes recorded by the exporter, or read from '/a/b/Op' op names of other exporters), "
+            "and where its largest parameters live."
         ),
         epilog="Example: placement inspect gpt   |   placement inspect placed.onnx --json",
     )
@@ -650,6 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=_cmd_inspect)
 
+
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="plan a placement and save it as JSON (the model is not written)",
@@ -666,6 +876,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.set_defaults(func=_cmd_plan)
 
+
+def _add_place(sub: Any) -> None:
     p = sub.add_parser(
         "place",
         help="place a model on N devices and save it as ONNX",
@@ -683,25 +895,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     p.add_argument("-o", "--output", required=True, help="path of the placed .onnx file to write")
     _add_place_options(p)
+    p.add_argument(
+        "--dynamic-batch",
+        action="store_true",
+        help="export a built-in model with a symbolic batch dimension (axis 0 of every input), so "
+        "'placement run --chunks K' can pipeline it and any batch size runs",
+    )
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.set_defaults(func=_cmd_place)
 
+
+def _add_run(sub: Any) -> None:
     p = sub.add_parser(
         "run",
         help="run a placed .onnx file, print latency and where each stage ran",
         description=(
-            "Run PLACED.onnx through one ONNX Runtime session per stage on inputs read from .npy files; "
+            "Run PLACED.onnx through one ONNX Runtime session per stage on inputs read from .npy files "
+            "or made at random (NAME=random, --random-inputs; 'placement inspect' shows the shapes); "
             "print the latency (median and min over --repeat timed runs after one warm-up), the "
             "throughput, and the physical device of every stage; save the outputs as .npz."
         ),
-        epilog="Example: placement run placed.onnx --input x=x.npy --output out.npz --repeat 20",
+        epilog=(
+            "Examples: placement run placed.onnx --input x=x.npy --output out.npz --repeat 20   |   "
+            "placement run placed.onnx --random-inputs --dim batch=8 --chunks 4"
+        ),
     )
     p.add_argument("model", metavar="PLACED.onnx", help="a placed model saved by 'placement place'")
     p.add_argument(
         "--input",
         action="append",
         metavar="NAME=FILE.npy",
-        help="an input array (repeat for each input; FILE.npy alone for a one-input model)",
+        help="an input array (repeat for each input; FILE.npy alone for a one-input model); "
+        "NAME=random makes random data of the input's dtype and shape (see 'placement inspect')",
+    )
+    p.add_argument(
+        "--random-inputs",
+        action="store_true",
+        help="random data for every input not given with --input (floats: standard normal; "
+        "integers: valid indices of the table they index, else 0-9; seed 0)",
+    )
+    p.add_argument(
+        "--dim",
+        action="append",
+        metavar="NAME=N",
+        help=f"size of a symbolic dimension of the random inputs, e.g. batch=8 (repeat; default "
+        f"{_DEFAULT_DIM}, or {_DEFAULT_DIM} x K with --chunks K)",
     )
     p.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs (by name) to this .npz")
     p.add_argument(
@@ -721,6 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
+
+def _add_draw(sub: Any) -> None:
     p = sub.add_parser(
         "draw",
         help="draw the operator graph coloured by device (svg, png, pdf or dot)",
@@ -745,6 +985,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.set_defaults(func=_cmd_draw)
 
+
+def _add_report(sub: Any) -> None:
     p = sub.add_parser(
         "report",
         help="write one self-contained HTML report (tables, charts, graph picture)",
@@ -762,6 +1004,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", help=_SIZE_HELP)
     p.set_defaults(func=_cmd_report)
 
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="the main job: place, run on both runtimes, check against torch",
@@ -782,6 +1026,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_demo)
 
+
+def _add_launch(sub: Any) -> None:
     p = sub.add_parser(
         "launch",
         help="run a placed model as torch.distributed ranks (runs torchrun)",
@@ -828,6 +1074,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
     p.set_defaults(func=_cmd_launch)
+
+
+#: Each sub-command's parser, in the order ``placement --help`` lists them.
+_COMMANDS = (
+    _add_models,
+    _add_inspect,
+    _add_plan,
+    _add_place,
+    _add_run,
+    _add_draw,
+    _add_report,
+    _add_demo,
+    _add_launch,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``placement`` command."""
+    parser = _Parser(
+        prog="placement",
+        description="Split neural networks across devices at the operator-graph level.",
+        epilog="Run 'placement COMMAND --help' for the options of each command.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    for add in _COMMANDS:
+        add(sub)
     return parser
 
 
@@ -839,7 +1112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    # log records (warnings included) go to stderr: stdout holds only what the command prints;
+    # in pipes and CI logs one plain line per record
+    errors = Console(stderr=True)
+    handler: logging.Handler
+    if errors.is_terminal:
+        handler = RichHandler(console=errors, show_path=False)
+        logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format="%(levelname)s: %(message)s", stream=sys.stderr)
     console = Console()
     if not console.is_terminal:  # pipes and CI logs: do not squeeze tables into 80 columns
         console = Console(width=max(console.width, 140))

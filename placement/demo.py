@@ -17,7 +17,9 @@ placement, and then
 
 With fewer GPUs than logical devices, the logical devices share the GPUs there
 are (``device_map="auto"``); with no GPU, every logical device is emulated on the
-CPU (each stage in its own session) and the demo says so.
+CPU (each stage in its own session): the runtime logs that once (a warning, on stderr
+under the ``placement`` command) and the stage table marks the emulated devices.
+Every runtime is warmed up before it is timed.
 
 Example:
     >>> from rich.console import Console
@@ -246,10 +248,25 @@ def _sync(module: Any) -> Callable[[], None]:
     return lambda: None
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    for _ in range(2):  # warm up (allocators, lazy initialisation)
+#: Warm-up before timing: at least this many calls and this many seconds (capped by ``_WARMUP_MAX``).
+_WARMUP_CALLS, _WARMUP_S, _WARMUP_MAX = 3, 0.2, 200
+
+
+def _warm_up(fn: Callable[[], Any], sync: Callable[[], None]) -> None:
+    """Call ``fn`` until the first calls' one-off costs are paid: lazy initialisation, allocator
+    growth, kernel selection, thread pools starting and pages faulted in. A fixed count is not
+    enough on a cold machine (the first calls of a fresh process can take 100x a warm one), so
+    it runs for at least ``_WARMUP_S`` seconds as well."""
+    start = time.perf_counter()
+    for calls in range(1, _WARMUP_MAX + 1):
         fn()
-    sync()
+        sync()
+        if calls >= _WARMUP_CALLS and time.perf_counter() - start >= _WARMUP_S:
+            break
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    _warm_up(fn, sync)
     times = []
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
@@ -265,17 +282,13 @@ def _render(result: DemoResult, console: Any) -> None:
     console.rule(
         f"[bold]placement demo[/bold]: {result.model} ({result.size}) on {result.devices} logical devices"
     )
-    if result.emulated:
-        console.print(
-            "[yellow]No GPUs for these logical devices: each is EMULATED on the CPU in its own "
-            "execution context (own ONNX Runtime sessions); outputs are exact, timings are CPU timings.[/]"
-        )
     if result.summary is not None:
         console.print(
             result.summary.to_table(title=f"placement by device ({result.ops} ops, {result.copies} copies)")
         )
     if result.stages:
-        stages = Table(title="ONNX Runtime stages (one session each)")
+        where = "; logical GPUs emulated on the CPU" if result.emulated else ""
+        stages = Table(title=f"ONNX Runtime stages (one session each{where})")
         for column in ("stage", "logical device", "physical device", "ops"):
             stages.add_column(column, justify="right" if column in ("stage", "ops") else "left")
         for index, logical, physical, n_ops in result.stages:

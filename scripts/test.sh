@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check placement models tests benchmarks
-exec .venv/bin/python -m pytest -q -n 2 "$@"
+# -n 2 --dist loadgroup: two workers; tests sharing a module-scoped fixture (xdist_group) stay on one
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

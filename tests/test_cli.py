@@ -111,26 +111,7 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.onnx", "garbage.onnx"]
 
 
-def test_place_auto_prints_its_plan(tmp_path):
+def test_place_auto_prints_its_plan(tmp_path, capsys):
     path = tmp_path / "auto.onnx"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "placement.cli",
-            "place",
-            "mlp",
-            "--auto",
-            "--devices",
-            "2",
-            "--cost",
-            "flops",
-            "-o",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "bottleneck" in done.stdout.lower() and path.exists()
+    assert main(["place", "mlp", "--auto", "--devices", "2", "--cost", "flops", "-o", str(path)]) == 0
+    assert "bottleneck" in capsys.readouterr().out.lower() and path.exists()

@@ -14,6 +14,7 @@ from placement.launch import read_inputs
 from tests.distributed.test_pipeline import place
 
 
+@pytest.mark.slow  # real torchrun processes
 def test_launch_two_ranks_with_torchrun(tmp_path):
     model, batch = place("resnet", 2)
     model.save(tmp_path / "placed.onnx")

@@ -17,6 +17,10 @@ from tests.distributed import ort_workers
 from tests.distributed.harness import spawn
 from tests.distributed.test_pipeline import place
 
+# the module-scoped fixture (process groups of real ranks) runs once: every test of this module on
+# one xdist worker (--dist loadgroup)
+pytestmark = [pytest.mark.xdist_group("distributed_ort_ranks"), pytest.mark.slow]  # slow: real process groups
+
 CASES = [("mlp", 2, None), ("gpt", 2, None), ("gpt", 3, "cuda:0+cuda:1,cuda:2")]
 
 

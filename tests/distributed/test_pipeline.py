@@ -13,6 +13,10 @@ from tests.conftest import export_once
 from tests.distributed import workers
 from tests.distributed.harness import spawn
 
+# the module-scoped fixture (process groups of real ranks) runs once: every test of this module on
+# one xdist worker (--dist loadgroup)
+pytestmark = [pytest.mark.xdist_group("distributed_pipeline"), pytest.mark.slow]  # slow: real process groups
+
 MODELS = ["mlp", "resnet", "gpt", "unet"]
 TRAIN = [("gpt", 3, "gpipe"), ("resnet", 2, "1f1b")]
 

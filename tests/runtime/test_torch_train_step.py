@@ -248,13 +248,17 @@ def test_any_split_gives_the_unsplit_gradients(batch, chunks, devices, defer, ma
     _assert_same_grads(piped, plain, atol=1e-4, rtol=1e-3)  # sums in another order: float32 rounding
 
 
+@pytest.mark.slow  # a fresh process per contender
 def test_training_memory_benchmark_runs(tmp_path, capsys):
-    """``benchmarks/training_memory.py`` on tiny GPT: a row per contender, from fresh processes."""
+    """``benchmarks/training_memory.py`` on tiny GPT: a row per contender, from fresh processes.
+    Two contenders, the eager module and the placed ``train_step`` (the placed GPipe and bounded
+    steps are the same code path with other options, tested above in process)."""
     from benchmarks import training_memory
 
     out = tmp_path / "memory.json"
-    assert training_memory.main(["--models", "gpt", "--size", "tiny", "--out", str(out)]) == 0
+    argv = ["--models", "gpt", "--size", "tiny", "--contenders", "eager", "train_step", "--out", str(out)]
+    assert training_memory.main(argv) == 0
     assert "train_step" in capsys.readouterr().out
     rows = json.loads(out.read_text())["results"]
-    assert [r["contender"] for r in rows] == list(training_memory.CONTENDERS)
+    assert [r["contender"] for r in rows] == ["eager", "train_step"]
     assert all(r["base_mib"] > 50 and r["peak_mib"] >= r["base_mib"] for r in rows)
