@@ -49,7 +49,7 @@ from placement.graph.model import DEVICE_KEY
 
 RESULTS = Path(__file__).resolve().parent / "results" / "passes.json"
 WIDTH = 8
-#: seconds allowed at 1M ops (issue 13): copy-heavy scatter < 8 s, half < 5 s
+#: seconds allowed at 1M ops: copy-heavy scatter < 8 s, half < 5 s
 TARGET_1M_S = {"half": 5.0, "scatter": 8.0, "stages": 10.0}
 
 
