@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -43,10 +44,18 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 
 
 def check_call(
-    specs: Sequence[InputSpec], keywords: Sequence[str], args: Sequence[Any], kwargs: dict[str, Any]
+    specs: Sequence[InputSpec],
+    keywords: Sequence[str],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    float_dtype: np.dtype | str | None = None,
 ) -> None:
     """Check a call's positional and keyword tensors against the graph inputs ``specs``
-    (``keywords``: the keyword name of each input, in the same order).
+    (``keywords``: the keyword name of each input, in the same order). ``float_dtype``:
+    the dtype the module's floating parameters were converted to (``module.double()``),
+    which its floating inputs may then have instead of the graph's; ``"any"`` for a module
+    without floating parameters, whose floating inputs may have any floating dtype.
 
     Raises:
         InputError: too many, unknown, repeated or missing inputs, a value that is not
@@ -76,7 +85,19 @@ def check_call(
             raise InputError(
                 f"input {spec.name!r}: expected a torch tensor {spec.describe()}, got {type(value).__name__}"
             )
-        check_value(spec, _numpy_dtype(value.dtype), tuple(value.shape))
+        dtype = _numpy_dtype(value.dtype)
+        if float_dtype is not None and dtype is not None and dtype.kind == "f":
+            if spec.dtype is not None and spec.dtype.kind == "f" and float_dtype in ("any", dtype):
+                spec = dataclasses.replace(spec, dtype=dtype)
+        check_value(spec, dtype, tuple(value.shape))
+
+
+def _float_dtype(module: torch.nn.Module) -> np.dtype | str | None:
+    """The dtype of the module's floating parameters (or buffers); ``"any"`` if it has none."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return _numpy_dtype(tensor.dtype)
+    return "any"
 
 
 class _InputCheck:
@@ -85,8 +106,8 @@ class _InputCheck:
     def __init__(self, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
         self.specs, self.keywords = list(specs), list(keywords)
 
-    def __call__(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        check_call(self.specs, self.keywords, args, kwargs)
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        check_call(self.specs, self.keywords, args, kwargs, float_dtype=_float_dtype(module))
 
 
 def install_input_check(module: torch.nn.Module, specs: Sequence[InputSpec], keywords: Sequence[str]) -> None:
