@@ -26,7 +26,8 @@ Design choices:
   ``.to(...)`` when the physical devices differ (logged at debug level), so
   unplaced-copy models lower correctly too. ``non_blocking=True`` is used except
   for GPU -> CPU copies, where it would let the CPU read unfinished data. Each
-  emitted node records its op's logical device in ``node.meta["placement_device"]``
+  emitted node records its op's logical device in ``node.meta[DEVICE_META]``
+  (:mod:`placement.runtime.lowering.meta`)
   (for splits by device).
 * **Inputs and outputs.** Graph inputs are moved to their device on entry (a
   no-op when already there); graph outputs are moved to the model's output
@@ -96,21 +97,16 @@ from placement.graph.model import (
     subgraphs_of,
 )
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
+from placement.runtime.lowering.meta import DEVICE_META, OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 from placement.runtime.lowering.streaming import STREAMER_NAME, WeightStreamer, pin_streamed
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 
-__all__ = ["to_torch", "check_supported", "MIN_OPSET", "UNTRACEABLE_META"]
+__all__ = ["to_torch", "check_supported", "MIN_OPSET"]
 
 log = logging.getLogger(__name__)
-
-#: ``fx.Node.meta`` key: the name of the ONNX op a node was lowered from.
-OP_META = "placement_op"
-#: ``fx.Node.meta`` key: why a TorchScript trace must never record the node (control flow that
-#: depends on tensor values, such as a ``Loop``'s trip count or an ``If``'s condition).
-UNTRACEABLE_META = "placement_untraceable"
 
 #: Oldest default-domain opset the rules implement (Softmax / Split semantics); older
 #: models are converted to it with ``onnx.version_converter``.
@@ -641,7 +637,7 @@ class _Lowering:
     ) -> fx.Node:
         node = self.graph.create_node(op, target, args, kwargs, name=_identifier(name))
         if self.current_device is not None:  # lets a split by device find each node's device
-            node.meta["placement_device"] = str(self.current_device)
+            node.meta[DEVICE_META] = str(self.current_device)
         if self.current_op is not None:
             node.meta[OP_META] = self.current_op
         return node

@@ -81,7 +81,7 @@ from torch.fx.passes.split_module import split_module
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model, subgraphs_of
-from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
+from placement.runtime.lowering.meta import OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
     Stage,
@@ -390,7 +390,7 @@ def _split(
 def _traced(stage: Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
     """``stage.module`` as a :class:`TracedStage`, never traced when it holds an op of
     ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
-    :data:`~placement.runtime.lowering.lower.UNTRACEABLE_META` (an ``If`` or ``Loop``
+    :data:`~placement.runtime.lowering.meta.UNTRACEABLE_META` (an ``If`` or ``Loop``
     whose branch or trip count depends on tensor values: a trace would freeze one)."""
     # the stage's own nodes: a placeholder carries the meta of the op that made the value it
     # stands for (a random op of an earlier stage), which says nothing about this stage's code
