@@ -37,7 +37,7 @@ That is GPipe: the caller's loss exists only after every micro-batch's forward.
 Given the loss function, ``module.train_step(x, loss_fn=..., targets=(y,))``
 takes the whole step faster with the same gradients: each micro-batch's loss is
 computed and back-propagated as soon as its forward ends (1F1B), and weight
-gradients are deferred to fill idle time (:mod:`placement.runtime.lowering.train_step`).
+gradients are deferred to fill idle time (:mod:`placement.runtime.lowering.one_f_one_b`).
 
 BatchNorm: the placed graph comes from an eval-mode export, and the lowering
 runs ``BatchNormalization`` with its running statistics (inference semantics)
@@ -82,6 +82,7 @@ from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model, subgraphs_of
 from placement.runtime.lowering.meta import OP_META, UNTRACEABLE_META
+from placement.runtime.lowering.one_f_one_b import pipelined_train_step
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
     Stage,
@@ -264,7 +265,7 @@ class PipelinedModule(torch.nn.Module):
         deferred weight gradients); adds the gradients to ``.grad`` and returns the loss.
 
         The faster way to train through the pipeline than ``loss_fn(module(x), y).backward()``
-        (GPipe); same gradients. See :mod:`placement.runtime.lowering.train_step`.
+        (GPipe); same gradients. See :mod:`placement.runtime.lowering.one_f_one_b`.
 
         Example:
             >>> import torch
@@ -278,11 +279,14 @@ class PipelinedModule(torch.nn.Module):
             >>> loss.shape, all(p.grad is not None for p in module.parameters())
             (torch.Size([]), True)
         """
-        from placement.runtime.lowering.train_step import pipelined_train_step
-
         return pipelined_train_step(
-            self,
+            self._pl_stages,
             self._bind(args, kwargs),
+            input_keys=self._pl_inputs,
+            input_axes=self._in_axes,
+            output_keys=self._pl_outputs,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
             loss_fn=loss_fn,
             targets=targets,
             reduction=reduction,
