@@ -1,6 +1,7 @@
 """Lowering a placed model to PyTorch (``pl.to_torch``).
 
-``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule``; ``ops`` is
+``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule`` (with
+``values``, ``opset``, ``emit``, ``walker`` and ``bodies`` beneath it); ``ops`` is
 the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
 module per op family). ``pipelined`` runs the lowered module's stages over
 micro-batches (``to_torch(chunks=k)``), ``one_f_one_b`` trains through them

@@ -4,7 +4,7 @@ An ``If`` whose condition is known when lowering (shapes, constants) is
 inlined: its taken branch's ops are lowered in place. Otherwise each subgraph
 (a ``Loop`` or ``Scan`` body, both ``If`` branches) is lowered by the same
 machinery into its own ``torch.fx.GraphModule``
-(:meth:`~placement.runtime.lowering.lower._Lowering.subgraphs`), wrapped in a
+(:meth:`~placement.runtime.lowering.bodies.Lowering.subgraphs`), wrapped in a
 :class:`Subgraph`, and the op becomes one ``call_module`` of an :class:`If`,
 :class:`Loop` or :class:`Scan` module holding them, registered on the lowered
 module (so a body's own initializers are parameters and buffers on the op's
