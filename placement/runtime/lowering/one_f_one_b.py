@@ -62,7 +62,7 @@ import torch
 
 from placement.errors import InputError
 from placement.runtime.lowering.stage_exec import (
-    Stage,
+    TorchStage,
     accumulate_owned,
     add_input_grads,
     backward_operands,
@@ -105,7 +105,7 @@ class _Pending:
 class _Shared:
     """What the stage loops of one step share; ``lock`` guards the pool and the gradients."""
 
-    stages: list[Stage]
+    stages: list[TorchStage]
     input_keys: set[str]  # env keys of the graph inputs: data, never differentiated
     output_keys: list[str]  # env keys of the model's outputs, which the loss reads
     checkpoint: str
@@ -183,7 +183,7 @@ def scalar_loss(loss: Any) -> torch.Tensor:
 
 
 def pipelined_train_step(
-    stages: list[Stage],
+    stages: list[TorchStage],
     inputs: Sequence[Any],
     *,
     input_keys: Sequence[str],
@@ -443,7 +443,7 @@ class _StageLoop:
 
 
 def _write_grads(
-    stages: list[Stage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
+    stages: list[TorchStage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
 ) -> None:
     """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
 

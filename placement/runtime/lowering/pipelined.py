@@ -81,7 +81,7 @@ from placement.graph.model import Model
 from placement.runtime.lowering.one_f_one_b import pipelined_train_step
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
-    Stage,
+    TorchStage,
     accumulate,
     accumulate_owned,
     add_input_grads,
@@ -282,7 +282,7 @@ class PipelinedModule(torch.nn.Module):
 # --- running ----------------------------------------------------------------------------------
 
 
-def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -> StageWorkers:
+def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
     """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
     each: grad mode and CUDA stream per worker; when every stage is on the CPU the last runs on
     the caller's thread, which waits for results anyway."""
@@ -295,7 +295,7 @@ def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -
 
 
 def _backward_schedule(
-    stages: list[Stage], make: Callable[[Stage], Any], genvs: list[dict[str, Any]]
+    stages: list[TorchStage], make: Callable[[TorchStage], Any], genvs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Run the micro-batches' gradient environments, last first, through ``stages`` (in
     backward order): on the workers, or on this thread when it is an autograd engine
@@ -330,9 +330,9 @@ def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Ten
 
 
 def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    stages: list[Stage] = module._pl_stages
+    stages: list[TorchStage] = module._pl_stages
 
-    def make(stage: Stage) -> Any:
+    def make(stage: TorchStage) -> Any:
         def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
             wait_for(env)
             env.update(call_stage(stage, stage_args(stage, env)))
@@ -366,7 +366,7 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         module = run.module
-        stages: list[Stage] = module._pl_stages
+        stages: list[TorchStage] = module._pl_stages
         inputs = list(tensors[: run.n_inputs])
         run.input_requires_grad = [t.requires_grad for t in inputs]
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
@@ -379,7 +379,7 @@ class _PipelineFunction(torch.autograd.Function):
             # stages is tracked (it depends on parameters).
             return key in grad_inputs or key not in placeholders
 
-        def make(stage: Stage) -> Any:
+        def make(stage: TorchStage) -> Any:
             def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
                 wait_for(env)
                 args = stage_args(stage, env, tracked)
@@ -408,7 +408,7 @@ class _PipelineFunction(torch.autograd.Function):
         run: _Run = ctx.run
         ctx.run = None
         module = run.module
-        stages: list[Stage] = module._pl_stages
+        stages: list[TorchStage] = module._pl_stages
         n_mb = len(run.envs)
         out_keys = module._pl_outputs
         genvs: list[dict[str, Any]] = [{} for _ in range(n_mb)]
@@ -420,7 +420,7 @@ class _PipelineFunction(torch.autograd.Function):
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
-        def make(stage: Stage) -> Any:
+        def make(stage: TorchStage) -> Any:
             params = trainable_params(stage)
 
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:

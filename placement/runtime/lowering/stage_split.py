@@ -2,7 +2,7 @@
 
 :func:`split_stages` cuts the ``GraphModule`` of ``pl.to_torch`` into one submodule per
 stage of :func:`placement.runtime.stages.partition` (``torch.fx.passes.split_module``),
-each a :class:`~.stage_exec.Stage`; :func:`traced_stage` wraps a stage's code as a
+each a :class:`~.stage_exec.TorchStage`; :func:`traced_stage` wraps a stage's code as a
 :class:`~.traced.TracedStage`, untraced when it holds a nondeterministic op
 (:func:`nondeterministic_ops`) or control flow that depends on tensor values. The
 pipelined module (:mod:`.pipelined`) and the per-stage timing (:mod:`.timing`) both
@@ -35,7 +35,7 @@ from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import Model, subgraphs_of
 from placement.runtime.lowering.meta import OP_META, UNTRACEABLE_META
-from placement.runtime.lowering.stage_exec import Stage
+from placement.runtime.lowering.stage_exec import TorchStage
 from placement.runtime.lowering.traced import TracedStage
 from placement.runtime.stages import partition
 
@@ -75,7 +75,7 @@ def stage_of_ops(model: Model) -> dict[str, int]:
 
 def split_stages(
     module: fx.GraphModule, stage_of_op: Mapping[str, int]
-) -> tuple[list[Stage], list[str], list[str]]:
+) -> tuple[list[TorchStage], list[str], list[str]]:
     """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
     the environment keys of the graph inputs and outputs."""
     graph = module.graph
@@ -115,8 +115,8 @@ def split_stages(
     parts = sorted(set(assigned.values()))
     order = {s: k for k, s in enumerate(parts)}
     split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
-    stages: list[Stage] = []
-    by_call: dict[str, Stage] = {}
+    stages: list[TorchStage] = []
+    by_call: dict[str, TorchStage] = {}
     attrs: dict[str, Any] = {}
     inputs: list[str] = []
     for node in split.graph.nodes:
@@ -130,7 +130,7 @@ def split_stages(
                     raise LoweringError(f"stage {node.target} reads a non-tensor argument {a!r}")
                 args.append(a.name)
             dense = int(str(node.target).rsplit("_", 1)[1])  # split_module names them submod_<partition>
-            stage = Stage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
+            stage = TorchStage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
             stage.consts = {a: attrs[a] for a in args if a in attrs}
             stages.append(stage)
             by_call[node.name] = stage
@@ -155,7 +155,7 @@ def split_stages(
     return stages, inputs, keys
 
 
-def traced_stage(stage: Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
+def traced_stage(stage: TorchStage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
     """``stage.module`` as a :class:`TracedStage`, never traced when it holds an op of
     ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
     :data:`~placement.runtime.lowering.meta.UNTRACEABLE_META` (an ``If`` or ``Loop``

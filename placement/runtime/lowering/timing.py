@@ -43,7 +43,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.lowering.lower import to_torch
-from placement.runtime.lowering.stage_exec import Stage, call_stage, detached, stage_args
+from placement.runtime.lowering.stage_exec import TorchStage, call_stage, detached, stage_args
 from placement.runtime.lowering.stage_split import nondeterministic_ops, split_stages, traced_stage
 from placement.runtime.stages import partition
 
@@ -112,7 +112,7 @@ class LoweredStages:
             self.runs.append(run)
 
 
-def _forward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
+def _forward(stage: TorchStage, args: list[Any]) -> Callable[[], Any]:
     def run() -> Any:
         with torch.inference_mode():  # as the pipeline's forward-only workers run
             result = stage.call(*args)
@@ -128,7 +128,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _backward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
+def _backward(stage: TorchStage, args: list[Any]) -> Callable[[], Any]:
     consts = {n for n, a in enumerate(stage.args) if a in stage.consts}
 
     def run() -> tuple[torch.Tensor | None, ...]:
