@@ -72,7 +72,7 @@ class Emitter:
         return str(self.dmap[device])
 
     def _attr_path(self, name: str) -> str:
-        """A free attribute path for ``name`` (see the module docstring)."""
+        """A free attribute path for ``name`` (see *Names* in :mod:`placement.runtime.lowering.lower`)."""
         parts = name.split(".")
         usable = all(p and p not in RESERVED for p in parts)
         path = name if usable else ""
