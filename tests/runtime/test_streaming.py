@@ -196,7 +196,7 @@ def test_ort_streams_weights_on_a_gpu(exported):
 
 def test_pipelined_stages_with_streamed_weights_are_not_traced(exported):
     """A trace would freeze a prefetched weight: stages reading streamed weights stay fx."""
-    from placement.runtime.lowering.lower import UNTRACEABLE_META
+    from placement.runtime.lowering.meta import UNTRACEABLE_META
 
     model, _, _, _ = _streamed_gpt(exported)
     module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})

@@ -375,7 +375,7 @@ def test_a_random_op_inside_an_inlined_branch_keeps_its_stage_untraced() -> None
             [h.make_tensor("c", B, [], [True])],
         )
     )
-    from placement.runtime.lowering.pipelined import nondeterministic_ops
+    from placement.runtime.lowering.stage_split import nondeterministic_ops
 
     assert nondeterministic_ops(model) == {"branch"}
     model.set_device("relu", 1)

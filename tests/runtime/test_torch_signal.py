@@ -18,7 +18,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
-from placement.runtime.lowering.ops.nn import average_pool, resize
+from placement.runtime.lowering.ops.pooling import average_pool
+from placement.runtime.lowering.ops.sampling import resize
 
 RNG = np.random.default_rng(0)
 

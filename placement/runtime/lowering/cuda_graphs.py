@@ -49,6 +49,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from placement.errors import CUDAGraphError
+from placement.runtime.lowering.meta import DEVICE_META
 
 __all__ = ["CUDAGraphModule", "cuda_graph_module", "segments"]
 
@@ -60,7 +61,7 @@ _WARMUP = 2
 
 def segments(module: fx.GraphModule) -> dict[fx.Node, int]:
     """Each computing node of a lowered module -> its segment: runs of nodes, in graph
-    order, on one physical device (from ``node.meta["placement_device"]`` through
+    order, on one physical device (from ``node.meta[DEVICE_META]`` through
     ``module.device_map``). Nodes without a device (moves of the graph inputs and
     outputs) join the segment of the node before them, or the first one.
 
@@ -74,7 +75,7 @@ def segments(module: fx.GraphModule) -> dict[fx.Node, int]:
     """
     dmap: Mapping[str, str] = getattr(module, "device_map", {}) or {}
     nodes = [n for n in module.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    physical = [dmap.get(n.meta.get("placement_device", ""), None) for n in nodes]
+    physical = [dmap.get(n.meta.get(DEVICE_META, ""), None) for n in nodes]
     first = next((p for p in physical if p is not None), None)
     assigned: dict[fx.Node, int] = {}
     current, index = first, 0
@@ -90,7 +91,7 @@ def _segment_devices(module: fx.GraphModule, assigned: Mapping[fx.Node, int]) ->
     dmap: Mapping[str, str] = getattr(module, "device_map", {}) or {}
     devices: dict[int, str] = {}
     for node, seg in assigned.items():
-        device = dmap.get(node.meta.get("placement_device", ""))
+        device = dmap.get(node.meta.get(DEVICE_META, ""))
         if device is not None:
             devices.setdefault(seg, device)
     return devices

@@ -3,7 +3,7 @@
 ``pl.to_torch(model, chunks=k)`` lowers the model as usual, cuts the
 ``GraphModule`` into one submodule per stage (the stages of
 :func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
-uses; ``torch.fx.passes.split_module``) and wraps them in a
+uses; ``torch.fx.passes.split_module``, see :mod:`.stage_split`) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
 and runs them through the stages on the workers of
 :mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
@@ -37,7 +37,7 @@ That is GPipe: the caller's loss exists only after every micro-batch's forward.
 Given the loss function, ``module.train_step(x, loss_fn=..., targets=(y,))``
 takes the whole step faster with the same gradients: each micro-batch's loss is
 computed and back-propagated as soon as its forward ends (1F1B), and weight
-gradients are deferred to fill idle time (:mod:`placement.runtime.lowering.train_step`).
+gradients are deferred to fill idle time (:mod:`placement.runtime.lowering.one_f_one_b`).
 
 BatchNorm: the placed graph comes from an eval-mode export, and the lowering
 runs ``BatchNormalization`` with its running statistics (inference semantics)
@@ -69,22 +69,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
-from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
-from placement.graph.model import Model, subgraphs_of
-from placement.runtime.lowering.lower import OP_META, UNTRACEABLE_META
+from placement.graph.model import Model
+from placement.runtime.lowering.one_f_one_b import pipelined_train_step
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
-    Stage,
+    TorchStage,
     accumulate,
     accumulate_owned,
     add_input_grads,
@@ -102,9 +99,13 @@ from placement.runtime.lowering.stage_exec import (
     wait_for,
     worker_context,
 )
-from placement.runtime.lowering.traced import TracedStage
+from placement.runtime.lowering.stage_split import (
+    nondeterministic_ops,
+    split_stages,
+    stage_of_ops,
+    traced_stage,
+)
 from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
-from placement.runtime.stages import partition
 
 __all__ = ["PipelinedModule", "pipeline_module"]
 
@@ -127,42 +128,12 @@ def pipeline_module(
     axes = _batch_axes(model, batch_axes)
     untraceable = nondeterministic_ops(model)
     return PipelinedModule(
-        module, _stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
+        module, stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
     )
-
-
-def nondeterministic_ops(model: Model) -> set[str]:
-    """Names of the ops whose results differ from run to run: random ops, and ops whose
-    subgraphs hold one (an ``If`` inlined when lowering puts its branch's ops under its own
-    name). A stage holding one is never traced.
-
-    Example:
-        >>> import placement as pl
-        >>> from placement.models import mlp
-        >>> nondeterministic_ops(pl.from_torch(*mlp.build("tiny")))
-        set()
-    """
-    names = set()
-    for op in model.ops:
-        if op.op_type in NONDETERMINISTIC_OPS or any(
-            inner.op_type in NONDETERMINISTIC_OPS
-            for _, graph in subgraphs_of(op.node)
-            for inner in graph.all_nodes()
-        ):
-            names.add(op.name)
-    return names
 
 
 def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
     return batch_axes(model, overrides=overrides)
-
-
-def _stage_of_ops(model: Model) -> dict[str, int]:
-    stage_of: dict[str, int] = {}
-    for stage in partition(model):
-        for op in stage.ops:
-            stage_of[op] = stage.index
-    return stage_of
 
 
 class PipelinedModule(torch.nn.Module):
@@ -202,9 +173,9 @@ class PipelinedModule(torch.nn.Module):
         self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
         self._in_axes = [axes.inputs[name] for name in self.input_names]
         self._out_axes = [axes.outputs[name] for name in self.output_names]
-        stages, env_inputs, outputs = _split(module, stage_of_op)
+        stages, env_inputs, outputs = split_stages(module, stage_of_op)
         for stage in stages:
-            stage.call = _traced(stage, warmup=chunks, untraceable=untraceable)
+            stage.call = traced_stage(stage, warmup=chunks, untraceable=untraceable)
         self._pl_inputs = env_inputs
         object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
         self._pl_outputs = outputs
@@ -264,7 +235,7 @@ class PipelinedModule(torch.nn.Module):
         deferred weight gradients); adds the gradients to ``.grad`` and returns the loss.
 
         The faster way to train through the pipeline than ``loss_fn(module(x), y).backward()``
-        (GPipe); same gradients. See :mod:`placement.runtime.lowering.train_step`.
+        (GPipe); same gradients. See :mod:`placement.runtime.lowering.one_f_one_b`.
 
         Example:
             >>> import torch
@@ -278,11 +249,14 @@ class PipelinedModule(torch.nn.Module):
             >>> loss.shape, all(p.grad is not None for p in module.parameters())
             (torch.Size([]), True)
         """
-        from placement.runtime.lowering.train_step import pipelined_train_step
-
         return pipelined_train_step(
-            self,
+            self._pl_stages,
             self._bind(args, kwargs),
+            input_keys=self._pl_inputs,
+            input_axes=self._in_axes,
+            output_keys=self._pl_outputs,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
             loss_fn=loss_fn,
             targets=targets,
             reduction=reduction,
@@ -305,126 +279,10 @@ class PipelinedModule(torch.nn.Module):
         return values
 
 
-def _split(
-    module: fx.GraphModule, stage_of_op: Mapping[str, int]
-) -> tuple[list[Stage], list[str], list[str]]:
-    """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
-    the environment keys of the graph inputs and outputs."""
-    graph = module.graph
-    assigned: dict[fx.Node, int] = {}
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    for node in nodes:
-        op = node.meta.get(OP_META)
-        if op is not None and op in stage_of_op:
-            assigned[node] = stage_of_op[op]
-
-    def users_stage(node: fx.Node, seen: set[fx.Node]) -> int | None:
-        found = []
-        for user in node.users:
-            if user.op == "output" or user in seen:
-                continue
-            if user in assigned:
-                found.append(assigned[user])
-            else:
-                seen.add(user)
-                s = users_stage(user, seen)
-                if s is not None:
-                    found.append(s)
-        return min(found) if found else None
-
-    # Nodes no stage op produced (input moves, copies between stages, output moves): a node
-    # feeding stages runs in the first stage that reads it; one feeding only the output runs
-    # with its producer.
-    for node in nodes:
-        if node in assigned:
-            continue
-        stage = users_stage(node, set())
-        if stage is None:
-            producers = [assigned[a] for a in node.all_input_nodes if a in assigned]
-            stage = max(producers) if producers else 0
-        assigned[node] = stage
-    # Keep the numbering dense and in order.
-    parts = sorted(set(assigned.values()))
-    order = {s: k for k, s in enumerate(parts)}
-    split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
-    stages: list[Stage] = []
-    by_call: dict[str, Stage] = {}
-    attrs: dict[str, Any] = {}
-    inputs: list[str] = []
-    for node in split.graph.nodes:
-        if node.op == "placeholder":
-            inputs.append(node.name)
-        elif node.op == "call_module":
-            sub = getattr(split, node.target)
-            args = []
-            for a in node.args:
-                if not isinstance(a, fx.Node):
-                    raise LoweringError(f"stage {node.target} reads a non-tensor argument {a!r}")
-                args.append(a.name)
-            dense = int(str(node.target).rsplit("_", 1)[1])  # split_module names them submod_<partition>
-            stage = Stage(len(stages), sub, args, [], _device_of(sub), part=parts[dense])
-            stage.consts = {a: attrs[a] for a in args if a in attrs}
-            stages.append(stage)
-            by_call[node.name] = stage
-            if not any(u.op == "call_function" and u.target is operator.getitem for u in node.users):
-                stage.outs.append((node.name, None))
-        elif node.op == "call_function" and node.target is operator.getitem:
-            source = node.args[0]
-            assert isinstance(source, fx.Node)
-            by_call[source.name].outs.append((node.name, int(node.args[1])))  # type: ignore[arg-type]
-        elif node.op == "get_attr":
-            attrs[node.name] = _attribute(split, str(node.target))
-        elif node.op == "output":
-            split.meta["placement_outputs"] = node.args[0]
-        else:
-            raise LoweringError(f"cannot pipeline: unexpected node {node.format_node()} between stages")
-    result = split.meta.pop("placement_outputs")
-    keys = []
-    for item in result if isinstance(result, (tuple, list)) else [result]:
-        if not isinstance(item, fx.Node):
-            raise LoweringError(f"cannot pipeline a graph output that is not a tensor ({item!r})")
-        keys.append(item.name)
-    return stages, inputs, keys
-
-
-def _traced(stage: Stage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
-    """``stage.module`` as a :class:`TracedStage`, never traced when it holds an op of
-    ``untraceable`` (the model's nondeterministic ops) or a node the lowering marked
-    :data:`~placement.runtime.lowering.lower.UNTRACEABLE_META` (an ``If`` or ``Loop``
-    whose branch or trip count depends on tensor values: a trace would freeze one)."""
-    # the stage's own nodes: a placeholder carries the meta of the op that made the value it
-    # stands for (a random op of an earlier stage), which says nothing about this stage's code
-    nodes = [n for n in stage.module.graph.nodes if n.op not in ("placeholder", "output")]
-    random = sorted({n.meta.get(OP_META) for n in nodes} & set(untraceable))
-    reasons = [f"nondeterministic op(s) {', '.join(random)}"] if random else []
-    reasons += sorted({n.meta[UNTRACEABLE_META] for n in nodes if UNTRACEABLE_META in n.meta})
-    return TracedStage(
-        stage.module,
-        fixed=[n for n, a in enumerate(stage.args) if a in stage.consts],
-        warmup=warmup,
-        grad=True,
-        untraceable="; ".join(reasons) or None,
-    )
-
-
-def _attribute(module: torch.nn.Module, path: str) -> Any:
-    value: Any = module
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for node in module.graph.nodes:  # type: ignore[union-attr]
-        if node.op == "call_method" and node.target == "to" and len(node.args) > 1:
-            return torch.device(node.args[1])
-    return torch.device("cpu")
-
-
 # --- running ----------------------------------------------------------------------------------
 
 
-def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -> StageWorkers:
+def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
     """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
     each: grad mode and CUDA stream per worker; when every stage is on the CPU the last runs on
     the caller's thread, which waits for results anyway."""
@@ -437,7 +295,7 @@ def _workers(stages: list[Stage], make: Callable[[Stage], Any], *, grad: bool) -
 
 
 def _backward_schedule(
-    stages: list[Stage], make: Callable[[Stage], Any], genvs: list[dict[str, Any]]
+    stages: list[TorchStage], make: Callable[[TorchStage], Any], genvs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Run the micro-batches' gradient environments, last first, through ``stages`` (in
     backward order): on the workers, or on this thread when it is an autograd engine
@@ -472,9 +330,9 @@ def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Ten
 
 
 def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    stages: list[Stage] = module._pl_stages
+    stages: list[TorchStage] = module._pl_stages
 
-    def make(stage: Stage) -> Any:
+    def make(stage: TorchStage) -> Any:
         def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
             wait_for(env)
             env.update(call_stage(stage, stage_args(stage, env)))
@@ -508,7 +366,7 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         module = run.module
-        stages: list[Stage] = module._pl_stages
+        stages: list[TorchStage] = module._pl_stages
         inputs = list(tensors[: run.n_inputs])
         run.input_requires_grad = [t.requires_grad for t in inputs]
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
@@ -521,7 +379,7 @@ class _PipelineFunction(torch.autograd.Function):
             # stages is tracked (it depends on parameters).
             return key in grad_inputs or key not in placeholders
 
-        def make(stage: Stage) -> Any:
+        def make(stage: TorchStage) -> Any:
             def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
                 wait_for(env)
                 args = stage_args(stage, env, tracked)
@@ -550,7 +408,7 @@ class _PipelineFunction(torch.autograd.Function):
         run: _Run = ctx.run
         ctx.run = None
         module = run.module
-        stages: list[Stage] = module._pl_stages
+        stages: list[TorchStage] = module._pl_stages
         n_mb = len(run.envs)
         out_keys = module._pl_outputs
         genvs: list[dict[str, Any]] = [{} for _ in range(n_mb)]
@@ -562,7 +420,7 @@ class _PipelineFunction(torch.autograd.Function):
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
-        def make(stage: Stage) -> Any:
+        def make(stage: TorchStage) -> Any:
             params = trainable_params(stage)
 
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:

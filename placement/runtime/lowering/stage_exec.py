@@ -1,6 +1,6 @@
-"""Running one stage of a pipelined torch module: what the GPipe forward/backward and ``train_step`` share.
+"""Running one stage of a pipelined torch module: what the GPipe forward/backward and 1F1B share.
 
-A :class:`Stage` is one fx submodule of the split lowered module, with the
+A :class:`TorchStage` is one fx submodule of the split lowered module, with the
 environment keys it reads and defines. Micro-batches travel between stages as
 *environments* (``dict`` of key -> value); on a GPU each carries a CUDA event
 (:func:`signal`, :func:`wait_for`) so a worker's stream waits only for the work
@@ -28,7 +28,7 @@ import torch.fx as fx
 from placement.runtime.pipeline import split_batch
 
 __all__ = [
-    "Stage",
+    "TorchStage",
     "accumulate",
     "accumulate_owned",
     "add_input_grads",
@@ -50,8 +50,9 @@ __all__ = [
 
 
 @dataclass
-class Stage:
-    """One stage of the split module: its submodule, what it reads and what it defines."""
+class TorchStage:
+    """One stage of the split lowered torch module: its fx submodule, what it reads and what it
+    defines (ONNX Runtime's stage, a session per device, is :class:`placement.runtime.stages.Stage`)."""
 
     index: int
     module: fx.GraphModule
@@ -63,12 +64,12 @@ class Stage:
     part: int = 0  # the stage of ``partition(model)`` it runs (``index`` skips stages with no code)
 
 
-def stage_name(stage: Stage) -> str:
+def stage_name(stage: TorchStage) -> str:
     """How errors and threads name a stage."""
     return f"stage {stage.index} on {stage.device}"
 
 
-def worker_context(stages: list[Stage], grad: bool) -> Callable[[int], Any]:
+def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]:
     """Per worker: the grad mode, and on a GPU the stage's own CUDA stream.
 
     Without grad the workers run in ``torch.inference_mode()``: no version counters or
@@ -104,14 +105,14 @@ def signal(env: dict[str, Any], device: torch.device) -> None:
         env["__event__"] = event
 
 
-def synchronize(stages: Sequence[Stage]) -> None:
+def synchronize(stages: Sequence[TorchStage]) -> None:
     """Wait for every GPU the stages run on: work the workers queued on their own streams is
     done before the caller's stream reads its results (gradients handed to ``.grad``)."""
     for device in {s.device for s in stages if s.device.type == "cuda"}:
         torch.cuda.synchronize(device)
 
 
-def call_stage(stage: Stage, args: list[Any]) -> dict[str, Any]:
+def call_stage(stage: TorchStage, args: list[Any]) -> dict[str, Any]:
     """Run ``stage`` on ``args``: its outputs by environment key."""
     result = stage.call(*args)
     return {key: result if index is None else result[index] for key, index in stage.outs}
@@ -142,7 +143,9 @@ def detached(value: Any, requires_grad: bool) -> Any:
     return value
 
 
-def stage_args(stage: Stage, env: dict[str, Any], tracked: Callable[[str], bool] | None = None) -> list[Any]:
+def stage_args(
+    stage: TorchStage, env: dict[str, Any], tracked: Callable[[str], bool] | None = None
+) -> list[Any]:
     """``stage``'s call arguments: its parameters, and its inputs read from ``env``; with
     ``tracked``, each input cut from the graph that made it (:func:`detached`), a leaf that
     requires grad where ``tracked(key)``."""
@@ -151,7 +154,7 @@ def stage_args(stage: Stage, env: dict[str, Any], tracked: Callable[[str], bool]
     return [stage.consts[a] if a in stage.consts else detached(env[a], tracked(a)) for a in stage.args]
 
 
-def trainable_params(stage: Stage) -> list[tuple[int, str]]:
+def trainable_params(stage: TorchStage) -> list[tuple[int, str]]:
     """``stage``'s parameters that take a gradient: (argument slot, key)."""
     consts = stage.consts
     return [(n, key) for n, key in enumerate(stage.args) if key in consts and consts[key].requires_grad]
@@ -164,7 +167,7 @@ def keeps_activations(checkpoint: str, microbatch: int, count: int) -> bool:
 
 
 def forward_for_backward(
-    stage: Stage, args: list[Any], keep: bool
+    stage: TorchStage, args: list[Any], keep: bool
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
     with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
@@ -174,7 +177,7 @@ def forward_for_backward(
 
 
 def backward_operands(
-    stage: Stage,
+    stage: TorchStage,
     args: list[Any],
     outs: dict[str, Any] | None,
     genv: dict[str, Any],
@@ -201,7 +204,7 @@ def backward_operands(
 
 
 def add_input_grads(
-    genv: dict[str, Any], stage: Stage, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
+    genv: dict[str, Any], stage: TorchStage, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
 ) -> None:
     """Add the gradients of ``stage``'s inputs in ``slots`` to ``genv``, under the inputs' keys."""
     for n, g in zip(slots, grads):
@@ -210,7 +213,7 @@ def add_input_grads(
 
 
 def per_parameter(
-    stages: Sequence[Stage], param_grads: Sequence[dict[str, torch.Tensor]], owned: Sequence[set[str]]
+    stages: Sequence[TorchStage], param_grads: Sequence[dict[str, torch.Tensor]], owned: Sequence[set[str]]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor, bool]]:
     """Each parameter's gradient summed over the stages that read it (a tied weight), by
     ``id(parameter)``: (parameter, gradient, whether the gradient is an accumulator made here

@@ -43,8 +43,8 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.lowering.lower import to_torch
-from placement.runtime.lowering.pipelined import _split, _traced, nondeterministic_ops
-from placement.runtime.lowering.stage_exec import Stage, call_stage, detached, stage_args
+from placement.runtime.lowering.stage_exec import TorchStage, call_stage, detached, stage_args
+from placement.runtime.lowering.stage_split import nondeterministic_ops, split_stages, traced_stage
 from placement.runtime.stages import partition
 
 __all__ = ["LoweredStages"]
@@ -91,7 +91,7 @@ class LoweredStages:
         parts = partition(model)
         stage_of = {op: stage.index for stage in parts for op in stage.ops}
         module = to_torch(model, device_map=device_map)
-        stages, placeholders, _ = _split(module, stage_of)
+        stages, placeholders, _ = split_stages(module, stage_of)
         untraceable = nondeterministic_ops(model)
         env: dict[str, Any] = {}
         for name, key in zip(module.input_names, placeholders):
@@ -102,7 +102,7 @@ class LoweredStages:
         self.parts = len(order)
         self.runs: list[Callable[[], Any]] = []
         for stage in stages:
-            stage.call = _traced(stage, warmup=1, untraceable=untraceable)
+            stage.call = traced_stage(stage, warmup=1, untraceable=untraceable)
             args = stage_args(stage, env)
             with torch.no_grad():
                 env.update(call_stage(stage, args))
@@ -112,7 +112,7 @@ class LoweredStages:
             self.runs.append(run)
 
 
-def _forward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
+def _forward(stage: TorchStage, args: list[Any]) -> Callable[[], Any]:
     def run() -> Any:
         with torch.inference_mode():  # as the pipeline's forward-only workers run
             result = stage.call(*args)
@@ -128,7 +128,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _backward(stage: Stage, args: list[Any]) -> Callable[[], Any]:
+def _backward(stage: TorchStage, args: list[Any]) -> Callable[[], Any]:
     consts = {n for n, a in enumerate(stage.args) if a in stage.consts}
 
     def run() -> tuple[torch.Tensor | None, ...]:

@@ -35,7 +35,8 @@ axis 0 -> ``w[idx]``, ``Where(c, scalar, y)`` -> ``y.masked_fill(c, scalar)``),
 the lowering emits that call instead of the rule. Rules are the reference; the
 direct forms are checked against them by the same tests.
 
-Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.shape`,
+Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
+:mod:`.sampling` (Resize, GridSample), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
 Runtime's ``com.microsoft`` quantized matmuls, keyed ``"com.microsoft::<op>"``), :mod:`.signal`
@@ -57,13 +58,16 @@ from __future__ import annotations
 from placement.runtime.lowering.ops import (
     attention,
     control,
+    conv,
     elementwise,
     linalg,
     nn,
+    pooling,
     quantized,
     random,
     recurrent,
     reduction,
+    sampling,
     shape,
     signal,
 )
@@ -87,13 +91,16 @@ __all__ = [
     "torch_dtype",
     "attention",
     "control",
+    "conv",
     "elementwise",
     "linalg",
     "nn",
+    "pooling",
     "quantized",
     "random",
     "recurrent",
     "reduction",
+    "sampling",
     "shape",
     "signal",
 ]

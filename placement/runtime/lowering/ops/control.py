@@ -4,7 +4,7 @@ An ``If`` whose condition is known when lowering (shapes, constants) is
 inlined: its taken branch's ops are lowered in place. Otherwise each subgraph
 (a ``Loop`` or ``Scan`` body, both ``If`` branches) is lowered by the same
 machinery into its own ``torch.fx.GraphModule``
-(:meth:`~placement.runtime.lowering.lower._Lowering.subgraphs`), wrapped in a
+(:meth:`~placement.runtime.lowering.bodies.Lowering.subgraphs`), wrapped in a
 :class:`Subgraph`, and the op becomes one ``call_module`` of an :class:`If`,
 :class:`Loop` or :class:`Scan` module holding them, registered on the lowered
 module (so a body's own initializers are parameters and buffers on the op's
@@ -21,7 +21,7 @@ tensors of different shapes (``torch.cond`` needs equal ones); a ``Loop`` or
 iteration by autograd. Because the trip count and the branch depend on tensor
 values, the ``call_module`` node of an ``If`` or ``Loop`` (and of a ``Scan``
 whose body holds one, or a random op) is marked
-:data:`~placement.runtime.lowering.lower.UNTRACEABLE_META`: pipelined stages
+:data:`~placement.runtime.lowering.meta.UNTRACEABLE_META`: pipelined stages
 holding it are never recorded as TorchScript traces. A ``Scan`` otherwise
 runs as many iterations as its inputs' scan axis is long, which a trace keyed
 by input shapes records correctly.
@@ -49,6 +49,7 @@ import torch
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
 from placement.graph.model import node_device
+from placement.runtime.lowering.meta import UNTRACEABLE_META
 from placement.runtime.lowering.ops._registry import op, torch_dtype
 
 __all__ = ["If", "Loop", "Scan", "Subgraph", "if_", "loop", "scan"]
@@ -312,8 +313,6 @@ def _call(
     lowering: Any, node: ir.Node, module: torch.nn.Module, args: list[Any], untraceable: str | None
 ) -> None:
     """Register ``module`` for ``node``, call it, and define each output as an item of its result."""
-    from placement.runtime.lowering.lower import UNTRACEABLE_META
-
     label = node.name or node.op_type
     path = lowering.add_module(label, module)
     for attribute, child in module.named_children():  # then_branch / else_branch / body

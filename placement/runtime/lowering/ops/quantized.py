@@ -25,8 +25,8 @@ import torch
 
 from placement.errors import LoweringError
 from placement.runtime.lowering.ops._registry import Tensor, _axis, op, torch_dtype
+from placement.runtime.lowering.ops.conv import conv
 from placement.runtime.lowering.ops.elementwise import _cast
-from placement.runtime.lowering.ops.nn import conv
 
 #: Integer output types QuantizeLinear saturates to (float8 types saturate through their cast).
 _INT_RANGES = {

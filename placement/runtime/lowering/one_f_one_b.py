@@ -1,0 +1,457 @@
+"""One training step through the pipeline, its loss computed micro-batch by micro-batch.
+
+``loss = module(x)...; loss.backward()`` on a :class:`PipelinedModule` is GPipe:
+every micro-batch's forward must end before the caller's loss exists, so the
+last stage idles while the first fills the pipeline, the first idles across
+the turn from forward to backward, and the last idles again while the first
+drains. With ``k`` micro-batches on ``N`` stages a fraction ``(N - 1) / (k + N - 1)``
+of the step is such a bubble.
+
+``module.train_step(x, loss_fn=..., targets=(y,))`` knows the loss, so the last
+stage computes each micro-batch's loss (and its gradient) right after that
+micro-batch's forward and starts its backward at once, while earlier stages
+are still running later forwards (*1F1B*, as in PipeDream-Flush and
+``torch.distributed.pipelining``). On top of that a stage whose inputs come
+from an earlier stage computes only its input gradients first and leaves its
+weight gradients for later (:mod:`placement.runtime.lowering.weight_grads`),
+so the earlier stage gets its gradient sooner; the stage computes the deferred
+weight gradients whenever it would otherwise wait for work (*zero-bubble*, Qi
+et al. 2023, ZB-H1). Each worker picks its next task as work arrives: a
+backward that is ready, else the next forward (at most ``max_in_flight``
+micro-batches between a forward and its backward), else one group of deferred
+weight gradients, else it waits. Stages on the CPU (one physical device, however
+many logical ones) share the deferred work: an idle worker runs any CPU stage's,
+which also evens out a plan whose stages turned out unequal; a stage on a GPU runs
+only its own, on its own stream. Backwards run in micro-batch order and
+weight gradients are summed in that order, so a step's gradients do not depend
+on timing.
+
+The result: the gradients ``loss_fn`` over the whole mini-batch would give
+(``reduction="mean"``: micro-batch losses weighted by their share of the batch,
+right for a loss that is a mean over the batch; ``"sum"``: added), added to each
+parameter's ``.grad`` as ``loss.backward()`` would, and the loss returned. The
+inputs' gradients are not computed: inputs are data here.
+
+Example:
+    >>> import torch
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> module = pl.to_torch(model, device_map="cpu", chunks=2)
+    >>> y = torch.randn(net(x).shape)
+    >>> loss = module.train_step(x, loss_fn=torch.nn.functional.mse_loss, targets=(y,))
+    >>> ref = torch.nn.functional.mse_loss(net(x), y)
+    >>> ref.backward()
+    >>> torch.allclose(loss, ref), all(
+    ...     torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(module.parameters(), net.parameters()))
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from placement.errors import InputError
+from placement.runtime.lowering.stage_exec import (
+    TorchStage,
+    accumulate_owned,
+    add_input_grads,
+    backward_operands,
+    detached,
+    forward_for_backward,
+    keeps_activations,
+    microbatch_envs,
+    per_parameter,
+    signal,
+    stage_args,
+    stage_name,
+    synchronize,
+    trainable_params,
+    wait_for,
+    worker_context,
+)
+from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
+from placement.runtime.pipeline import microbatch_bounds, split_batch, stage_error
+
+__all__ = ["REDUCTIONS", "check_reduction", "pipelined_train_step", "scalar_loss"]
+
+#: How micro-batch losses combine into the step's loss.
+REDUCTIONS = ("mean", "sum")
+
+_STOP = object()
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class _Pending:
+    """Micro-batch ``microbatch``'s deferred weight gradients on stage ``stage``, not all claimed."""
+
+    stage: int
+    microbatch: int
+    later: DeferredWeights
+
+
+@dataclass
+class _Shared:
+    """What the stage loops of one step share; ``lock`` guards the pool and the gradients."""
+
+    stages: list[TorchStage]
+    input_keys: set[str]  # env keys of the graph inputs: data, never differentiated
+    output_keys: list[str]  # env keys of the model's outputs, which the loss reads
+    checkpoint: str
+    envs: list[dict[str, Any]]
+    targets: list[list[Any]]
+    weights: list[float]
+    loss_fn: LossFn
+    defer: bool
+    limit: int
+    inboxes: list[queue.SimpleQueue[Any]]
+    params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
+    failed: threading.Event = field(default_factory=threading.Event)
+    failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
+    losses: list[torch.Tensor | None] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: deferred weight gradients waiting for a worker, oldest first
+    pool: deque[_Pending] = field(default_factory=deque)
+    #: backwards not run yet, all stages together (while > 0, new weight gradients may come)
+    backwards_left: int = 0
+    #: (stage, micro-batch) -> its parameter gradients so far / its groups not finished yet
+    results: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    unfinished: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: per stage: the next micro-batch whose gradients go into the sums, the sums, and which
+    #: of the sums are accumulators made here (added to in place)
+    flushed: list[int] = field(default_factory=list)
+    param_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    owned: list[set[str]] = field(default_factory=list)
+
+    def fail(self, stage: int, microbatch: int, err: BaseException) -> None:
+        with self.lock:
+            self.failures.append((stage, microbatch, err))
+        self.failed.set()
+        self.wake(_STOP)
+
+    def wake(self, message: Any = None) -> None:
+        """Tell every worker that something changed (new weight gradients, the end, a failure)."""
+        for inbox in self.inboxes:
+            inbox.put(("W", -1, None) if message is None else message)
+
+    def finish(self, stage: int, microbatch: int, grads: list[tuple[int, torch.Tensor]], groups: int) -> None:
+        """Record parameter gradients of ``(stage, microbatch)``; call under ``lock``.
+
+        ``groups >= 0``: its backward's, with the number of groups it deferred; ``groups < 0``:
+        one deferred group's. A micro-batch's gradients go into the sums once all of them are
+        in, micro-batch by micro-batch in order, so the sums do not depend on which worker ran
+        what when.
+        """
+        key = (stage, microbatch)
+        self.results.setdefault(key, []).extend(grads)
+        self.unfinished[key] = self.unfinished.get(key, 0) + (groups if groups >= 0 else -1)
+        if groups >= 0:
+            self.backwards_left -= 1
+        while True:
+            key = (stage, self.flushed[stage])
+            if key not in self.results or self.unfinished[key] != 0:
+                return
+            for p, g in self.results.pop(key):
+                accumulate_owned(self.param_grads[stage], self.owned[stage], self.params[stage][p][1], g)
+            del self.unfinished[key]
+            self.flushed[stage] += 1
+
+
+def check_reduction(reduction: str) -> None:
+    """Raise ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss_fn``'s result, checked to be a one-element tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
+    return loss
+
+
+def pipelined_train_step(
+    stages: list[TorchStage],
+    inputs: Sequence[Any],
+    *,
+    input_keys: Sequence[str],
+    input_axes: Sequence[int | None],
+    output_keys: Sequence[str],
+    chunks: int,
+    checkpoint: str,
+    loss_fn: LossFn,
+    targets: Sequence[Any] = (),
+    reduction: str = "mean",
+    defer_weights: bool = True,
+    max_in_flight: int | None = None,
+) -> torch.Tensor:
+    """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
+
+    See the module docstring (``PipelinedModule.train_step`` calls this with its stages and
+    the inputs bound).
+
+    Args:
+        stages: the pipelined module's stages, in order.
+        inputs: the model's inputs, in ``module.input_names`` order.
+        input_keys: the environment keys the inputs go under (in ``inputs``' order).
+        input_axes: each input's batch axis (None: not split).
+        output_keys: the environment keys of the model's outputs, in order.
+        chunks: micro-batches per step.
+        checkpoint: which micro-batches drop their activations (``"always"``,
+            ``"except_last"``, ``"never"``; see :func:`.stage_exec.keeps_activations`).
+        loss_fn: ``loss_fn(output, *targets)`` -> a scalar tensor, for one micro-batch;
+            ``output`` is the model's output (a tuple when it has several).
+        targets: tensors cut along their first axis like the inputs' batch.
+        reduction: ``"mean"`` (``loss_fn`` averages over the batch) or ``"sum"``.
+        defer_weights: compute weight gradients after input gradients where that
+            helps (stages after the first); ``False`` runs plain 1F1B.
+        max_in_flight: most micro-batches a stage holds between their forward and
+            backward (their activations); default: no bound beyond ``chunks``.
+
+    Returns:
+        The mini-batch's loss (detached).
+
+    Raises:
+        PipelineError: a stage (or the loss, on the last stage) failed; names the
+            stage and micro-batch. No worker thread is left running.
+        InputError: a target's batch size differs from the inputs'.
+    """
+    check_reduction(reduction)
+    if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+        raise ValueError(f"max_in_flight must be a positive integer or None, got {max_in_flight!r}")
+    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
+    size = next(
+        (int(t.shape[a]) for t, a in zip(inputs, input_axes) if a is not None and hasattr(t, "shape")), 1
+    )
+    for n, target in enumerate(targets):
+        if not isinstance(target, torch.Tensor) or target.dim() == 0 or int(target.shape[0]) != size:
+            shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise InputError(f"target {n} must have the batch ({size}) on its first axis, got {shape}")
+    envs = microbatch_envs(list(input_keys), list(input_axes), chunks, inputs)
+    parts = split_batch(list(targets), [0] * len(targets), chunks) if targets else [[] for _ in envs]
+    bounds = microbatch_bounds(size, chunks)
+    shared = _Shared(
+        stages=stages,
+        input_keys=set(input_keys),
+        output_keys=list(output_keys),
+        checkpoint=checkpoint,
+        envs=envs,
+        targets=parts,
+        weights=[(stop - start) / size if reduction == "mean" else 1.0 for start, stop in bounds],
+        loss_fn=loss_fn,
+        defer=defer_weights,
+        limit=max_in_flight or len(envs),
+        inboxes=[queue.SimpleQueue() for _ in stages],
+        params=[trainable_params(stage) for stage in stages],
+        losses=[None] * len(envs),
+        backwards_left=len(stages) * len(envs),
+        flushed=[0] * len(stages),
+        param_grads=[{} for _ in stages],
+        owned=[set() for _ in stages],
+    )
+    threads = [
+        threading.Thread(target=_run_loop, args=(shared, j), name=f"placement-train-stage-{j}", daemon=True)
+        for j in range(len(stages) - 1)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        _run_loop(shared, len(stages) - 1)  # the last stage on the caller's thread
+    except BaseException as err:  # noqa: BLE001 - (KeyboardInterrupt) stop the workers first
+        shared.fail(len(stages) - 1, -1, err)
+        raise
+    finally:
+        for thread in threads:
+            thread.join()
+    synchronize(stages)
+    if shared.failures:
+        stage, microbatch, err = shared.failures[0]
+        raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
+    if shared.flushed != [len(envs)] * len(stages):  # pragma: no cover - a bug, not an input error
+        raise RuntimeError(f"train_step lost gradients: flushed {shared.flushed} of {len(envs)}")
+    _write_grads(stages, shared.param_grads, shared.owned)
+    losses = [loss for loss in shared.losses if loss is not None]
+    return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+
+
+def _run_loop(shared: _Shared, j: int) -> None:
+    with worker_context(shared.stages, True)(j):
+        _StageLoop(shared, j).run()
+
+
+class _StageLoop:
+    """Stage ``j``'s worker for one step: its forwards and backwards, and any stage's deferred
+    weight gradients when it has nothing else to do."""
+
+    def __init__(self, shared: _Shared, j: int) -> None:
+        self.shared = shared
+        self.j = j
+        self.stage = shared.stages[j]
+        self.last = j == len(shared.stages) - 1
+        self.k = len(shared.envs)
+        self.forward_ready: dict[int, dict[str, Any]] = dict(enumerate(shared.envs)) if j == 0 else {}
+        self.backward_ready: dict[int, dict[str, Any]] = {}
+        self.saved: dict[int, tuple[list[Any], dict[str, Any] | None]] = {}
+        self.current = (j, 0)  # the (stage, micro-batch) being worked on, named in errors
+
+    def run(self) -> None:
+        shared, inbox = self.shared, self.shared.inboxes[self.j]
+        next_f = next_b = 0
+        try:
+            while not shared.failed.is_set():
+                while True:  # file what has arrived, without waiting
+                    try:
+                        message = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if message is _STOP:
+                        return
+                    self._file(message)
+                if next_b in self.backward_ready:
+                    self.current = (self.j, next_b)
+                    self._backward(next_b)
+                    next_b += 1
+                elif next_f < self.k and next_f in self.forward_ready and next_f - next_b < shared.limit:
+                    self.current = (self.j, next_f)
+                    self._forward(next_f)
+                    next_f += 1
+                elif not self._weights():
+                    if next_b == self.k and self._done():
+                        return
+                    message = inbox.get()
+                    if message is _STOP:
+                        return
+                    self._file(message)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller, naming the stage
+            shared.fail(*self.current, err)
+
+    def _file(self, message: tuple[str, int, Any]) -> None:
+        kind, i, env = message
+        if kind == "F":
+            self.forward_ready[i] = env
+        elif kind == "B":
+            self.backward_ready[i] = env
+
+    def _may_run(self, stage: int) -> bool:
+        return stage == self.j or (
+            self.stage.device.type == "cpu" and self.shared.stages[stage].device.type == "cpu"
+        )
+
+    def _done(self) -> bool:
+        """No weight gradients to run and none to come."""
+        with self.shared.lock:
+            mine = any(self._may_run(p.stage) for p in self.shared.pool)
+            return not mine and self.shared.backwards_left == 0
+
+    def _forward(self, i: int) -> None:
+        stage, shared = self.stage, self.shared
+        env = self.forward_ready.pop(i)
+        wait_for(env)
+        args = stage_args(stage, env, lambda key: key not in shared.input_keys)  # graph inputs are data
+        outs, saved = forward_for_backward(stage, args, keeps_activations(shared.checkpoint, i, self.k))
+        self.saved[i] = (args, saved)
+        env.update(outs)
+        signal(env, stage.device)
+        if self.last:
+            self.backward_ready[i] = self._loss(i, env)
+        else:
+            self.shared.inboxes[self.j + 1].put(("F", i, env))
+
+    def _loss(self, i: int, env: dict[str, Any]) -> dict[str, Any]:
+        """Micro-batch ``i``'s loss from the model's outputs in ``env``; returns the outputs' gradients."""
+        shared = self.shared
+        keys = shared.output_keys
+        leaves = [detached(env[key], True) for key in keys]
+        output = leaves[0] if len(leaves) == 1 else tuple(leaves)
+        with torch.enable_grad():
+            loss = scalar_loss(shared.loss_fn(output, *shared.targets[i]))
+        weight = shared.weights[i]
+        shared.losses[i] = loss.detach().reshape(()) * weight
+        tracked = [(key, leaf) for key, leaf in zip(keys, leaves) if leaf.requires_grad]
+        if not tracked or not loss.requires_grad:
+            return {}
+        grads = torch.autograd.grad(
+            loss.reshape(()),
+            [leaf for _, leaf in tracked],
+            torch.tensor(weight, dtype=loss.dtype, device=loss.device),
+            allow_unused=True,
+        )
+        return {key: g for (key, _), g in zip(tracked, grads) if g is not None}
+
+    def _backward(self, i: int) -> None:
+        shared, stage = self.shared, self.stage
+        genv = self.backward_ready.pop(i)
+        wait_for(genv)
+        args, outs = self.saved.pop(i)
+        params = shared.params[self.j]
+        outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
+        now: list[torch.Tensor | None] = []
+        later: DeferredWeights | None = None
+        if outputs and (arg_slots or params):
+            arg_values = [args[n] for n in arg_slots]
+            param_values = [args[n] for n, _ in params]
+            if shared.defer and arg_slots and params:
+                arg_grads, now, later = backward_inputs(outputs, seeds, arg_values, param_values)
+            else:
+                grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
+                arg_grads, now = list(grads[: len(arg_slots)]), list(grads[len(arg_slots) :])
+            add_input_grads(genv, stage, arg_slots, arg_grads)
+        signal(genv, stage.device)
+        if self.j > 0:
+            shared.inboxes[self.j - 1].put(("B", i, genv))
+        groups = len(later) if later is not None else 0
+        with shared.lock:
+            if later is not None and groups:
+                shared.pool.append(_Pending(self.j, i, later))
+            shared.finish(self.j, i, [(p, g) for p, g in enumerate(now) if g is not None], groups)
+            last = shared.backwards_left == 0
+        if groups or last:
+            shared.wake()
+
+    def _weights(self) -> bool:
+        """Claim and run one group of the oldest deferred weight gradients this worker may run;
+        ``False`` when there are none.
+
+        On the CPU that is any stage's; a stage on a GPU runs only its own, on its own stream
+        (autograd orders a backward's kernels on the streams of the forward, and the gradients
+        kept for later were made on this worker's)."""
+        shared = self.shared
+        with shared.lock:
+            pending = next((p for p in shared.pool if self._may_run(p.stage)), None)
+            if pending is None:
+                return False
+            group = pending.later.take()
+            if not len(pending.later):
+                shared.pool.remove(pending)
+        self.current = (pending.stage, pending.microbatch)
+        grads = pending.later.run(group)
+        with shared.lock:
+            shared.finish(pending.stage, pending.microbatch, grads, -1)
+        return True
+
+
+def _write_grads(
+    stages: list[TorchStage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
+) -> None:
+    """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
+
+    A gradient that is one autograd result, not an accumulator made here, is copied before
+    it becomes a ``.grad`` (autograd may share it)."""
+    for param, g, fresh in per_parameter(stages, param_grads, owned).values():
+        g = g.to(param.device)
+        if param.grad is None:
+            param.grad = g if fresh else g.clone()
+        else:
+            param.grad.add_(g)
