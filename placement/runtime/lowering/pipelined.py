@@ -6,7 +6,7 @@
 uses; ``torch.fx.passes.split_module``) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
 and runs them through the stages on the workers of
-:mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
+:mod:`placement.runtime.schedule` (one thread per stage, fill-drain schedule),
 so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
 micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
 stage waits (an event) only for the micro-batch it reads. On the CPU, once a
@@ -103,7 +103,7 @@ from placement.runtime.lowering.stage_exec import (
     worker_context,
 )
 from placement.runtime.lowering.traced import TracedStage
-from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
+from placement.runtime.schedule import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
 from placement.runtime.stages import partition
 
 __all__ = ["PipelinedModule", "pipeline_module"]

@@ -18,7 +18,7 @@ from placement.graph.serialize import to_proto
 from placement.runtime import device_map as device_map_module
 from placement.runtime import ort as rort
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.program import StageStep, TransferStep, transfer_kind
+from placement.runtime.ort.program import StageStep, TransferStep, transfer_kind
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import GraphBuilder, churn
 

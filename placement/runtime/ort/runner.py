@@ -16,19 +16,19 @@ Data flow (precomputed at construction, so a run is a short loop):
   with ``bind_ortvalue_input`` and outputs with ``bind_output(name, "cuda",
   device_id)``; a CPU stage with one call of the session's native
   ``run_with_ort_values`` (no binding to set up and clear per run); see
-  :class:`placement.runtime.program.StageStep`;
+  :class:`placement.runtime.ort.program.StageStep`;
 * a BatchNormalization that a cut separated from its Conv runs, in a CPU stage's
   session, as the equivalent depthwise Conv, so ONNX Runtime keeps its blocked
-  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.layout`);
+  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.ort.layout`);
 * a dynamic copy is a *transfer*, not a session op: the blob is moved to the
-  destination device (see :func:`placement.runtime.program.transfer_kind`): nothing to do between two
+  destination device (see :func:`placement.runtime.ort.program.transfer_kind`): nothing to do between two
   logical devices on one physical GPU (the value is shared), a device-to-device
   ``onnxruntime.copy_tensors`` between two GPUs (falling back, once logged, to
   a host round trip when this onnxruntime build has no such data transfer), a
   host <-> GPU copy, or, between logical devices emulated on the CPU, nothing
   either (they all live in host memory, and no session writes what it is fed);
 * where a blob passes between two CPU stages' convolutions it stays in ONNX
-  Runtime's blocked layout (``keep_layout``, :mod:`placement.runtime.boundaries`):
+  Runtime's blocked layout (``keep_layout``, :mod:`placement.runtime.ort.boundaries`):
   no conversion out of it at the end of one stage and back in at the start of the next;
 * static copies (of parameters) need nothing at run time: each stage carries
   the parameters it reads as initializers, so they reach its device once, when
@@ -97,15 +97,17 @@ from placement.graph.model import (
     node_device,
 )
 from placement.passes.copies import inject_cross_device_copies
-from placement.runtime.boundaries import optimized_path
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
+from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
+from placement.runtime.ort.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
+from placement.runtime.ort.sessions import check_threads, stage_session
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
-from placement.runtime.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
-from placement.runtime.sessions import check_threads, ort_log_severity, session_options, stage_session
+from placement.runtime.schedule import batch_axes, stage_threads
 from placement.runtime.stages import Stage, split_stages
 
-__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
+__all__ = ["Runner", "RunnerStats", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class RunnerStats:
         transfers: transfers per run (cross-device copies that move data).
         host_copies: tensor copies through host memory the last :meth:`Runner.run` made
             (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.program.HOST_COPIES`; a run
+            back as numpy; see :data:`placement.runtime.ort.program.HOST_COPIES`; a run
             in another thread at the same time counts here too).
     """
 
@@ -150,7 +152,7 @@ class Runner:
         threads: intra-op threads per session (default: ONNX Runtime's choice).
         chunks: split each :meth:`run`'s batch into this many micro-batches and run
             them through the stages in a fill-drain (GPipe) schedule, one worker
-            thread per stage (see :mod:`placement.runtime.pipeline`); the outputs
+            thread per stage (see :mod:`placement.runtime.schedule`); the outputs
             are the unsplit run's. Default 1: stages run one after another.
         batch_axes: graph input/output name -> batch axis (None: the input goes
             whole to every micro-batch), replacing the detection from the
@@ -165,7 +167,7 @@ class Runner:
             (modelsplit's ``enable_clone``: memory for speed). Default: release them.
         keep_layout: where a blob passes between two CPU stages' convolutions, hand
             it over in ONNX Runtime's blocked layout instead of converting it out and
-            back in (:mod:`placement.runtime.boundaries`; :attr:`blocked_boundaries`
+            back in (:mod:`placement.runtime.ort.boundaries`; :attr:`blocked_boundaries`
             lists those blobs). Outputs are identical either way.
         precision: ``"fp32"`` (default): GPU stages compute fp32 strictly (ONNX Runtime's
             CUDA provider with ``use_tf32=0``), so outputs match the CPU's within
@@ -271,7 +273,7 @@ class Runner:
 
     @property
     def program(self) -> Program:
-        """The compiled run (typed steps, see :mod:`placement.runtime.program`), for
+        """The compiled run (typed steps, see :mod:`placement.runtime.ort.program`), for
         inspection: what :meth:`run` does, step by step."""
         assert self._program is not None
         return self._program
@@ -359,8 +361,6 @@ class Runner:
             before = HOST_COPIES.count
             try:
                 if self.chunks > 1:
-                    from placement.runtime.pipeline import ort_run_pipelined
-
                     return ort_run_pipelined(self, arrays, outputs=outputs)
                 return self._execute(arrays, outputs)
             finally:
@@ -398,8 +398,6 @@ class Runner:
             >>> [out[0].shape for out in runner.stream([x, 2 * x, 3 * x])]
             [(4, 8), (4, 8), (4, 8)]
         """
-        from placement.runtime.pipeline import ort_stream
-
         if outputs not in OUTPUT_KINDS:
             raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
@@ -420,8 +418,6 @@ class Runner:
 
     def _pipeline_axes(self) -> Any:
         """The batch axes of the model's inputs and outputs (cached per placement)."""
-        from placement.runtime.pipeline import batch_axes
-
         if self._axes is None or self._axes[0] is not self._state:
             self._axes = (self._state, batch_axes(self.model, overrides=self._batch_axes_arg))
         return self._axes[1]
@@ -500,8 +496,6 @@ class Runner:
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         execs: dict[int, StageExec] = {}
         if self._threads is None and (self.chunks > 1 or self._threads_per_stage is not None):
-            from placement.runtime.pipeline import stage_threads
-
             self._session_threads = self._threads_per_stage or stage_threads(len(part.stages))
         built = reused = 0
         layout = self.keep_layout and sum(not self._device_map[s.device].is_cuda for s in part.stages) > 1
@@ -554,13 +548,11 @@ class Runner:
 
     def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec], workdir: Path) -> None:
         """Rebuild CPU stages so their convolutional boundaries stay blocked (see
-        :mod:`placement.runtime.boundaries`), and recompile the program for them."""
+        :mod:`placement.runtime.ort.boundaries`), and recompile the program for them."""
         self.blocked_boundaries = []
         on_cpu = [ex for ex in execs.values() if not ex.physical.is_cuda]
         if not self.keep_layout or len(on_cpu) < 2:
             return
-        from placement.runtime.boundaries import keep_blocked_boundaries
-
         assert self._program is not None
         plan = keep_blocked_boundaries(
             self._program,

@@ -1,4 +1,4 @@
-"""Tests for ``placement.runtime.pipeline`` and the pipelined runtimes built on it.
+"""Tests for ``placement.runtime.schedule`` and the pipelined runtimes built on it.
 
 The schedule and the workers (order, overlap, errors, back-pressure, no leaked
 threads), then both runtimes on every zoo model placed on two logical devices:
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.pipeline import (
+from placement.runtime.schedule import (
     StageWorkers,
     batch_axes,
     bubble_fraction,
@@ -305,7 +305,7 @@ def test_constants_become_tensors_for_symbolic_shape_inference():
     TorchScript export holds ``value_ints`` ones): they are rewritten first, same values."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from placement.runtime.pipeline import _tensor_constants
+    from placement.runtime.schedule.axes import _tensor_constants
 
     nodes = [
         helper.make_node("Constant", [], ["shape"], value_ints=[-1, 2, 2]),
