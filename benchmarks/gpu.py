@@ -387,7 +387,7 @@ class _StageTimer:
     """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
 
     def __init__(self, runner: pl.Runner, feeds: Any) -> None:
-        from placement.runtime.ort.program import TransferStep
+        from placement.runtime.ort.steps import TransferStep
 
         self.program = runner.program
         self.arrays = [feeds[name] for name in runner.input_names]

@@ -276,7 +276,9 @@ def explain_overhead(
     from onnxruntime.capi import _pybind_state as _C
 
     from placement.runtime.inputs import normalize_inputs
-    from placement.runtime.ort.program import _CPU, NativeRun, StageStep, _owned
+    from placement.runtime.ort.program import NativeRun
+    from placement.runtime.ort.steps import StageStep
+    from placement.runtime.ort.values import _CPU, _owned
 
     program = runner.program
     assert program is not None

@@ -259,8 +259,9 @@ def rank_program(
         >>> y.shape
         (4, 8)
     """
-    from placement.runtime.ort.program import StageExec, compile_program
+    from placement.runtime.ort.program import compile_program
     from placement.runtime.ort.sessions import stage_session
+    from placement.runtime.ort.steps import StageExec
 
     execs = {}
     for stage in plan.partition.stages:

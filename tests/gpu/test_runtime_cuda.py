@@ -11,7 +11,7 @@ import torch
 
 import placement as pl
 from placement.runtime.calibrate import calibrate
-from placement.runtime.ort.program import StageStep
+from placement.runtime.ort.steps import StageStep
 from placement.runtime.precision import FP32_TOLERANCE, TF32_TOLERANCE, tolerance
 from tests.conftest import MODEL_NAMES
 from tests.gpu import needs_ort_cuda, needs_torch_cuda

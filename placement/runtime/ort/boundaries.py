@@ -50,8 +50,9 @@ import onnxruntime as ort
 
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort.layout import blocked_inputs, blocked_outputs, keep_blocked
-from placement.runtime.ort.program import HostStep, Program, StageExec, StageStep, TransferStep
+from placement.runtime.ort.program import Program
 from placement.runtime.ort.sessions import stage_options, stage_session
+from placement.runtime.ort.steps import HostStep, StageExec, StageStep, TransferStep
 from placement.runtime.stages import Stage
 
 __all__ = [

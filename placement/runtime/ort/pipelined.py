@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from placement.runtime.inputs import normalize_inputs, ortvalue_from_torch
-from placement.runtime.ort.program import HostStep, StageStep, TransferStep, to_output
+from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
+from placement.runtime.ort.values import to_output
 from placement.runtime.schedule import (
     StageFn,
     concat_batch,

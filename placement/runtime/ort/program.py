@@ -6,26 +6,28 @@ one session per stage; :func:`compile_program` then turns the partition into a
 ``torch.fx.Interpreter`` walks its nodes), each step reading and writing a
 *value table* (key -> ``OrtValue`` or host value):
 
-* :class:`StageStep` runs a stage session on ``OrtValue`` s: on the CPU with the
+* :class:`~placement.runtime.ort.steps.StageStep` runs a stage session on ``OrtValue`` s: on the CPU with the
   session's native ``run_with_ort_values`` (one call; the run allocates fresh outputs),
   on a GPU with ``run_with_iobinding`` (outputs bound to, and allocated on, the GPU);
-* :class:`HostStep` runs a stage whose boundary carries sequences, optionals or
-  string tensors with ``InferenceSession.run`` (which takes and returns them as
-  lists, ``None`` and object arrays);
-* :class:`TransferStep` moves a blob to another device (:func:`transfer_kind`
-  says how: share, host copy, host <-> GPU, GPU -> GPU).
+* :class:`~placement.runtime.ort.steps.HostStep` runs a stage whose boundary carries
+  sequences, optionals or string tensors with ``InferenceSession.run`` (which takes and
+  returns them as lists, ``None`` and object arrays);
+* :class:`~placement.runtime.ort.steps.TransferStep` moves a blob to another device
+  (:func:`~placement.runtime.ort.values.transfer_kind` says how: share, host copy,
+  host <-> GPU, GPU -> GPU).
 
 Every step carries the keys whose last reader it is (``free``), so intermediate
 values are dropped as soon as possible. :meth:`Program.collect` hands the graph
 outputs back as numpy arrays that own their memory (or keep their ``OrtValue``
 alive), so later allocations can never overwrite them; or, asked for device
-outputs (``outputs="torch"`` / ``"ortvalue"``, see :data:`OUTPUT_KINDS`), as torch
-tensors over the ``OrtValue`` s' memory (DLPack, no copy) or the ``OrtValue`` s
+outputs (``outputs="torch"`` / ``"ortvalue"``, see
+:data:`~placement.runtime.ort.values.OUTPUT_KINDS`), as torch tensors over the
+``OrtValue`` s' memory (DLPack, no copy) or the ``OrtValue`` s
 themselves, on the device that made them.
 
 Host copies: every copy of a tensor through host memory that a run makes (a graph
 input fed from numpy to a GPU, a transfer to or from the host, an output on a GPU
-handed back as numpy) is counted in :data:`HOST_COPIES`; with device-resident
+handed back as numpy) is counted in :data:`~placement.runtime.ort.values.HOST_COPIES`; with device-resident
 inputs and outputs, stages on GPUs make none (the GPU tests assert it).
 
 Example:
@@ -42,7 +44,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,247 +55,26 @@ from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.ort.steps import HostStep, StageExec, StageStep, Step, TransferStep
+from placement.runtime.ort.values import (
+    _CPU,
+    _HOST,
+    ALIAS,
+    _is_native,
+    _is_tensor,
+    _is_torch,
+    _owned,
+    ortvalue,
+    place,
+    to_numpy,
+    to_output,
+    transfer_kind,
+)
 from placement.runtime.stages import Partition, Stage
 
-__all__ = [
-    "HOST_COPIES",
-    "OUTPUT_KINDS",
-    "HostCopies",
-    "HostStep",
-    "NativeRun",
-    "Program",
-    "StageExec",
-    "StageStep",
-    "Step",
-    "TransferStep",
-    "compile_program",
-    "place",
-    "to_output",
-    "transfer_kind",
-]
+__all__ = ["NativeRun", "Program", "compile_program"]
 
 log = logging.getLogger(__name__)
-
-#: The host device of native ``OrtValue`` s (:class:`NativeRun`).
-_CPU = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
-
-#: How a blob moves between two physical devices (see :func:`transfer_kind`).
-ALIAS, TO_GPU, TO_HOST, GPU_TO_GPU = "alias", "h2d", "d2h", "d2d"
-_warned_d2d_fallback = False
-
-#: What :meth:`Program.collect` (and ``Runner.run(outputs=...)``) hands back: host numpy arrays
-#: (the default), torch tensors on the outputs' devices (DLPack, no copy), or ``OrtValue`` s.
-OUTPUT_KINDS = ("numpy", "torch", "ortvalue")
-
-
-class HostCopies:
-    """A process-wide count of tensor copies through host memory (see the module docstring).
-
-    Example:
-        >>> before = HOST_COPIES.count
-        >>> HOST_COPIES.add()
-        >>> HOST_COPIES.count - before
-        1
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def add(self, n: int = 1) -> None:
-        """Count ``n`` more copies."""
-        with self._lock:
-            self.count += n
-
-
-#: The count of host copies made by runs in this process.
-HOST_COPIES = HostCopies()
-
-
-@dataclass
-class StageExec:
-    """A stage with its physical device and session (and, once compiled, how it runs).
-
-    Attributes:
-        stage, physical, session: the stage, its device and its session.
-        binding: the stage's own ``IOBinding`` (stages on a GPU; None on the CPU).
-        out_device: where a GPU stage's outputs are allocated.
-        direct: for a stage on the CPU, the session's native ``run_with_ort_values``
-            (see :meth:`StageStep.call`); None where outputs are bound instead.
-    """
-
-    stage: Stage
-    physical: PhysicalDevice
-    session: ort.InferenceSession
-    binding: Any = None
-    out_device: tuple[str, int] = ("cpu", 0)
-    direct: Any = None
-
-    def new_binding(self, outputs: tuple[str, ...]) -> Any:
-        """An ``IOBinding`` of this stage's session with ``outputs`` bound to its device
-        (None for a stage that runs without one, see :meth:`StageStep.call`)."""
-        if self.direct is not None:
-            return None
-        binding = self.session.io_binding()
-        self.bind_outputs(binding, outputs)
-        return binding
-
-    def bind_outputs(self, binding: Any, outputs: tuple[str, ...]) -> None:
-        """Bind ``outputs`` of ``binding`` to this stage's device (fresh buffers each run)."""
-        device_type, device_id = self.out_device
-        for name in outputs:
-            binding.bind_output(name, device_type, device_id)
-
-    def error(self, err: Exception) -> PlacementError:
-        """ONNX Runtime failed while running this stage: say which stage, device and ops."""
-        ops = self.stage.ops
-        span = f"op {ops[0]!r}" if len(ops) == 1 else f"ops {ops[0]!r} .. {ops[-1]!r}"
-        return PlacementError(
-            f"stage {self.stage.index} ({self.stage.device} -> {self.physical}, {span}) "
-            f"failed in ONNX Runtime: {_first_line(err)}"
-        )
-
-
-# --- steps -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageStep:
-    """Run a stage session on ``OrtValue`` s (activations stay on the device).
-
-    :meth:`run` is :meth:`inputs`, :meth:`call`, :meth:`store` in turn (separate
-    so that ``benchmarks/runtime.py --explain`` can time each).
-
-    Attributes:
-        exec: the stage, its device and session.
-        bind: (session input name, value-table key) pairs.
-        outputs: the stage's outputs (also their value-table keys).
-        free: keys whose last reader this step is.
-    """
-
-    exec: StageExec
-    bind: tuple[tuple[str, str], ...]
-    outputs: tuple[str, ...]
-    free: tuple[str, ...] = ()
-
-    def run(self, values: dict[str, Any], binding: Any = None) -> None:
-        """Run on ``values`` (``binding``: an ``IOBinding`` of a GPU stage's session
-        to use instead of the stage's own; a pipeline gives each worker its own)."""
-        self.store(values, self.call(self.inputs(values), binding))
-
-    def inputs(self, values: dict[str, Any]) -> dict[str, ort.OrtValue]:
-        """The session's inputs, read from ``values`` (host tensors from a host-value
-        stage become ``OrtValue`` s on the stage's device, in ``values`` too)."""
-        physical = self.exec.physical
-        feeds = {}
-        for name, key in self.bind:
-            value = values[key]
-            if not isinstance(value, ort.OrtValue):
-                value = values[key] = ortvalue(value, physical)
-            feeds[name] = value
-        return feeds
-
-    def call(self, feeds: dict[str, ort.OrtValue], binding: Any = None) -> list[ort.OrtValue]:
-        """Run the session on ``feeds``; the outputs, in fresh buffers on the stage's device.
-
-        A stage on the CPU calls the session's native ``run_with_ort_values``
-        (outputs are allocated by the run, one call, none of the Python checks the
-        public wrapper repeats each run); a stage on a GPU runs through an
-        ``IOBinding`` whose outputs are bound to its device (``run_with_ort_values``
-        would hand them back in host memory), cleared and bound again after the run
-        so the next run allocates fresh buffers (returned arrays are never overwritten).
-        """
-        ex = self.exec
-        if ex.direct is not None:
-            try:
-                native = ex.direct({name: v._ortvalue for name, v in feeds.items()}, self.outputs, None)
-            except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
-                raise ex.error(err) from err
-            return [ort.OrtValue(native[i]) for i in range(len(self.outputs))]
-        binding = ex.binding if binding is None else binding
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, value)
-        try:
-            ex.session.run_with_iobinding(binding)
-        except Exception as err:
-            binding.clear_binding_inputs()
-            raise ex.error(err) from err
-        outputs = binding.get_outputs()
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        ex.bind_outputs(binding, self.outputs)
-        return outputs
-
-    def store(self, values: dict[str, Any], outputs: list[ort.OrtValue]) -> None:
-        """Put the outputs into ``values``; drop the keys this step read last."""
-        _store(values, self.outputs, outputs, self.free)
-
-
-@dataclass(frozen=True)
-class HostStep:
-    """Run a stage on host values (sequences, optionals or strings cross its boundary).
-
-    :meth:`run` is :meth:`inputs`, :meth:`call`, :meth:`store` in turn, as for :class:`StageStep`.
-    """
-
-    exec: StageExec
-    bind: tuple[tuple[str, str], ...]
-    outputs: tuple[str, ...]
-    free: tuple[str, ...] = ()
-
-    def run(self, values: dict[str, Any], binding: Any = None) -> None:
-        """Run on ``values`` with ``InferenceSession.run`` (``binding`` is unused)."""
-        self.store(values, self.call(self.inputs(values)))
-
-    def inputs(self, values: dict[str, Any]) -> dict[str, Any]:
-        """The session's inputs, read from ``values`` as host values."""
-        return {name: _host(values[key]) for name, key in self.bind}
-
-    def call(self, feeds: dict[str, Any], binding: Any = None) -> list[Any]:
-        """Run the session on ``feeds``; its outputs as host values."""
-        try:
-            return self.exec.session.run(list(self.outputs), feeds)
-        except Exception as err:  # noqa: BLE001 (re-raised as a PlacementError naming the stage)
-            raise self.exec.error(err) from err
-
-    def store(self, values: dict[str, Any], outputs: list[Any]) -> None:
-        """Put the outputs into ``values``; drop the keys this step read last."""
-        _store(values, self.outputs, outputs, self.free)
-
-
-@dataclass(frozen=True)
-class TransferStep:
-    """Move the value at ``source`` to ``physical`` as ``target`` (see :func:`transfer_kind`)."""
-
-    kind: str
-    source: str
-    target: str
-    physical: PhysicalDevice
-    free: tuple[str, ...] = ()
-
-    @property
-    def moves_data(self) -> bool:
-        """False for an alias (both ends share the value)."""
-        return self.kind != ALIAS
-
-    def run(self, values: dict[str, Any], binding: Any = None) -> None:
-        """Run on ``values`` (``binding`` is unused)."""
-        value = values[self.source]
-        if not isinstance(value, ort.OrtValue):
-            values[self.target] = value if self.kind == ALIAS else _host_copy(value)
-        else:
-            try:
-                values[self.target] = move(value, self.kind, self.physical)
-            except PlacementError:
-                raise
-            except Exception as err:  # an allocation on the destination device failed
-                raise PlacementError(
-                    f"moving blob {self.source!r} to {self.physical} failed: {_first_line(err)}"
-                ) from err
-        _drop(values, self.free)
-
-
-Step = StageStep | HostStep | TransferStep
 
 
 @dataclass
@@ -606,199 +386,6 @@ def _last_reads(reads: list[list[str]], keep: set[str]) -> list[tuple[str, ...]]
     return [tuple(free) for free in frees]
 
 
-# --- values ------------------------------------------------------------------------------
-
-
-def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: bool) -> str:
-    """How a blob moves between two physical devices.
-
-    Values move only between different memories: two logical devices on one real
-    device share them (``"alias"``), and so do logical devices emulated on the CPU,
-    which all live in host memory; otherwise ``"h2d"``, ``"d2h"`` or ``"d2d"``.
-    Sharing is safe: ONNX Runtime never writes into a value it is fed, a run's
-    outputs are freshly allocated, and nothing else here writes into a value.
-    The torch lowering behaves the same way: ``tensor.to`` the
-    device a tensor is already on returns it as is.
-
-    Emulated devices used to copy, to "pay what a real GPU pair pays"; but a host
-    memcpy costs nothing like an NVLink or PCIe transfer, so the copy only added
-    work this machine does not need (0.2 ms, 1% of bench ResNet, per 1 MiB blob).
-    The planner charges transfers through its link model (:mod:`placement.planning.links`),
-    independently of how the emulation runs them.
-
-    Example:
-        >>> cpu, gpu = PhysicalDevice("cpu", 0, emulated=True), PhysicalDevice("cuda", 1)
-        >>> transfer_kind(cpu, cpu, same_logical=False), transfer_kind(cpu, gpu, same_logical=False)
-        ('alias', 'h2d')
-    """
-    if same_logical:
-        return ALIAS
-    if src.is_cuda and dst.is_cuda:
-        return ALIAS if src.index == dst.index else GPU_TO_GPU
-    if src.is_cuda:
-        return TO_HOST
-    if dst.is_cuda:
-        return TO_GPU
-    return ALIAS
-
-
-def ortvalue(array: np.ndarray, physical: PhysicalDevice) -> ort.OrtValue:
-    """``array`` as an ``OrtValue`` on ``physical`` (a host copy when that is a GPU)."""
-    if physical.is_cuda:
-        HOST_COPIES.add()
-        return ort.OrtValue.ortvalue_from_numpy(array, "cuda", physical.index)
-    return ort.OrtValue.ortvalue_from_numpy(array)
-
-
-#: The host, as a physical device (where values of CPU stages and emulated devices live).
-_HOST = PhysicalDevice("cpu", 0)
-
-
-def value_device(value: ort.OrtValue) -> PhysicalDevice:
-    """The physical device an ``OrtValue`` lives on."""
-    if value.device_name().lower() == "cpu":
-        return _HOST
-    _, index = value._ortvalue.__dlpack_device__()
-    return PhysicalDevice("cuda", int(index))
-
-
-def place(value: Any, physical: PhysicalDevice) -> Any:
-    """A graph input as the value table holds it on ``physical``: numpy arrays become
-    ``OrtValue`` s there (a host copy for a GPU), torch tensors ``OrtValue`` s over their
-    memory (DLPack), and ``OrtValue`` s on another device are moved
-    (:func:`transfer_kind`); host values (lists, ``None``, strings) stay as they are.
-
-    Example:
-        >>> import numpy as np
-        >>> value = place(np.ones(3, np.float32), PhysicalDevice("cpu"))
-        >>> value.device_name().lower(), value.shape()
-        ('cpu', [3])
-    """
-    if _is_tensor(value):
-        return ortvalue(value, physical)
-    if _is_torch(value):
-        from placement.runtime.inputs import ortvalue_from_torch
-
-        value = ortvalue_from_torch(value)  # a CUDA tensor's stream is synchronised there
-    if not isinstance(value, ort.OrtValue):
-        return value
-    here = value_device(value)
-    if here.is_cuda == physical.is_cuda and here.index == physical.index:
-        return value
-    return move(value, transfer_kind(here, physical, same_logical=False), physical)
-
-
-def to_output(value: Any, kind: str, *, copy: bool = False) -> Any:
-    """A graph output handed to the caller as ``kind`` (:data:`OUTPUT_KINDS`), on the device
-    it was made on; ``copy``: the value is not the run's own (a graph input passed through),
-    so it is copied first. Host values (lists, ``None``) are returned as they are.
-
-    Example:
-        >>> import numpy as np
-        >>> to_output(np.arange(3), "torch")
-        tensor([0, 1, 2])
-    """
-    if kind == "numpy":
-        out = to_numpy(value)
-        return out.copy() if copy and isinstance(out, np.ndarray) else out
-    if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
-        array = np.array(value) if copy else value
-        if kind == "torch":
-            import torch
-
-            return torch.from_numpy(array)  # the tensor keeps the array alive
-        return ort.OrtValue.ortvalue_from_numpy(array)  # the OrtValue keeps the array alive
-    if not isinstance(value, ort.OrtValue):
-        return value
-    if copy:
-        value = _copy_value(value)
-    if kind == "ortvalue":
-        return value
-    if kind == "torch":
-        import torch
-
-        tensor = torch.from_dlpack(value._ortvalue)
-        return tensor.view(torch.bool) if value.data_type() == "tensor(bool)" else tensor
-    raise PlacementError(f"unknown output kind {kind!r}; expected one of {', '.join(OUTPUT_KINDS)}")
-
-
-def _copy_value(value: ort.OrtValue) -> ort.OrtValue:
-    """A copy of an ``OrtValue`` on its own device."""
-    device = value_device(value)
-    if not device.is_cuda:  # memory ONNX Runtime owns (a DLPack view of it stays valid on its own)
-        dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cpu", 0)
-        dst.update_inplace(np.ascontiguousarray(value.numpy()))
-        return dst
-    dst = ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), _numpy_dtype(value), "cuda", device.index)
-    ort.copy_tensors([value], [dst])
-    return dst
-
-
-def _is_torch(value: Any) -> bool:
-    return (type(value).__module__ or "").startswith("torch") and hasattr(value, "__dlpack__")
-
-
-def _is_native(value: Any) -> bool:
-    return isinstance(value, _C.OrtValue)
-
-
-def move(value: ort.OrtValue, kind: str, physical: PhysicalDevice) -> ort.OrtValue:
-    """``value`` moved to ``physical`` the way ``kind`` says (an alias returns it as is)."""
-    if kind == ALIAS:
-        return value
-    if kind == TO_HOST:
-        HOST_COPIES.add()
-        return ort.OrtValue.ortvalue_from_numpy(value.numpy())
-    if kind == TO_GPU:
-        HOST_COPIES.add()
-        return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
-    return _gpu_to_gpu(value, physical)
-
-
-class _KeepAlive:
-    """The base of an array viewing an ``OrtValue``'s memory: holds the ``OrtValue``."""
-
-    def __init__(self, value: ort.OrtValue, view: np.ndarray) -> None:
-        self.value = value
-        self.__array_interface__ = view.__array_interface__
-
-
-def to_numpy(value: Any) -> Any:
-    """A host array of ``value`` that stays valid after ``value`` is dropped.
-
-    ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
-    whose base (a capsule) does not keep that buffer alive: once the ``OrtValue``
-    (or the numpy array it was made from) is released, the next allocation can
-    overwrite the view. The returned array keeps the ``OrtValue`` alive instead
-    (no copy), or is a copy where that is cheaper (up to 64 KiB); arrays that own
-    their data (GPU values copied to the host) and host values (lists, ``None``,
-    object arrays) are returned as they are.
-    """
-    if not isinstance(value, ort.OrtValue):
-        return value
-    if value.device_name().lower() != "cpu":
-        HOST_COPIES.add()
-    array = value.numpy()
-    if not isinstance(array, np.ndarray):
-        return array
-    return _owned(value, array)
-
-
-#: Outputs up to this size are copied out of their ``OrtValue`` rather than kept alive
-#: with it: a small copy costs less than the array wrapper around a kept value.
-_COPY_BELOW = 1 << 16
-
-
-def _owned(value: Any, array: np.ndarray) -> np.ndarray:
-    """``array`` (``value.numpy()``) as an array that stays valid: as it is if it owns its
-    memory, copied if small, else a view that keeps ``value`` alive."""
-    if array.flags.owndata:
-        return array
-    if array.nbytes <= _COPY_BELOW:
-        return array.copy()
-    return np.asarray(_KeepAlive(value, array))
-
-
 def _direct_run(session: ort.InferenceSession, physical: PhysicalDevice) -> Any:
     """The native ``run_with_ort_values`` of a CPU stage's session, or None.
 
@@ -822,70 +409,3 @@ def _host_values(session: ort.InferenceSession) -> bool:
         if not arg.type.startswith("tensor(") or arg.type == "tensor(string)":
             return True
     return False
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, np.ndarray) and value.dtype.kind not in "OUS"
-
-
-def _host(value: Any) -> Any:
-    """A value as ``InferenceSession.run`` takes it (``OrtValue`` s become arrays)."""
-    return to_numpy(value) if isinstance(value, ort.OrtValue) else value
-
-
-def _host_copy(value: Any) -> Any:
-    """A separate copy of a host value (arrays, lists of them, ``None``)."""
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, (list, tuple)):
-        return [_host_copy(v) for v in value]
-    return value
-
-
-def _store(values: dict[str, Any], names: tuple[str, ...], results: list[Any], free: tuple[str, ...]) -> None:
-    """Put a stage's ``results`` into ``values`` under ``names``, then drop the keys in ``free``."""
-    values.update(zip(names, results))
-    _drop(values, free)
-
-
-def _drop(values: dict[str, Any], keys: tuple[str, ...]) -> None:
-    for key in keys:
-        del values[key]
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _gpu_to_gpu(value: ort.OrtValue, physical: PhysicalDevice) -> ort.OrtValue:
-    """Device-to-device copy; a host round trip where this onnxruntime build cannot."""
-    global _warned_d2d_fallback
-    if not _warned_d2d_fallback:
-        try:
-            dst = ort.OrtValue.ortvalue_from_shape_and_type(
-                value.shape(), _numpy_dtype(value), "cuda", physical.index
-            )
-            ort.copy_tensors([value], [dst])
-            return dst
-        except Exception as err:  # no registered GPU-GPU data transfer in this build
-            _warned_d2d_fallback = True
-            log.warning(
-                "onnxruntime cannot copy between GPUs directly here (%s); "
-                "cross-GPU transfers go through host memory",
-                err,
-            )
-    HOST_COPIES.add(2)
-    return ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", physical.index)
-
-
-def _numpy_dtype(value: ort.OrtValue) -> Any:
-    """The numpy dtype of an ``OrtValue`` (ONNX Runtime names types ``tensor(float)``)."""
-    import onnx_ir as ir
-    from onnx import TensorProto
-
-    name = value.data_type().removeprefix("tensor(").removesuffix(")")
-    try:
-        return ir.DataType(TensorProto.DataType.Value(name.upper())).numpy()
-    except (ValueError, TypeError):
-        raise PlacementError(f"cannot move a {value.data_type()} between GPUs") from None

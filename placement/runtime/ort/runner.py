@@ -1,4 +1,4 @@
-"""The ONNX Runtime executor: one ``InferenceSession`` per stage, on the stage's device.
+"""``Runner`` and ``run``: one ONNX Runtime ``InferenceSession`` per stage, on the stage's device.
 
 :class:`Runner` cuts a placed model into stages (:mod:`placement.runtime.stages`),
 maps each stage's logical device to a physical one
@@ -8,45 +8,7 @@ or the CPU provider. Without the GPUs the model names, ``device_map="auto"``
 emulates every logical device on the CPU, each stage still in its own session,
 and says so once (a ``logging`` warning).
 
-Data flow (precomputed at construction, so a run is a short loop):
-
-* graph inputs become ``OrtValue`` s on the device they are fed on;
-* each stage runs on ``OrtValue`` s, so activations stay on the device between
-  stages: a GPU stage with ``InferenceSession.run_with_iobinding``, inputs bound
-  with ``bind_ortvalue_input`` and outputs with ``bind_output(name, "cuda",
-  device_id)``; a CPU stage with one call of the session's native
-  ``run_with_ort_values`` (no binding to set up and clear per run); see
-  :class:`placement.runtime.ort.program.StageStep`;
-* a BatchNormalization that a cut separated from its Conv runs, in a CPU stage's
-  session, as the equivalent depthwise Conv, so ONNX Runtime keeps its blocked
-  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.ort.layout`);
-* a dynamic copy is a *transfer*, not a session op: the blob is moved to the
-  destination device (see :func:`placement.runtime.ort.program.transfer_kind`): nothing to do between two
-  logical devices on one physical GPU (the value is shared), a device-to-device
-  ``onnxruntime.copy_tensors`` between two GPUs (falling back, once logged, to
-  a host round trip when this onnxruntime build has no such data transfer), a
-  host <-> GPU copy, or, between logical devices emulated on the CPU, nothing
-  either (they all live in host memory, and no session writes what it is fed);
-* where a blob passes between two CPU stages' convolutions it stays in ONNX
-  Runtime's blocked layout (``keep_layout``, :mod:`placement.runtime.ort.boundaries`):
-  no conversion out of it at the end of one stage and back in at the start of the next;
-* static copies (of parameters) need nothing at run time: each stage carries
-  the parameters it reads as initializers, so they reach its device once, when
-  its session loads (never through a protobuf: the stage's proto holds only its
-  graph and each weight is handed to ONNX Runtime as an ``OrtValue`` over the
-  model's own, possibly memory-mapped, array, so a stage of any size loads and
-  a weight is read only by the stage that uses it); values computed from parameters alone (a transposed
-  weight) are recomputed at load time by the stages that read them (see
-  :mod:`placement.runtime.stages`), never moved per run;
-* every intermediate value is dropped after its last use (as torch.fx's
-  ``Interpreter`` does); outputs come back as numpy arrays in graph-output order.
-
-Copies: a model with explicit copies (``inject_cross_device_copies``) runs with
-exactly those transfers. A model without them, or whose copies went stale after
-ops moved, runs as if copies were injected on a private copy: every
-cross-device edge gets an implicit transfer (one per blob and destination
-device) and a copy whose ends now share a device costs nothing. The user's
-model is never modified.
+Data flow and copies: see :mod:`placement.runtime.ort`.
 
 Re-placement (modelsplit's ``update_flow`` / ``enable_clone``): a runner keeps a
 reference to the model. Before each run (or on :meth:`Runner.update`) it compares
@@ -101,8 +63,10 @@ from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
 from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
 from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
-from placement.runtime.ort.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
+from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import check_threads, stage_session
+from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.schedule import batch_axes, stage_threads
 from placement.runtime.stages import Stage, split_stages
@@ -126,7 +90,7 @@ class RunnerStats:
         transfers: transfers per run (cross-device copies that move data).
         host_copies: tensor copies through host memory the last :meth:`Runner.run` made
             (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.ort.program.HOST_COPIES`; a run
+            back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
             in another thread at the same time counts here too).
     """
 

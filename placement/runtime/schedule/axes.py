@@ -94,41 +94,10 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             f"inputs: {', '.join(repr(s.name) for s in specs)}; "
             f"outputs: {', '.join(repr(n) for n, _ in outputs)}"
         )
-    symbol = None
-    for spec in specs:  # an override names the batch axis
-        axis = overrides.get(spec.name)
-        dims = spec.shape or ()
-        if axis is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], str):
-            symbol = dims[axis]
-            break
-    if symbol is None:  # a time-major recurrent op's input: its batch is on axis 1
-        recurrent = _recurrent_batch_axes(model)
-        for spec in specs:
-            axis = recurrent.get(spec.name)
-            dims = spec.shape or ()
-            if spec.name not in overrides and axis is not None and axis < len(dims):
-                if isinstance(dims[axis], str) and dims[axis]:
-                    symbol = dims[axis]
-                    break
-    if symbol is None:  # else the first symbolic dimension of the first input with one
-        for spec in specs:
-            if spec.name in overrides:
-                continue
-            symbol = next((dim for dim in spec.shape or () if isinstance(dim, str) and dim), None)
-            if symbol is not None:
-                break
+    symbol = _batch_symbol(model, specs, overrides)
 
     def axis_of(name: str, dims: tuple[Any, ...] | None) -> int | None:
-        if name in overrides:
-            axis = overrides[name]
-            if axis is not None and dims is not None and not -len(dims) <= axis < len(dims):
-                raise InputError(f"batch axis {axis} of {name!r} is out of range for rank {len(dims)}")
-            if axis is not None and dims is not None and axis < 0:
-                axis += len(dims)
-            return axis
-        if symbol is None or dims is None:
-            return None
-        return dims.index(symbol) if symbol in dims else None
+        return _axis_of(name, dims, overrides, symbol)
 
     ins = {spec.name: axis_of(spec.name, spec.shape) for spec in specs}
     if not any(axis is not None for axis in ins.values()):
@@ -157,6 +126,52 @@ def batch_axes(model: Model, *, overrides: Mapping[str, int | None] | None = Non
             )
         outs[name] = axis
     return BatchAxes(ins, outs, symbol)
+
+
+def _batch_symbol(model: Model, specs: list[Any], overrides: Mapping[str, int | None]) -> str | None:
+    """The symbolic dimension that is the batch: the one an override names, else a time-major
+    recurrent op's sequence input's axis 1, else the first symbolic dimension of the first input
+    with one (inputs the overrides list are skipped by the last two)."""
+    symbol = None
+    for spec in specs:  # an override names the batch axis
+        axis = overrides.get(spec.name)
+        dims = spec.shape or ()
+        if axis is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], str):
+            symbol = dims[axis]
+            break
+    if symbol is None:  # a time-major recurrent op's input: its batch is on axis 1
+        recurrent = _recurrent_batch_axes(model)
+        for spec in specs:
+            axis = recurrent.get(spec.name)
+            dims = spec.shape or ()
+            if spec.name not in overrides and axis is not None and axis < len(dims):
+                if isinstance(dims[axis], str) and dims[axis]:
+                    symbol = dims[axis]
+                    break
+    if symbol is None:  # else the first symbolic dimension of the first input with one
+        for spec in specs:
+            if spec.name in overrides:
+                continue
+            symbol = next((dim for dim in spec.shape or () if isinstance(dim, str) and dim), None)
+            if symbol is not None:
+                break
+    return symbol
+
+
+def _axis_of(
+    name: str, dims: tuple[Any, ...] | None, overrides: Mapping[str, int | None], symbol: str | None
+) -> int | None:
+    """The batch axis of input or output ``name`` (``dims``): its override, else where ``symbol`` is."""
+    if name in overrides:
+        axis = overrides[name]
+        if axis is not None and dims is not None and not -len(dims) <= axis < len(dims):
+            raise InputError(f"batch axis {axis} of {name!r} is out of range for rank {len(dims)}")
+        if axis is not None and dims is not None and axis < 0:
+            axis += len(dims)
+        return axis
+    if symbol is None or dims is None:
+        return None
+    return dims.index(symbol) if symbol in dims else None
 
 
 #: ONNX's recurrent ops: input 0 is ``[seq, batch, ...]`` with ``layout=0`` (the default), else batch-major.

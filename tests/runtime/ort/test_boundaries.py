@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime import boundaries
+from placement.runtime.ort import boundaries
 
 
 def _placed(devices: int = 2) -> tuple[pl.Model, torch.nn.Module, tuple[torch.Tensor, ...]]:

@@ -17,7 +17,7 @@ import torch
 
 import placement as pl
 from placement.runtime.inputs import ortvalue_from_torch
-from placement.runtime.ort.program import HOST_COPIES, to_output
+from placement.runtime.ort.values import HOST_COPIES, to_output
 
 ATOL = 1e-5
 

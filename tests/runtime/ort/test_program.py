@@ -7,7 +7,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import placement as pl
-from placement.runtime.ort.program import NativeRun, Program, StageStep, TransferStep
+from placement.runtime.ort.program import NativeRun, Program
+from placement.runtime.ort.steps import StageStep, TransferStep
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import churn
 from tests.runtime.ort.test_runner import place_random, place_shift
