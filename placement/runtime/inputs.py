@@ -45,7 +45,7 @@ __all__ = [
     "is_device_value",
     "normalize_inputs",
     "ortvalue_from_torch",
-    "to_numpy",
+    "input_to_numpy",
     "value_dtype",
 ]
 
@@ -115,17 +115,17 @@ def _non_tensor(spec: InputSpec, value: Any) -> Any:
     if value is None and spec.kind == "optional":
         return None
     if isinstance(value, (list, tuple)) and spec.kind != "other":
-        return [_contiguous(to_numpy(spec.name, v)) for v in value]
+        return [_contiguous(input_to_numpy(spec.name, v)) for v in value]
     if spec.kind == "sequence":
         raise InputError(
             f"input {spec.name!r} is a sequence: pass a list of arrays, got {type(value).__name__}"
         )
     if spec.kind == "optional" or isinstance(value, np.ndarray):
-        return _contiguous(to_numpy(spec.name, value))
+        return _contiguous(input_to_numpy(spec.name, value))
     return value
 
 
-def to_numpy(name: str, value: Any) -> np.ndarray:
+def input_to_numpy(name: str, value: Any) -> np.ndarray:
     """A numpy array from a numpy array, torch tensor, scalar or nested list.
 
     Raises:
@@ -204,7 +204,7 @@ def normalize_inputs(
         if device_values and is_device_value(value):
             arrays.append(_device_value(spec, value))
             continue
-        array = to_numpy(spec.name, value)
+        array = input_to_numpy(spec.name, value)
         _check(spec, array)
         arrays.append(_contiguous(array))
     return arrays

@@ -64,9 +64,9 @@ from placement.runtime.ort.values import (
     _is_tensor,
     _is_torch,
     _owned,
+    host_array,
     ortvalue,
     place,
-    to_numpy,
     to_output,
     transfer_kind,
 )
@@ -126,7 +126,7 @@ class Program:
         as ``kind`` says (:data:`OUTPUT_KINDS`). An output that is a graph input (the caller's
         own memory) is copied for device kinds."""
         if kind == "numpy":
-            return [to_numpy(values[key]) if const is None else const.copy() for key, const in self.outputs]
+            return [host_array(values[key]) if const is None else const.copy() for key, const in self.outputs]
         fed = {name for name, _ in self.feeds}
         return [
             to_output(const.copy() if const is not None else values[key], kind, copy=key in fed)

@@ -2,14 +2,14 @@
 
 :func:`transfer_kind` says how a blob moves between two physical devices (share, host copy,
 host <-> GPU, GPU -> GPU) and :func:`move` moves it; :func:`place` puts a graph input on its
-device; :func:`to_output` and :func:`to_numpy` hand outputs back owning their memory. Every copy of
+device; :func:`to_output` and :func:`host_array` hand outputs back owning their memory. Every copy of
 a tensor through host memory is counted in :data:`HOST_COPIES`.
 
 Example:
     >>> import numpy as np
     >>> from placement.runtime.device_map import PhysicalDevice
     >>> value = place(np.ones(3, np.float32), PhysicalDevice("cpu"))
-    >>> to_numpy(value).tolist()
+    >>> host_array(value).tolist()
     [1.0, 1.0, 1.0]
 """
 
@@ -37,7 +37,7 @@ __all__ = [
     "move",
     "ortvalue",
     "place",
-    "to_numpy",
+    "host_array",
     "to_output",
     "transfer_kind",
     "value_device",
@@ -171,7 +171,7 @@ def to_output(value: Any, kind: str, *, copy: bool = False) -> Any:
         tensor([0, 1, 2])
     """
     if kind == "numpy":
-        out = to_numpy(value)
+        out = host_array(value)
         return out.copy() if copy and isinstance(out, np.ndarray) else out
     if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
         array = np.array(value) if copy else value
@@ -235,7 +235,7 @@ class _KeepAlive:
         self.__array_interface__ = view.__array_interface__
 
 
-def to_numpy(value: Any) -> Any:
+def host_array(value: Any) -> Any:
     """A host array of ``value`` that stays valid after ``value`` is dropped.
 
     ``OrtValue.numpy()`` on a CPU tensor returns a view of the ``OrtValue``'s buffer
@@ -277,7 +277,7 @@ def _is_tensor(value: Any) -> bool:
 
 def _host(value: Any) -> Any:
     """A value as ``InferenceSession.run`` takes it (``OrtValue`` s become arrays)."""
-    return to_numpy(value) if isinstance(value, ort.OrtValue) else value
+    return host_array(value) if isinstance(value, ort.OrtValue) else value
 
 
 def _host_copy(value: Any) -> Any:
