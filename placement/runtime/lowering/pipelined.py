@@ -103,7 +103,14 @@ from placement.runtime.lowering.stage_exec import (
     worker_context,
 )
 from placement.runtime.lowering.traced import TracedStage
-from placement.runtime.schedule import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
+from placement.runtime.schedule import (
+    CHECKPOINT_MODES,
+    BatchAxes,
+    StageWorkers,
+    batch_axes,
+    check_chunks,
+    split_batch,
+)
 from placement.runtime.stages import partition
 
 __all__ = ["PipelinedModule", "pipeline_module"]
@@ -120,8 +127,7 @@ def pipeline_module(
     batch_axes: Mapping[str, int | None] | None = None,
 ) -> PipelinedModule:
     """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``)."""
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    check_chunks(chunks)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)

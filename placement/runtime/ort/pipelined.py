@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from placement.runtime.inputs import normalize_inputs, ortvalue_from_torch
+from placement.runtime.inputs import contiguous, normalize_inputs, ortvalue_from_torch
 from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
 from placement.runtime.ort.values import to_output
 from placement.runtime.schedule import (
@@ -82,7 +82,7 @@ def ort_run_pipelined(runner: Any, arrays: list[Any], *, outputs: str = "numpy")
     axes = runner._pipeline_axes()
     in_axes = [axes.inputs[name] for name in runner.input_names]
     parts = split_batch(arrays, in_axes, runner.chunks)
-    parts = [[_contiguous(a) for a in part] for part in parts]
+    parts = [[contiguous(a) for a in part] for part in parts]
     results = run_microbatches(fns, parts, names=names)
     joined = concat_batch(results, [axes.outputs[name] for name in runner.output_names])
     if not device or outputs == "torch":
@@ -134,7 +134,7 @@ def ort_stream(
                 yield [arrays]
             else:
                 arrays = [_as_torch(a) for a in arrays]  # device values split where they are
-                yield [[_contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
+                yield [[contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
 
     def flat() -> Iterator[Any]:
         for parts in payloads():
@@ -161,9 +161,3 @@ def ort_stream(
                     joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
                 yield joined
             pending = []
-
-
-def _contiguous(array: Any) -> Any:
-    if hasattr(array, "contiguous") and hasattr(array, "__dlpack__"):
-        return array.contiguous()  # a torch tensor: on its own device
-    return np.ascontiguousarray(array)

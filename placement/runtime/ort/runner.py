@@ -68,7 +68,7 @@ from placement.runtime.ort.sessions import check_threads, stage_session
 from placement.runtime.ort.steps import StageExec
 from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
-from placement.runtime.schedule import batch_axes, stage_threads
+from placement.runtime.schedule import batch_axes, check_chunks, stage_threads
 from placement.runtime.stages import Stage, split_stages
 
 __all__ = ["Runner", "RunnerStats", "run"]
@@ -190,9 +190,7 @@ class Runner:
         threads = check_threads(threads)
         threads_per_stage = check_threads(threads_per_stage, what="threads_per_stage")
         self._threads = threads
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        self.chunks = chunks
+        self.chunks = check_chunks(chunks)
         self._batch_axes_arg = dict(batch_axes) if batch_axes is not None else None
         self._threads_per_stage = threads_per_stage
         self._session_threads = threads
