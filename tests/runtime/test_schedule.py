@@ -1,16 +1,9 @@
-"""Tests for ``placement.runtime.schedule`` and the pipelined runtimes built on it.
-
-The schedule and the workers (order, overlap, errors, back-pressure, no leaked
-threads), then both runtimes on every zoo model placed on two logical devices:
-``Runner(chunks=k)`` and ``Runner.stream`` equal the unsplit run, and
-``to_torch(chunks=k)`` gives the unsplit module's outputs and gradients in every
-checkpoint mode.
-"""
+"""Tests for ``placement.runtime.schedule``: the clock and the workers (order, overlap, errors,
+back-pressure, no leaked threads), split and concat, and batch axes as both runtimes use them."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 
@@ -29,23 +22,8 @@ from placement.runtime.schedule import (
     split_batch,
     stream_microbatches,
 )
-from tests.conftest import MODEL_NAMES
-
-ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def no_thread_leak():
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        extra = [t for t in set(threading.enumerate()) - before if t.name.startswith("placement-pipeline")]
-        if not extra:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pipeline threads left running: {extra}")
-
+from tests.runtime.helpers import no_thread_leak  # noqa: F401 (an autouse fixture)
+from tests.runtime.helpers import placed_zoo as _placed
 
 # --- schedule and workers -------------------------------------------------------------------
 
@@ -203,66 +181,6 @@ def test_split_and_concat_round_trip():
         split_batch([x, np.zeros((5, 3))], [0, 0], 2)
 
 
-# --- the zoo, placed on two devices ------------------------------------------------------------
-
-
-@functools.cache
-def _placed(name: str):
-    from placement import models
-
-    net, args = models.build(name, "tiny")
-    batch = torch.export.Dim("batch")
-    model = pl.from_torch(net, args, dynamic_shapes=tuple({0: batch} for _ in args))
-    acts = pl.get_activation_blobs(model)
-    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 1})
-    pl.inject_cross_device_copies(model)
-    # A batch of 5 (not a multiple of the chunk counts used below).
-    big = tuple(torch.cat([a, a.flip(0), a, a.flip(0), a])[:5] for a in args)
-    return model, net, big
-
-
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_runner_chunks_equals_unsplit(name):
-    model, net, args = _placed(name)
-    arrays = [a.numpy() for a in args]
-    (expected,) = pl.Runner(model, device_map="cpu").run(arrays)
-    runner = pl.Runner(model, device_map="cpu", chunks=3)
-    assert len(runner.stages) == 2
-    (got,) = runner.run(arrays)
-    assert got.shape == expected.shape
-    np.testing.assert_allclose(got, expected, atol=ATOL)
-    np.testing.assert_allclose(got, net(*args).detach().numpy(), atol=1e-4)
-    assert got.flags.owndata
-
-
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_stream_equals_runs_in_order(name):
-    model, _, args = _placed(name)
-    batches = [[a[:n].numpy() for a in args] for n in (5, 1, 3, 2)]
-    runner = pl.Runner(model, device_map="cpu", threads_per_stage=1)
-    expected = [runner.run(b)[0] for b in batches]
-    outs = list(runner.stream(iter(batches), window=2))
-    assert len(outs) == len(batches)
-    for got, want in zip(outs, expected):
-        np.testing.assert_allclose(got[0], want, atol=ATOL)
-    chunked = pl.Runner(model, device_map="cpu", chunks=2)
-    for got, want in zip(chunked.stream(batches), expected):
-        np.testing.assert_allclose(got[0], want, atol=ATOL)
-
-
-def test_runner_stage_error_names_stage_and_microbatch():
-    model, _, (idx,) = _placed("gpt")
-    bad = idx.clone()
-    bad[3, 0] = 10_000  # out of the vocabulary: the embedding Gather fails, in micro-batch 1
-    runner = pl.Runner(model, device_map="cpu", chunks=3)
-    with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 1") as info:
-        runner.run([bad])
-    assert info.value.microbatch == 1
-    # The runner still works after a failed run.
-    (out,) = runner.run([idx])
-    assert out.shape[0] == 5
-
-
 def test_static_batch_is_a_clear_error(exported):
     model, _, _ = exported("mlp")
     with pytest.raises(pl.PlacementError, match=r"no input has a batch axis \('input': float32\[4, 16\]\)"):
@@ -324,150 +242,3 @@ def test_constants_become_tensors_for_symbolic_shape_inference():
     assert [n.attribute[0].name for n in model.graph.node[:2]] == ["value", "value"]
     assert values[0].tolist() == [-1, 2, 2] and values[0].dtype == np.int64
     assert values[1].shape == () and values[1].dtype == np.float32 and float(values[1]) == 0.5
-
-
-# --- torch ------------------------------------------------------------------------------------
-
-
-def _grads(module):
-    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
-
-
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_torch_pipelined_outputs_and_gradients(name):
-    model, net, args = _placed(name)
-    plain = pl.to_torch(model, device_map="cpu")
-    piped = pl.to_torch(model, device_map="cpu", chunks=3, checkpoint="except_last")
-    assert len(piped.stages) == 2
-    assert [n for n, _ in piped.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    piped.load_state_dict(plain.state_dict())
-    plain.train()
-    piped.train()  # BatchNorm keeps running statistics: splitting the batch changes nothing
-    with torch.no_grad():
-        torch.testing.assert_close(piped(*args), plain(*args), atol=ATOL, rtol=0)
-    (plain(*args).float() ** 2).mean().backward()
-    (piped(*args).float() ** 2).mean().backward()
-    want, got = _grads(plain), _grads(piped)
-    assert want.keys() == got.keys() and want
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_torch_checkpoint_modes_and_input_grads(checkpoint):
-    model, net, (x,) = _placed("mlp")
-    plain = pl.to_torch(model, device_map="cpu")
-    piped = pl.to_torch(model, device_map="cpu", chunks=2, checkpoint=checkpoint)
-    xa = x.clone().requires_grad_(True)
-    xb = x.clone().requires_grad_(True)
-    loss_a = plain(xa).sin().sum()
-    loss_b = piped(xb).sin().sum()
-    grads_a = torch.autograd.grad(loss_a, [xa, *plain.parameters()])
-    grads_b = torch.autograd.grad(loss_b, [xb, *piped.parameters()])
-    for a, b in zip(grads_a, grads_b):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
-
-
-def test_torch_inference_outputs_are_ordinary_tensors():
-    """Forward without grad runs the workers in inference mode; what the caller gets is not an
-    inference tensor, so it can feed autograd afterwards (a frozen feature extractor)."""
-    model, net, (x,) = _placed("mlp")
-    piped = pl.to_torch(model, device_map="cpu", chunks=2)
-    for p in piped.parameters():
-        p.requires_grad_(False)
-    for _ in range(4):  # past the warm-up: the stages run traced
-        with torch.no_grad():
-            out = piped(x)
-        frozen = piped(x)  # grad mode on, nothing requires grad: the forward-only path too
-    assert not out.is_inference() and not frozen.is_inference()
-    head = torch.ones(out.shape[-1], requires_grad=True)
-    (frozen * head).sum().backward()
-    torch.testing.assert_close(head.grad, net(x).detach().sum(0), atol=1e-5, rtol=1e-5)
-    out.add_(1)  # in place, outside inference mode
-
-
-def test_torch_stage_error_propagates():
-    model, _, (idx,) = _placed("gpt")
-    piped = pl.to_torch(model, device_map="cpu", chunks=3)
-    bad = idx.clone()
-    bad[4, 0] = 10_000
-    with pytest.raises(pl.PipelineError, match="failed on micro-batch 2"):
-        piped(bad)
-    with pytest.raises(ValueError, match="checkpoint"):
-        pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="sometimes")
-
-
-def test_pipelined_gpt_traced_stages_equal_untraced_for_every_batch():
-    model, _, (idx,) = _placed("gpt")
-    piped = pl.to_torch(model, device_map="cpu", chunks=2)
-    plain = pl.to_torch(model, device_map="cpu", chunks=2)
-    plain.trace_stages = False
-    assert piped.trace_stages and not plain.trace_stages
-    with torch.no_grad():
-        # micro-batches of 2 + 2, 3 + 2, 2 + 1 and 1: each size is traced on its 3rd call (chunks + 1)
-        for batch in (4, 4, 5, 5, 5, 3, 3, 1):
-            assert torch.equal(piped(idx[:batch]), plain(idx[:batch]))
-    calls = [s.call for s in piped._pl_stages]
-    assert all(c.disabled is None for c in calls), [c.disabled for c in calls]
-    assert all(c.traced == 3 for c in calls), [c.traced for c in calls]
-    assert not any(c.traced for c in (s.call for s in plain._pl_stages))
-
-
-def test_pipelined_gpt_traced_training_gives_the_same_gradients():
-    model, _, (idx,) = _placed("gpt")
-    piped = pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="except_last")
-    plain = pl.to_torch(model, device_map="cpu", chunks=2, checkpoint="except_last")
-    plain.load_state_dict(piped.state_dict())
-    plain.trace_stages = False
-    for _ in range(3):  # the second step runs traced stages (with grad, and without for checkpointing)
-        for module in (piped, plain):
-            module.zero_grad(set_to_none=True)
-            (module(idx[:4]).float() ** 2).mean().backward()
-        want, got = _grads(plain), _grads(piped)
-        assert want.keys() == got.keys() and want
-        for key in want:
-            assert torch.equal(got[key], want[key]), key
-    assert all(s.call.traced and s.call.disabled is None for s in piped._pl_stages)
-
-
-def test_pipelined_traced_stage_error_is_the_modules():
-    model, _, (idx,) = _placed("gpt")
-    piped = pl.to_torch(model, device_map="cpu", chunks=2)
-    with torch.no_grad():
-        piped(idx[:4])
-        piped(idx[:4])
-        assert piped._pl_stages[0].call.traced == 1
-        bad = idx[:4].clone()
-        bad[3, 0] = 10_000  # out of the vocabulary, in micro-batch 1
-        with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 1: IndexError"):
-            piped(bad)
-
-
-def test_train_example_round_trip(tmp_path):
-    from examples.train_pipelined import train
-
-    result = train(steps=6, chunks=2, out=tmp_path)
-    assert result["last_loss"] < result["first_loss"]
-    assert result["max_abs_diff"] < 1e-4
-    assert (tmp_path / "trained_placed.onnx").exists()
-
-
-def test_update_parameters_checks_before_writing():
-    model, net, _ = _placed("mlp")
-    model = model.copy()
-    name = next(iter(model.graph.initializers))
-    before = model.graph.initializers[name].const_value.numpy().copy()
-    with pytest.raises(pl.PlacementError, match=repr(name)):
-        model.update_parameters({name: np.zeros((1, 1), np.float32)})
-    with pytest.raises(pl.UnknownBlobError, match="'nope'"):
-        model.update_parameters({"nope": np.zeros(1, np.float32)})
-    np.testing.assert_array_equal(model.graph.initializers[name].const_value.numpy(), before)
-
-
-def test_stream_bad_batch_raises_input_error(exported):
-    model, _, (x,) = exported("mlp")
-    runner = pl.Runner(model, device_map="cpu")
-    outputs = runner.stream([x, x[:, :3]], window=1)  # the second batch is read after the first output
-    assert next(outputs)[0].shape == (4, 8)
-    with pytest.raises(pl.InputError, match="'input'"):
-        next(outputs)
