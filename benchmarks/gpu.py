@@ -65,7 +65,7 @@ if str(_ROOT) not in sys.path:
 import placement as pl  # noqa: E402
 from benchmarks.runtime import _alternate, _environment, build_model  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
-from placement.runtime.sessions import cuda_provider_options, session_options  # noqa: E402
+from placement.runtime.ort.sessions import cuda_provider_options, session_options  # noqa: E402
 
 __all__ = ["main", "validate_cpu", "stage_times"]
 
@@ -387,7 +387,7 @@ class _StageTimer:
     """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
 
     def __init__(self, runner: pl.Runner, feeds: Any) -> None:
-        from placement.runtime.program import TransferStep
+        from placement.runtime.ort.steps import TransferStep
 
         self.program = runner.program
         self.arrays = [feeds[name] for name in runner.input_names]

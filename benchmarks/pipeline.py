@@ -103,8 +103,8 @@ from placement.graph.serialize import to_proto  # noqa: E402
 from placement.models import gpt, resnet  # noqa: E402
 from placement.runtime.calibrate import calibrate  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402
-from placement.runtime.ort import session_options  # noqa: E402
-from placement.runtime.pipeline import bubble_fraction  # noqa: E402
+from placement.runtime.ort.sessions import session_options  # noqa: E402
+from placement.runtime.schedule import bubble_fraction  # noqa: E402
 
 log = logging.getLogger("benchmarks.pipeline")
 

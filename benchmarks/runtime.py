@@ -74,8 +74,7 @@ if str(_ROOT) not in sys.path:
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.serialize import to_proto  # noqa: E402
-from placement.runtime.ort import session_options  # noqa: E402
-from placement.runtime.sessions import providers  # noqa: E402
+from placement.runtime.ort.sessions import providers, session_options  # noqa: E402
 
 __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 
@@ -175,7 +174,7 @@ def measure_ort(
     fresh pairs do. ``ratio`` is then the median of the per-pair ratios, the
     milliseconds the medians over all runs.
 
-    Both use :func:`placement.runtime.ort.session_options` with ``threads``
+    Both use :func:`placement.runtime.ort.sessions.session_options` with ``threads``
     intra-op threads (None: ONNX Runtime's default).
 
     Returns:
@@ -277,7 +276,9 @@ def explain_overhead(
     from onnxruntime.capi import _pybind_state as _C
 
     from placement.runtime.inputs import normalize_inputs
-    from placement.runtime.program import _CPU, NativeRun, StageStep, _owned
+    from placement.runtime.ort.program import NativeRun
+    from placement.runtime.ort.steps import StageStep
+    from placement.runtime.ort.values import _CPU, _owned
 
     program = runner.program
     assert program is not None

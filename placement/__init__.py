@@ -179,9 +179,8 @@ __all__ = [
     "write_report",
 ]
 
-_LAZY.update(
-    Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"
-)
+_LAZY.update(Link="placement.planning.links", Links="placement.planning.links")
+_LAZY.update(measure_links="placement.runtime.ort.link_probe")
 __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
 _LAZY.update(predict="placement.planning.predict", Prediction="placement.planning.predict")
 __all__ += ["predict", "Prediction"]

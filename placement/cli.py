@@ -760,7 +760,7 @@ def _cmd_launch(args: argparse.Namespace, console: Any) -> int:
 def _check_launch_arguments(args: argparse.Namespace, model: Any, *, single: bool) -> None:
     """Everything the ranks would refuse, refused before any rank starts."""
     from placement.launch import read_inputs
-    from placement.runtime.sessions import check_threads
+    from placement.runtime.ort.sessions import check_threads
 
     if single or args.input:  # on several nodes only the one running rank 0 needs the inputs
         read_inputs(args.input, model.inputs)

@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     _tie_to_agent()
     try:
-        from placement.runtime.sessions import check_threads
+        from placement.runtime.ort.sessions import check_threads
 
         threads = check_threads(args.threads, what="--threads")
     except PlacementError as err:

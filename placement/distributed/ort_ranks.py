@@ -4,7 +4,7 @@ The ORT counterpart of :class:`~placement.distributed.pipeline.DistributedPipeli
 for inference. Every rank cuts the placed model into stages exactly as
 :class:`placement.Runner` does (:func:`placement.runtime.stages.split_stages`),
 keeps the stages of its own logical devices (:func:`rank_plan`) and builds one
-``InferenceSession`` per stage; its run is a :class:`placement.runtime.program.Program`
+``InferenceSession`` per stage; its run is a :class:`placement.runtime.ort.program.Program`
 over those stages only. What crosses ranks is decided once, identically on every
 rank, from the partition: a :class:`Wire` per (blob, receiving rank), sent
 straight from the rank that computes the blob to each later rank that reads it
@@ -68,7 +68,7 @@ from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_
 from placement.runtime.stages import Partition, split_stages
 
 if TYPE_CHECKING:
-    from placement.runtime.program import Program
+    from placement.runtime.ort.program import Program
 
 __all__ = ["DistributedRunner", "RankPlan", "Wire", "rank_plan", "rank_program"]
 
@@ -112,7 +112,7 @@ class RankPlan:
         devices: its logical devices.
         partition: its stages and copies, with the graph inputs (rank 0) and the
             received blobs as inputs and the graph outputs (last rank) and the sent
-            blobs as outputs: what :func:`placement.runtime.program.compile_program` takes.
+            blobs as outputs: what :func:`placement.runtime.ort.program.compile_program` takes.
         receives: the wires into this rank, in the order they are received.
         sends: the wires out of this rank, in the order they are sent.
         n_graph_inputs: the leading inputs of ``partition`` that are graph inputs.
@@ -259,8 +259,9 @@ def rank_program(
         >>> y.shape
         (4, 8)
     """
-    from placement.runtime.ort import stage_session
-    from placement.runtime.program import StageExec, compile_program
+    from placement.runtime.ort.program import compile_program
+    from placement.runtime.ort.sessions import stage_session
+    from placement.runtime.ort.steps import StageExec
 
     execs = {}
     for stage in plan.partition.stages:

@@ -1,28 +1,28 @@
-"""Running a placed graph: stages, the ONNX Runtime executor, the torch lowering, device maps.
+"""Running a placed graph: two runtimes over one stage cut, one micro-batch schedule, device maps.
+
+Shared by both runtimes:
 
 - :mod:`~placement.runtime.stages`: cut a placed graph into per-device stages (an acyclic
   stage graph), with the transfers between them.
-- :mod:`~placement.runtime.ort`: ``Runner``/``run``, one ONNX Runtime session per stage.
-- :mod:`~placement.runtime.program`: the compiled run of a ``Runner`` (typed stage, host-value
-  and transfer steps over a value table).
-- :mod:`~placement.runtime.pipeline`: the micro-batch schedule both runtimes share (``chunks=``,
-  ``Runner.stream``, pipelined ``to_torch`` forward and backward).
-- :mod:`~placement.runtime.calibrate`: ``calibrate``, plans re-balanced on the measured
-  times of their stages: ONNX Runtime stage sessions, or (``runtime="torch"``) the lowered
-  torch stages of :mod:`~placement.runtime.lowering.timing`.
-- :mod:`~placement.runtime.links`: ``measure_links``, timing real copies between devices.
-- :mod:`~placement.runtime.layout`: stage-model rewrites that keep ONNX Runtime's blocked
-  convolution layout across a cut (a BatchNormalization cut from its Conv).
-- :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
-  the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
+- :mod:`~placement.runtime.schedule`: the micro-batch schedule (``chunks=``, ``Runner.stream``,
+  pipelined ``to_torch`` forward and backward): clock, batch axes, split/concat, stage workers.
 - :mod:`~placement.runtime.device_map`: logical to physical devices (CUDA, GPUs shared in
   order, or CPU emulation).
 - :mod:`~placement.runtime.precision`: whether fp32 goes through TF32 on a GPU (``precision=``)
   and the tolerance a check against the CPU uses.
-- :mod:`~placement.runtime.sessions`: how a stage becomes an ONNX Runtime session (options,
-  providers, a shared CUDA arena per GPU).
 - :mod:`~placement.runtime.inputs`: checking and converting user inputs (numpy, torch tensors
   and ``OrtValue`` s; device values kept on their device through DLPack).
+- :mod:`~placement.runtime.calibrate`: ``calibrate``, plans re-balanced on the measured
+  times of their stages: ONNX Runtime stage sessions, or (``runtime="torch"``) the lowered
+  torch stages of :mod:`~placement.runtime.lowering.timing`.
+
+The runtimes:
+
+- :mod:`~placement.runtime.ort`: the ONNX Runtime executor, ``Runner``/``run``, one session
+  per stage (its runner, compiled program, pipelined runs, sessions, blocked-layout
+  boundaries, and ``measure_links``, which times its copies between devices).
+- :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
+  the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 
 May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
 

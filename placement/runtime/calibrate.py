@@ -295,7 +295,7 @@ class _StageTimer:
         device_map: DeviceMapLike,
     ) -> None:
         from placement.runtime.ort import Runner
-        from placement.runtime.program import HostStep, StageStep
+        from placement.runtime.ort.steps import HostStep, StageStep
 
         program = Runner(model, device_map=device_map, threads_per_stage=threads).program
         values = program.feed([inputs[name] for name, _ in program.feeds])

@@ -41,6 +41,7 @@ from typing import Any, Union
 
 from placement.errors import DeviceError
 from placement.graph.device import Device, DeviceLike
+from placement.runtime.names import check_names
 
 __all__ = [
     "PhysicalDevice",
@@ -152,18 +153,16 @@ def resolve_device_map(
         return _auto(logical, n_gpus)
     if isinstance(device_map, Mapping):
         pairs = _parse_mapping(device_map)
-        unknown = sorted(set(pairs) - set(logical))
-        if unknown:
-            raise DeviceError(
-                f"device_map names logical devices the model does not use: "
-                f"{', '.join(map(str, unknown))} (model devices: {', '.join(map(str, logical))})"
-            )
-        missing = [d for d in logical if d not in pairs]
-        if missing:
-            raise DeviceError(
-                f"device_map does not map logical devices {', '.join(map(str, missing))}; "
-                "map every device of the model (or use 'auto' / a single device)"
-            )
+        check_names(
+            sorted(pairs),
+            logical,
+            error=DeviceError,
+            unknown="device_map names logical devices the model does not use: {names} "
+            "(model devices: {expected})",
+            missing="device_map does not map logical devices {names}; "
+            "map every device of the model (or use 'auto' / a single device)",
+            show=str,
+        )
         physical = pairs
     else:
         try:

@@ -36,16 +36,18 @@ import numpy as np
 import onnx_ir as ir
 
 from placement.errors import InputError
+from placement.runtime.names import check_names
 
 __all__ = [
     "InputSpec",
     "InputsLike",
     "check_value",
+    "contiguous",
     "input_specs",
     "is_device_value",
     "normalize_inputs",
     "ortvalue_from_torch",
-    "to_numpy",
+    "input_to_numpy",
     "value_dtype",
 ]
 
@@ -115,17 +117,17 @@ def _non_tensor(spec: InputSpec, value: Any) -> Any:
     if value is None and spec.kind == "optional":
         return None
     if isinstance(value, (list, tuple)) and spec.kind != "other":
-        return [_contiguous(to_numpy(spec.name, v)) for v in value]
+        return [contiguous(input_to_numpy(spec.name, v)) for v in value]
     if spec.kind == "sequence":
         raise InputError(
             f"input {spec.name!r} is a sequence: pass a list of arrays, got {type(value).__name__}"
         )
     if spec.kind == "optional" or isinstance(value, np.ndarray):
-        return _contiguous(to_numpy(spec.name, value))
+        return contiguous(input_to_numpy(spec.name, value))
     return value
 
 
-def to_numpy(name: str, value: Any) -> np.ndarray:
+def input_to_numpy(name: str, value: Any) -> np.ndarray:
     """A numpy array from a numpy array, torch tensor, scalar or nested list.
 
     Raises:
@@ -168,18 +170,13 @@ def normalize_inputs(
             return ready
     names = [s.name for s in specs]
     if isinstance(inputs, Mapping):
-        unknown = [k for k in inputs if k not in names]
-        if unknown:
-            raise InputError(
-                f"unknown input {', '.join(map(repr, unknown))}; the model's inputs are: "
-                f"{', '.join(map(repr, names))}"
-            )
-        missing = [n for n in names if n not in inputs]
-        if missing:
-            raise InputError(
-                f"missing input {', '.join(map(repr, missing))}; the model's inputs are: "
-                f"{', '.join(map(repr, names))}"
-            )
+        check_names(
+            inputs,
+            names,
+            error=InputError,
+            unknown="unknown input {names}; the model's inputs are: {expected}",
+            missing="missing input {names}; the model's inputs are: {expected}",
+        )
         values = [inputs[n] for n in names]
     elif _is_array(inputs):
         if len(specs) != 1:
@@ -204,9 +201,9 @@ def normalize_inputs(
         if device_values and is_device_value(value):
             arrays.append(_device_value(spec, value))
             continue
-        array = to_numpy(spec.name, value)
+        array = input_to_numpy(spec.name, value)
         _check(spec, array)
-        arrays.append(_contiguous(array))
+        arrays.append(contiguous(array))
     return arrays
 
 
@@ -361,6 +358,16 @@ def check_value(spec: InputSpec, dtype: np.dtype | None, shape: Sequence[int]) -
             )
 
 
-def _contiguous(array: np.ndarray) -> np.ndarray:
-    """C-contiguous, keeping 0-d arrays 0-d (``np.ascontiguousarray`` makes them 1-d)."""
-    return np.asarray(array, order="C")
+def contiguous(value: Any) -> Any:
+    """``value`` C-contiguous: a torch tensor on its own device (``Tensor.contiguous``), anything
+    else as a numpy array, 0-d arrays kept 0-d (``np.ascontiguousarray`` makes them 1-d).
+
+    Example:
+        >>> contiguous(np.float32(3)).shape
+        ()
+        >>> contiguous(np.ones((3, 2)).T).flags.c_contiguous
+        True
+    """
+    if hasattr(value, "contiguous") and hasattr(value, "__dlpack__"):
+        return value.contiguous()
+    return np.asarray(value, order="C")

@@ -11,11 +11,11 @@ import torch
 
 import placement as pl
 from placement.runtime.calibrate import calibrate
+from placement.runtime.ort.steps import StageStep
 from placement.runtime.precision import FP32_TOLERANCE, TF32_TOLERANCE, tolerance
-from placement.runtime.program import StageStep
 from tests.conftest import MODEL_NAMES
 from tests.gpu import needs_ort_cuda, needs_torch_cuda
-from tests.runtime.test_ort import place_shift
+from tests.runtime.ort.test_runner import place_shift
 
 pytestmark = [pytest.mark.gpu, needs_ort_cuda]
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import placement as pl
 from placement.planning.links import Link
 from placement.planning.predict import simulate_pipeline
-from placement.runtime.pipeline import bubble_fraction
+from placement.runtime.schedule import bubble_fraction
 
 
 @settings(max_examples=40, deadline=None)

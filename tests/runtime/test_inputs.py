@@ -45,3 +45,15 @@ def test_other_inputs_are_converted(inputs):
 def test_inputs_the_ready_path_refuses_are_explained(inputs, match):
     with pytest.raises(InputError, match=match):
         normalize_inputs(inputs, SPECS)
+
+
+def test_contiguous_keeps_0d_arrays_and_torch_tensors_where_they_are():
+    import torch
+
+    from placement.runtime.inputs import contiguous
+
+    assert contiguous(np.float32(2)).shape == ()
+    assert contiguous(np.ones((3, 2)).T).flags.c_contiguous
+    tensor = torch.ones(3, 2).T
+    out = contiguous(tensor)
+    assert isinstance(out, torch.Tensor) and out.is_contiguous() and out.device == tensor.device

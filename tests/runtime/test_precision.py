@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime import sessions
 from placement.runtime.device_map import PhysicalDevice
+from placement.runtime.ort import sessions
 from placement.runtime.precision import (
     FP32_TOLERANCE,
     TF32_TOLERANCE,

@@ -10,7 +10,7 @@ import torch
 
 import placement as pl
 from placement.runtime.lowering.streaming import WeightStreamer
-from placement.runtime.program import TransferStep
+from placement.runtime.ort.steps import TransferStep
 
 ATOL = 1e-5
 

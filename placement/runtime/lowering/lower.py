@@ -132,7 +132,7 @@ def to_torch(
             activations in forward and recompute them in backward.
         batch_axes: input/output name -> batch axis, replacing the detection
             from the graph's symbolic batch dimension (see
-            :func:`placement.runtime.pipeline.batch_axes`).
+            :func:`placement.runtime.schedule.batch_axes`).
         cuda_graphs: with ``chunks=1``, return a
             :class:`~placement.runtime.lowering.cuda_graphs.CUDAGraphModule`: each run of
             ops on one GPU is captured as a CUDA graph per input shape and replayed

@@ -80,7 +80,7 @@ from placement.runtime.lowering.stage_exec import (
     worker_context,
 )
 from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
-from placement.runtime.pipeline import microbatch_bounds, split_batch, stage_error
+from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
 
 __all__ = ["REDUCTIONS", "check_reduction", "pipelined_train_step", "scalar_loss"]
 

@@ -6,7 +6,7 @@
 uses; ``torch.fx.passes.split_module``, see :mod:`.stage_split`) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
 and runs them through the stages on the workers of
-:mod:`placement.runtime.pipeline` (one thread per stage, fill-drain schedule),
+:mod:`placement.runtime.schedule` (one thread per stage, fill-drain schedule),
 so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
 micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
 stage waits (an event) only for the micro-batch it reads. On the CPU, once a
@@ -105,7 +105,14 @@ from placement.runtime.lowering.stage_split import (
     stage_of_ops,
     traced_stage,
 )
-from placement.runtime.pipeline import CHECKPOINT_MODES, BatchAxes, StageWorkers, batch_axes, split_batch
+from placement.runtime.schedule import (
+    CHECKPOINT_MODES,
+    BatchAxes,
+    StageWorkers,
+    batch_axes,
+    check_chunks,
+    split_batch,
+)
 
 __all__ = ["PipelinedModule", "pipeline_module"]
 
@@ -121,8 +128,7 @@ def pipeline_module(
     batch_axes: Mapping[str, int | None] | None = None,
 ) -> PipelinedModule:
     """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``)."""
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    check_chunks(chunks)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)

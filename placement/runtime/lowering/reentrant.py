@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from placement.runtime.pipeline import clock_cycles, stage_error
+from placement.runtime.schedule import clock_cycles, stage_error
 
 __all__ = ["on_engine_thread", "run_in_order"]
 
@@ -67,7 +67,7 @@ def run_in_order(
 ) -> list[Any]:
     """Run ``payloads[i]`` through ``stages`` on this thread, in the fill-drain order.
 
-    The counterpart of :class:`placement.runtime.pipeline.StageWorkers` without threads:
+    The counterpart of :class:`placement.runtime.schedule.StageWorkers` without threads:
     at tick ``t`` stage ``j`` runs micro-batch ``t - j`` (:func:`clock_cycles`), stage
     ``j``'s result handed to stage ``j + 1``; stages are called with ``ids[i]`` (default
     ``i``), the number errors name. ``context(j)`` is entered around each call of stage

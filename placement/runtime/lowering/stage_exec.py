@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from placement.runtime.pipeline import split_batch
+from placement.runtime.schedule import split_batch
 
 __all__ = [
     "TorchStage",

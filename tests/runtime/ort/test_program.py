@@ -1,4 +1,4 @@
-"""The compiled program: its native run against its step walk (placement.runtime.program)."""
+"""The compiled program: its native run against its step walk (placement.runtime.ort.program)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import pytest
 from onnx import TensorProto, helper
 
 import placement as pl
-from placement.runtime.program import NativeRun, Program, StageStep, TransferStep
+from placement.runtime.ort.program import NativeRun, Program
+from placement.runtime.ort.steps import StageStep, TransferStep
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import churn
-from tests.runtime.test_ort import place_random, place_shift
+from tests.runtime.ort.test_runner import place_random, place_shift
 
 
 def walk(program: Program, arrays: list[np.ndarray]) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Tests for ``placement.runtime.boundaries``: CPU stage boundaries kept in ONNX Runtime's blocked
+"""Tests for ``placement.runtime.ort.boundaries``: CPU stage boundaries kept in ONNX Runtime's blocked
 layout give exactly the outputs of the usual NCHW boundaries, in every way a runner runs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime import boundaries
+from placement.runtime.ort import boundaries
 
 
 def _placed(devices: int = 2) -> tuple[pl.Model, torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -135,7 +135,7 @@ def test_models_without_convolutions_build_nothing_extra():
 def test_keep_blocked_renames_through_the_stage():
     from onnx import helper
 
-    from placement.runtime.layout import NCHWC_DOMAIN, keep_blocked
+    from placement.runtime.ort.layout import NCHWC_DOMAIN, keep_blocked
 
     nodes = [
         helper.make_node("ReorderInput", ["x"], ["bx"], domain=NCHWC_DOMAIN),

@@ -26,7 +26,7 @@ from onnx import helper as oh
 
 import placement as pl
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.sessions import stage_session
+from placement.runtime.ort.sessions import stage_session
 from placement.runtime.stages import partition
 from tests.passes.helpers import assert_same_outputs, run_placed
 

@@ -9,9 +9,9 @@ import pytest
 
 import placement as pl
 from placement.cli import main
-from placement.runtime import sessions
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.sessions import session_options
+from placement.runtime.ort import sessions
+from placement.runtime.ort.sessions import session_options
 from tests.graph.builders import mlp_graph
 
 

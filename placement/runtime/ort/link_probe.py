@@ -57,7 +57,7 @@ def measure_links(
         PlanError: fewer than two devices, or sizes not increasing.
         DeviceError: the device map names a missing GPU.
     """
-    from placement.runtime.program import move, ortvalue, transfer_kind
+    from placement.runtime.ort.values import move, ortvalue, transfer_kind
 
     if devices is None:
         count = cuda_device_count("ort")

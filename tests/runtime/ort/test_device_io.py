@@ -17,7 +17,7 @@ import torch
 
 import placement as pl
 from placement.runtime.inputs import ortvalue_from_torch
-from placement.runtime.program import HOST_COPIES, to_output
+from placement.runtime.ort.values import HOST_COPIES, to_output
 
 ATOL = 1e-5
 
@@ -169,7 +169,7 @@ def test_cuda_pipelined_split_and_join_on_the_gpu():
 @pytest.mark.gpu
 def test_stage_sessions_of_one_gpu_share_an_arena():
     from placement.runtime.device_map import PhysicalDevice
-    from placement.runtime.sessions import shared_cuda_allocator
+    from placement.runtime.ort.sessions import shared_cuda_allocator
 
     model, net, args = _placed("gpt")
     runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"})

@@ -1,4 +1,4 @@
-"""The ONNX Runtime executor: one ``InferenceSession`` per stage, on the stage's device.
+"""``Runner`` and ``run``: one ONNX Runtime ``InferenceSession`` per stage, on the stage's device.
 
 :class:`Runner` cuts a placed model into stages (:mod:`placement.runtime.stages`),
 maps each stage's logical device to a physical one
@@ -8,45 +8,7 @@ or the CPU provider. Without the GPUs the model names, ``device_map="auto"``
 emulates every logical device on the CPU, each stage still in its own session,
 and says so once (a ``logging`` warning).
 
-Data flow (precomputed at construction, so a run is a short loop):
-
-* graph inputs become ``OrtValue`` s on the device they are fed on;
-* each stage runs on ``OrtValue`` s, so activations stay on the device between
-  stages: a GPU stage with ``InferenceSession.run_with_iobinding``, inputs bound
-  with ``bind_ortvalue_input`` and outputs with ``bind_output(name, "cuda",
-  device_id)``; a CPU stage with one call of the session's native
-  ``run_with_ort_values`` (no binding to set up and clear per run); see
-  :class:`placement.runtime.program.StageStep`;
-* a BatchNormalization that a cut separated from its Conv runs, in a CPU stage's
-  session, as the equivalent depthwise Conv, so ONNX Runtime keeps its blocked
-  layout and Add+Relu fusion after the cut (:mod:`placement.runtime.layout`);
-* a dynamic copy is a *transfer*, not a session op: the blob is moved to the
-  destination device (see :func:`placement.runtime.program.transfer_kind`): nothing to do between two
-  logical devices on one physical GPU (the value is shared), a device-to-device
-  ``onnxruntime.copy_tensors`` between two GPUs (falling back, once logged, to
-  a host round trip when this onnxruntime build has no such data transfer), a
-  host <-> GPU copy, or, between logical devices emulated on the CPU, nothing
-  either (they all live in host memory, and no session writes what it is fed);
-* where a blob passes between two CPU stages' convolutions it stays in ONNX
-  Runtime's blocked layout (``keep_layout``, :mod:`placement.runtime.boundaries`):
-  no conversion out of it at the end of one stage and back in at the start of the next;
-* static copies (of parameters) need nothing at run time: each stage carries
-  the parameters it reads as initializers, so they reach its device once, when
-  its session loads (never through a protobuf: the stage's proto holds only its
-  graph and each weight is handed to ONNX Runtime as an ``OrtValue`` over the
-  model's own, possibly memory-mapped, array, so a stage of any size loads and
-  a weight is read only by the stage that uses it); values computed from parameters alone (a transposed
-  weight) are recomputed at load time by the stages that read them (see
-  :mod:`placement.runtime.stages`), never moved per run;
-* every intermediate value is dropped after its last use (as torch.fx's
-  ``Interpreter`` does); outputs come back as numpy arrays in graph-output order.
-
-Copies: a model with explicit copies (``inject_cross_device_copies``) runs with
-exactly those transfers. A model without them, or whose copies went stale after
-ops moved, runs as if copies were injected on a private copy: every
-cross-device edge gets an implicit transfer (one per blob and destination
-device) and a copy whose ends now share a device costs nothing. The user's
-model is never modified.
+Data flow and copies: see :mod:`placement.runtime.ort`.
 
 Re-placement (modelsplit's ``update_flow`` / ``enable_clone``): a runner keeps a
 reference to the model. Before each run (or on :meth:`Runner.update`) it compares
@@ -97,15 +59,19 @@ from placement.graph.model import (
     node_device,
 )
 from placement.passes.copies import inject_cross_device_copies
-from placement.runtime.boundaries import optimized_path
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
+from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
+from placement.runtime.ort.program import Program, compile_program
+from placement.runtime.ort.sessions import check_threads, stage_session
+from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
-from placement.runtime.program import HOST_COPIES, OUTPUT_KINDS, Program, StageExec, compile_program
-from placement.runtime.sessions import check_threads, ort_log_severity, session_options, stage_session
+from placement.runtime.schedule import batch_axes, check_chunks, stage_threads
 from placement.runtime.stages import Stage, split_stages
 
-__all__ = ["Runner", "RunnerStats", "ort_log_severity", "run", "session_options", "stage_session"]
+__all__ = ["Runner", "RunnerStats", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +90,7 @@ class RunnerStats:
         transfers: transfers per run (cross-device copies that move data).
         host_copies: tensor copies through host memory the last :meth:`Runner.run` made
             (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.program.HOST_COPIES`; a run
+            back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
             in another thread at the same time counts here too).
     """
 
@@ -150,7 +116,7 @@ class Runner:
         threads: intra-op threads per session (default: ONNX Runtime's choice).
         chunks: split each :meth:`run`'s batch into this many micro-batches and run
             them through the stages in a fill-drain (GPipe) schedule, one worker
-            thread per stage (see :mod:`placement.runtime.pipeline`); the outputs
+            thread per stage (see :mod:`placement.runtime.schedule`); the outputs
             are the unsplit run's. Default 1: stages run one after another.
         batch_axes: graph input/output name -> batch axis (None: the input goes
             whole to every micro-batch), replacing the detection from the
@@ -165,7 +131,7 @@ class Runner:
             (modelsplit's ``enable_clone``: memory for speed). Default: release them.
         keep_layout: where a blob passes between two CPU stages' convolutions, hand
             it over in ONNX Runtime's blocked layout instead of converting it out and
-            back in (:mod:`placement.runtime.boundaries`; :attr:`blocked_boundaries`
+            back in (:mod:`placement.runtime.ort.boundaries`; :attr:`blocked_boundaries`
             lists those blobs). Outputs are identical either way.
         precision: ``"fp32"`` (default): GPU stages compute fp32 strictly (ONNX Runtime's
             CUDA provider with ``use_tf32=0``), so outputs match the CPU's within
@@ -224,9 +190,7 @@ class Runner:
         threads = check_threads(threads)
         threads_per_stage = check_threads(threads_per_stage, what="threads_per_stage")
         self._threads = threads
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        self.chunks = chunks
+        self.chunks = check_chunks(chunks)
         self._batch_axes_arg = dict(batch_axes) if batch_axes is not None else None
         self._threads_per_stage = threads_per_stage
         self._session_threads = threads
@@ -271,7 +235,7 @@ class Runner:
 
     @property
     def program(self) -> Program:
-        """The compiled run (typed steps, see :mod:`placement.runtime.program`), for
+        """The compiled run (typed steps, see :mod:`placement.runtime.ort.program`), for
         inspection: what :meth:`run` does, step by step."""
         assert self._program is not None
         return self._program
@@ -359,8 +323,6 @@ class Runner:
             before = HOST_COPIES.count
             try:
                 if self.chunks > 1:
-                    from placement.runtime.pipeline import ort_run_pipelined
-
                     return ort_run_pipelined(self, arrays, outputs=outputs)
                 return self._execute(arrays, outputs)
             finally:
@@ -398,8 +360,6 @@ class Runner:
             >>> [out[0].shape for out in runner.stream([x, 2 * x, 3 * x])]
             [(4, 8), (4, 8), (4, 8)]
         """
-        from placement.runtime.pipeline import ort_stream
-
         if outputs not in OUTPUT_KINDS:
             raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
@@ -420,8 +380,6 @@ class Runner:
 
     def _pipeline_axes(self) -> Any:
         """The batch axes of the model's inputs and outputs (cached per placement)."""
-        from placement.runtime.pipeline import batch_axes
-
         if self._axes is None or self._axes[0] is not self._state:
             self._axes = (self._state, batch_axes(self.model, overrides=self._batch_axes_arg))
         return self._axes[1]
@@ -500,8 +458,6 @@ class Runner:
         sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         execs: dict[int, StageExec] = {}
         if self._threads is None and (self.chunks > 1 or self._threads_per_stage is not None):
-            from placement.runtime.pipeline import stage_threads
-
             self._session_threads = self._threads_per_stage or stage_threads(len(part.stages))
         built = reused = 0
         layout = self.keep_layout and sum(not self._device_map[s.device].is_cuda for s in part.stages) > 1
@@ -554,13 +510,11 @@ class Runner:
 
     def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec], workdir: Path) -> None:
         """Rebuild CPU stages so their convolutional boundaries stay blocked (see
-        :mod:`placement.runtime.boundaries`), and recompile the program for them."""
+        :mod:`placement.runtime.ort.boundaries`), and recompile the program for them."""
         self.blocked_boundaries = []
         on_cpu = [ex for ex in execs.values() if not ex.physical.is_cuda]
         if not self.keep_layout or len(on_cpu) < 2:
             return
-        from placement.runtime.boundaries import keep_blocked_boundaries
-
         assert self._program is not None
         plan = keep_blocked_boundaries(
             self._program,

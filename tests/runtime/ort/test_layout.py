@@ -1,4 +1,4 @@
-"""Tests for ``placement.runtime.layout``: a BatchNormalization on a stage input runs as
+"""Tests for ``placement.runtime.ort.layout``: a BatchNormalization on a stage input runs as
 the equivalent depthwise Conv, only where ONNX Runtime's blocked layout is in play."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
 from placement.graph.serialize import to_proto
-from placement.runtime.layout import batchnorm_as_conv
+from placement.runtime.ort.layout import batchnorm_as_conv
 
 
 def _stage(*, reader: str = "Relu", training: int = 0, rank: int = 4) -> ir.Model:

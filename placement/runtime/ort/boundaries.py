@@ -8,13 +8,13 @@ end of the first stage and a ``ReorderInput`` at the start of the next: two pass
 over the activation that the single session never makes (on bench ResNet, 0.18 ms
 of a 20 ms run for one 1 MiB activation).
 
-:func:`keep_blocked_boundaries` removes both. For a :class:`~placement.runtime.program.Program`
+:func:`keep_blocked_boundaries` removes both. For a :class:`~placement.runtime.ort.program.Program`
 whose stages are CPU sessions it finds every blob that one CPU stage produces and
 only CPU stages read (not a graph output, not read by a host stage), asks ONNX
 Runtime for the optimised graph of the stages involved, and where the producer's
 graph ends with a ``ReorderOutput`` for that blob and every reader starts with a
 ``ReorderInput`` of it, rebuilds those stages from their optimised graphs without
-the two conversions (:func:`placement.runtime.layout.keep_blocked`): the blob then
+the two conversions (:func:`placement.runtime.ort.layout.keep_blocked`): the blob then
 travels between stages in the blocked layout, which only these sessions read.
 Outputs are bit for bit the same (the same kernels run on the same data).
 
@@ -49,9 +49,10 @@ import onnx
 import onnxruntime as ort
 
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.layout import blocked_inputs, blocked_outputs, keep_blocked
-from placement.runtime.program import HostStep, Program, StageExec, StageStep, TransferStep
-from placement.runtime.sessions import stage_options, stage_session
+from placement.runtime.ort.layout import blocked_inputs, blocked_outputs, keep_blocked
+from placement.runtime.ort.program import Program
+from placement.runtime.ort.sessions import stage_options, stage_session
+from placement.runtime.ort.steps import HostStep, StageExec, StageStep, TransferStep
 from placement.runtime.stages import Stage
 
 __all__ = [
@@ -163,7 +164,7 @@ def optimized_graph(ex: StageExec, threads: int | None, workdir: Path) -> onnx.M
     Read from :func:`optimized_path` when the stage's session wrote it there as it was
     built (:class:`placement.Runner` asks for that for the stages that may keep a
     boundary blocked); otherwise the stage's session is built once more, by
-    :func:`placement.runtime.sessions.stage_session` with ``optimized_path`` set. The
+    :func:`placement.runtime.ort.sessions.stage_session` with ``optimized_path`` set. The
     graph is loaded without its weights, which stay in ``workdir`` for
     :func:`blocked_session`.
     """

@@ -4,7 +4,7 @@
 :class:`placement.Runner` does (:func:`stage_options`, the stage's execution
 provider, weights handed over as ``OrtValue`` s instead of through a protobuf);
 :mod:`placement.runtime.calibrate`, the distributed ranks and
-:mod:`placement.runtime.boundaries` build theirs the same way.
+:mod:`placement.runtime.ort.boundaries` build theirs the same way.
 
 Example:
     >>> import placement as pl
@@ -29,7 +29,7 @@ import onnxruntime as ort
 from placement.errors import InputError, PlacementError
 from placement.graph.session import ort_session
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.layout import batchnorm_as_conv
+from placement.runtime.ort.layout import batchnorm_as_conv
 from placement.runtime.precision import DEFAULT_PRECISION, ort_cuda_options
 from placement.runtime.stages import Stage
 
@@ -283,9 +283,9 @@ def stage_session(
     CPU as fallback for ops it lacks), allocating from the GPU's shared arena
     (:func:`shared_cuda_allocator`), or the CPU provider (whose
     session runs a BatchNormalization cut from its Conv as a depthwise Conv, see
-    :mod:`placement.runtime.layout`). With ``optimized_path``, ONNX Runtime also
+    :mod:`placement.runtime.ort.layout`). With ``optimized_path``, ONNX Runtime also
     writes the graph it optimised there, weights of a kilobyte or more beside it in
-    ``<name>.weights`` (see :mod:`placement.runtime.boundaries`).
+    ``<name>.weights`` (see :mod:`placement.runtime.ort.boundaries`).
 
     Raises:
         PlacementError: ONNX Runtime cannot build the session (names the stage, its

@@ -1,4 +1,4 @@
-"""Tests for ``placement.runtime.ort``: equality with torch and one ORT session on every zoo model,
+"""Tests for ``placement.runtime.ort.runner``: equality with torch and one ORT session on every zoo model,
 device maps, inputs, transfers, and re-placement that rebuilds only changed stages."""
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 import placement as pl
 from placement.graph.serialize import to_proto
 from placement.runtime import device_map as device_map_module
-from placement.runtime import ort as rort
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.program import StageStep, TransferStep, transfer_kind
+from placement.runtime.ort import runner as rort
+from placement.runtime.ort.sessions import ort_log_severity
+from placement.runtime.ort.steps import StageStep, TransferStep
+from placement.runtime.ort.values import transfer_kind
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import GraphBuilder, churn
 
@@ -532,10 +534,10 @@ def test_runs_stay_quiet_at_the_default_log_level(capfd, caplog):
         pl.Runner(model, device_map="cpu").run({"x": x})
         return capfd.readouterr().err
 
-    assert rort.ort_log_severity() == 3
+    assert ort_log_severity() == 3
     assert "onnxruntime" not in place_and_run()
     with caplog.at_level(logging.DEBUG, logger="placement"):
-        assert rort.ort_log_severity() == 1
+        assert ort_log_severity() == 1
         assert "onnxruntime" in place_and_run()
 
 

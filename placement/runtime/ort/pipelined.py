@@ -1,0 +1,163 @@
+"""Pipelined runs of the ONNX Runtime executor: ``Runner(chunks=k).run`` and ``Runner.stream``.
+
+The runner's compiled program (:mod:`placement.runtime.ort.program`) becomes one stage function per
+stage session (with the transfers after it), run on the shared workers of
+:mod:`placement.runtime.schedule`; batches are split along their batch axes and outputs joined.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> runner = pl.Runner(pl.from_torch(net, (x,)), device_map="cpu")
+    >>> [out[0].shape for out in ort_stream(runner, [x, 2 * x])]
+    [(4, 8), (4, 8)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from placement.runtime.inputs import contiguous, normalize_inputs, ortvalue_from_torch
+from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
+from placement.runtime.ort.values import to_output
+from placement.runtime.schedule import (
+    StageFn,
+    concat_batch,
+    run_microbatches,
+    split_batch,
+    stream_microbatches,
+)
+
+__all__ = ["ort_run_pipelined", "ort_stream", "ort_value_type"]
+
+
+def _ort_stages(runner: Any, outputs: str = "numpy") -> tuple[list[StageFn], list[str]]:
+    """The runner's program as pipeline stage functions (one per stage session).
+
+    Each function runs one stage and the transfers that follow it on a
+    micro-batch's own value table, through its own ``IOBinding`` (so a stream
+    and a run of one runner never share bindings). The first also feeds the
+    graph inputs; the last collects the outputs.
+    """
+    program = runner.program
+    groups: list[list[StageStep | HostStep | TransferStep]] = [[]]
+    for step in program.steps:  # a stage (or host-value stage) and the transfers after it
+        if not isinstance(step, TransferStep) and any(not isinstance(s, TransferStep) for s in groups[-1]):
+            groups.append([])
+        groups[-1].append(step)
+    names = []
+    for group in groups:
+        ex = next((s.exec for s in group if not isinstance(s, TransferStep)), None)
+        names.append(f"stage {ex.stage.index} on {ex.stage.device} ({ex.physical})" if ex else "transfers")
+
+    def make(index: int, group: list[StageStep | HostStep | TransferStep]) -> StageFn:
+        # each worker binds through its own IOBindings, never the runner's
+        bindings = {id(s): s.exec.new_binding(s.outputs) for s in group if isinstance(s, StageStep)}
+        first, last = index == 0, index == len(groups) - 1
+
+        def fn(i: int, payload: Any) -> Any:
+            values = program.feed(payload) if first else payload
+            for step in group:
+                step.run(values, bindings.get(id(step)))
+            return program.collect(values, outputs) if last else values
+
+        return fn
+
+    return [make(n, group) for n, group in enumerate(groups)], names
+
+
+def ort_run_pipelined(runner: Any, arrays: list[Any], *, outputs: str = "numpy") -> list[Any]:
+    """One :meth:`Runner.run` with ``chunks > 1``: split, pipeline, concatenate.
+
+    Device values (``OrtValue`` s, torch CUDA tensors) are split and the outputs joined
+    where they are, as torch tensors over the same memory (DLPack): nothing goes
+    through the host for device inputs and ``outputs="torch"`` / ``"ortvalue"``."""
+    device = outputs != "numpy" or any(isinstance(a, ort_value_type()) for a in arrays)
+    if device:
+        arrays = [_as_torch(a) for a in arrays]
+    fns, names = _ort_stages(runner, "torch" if device else "numpy")
+    axes = runner._pipeline_axes()
+    in_axes = [axes.inputs[name] for name in runner.input_names]
+    parts = split_batch(arrays, in_axes, runner.chunks)
+    parts = [[contiguous(a) for a in part] for part in parts]
+    results = run_microbatches(fns, parts, names=names)
+    joined = concat_batch(results, [axes.outputs[name] for name in runner.output_names])
+    if not device or outputs == "torch":
+        return joined
+    return [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
+
+
+def ort_value_type() -> type:
+    """``onnxruntime.OrtValue`` (imported on use)."""
+    import onnxruntime as ort
+
+    return ort.OrtValue
+
+
+def _as_torch(value: Any) -> Any:
+    """A tensor input as a torch tensor over the same memory (DLPack; numpy: ``from_numpy``)."""
+    import torch
+
+    if isinstance(value, ort_value_type()):
+        tensor = torch.from_dlpack(value._ortvalue)
+        return tensor.view(torch.bool) if value.data_type() == "tensor(bool)" else tensor
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
+        return torch.from_numpy(value)
+    return value
+
+
+def _as_ortvalue_or_numpy(value: Any) -> Any:
+    """A joined output (a torch tensor, which owns its memory) as an ``OrtValue`` over it."""
+    return ortvalue_from_torch(value) if hasattr(value, "__dlpack__") else value
+
+
+def ort_stream(
+    runner: Any, batches: Iterable[Any], *, window: int | None = None, outputs: str = "numpy"
+) -> Iterator[list[Any]]:
+    """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`)."""
+    chunks = runner.chunks
+    joined_on_device = chunks > 1 and outputs != "numpy"
+    fns, names = _ort_stages(runner, "torch" if joined_on_device else outputs)
+    if chunks > 1:
+        axes = runner._pipeline_axes()
+        in_axes = [axes.inputs[name] for name in runner.input_names]
+        out_axes = [axes.outputs[name] for name in runner.output_names]
+    window = window or 2 * len(fns) * chunks
+
+    def payloads() -> Iterator[Any]:
+        for batch in batches:
+            arrays = normalize_inputs(batch, runner._specs, device_values=True)
+            if chunks == 1:
+                yield [arrays]
+            else:
+                arrays = [_as_torch(a) for a in arrays]  # device values split where they are
+                yield [[contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
+
+    def flat() -> Iterator[Any]:
+        for parts in payloads():
+            yield from ((len(parts), part) for part in parts)
+
+    # Micro-batches of one batch are consecutive in the stream; regroup them on the way out.
+    pending: list[Any] = []
+    sizes: list[int] = []
+
+    def tagged() -> Iterator[Any]:
+        for count, part in flat():
+            sizes.append(count)
+            yield part
+
+    for result in stream_microbatches(fns, tagged(), window=window, names=names):
+        pending.append(result)
+        if len(pending) == sizes[0]:
+            del sizes[: len(pending)]
+            if chunks == 1:
+                yield pending[0]
+            else:
+                joined = concat_batch(pending, out_axes)
+                if outputs == "ortvalue":
+                    joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
+                yield joined
+            pending = []

@@ -1,0 +1,1 @@
+"""Tests for placement.runtime.ort."""

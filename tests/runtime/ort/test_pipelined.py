@@ -1,0 +1,65 @@
+"""Tests for ``placement.runtime.ort.pipelined``: ``Runner(chunks=k)`` and ``Runner.stream`` on every
+zoo model placed on two logical devices equal the unsplit run; errors name the stage and micro-batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import placement as pl
+from tests.conftest import MODEL_NAMES
+from tests.runtime.helpers import no_thread_leak  # noqa: F401 (an autouse fixture)
+from tests.runtime.helpers import placed_zoo as _placed
+
+ATOL = 1e-5
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_runner_chunks_equals_unsplit(name):
+    model, net, args = _placed(name)
+    arrays = [a.numpy() for a in args]
+    (expected,) = pl.Runner(model, device_map="cpu").run(arrays)
+    runner = pl.Runner(model, device_map="cpu", chunks=3)
+    assert len(runner.stages) == 2
+    (got,) = runner.run(arrays)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, atol=ATOL)
+    np.testing.assert_allclose(got, net(*args).detach().numpy(), atol=1e-4)
+    assert got.flags.owndata
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_stream_equals_runs_in_order(name):
+    model, _, args = _placed(name)
+    batches = [[a[:n].numpy() for a in args] for n in (5, 1, 3, 2)]
+    runner = pl.Runner(model, device_map="cpu", threads_per_stage=1)
+    expected = [runner.run(b)[0] for b in batches]
+    outs = list(runner.stream(iter(batches), window=2))
+    assert len(outs) == len(batches)
+    for got, want in zip(outs, expected):
+        np.testing.assert_allclose(got[0], want, atol=ATOL)
+    chunked = pl.Runner(model, device_map="cpu", chunks=2)
+    for got, want in zip(chunked.stream(batches), expected):
+        np.testing.assert_allclose(got[0], want, atol=ATOL)
+
+
+def test_runner_stage_error_names_stage_and_microbatch():
+    model, _, (idx,) = _placed("gpt")
+    bad = idx.clone()
+    bad[3, 0] = 10_000  # out of the vocabulary: the embedding Gather fails, in micro-batch 1
+    runner = pl.Runner(model, device_map="cpu", chunks=3)
+    with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 1") as info:
+        runner.run([bad])
+    assert info.value.microbatch == 1
+    # The runner still works after a failed run.
+    (out,) = runner.run([idx])
+    assert out.shape[0] == 5
+
+
+def test_stream_bad_batch_raises_input_error(exported):
+    model, _, (x,) = exported("mlp")
+    runner = pl.Runner(model, device_map="cpu")
+    outputs = runner.stream([x, x[:, :3]], window=1)  # the second batch is read after the first output
+    assert next(outputs)[0].shape == (4, 8)
+    with pytest.raises(pl.InputError, match="'input'"):
+        next(outputs)
