@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.graph.model import is_copy_node, node_device  # noqa: E402
+from placement.graph.nodes import is_copy_node, node_device  # noqa: E402
 from placement.planning.balance import _unit_costs  # noqa: E402
 from placement.planning.fusion import fusion_cut_costs  # noqa: E402
 from placement.planning.links import resolve_links  # noqa: E402

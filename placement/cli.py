@@ -443,7 +443,7 @@ def _write_text(target: Path, text: str) -> None:
 
 def _write_bytes(target: Path, data: bytes) -> None:
     """Write atomically: a failure never leaves a half-written file or clobbers an old one."""
-    from placement.graph.serialize import write_file
+    from placement.graph.atomic import write_file
 
     write_file(target, data)
 

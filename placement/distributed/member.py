@@ -97,7 +97,7 @@ class RankMember:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
         if not isinstance(model, Model):
-            from placement.graph.serialize import load
+            from placement.graph.loading import load
 
             model = load(model)
         self.group = group

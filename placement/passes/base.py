@@ -46,7 +46,8 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from placement.errors import DeviceError, VerificationError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, Model
+from placement.graph.model import Model
+from placement.graph.nodes import DEVICE_KEY
 from placement.graph.verify import run_onnx_checker, verify
 
 __all__ = [

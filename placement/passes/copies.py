@@ -58,7 +58,7 @@ from onnx_ir.passes import PassResult
 from placement.errors import VerificationError
 from placement.graph import edit
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import (
+from placement.graph.nodes import (
     COPY_KEY,
     DEVICE_KEY,
     INPUT_DEVICE_KEY,

@@ -55,7 +55,7 @@ from onnx_ir.passes import PassResult
 
 from placement.errors import DeviceError, NotAnActivationError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
+from placement.graph.nodes import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
 from placement.passes.activations import describe_non_activation
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
 

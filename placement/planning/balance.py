@@ -33,7 +33,8 @@ import onnx_ir as ir
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, is_copy_node, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
 from placement.planning.modules import module_units
 from placement.planning.planner import partition_costs

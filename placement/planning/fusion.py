@@ -361,7 +361,7 @@ class _SegmentTimer:
     def __init__(self, model: Model, *, repeats: int) -> None:
         import onnx.utils
 
-        from placement.graph.serialize import split_weights
+        from placement.graph.weights import split_weights
 
         self.repeats = repeats
         self._call: float | None = None

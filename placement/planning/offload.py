@@ -50,7 +50,8 @@ from typing import Any
 
 from placement.errors import InfeasiblePlacementError, PlanError
 from placement.graph.device import Device
-from placement.graph.model import STREAMED_KEY, Model, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import STREAMED_KEY, node_scope, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.links import Link, LinksLike, resolve_links
 from placement.planning.profile import GraphInfo, profile

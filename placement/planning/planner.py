@@ -101,7 +101,8 @@ from typing import Any
 
 from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import STREAM_WINDOW_KEY, STREAMED_KEY, Model, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import STREAM_WINDOW_KEY, STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.links import Link, Links, LinksLike, resolve_links
@@ -663,7 +664,7 @@ class Plan:
         Raises:
             PlanError: the file cannot be written (the message names it).
         """
-        from placement.graph.serialize import write_atomic
+        from placement.graph.atomic import write_atomic
 
         try:
             write_atomic(path, self.to_json().encode("utf-8"), what="plan")

@@ -56,7 +56,8 @@ from placement.analysis.dependence import copy_origin, load_time_values
 from placement.analysis.shapes import infer_shapes
 from placement.errors import InputError, PlanError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device, value_nbytes
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import is_copy_node, node_device
 
 __all__ = [
     "GraphInfo",

@@ -57,9 +57,10 @@ from typing import Any
 import onnx_ir as ir
 
 from placement.errors import ModelSaveError, PlacementError
+from placement.graph.atomic import write_file
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_scope, value_nbytes
-from placement.graph.serialize import write_file
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_scope
 from placement.report.summary import format_bytes
 
 __all__ = [
@@ -252,7 +253,7 @@ def scope_of(node: ir.Node) -> str | None:
     """The module path of an op: its recorded scope, else one read from a path-like op name.
 
     ``placement`` and the dynamo exporter record scopes in metadata
-    (:func:`placement.graph.model.node_scope`); the TorchScript exporter
+    (:func:`placement.graph.nodes.node_scope`); the TorchScript exporter
     (``dynamo=False``) and tools following it name ops ``/layer1/layer1.0/conv1/Conv``,
     which reads as ``layer1.0.conv1``.
 

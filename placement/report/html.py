@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from placement.errors import ModelSaveError
+from placement.graph.atomic import write_file
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, Model, node_device, value_nbytes
-from placement.graph.serialize import write_file
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import COPY_KEY, node_device
 from placement.report.draw import Drawing, device_colour, draw
 from placement.report.summary import Summary, format_bytes, summary
 
@@ -203,7 +204,7 @@ def _streamed_section(model: Model) -> str:
         )
     if not rows:
         return ""
-    from placement.graph.model import stream_window
+    from placement.graph.nodes import stream_window
 
     window = stream_window(model.ir_model)
     head = (

@@ -41,7 +41,8 @@ import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes, value_nbytes
+from placement.graph.model import value_nbytes
+from placement.graph.nodes import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
 from placement.planning.profile import add_estimates

@@ -9,7 +9,7 @@ import pytest
 from onnx_ir.passes import PassResult, PostconditionError
 
 import placement as pl
-from placement.graph.model import DEVICE_KEY
+from placement.graph.nodes import DEVICE_KEY
 from placement.passes import (
     InjectCrossDeviceCopiesPass,
     PassVerificationError,

@@ -85,15 +85,8 @@ import torch.fx as fx
 
 from placement.errors import CUDAGraphError, LoweringError
 from placement.graph.device import Device
-from placement.graph.model import (
-    COPY_KEY,
-    DEVICE_KEY,
-    Model,
-    is_copy_node,
-    node_device,
-    stream_window,
-    subgraphs_of,
-)
+from placement.graph.model import Model
+from placement.graph.nodes import COPY_KEY, DEVICE_KEY, is_copy_node, node_device, stream_window, subgraphs_of
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.lowering.ops import DEFAULT_RULE, Rule, get_rule, torch_dtype
 from placement.runtime.lowering.streaming import STREAMER_NAME, WeightStreamer, pin_streamed
@@ -987,7 +980,7 @@ class _BodyLowering(_Lowering):
             owner, _, leaf = path.rpartition(".")
             module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
         # its own initializers by name, and those of subgraphs inside it by their keys
-        # (see placement.graph.model.subgraph_initializers); the enclosing op prefixes them
+        # (see placement.graph.nodes.subgraph_initializers); the enclosing op prefixes them
         module.initializer_paths = {
             name: path for name, path in self.paths.items() if name in self.body.initializers or "/" in name
         }
