@@ -261,7 +261,7 @@ def _scope_table(model: Any, depth: int) -> Any:
 def _parameter_table(model: Any, top: int) -> Any:
     from rich.table import Table
 
-    from placement.report.summary import format_bytes
+    from placement.graph.sizes import format_bytes
 
     params = sorted(model.parameters.values(), key=lambda p: -p.nbytes)
     if not params:

@@ -12,6 +12,7 @@ Example:
     >>> open(path).read()
     '{}'
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,6 +13,7 @@ Example:
     >>> _confined(folder / "m.onnx", "w.data", "weight w").name
     'w.data'
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,6 +31,7 @@ from placement.graph.saving import _HEADER_SIZE, DATA_CHECK_KEY, _header
 __all__ = []
 
 log = logging.getLogger(__name__)
+
 
 def _confined(path: Path, location: str, what: str) -> Path:
     """``location`` (named by the model file at ``path``) resolved inside the model's

@@ -16,6 +16,7 @@ Example:
     >>> load(path).devices == model.devices
     True
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,6 @@ __all__ = ["load"]
 log = logging.getLogger(__name__)
 
 ModelSource = Union[str, os.PathLike, onnx.ModelProto, ir.Model, Model]
-
-
 
 
 def load(source: ModelSource, *, device: DeviceLike = 0, initializers_as_inputs: bool = False) -> Model:

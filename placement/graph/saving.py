@@ -32,6 +32,7 @@ Example:
     >>> pl.load(path).devices == model.devices
     True
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,6 +63,7 @@ from placement.graph.atomic import (
 from placement.graph.device import Device
 from placement.graph.dims import dynamic_negative_dims
 from placement.graph.nodes import DEVICE_KEY
+from placement.graph.sizes import format_bytes
 
 if TYPE_CHECKING:
     from placement.graph.model import Model
@@ -79,7 +81,6 @@ MAX_IR_VERSION = 13
 _MULTI_DEVICE_IR_VERSION = 11
 #: Protobuf's hard limit; larger models must use external data.
 TWO_GB = 2**31
-
 
 
 def to_proto(model: Model) -> onnx.ModelProto:
@@ -262,11 +263,9 @@ def _save(
         "saved %s (%d ops, %s of weights%s)",
         target,
         model.graph.num_nodes(),
-        _format_bytes(weight_bytes),
+        format_bytes(weight_bytes),
         f", external data {data_name}" if data_name else "",
     )
-
-
 
 
 #: Model metadata key recording the external data file and the tag in its header.
@@ -279,10 +278,6 @@ _HEADER_SIZE = 64
 
 def _header(tag: str) -> bytes:
     return (_HEADER_MAGIC + tag.encode("ascii")).ljust(_HEADER_SIZE, b"\0")
-
-
-def _format_bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _nbytes(tensor: Any) -> int:

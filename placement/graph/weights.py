@@ -7,6 +7,7 @@ Example:
     >>> sorted(weights) == sorted(t.name for t in proto.graph.initializer)
     True
 """
+
 from __future__ import annotations
 
 import logging

@@ -53,8 +53,9 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, node_scope, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
+from placement.planning.graph_info import GraphInfo
 from placement.planning.links import Link, LinksLike, resolve_links
-from placement.planning.profile import GraphInfo, profile
+from placement.planning.profile import profile
 
 __all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
 

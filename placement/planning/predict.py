@@ -52,7 +52,7 @@ from placement.errors import PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.planning.links import Link, Links, LinksLike, resolve_links
-from placement.planning.planner import Plan
+from placement.planning.plan import Plan
 
 __all__ = ["SCHEDULES", "Prediction", "predict", "simulate_pipeline"]
 
@@ -303,7 +303,7 @@ def predict(
     """Predict a plan's step time and throughput on N devices from measured stage times.
 
     Args:
-        model_or_plan: a :class:`~placement.planning.planner.Plan` (its stages are its
+        model_or_plan: a :class:`~placement.planning.plan.Plan` (its stages are its
             used devices, in order; boundary bytes from ``Plan.cut_bytes``), or a
             :class:`~placement.graph.Model`. For a model and ``gpus``, each count is
             planned with ``auto_place(copy, devices=N, links=links)`` (the model itself
@@ -443,8 +443,9 @@ def _link(links: Links | None, src: str, dst: str) -> Link | None:
 def _own_plan(model: Model, links: Links | None, *, timed: bool = True) -> Plan:
     """The model's own placement as a :class:`Plan` (op costs from its cached or a fresh
     profile, timed or, with ``timed=False``, counted in FLOPs; its devices in order of first use)."""
+    from placement.planning.graph_info import GraphInfo
     from placement.planning.planner import evaluate_assignment
-    from placement.planning.profile import GraphInfo, profile
+    from placement.planning.profile import profile
 
     prof = profile(model, time=timed, optimized=True)
     info = GraphInfo(model)

@@ -20,6 +20,6 @@ Example:
 
 from __future__ import annotations
 
-from placement.report.summary import Column, DeviceRow, Summary, format_bytes, summary
+from placement.report.summary import Column, DeviceRow, Summary, summary
 
-__all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]
+__all__ = ["summary", "Summary", "DeviceRow", "Column"]

@@ -61,7 +61,7 @@ from placement.graph.atomic import write_file
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_scope
-from placement.report.summary import format_bytes
+from placement.graph.sizes import format_bytes
 
 __all__ = [
     "draw",
@@ -619,7 +619,7 @@ class _Builder:
                 f'<TR><TD COLSPAN="3" ALIGN="LEFT">'
                 f'<FONT COLOR="{STREAMED_COLOUR}"><B>thick border</B></FONT>: '
                 f"reads weights streamed from the host every run: {len(streamed)} copies, "
-                f"{html.escape(_format_bytes(nbytes))} per step</TD></TR>"
+                f"{html.escape(format_bytes(nbytes))} per step</TD></TR>"
             )
         return '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2">' + "".join(rows) + "</TABLE>>"
 
@@ -627,12 +627,6 @@ class _Builder:
 def _streamed_style(streamed: bool) -> dict[str, str]:
     """Graphviz attributes of a box whose op reads streamed weights."""
     return {"color": STREAMED_COLOUR, "penwidth": "3"} if streamed else {}
-
-
-def _format_bytes(n: int) -> str:
-    from placement.graph.sizes import format_bytes
-
-    return format_bytes(n)
 
 
 def _parent(scope: str) -> str:
