@@ -48,7 +48,7 @@ from placement.errors import (
 if TYPE_CHECKING:
     from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
     from placement.passes import (
-        Pipeline,
+        PassSequence,
         get_activation_blobs,
         inject_cross_device_copies,
         shift_activation_devices,
@@ -86,7 +86,7 @@ _LAZY = {
         ["Device", "Model", "Op", "Parameter", "from_torch", "load", "verify"], "placement.graph"
     ),
     **dict.fromkeys(
-        ["Pipeline", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
+        ["PassSequence", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
         "placement.passes",
     ),
     **dict.fromkeys(
@@ -149,7 +149,7 @@ __all__ = [
     "get_activation_blobs",
     "shift_activation_devices",
     "inject_cross_device_copies",
-    "Pipeline",
+    "PassSequence",
     # planning
     "module_devices",
     "assign_modules",

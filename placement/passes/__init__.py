@@ -3,7 +3,7 @@
 Holds :func:`get_activation_blobs` (activation discovery), :func:`shift_activation_devices`
 (label-propagation device shifting) and :func:`inject_cross_device_copies` (explicit copies
 on cross-device edges), each a thin wrapper over an ``onnx_ir`` in-place pass, plus the pass
-pipeline of :mod:`placement.passes.base`.
+sequence (``PassSequence``) of :mod:`placement.passes.base`.
 
 May import: ``placement.errors``, ``placement.graph``, ``placement.analysis``.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from placement.passes.activations import activation_values, get_activation_blobs
 from placement.passes.base import (
+    PassSequence,
+    PassSequenceResult,
     PassVerificationError,
-    Pipeline,
-    PipelineResult,
     PlacementPass,
     StepResult,
 )
@@ -43,8 +43,8 @@ __all__ = [
     "stream_parameters",
     "StreamResult",
     "PlacementPass",
-    "Pipeline",
-    "PipelineResult",
+    "PassSequence",
+    "PassSequenceResult",
     "StepResult",
     "PassVerificationError",
 ]

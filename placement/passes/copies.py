@@ -70,7 +70,7 @@ from placement.graph.nodes import (
     streamed_homes,
     subgraphs_of,
 )
-from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
+from placement.passes.base import DeviceReader, ModelLike, PlacementPass, run_phases
 
 __all__ = [
     "inject_cross_device_copies",
@@ -248,16 +248,15 @@ class _Injection:
 
     def run(self) -> CopyResult:
         """Scan (read only), plan (read only), then apply: the graph changes in the last step only."""
-        watch = Stopwatch()
-        watch.start("scan")
-        scan = self._scan()
-        watch.start("plan")
-        decision = self._plan(scan)
-        watch.start("mutate")
-        result = self._apply(scan, decision)
-        watch.stop()
+        (_, _, result), watch = run_phases(
+            "inject_cross_device_copies",
+            [
+                ("scan", lambda done: self._scan()),
+                ("plan", lambda done: self._plan(done[0])),
+                ("mutate", lambda done: self._apply(*done)),
+            ],
+        )
         result.seconds = watch.seconds
-        log.debug("inject_cross_device_copies timings: %s", watch)
         if result.modified:
             log.info("inject_cross_device_copies: %s", result)
         else:
