@@ -27,7 +27,8 @@ from placement.passes.base import (
     PlacementPass,
     StepResult,
 )
-from placement.passes.copies import CopyResult, InjectCrossDeviceCopiesPass, inject_cross_device_copies
+from placement.passes.copies import InjectCrossDeviceCopiesPass, inject_cross_device_copies
+from placement.passes.copy_injection import CopyResult
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
 from placement.passes.streaming import StreamResult, stream_parameters
 
