@@ -75,7 +75,7 @@ from placement.graph.sizes import format_bytes
 from placement.planning.balance import _unit_costs  # noqa: E402
 from placement.planning.fusion import fusion_cut_costs  # noqa: E402
 from placement.planning.graph_info import GraphInfo  # noqa: E402
-from placement.planning.links import resolve_links  # noqa: E402
+from placement.planning.link_model import resolve_links  # noqa: E402
 from placement.planning.modules import module_units  # noqa: E402
 from placement.planning.partition import PartitionProblem
 from placement.planning.plan import Plan

@@ -180,7 +180,9 @@ __all__ = [
 ]
 
 _LAZY.update(
-    Link="placement.planning.links", Links="placement.planning.links", measure_links="placement.runtime.links"
+    Link="placement.planning.link_model",
+    Links="placement.planning.link_model",
+    measure_links="placement.runtime.links",
 )
 __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
 _LAZY.update(predict="placement.planning.predict", Prediction="placement.planning.predict")

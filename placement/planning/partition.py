@@ -23,7 +23,7 @@ from typing import Any
 
 from placement.errors import InfeasiblePlacementError, PlanError
 from placement.graph.sizes import format_bytes
-from placement.planning.links import Link
+from placement.planning.link_model import Link
 from placement.planning.profile import GraphInfo
 
 __all__ = ["PartitionProblem", "partition_costs", "constant_glue"]

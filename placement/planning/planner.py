@@ -36,7 +36,7 @@ Objectives:
   (exact, by the same dynamic programme). With room to spare this keeps everything
   on the first device, which is the fastest way to run one request.
 
-Communication (``cost="time"``): a link model (:mod:`placement.planning.links`, by
+Communication (``cost="time"``): a link model (:mod:`placement.planning.link_model`, by
 default typical links by device type; ``links=pl.measure_links()`` for this
 machine's) turns every copy into time, ``latency + bytes / bandwidth``, and a part's
 cost becomes its op costs plus the time to copy in every blob it reads from earlier
@@ -101,7 +101,7 @@ from placement.graph.model import Model
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.frontend import check_no_copies
 from placement.planning.graph_info import GraphInfo
-from placement.planning.links import Links, LinksLike, resolve_links
+from placement.planning.link_model import Links, LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
 from placement.planning.plan import DevicePlan, Plan
@@ -354,9 +354,9 @@ def auto_place(
             docstring.
         repeats: timed runs when profiling.
         links: the link model copies are charged on (``cost="time"`` only): ``"auto"``
-            (typical links by device type, :class:`placement.planning.links.Links`),
+            (typical links by device type, :class:`placement.planning.link_model.Links`),
             a preset (``"pcie"``, ``"nvlink"``, ``"host"``, ``"memcpy"``), a
-            :class:`~placement.planning.links.Link`, a mapping
+            :class:`~placement.planning.link_model.Link`, a mapping
             ``(source, destination) -> link``, links measured by
             :func:`placement.measure_links`, or None (transfers cost nothing).
         fusion: with ``cost="time"``, respect what ONNX Runtime fuses. For

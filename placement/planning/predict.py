@@ -4,7 +4,7 @@ The machines at hand often have one GPU, so what a plan gains on 2, 4 or 8 GPUs 
 to be predicted from what one GPU measures. :func:`predict` takes per-stage times
 (seconds for a whole batch, measured with every stage on one device: the runtime
 benchmark's per-stage timing, :func:`placement.calibrate`'s ``Trial.measured_s``)
-and a link model (:mod:`placement.planning.links`: ``"nvlink"``, ``"pcie"`` or
+and a link model (:mod:`placement.planning.link_model`: ``"nvlink"``, ``"pcie"`` or
 measured links), and simulates the schedule:
 
 * each stage runs its micro-batches in the schedule's order (``"gpipe"``: every
@@ -51,7 +51,7 @@ from typing import Any, Union
 from placement.errors import PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
-from placement.planning.links import Link, Links, LinksLike, resolve_links
+from placement.planning.link_model import Link, Links, LinksLike, resolve_links
 from placement.planning.plan import Plan
 
 __all__ = ["SCHEDULES", "Prediction", "predict", "simulate_pipeline"]
@@ -317,7 +317,7 @@ def predict(
             time before the N-way plans are made (as :func:`placement.calibrate` does).
             None: the plan's (or the profile's) op costs, in ns, as seconds.
         links: the link between consecutive devices: a preset (``"nvlink"``, ``"pcie"``),
-            a :class:`~placement.planning.links.Link`, a :class:`Links` keyed by the
+            a :class:`~placement.planning.link_model.Link`, a :class:`Links` keyed by the
             plan's devices, or measured links (:func:`placement.measure_links`).
         gpus: device counts to predict for (a model only; a plan predicts for its own).
         chunks: micro-batches per batch.

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import placement as pl
 from placement.planning.fusion import find_chains, fusion_cut_costs
 from placement.planning.graph_info import GraphInfo
-from placement.planning.links import Link, Links
+from placement.planning.link_model import Link, Links
 from placement.planning.partition import PartitionProblem
 from placement.planning.planner import build_plan
 from tests.planning.helpers import (

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.planning.links import Link
+from placement.planning.link_model import Link
 from placement.planning.predict import simulate_pipeline
 from placement.runtime.pipeline import bubble_fraction
 
