@@ -229,7 +229,7 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
 
 
 def _scope_counts(model: Any, depth: int) -> dict[str, dict[str, int]]:
-    from placement.report.draw import scope_of
+    from placement.report.dot import scope_of
 
     counts: dict[str, dict[str, int]] = {}
     for op in model.iter_ops():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import onnx_ir as ir
 
@@ -285,6 +285,14 @@ class GraphInfo:
         """
         out = [0] * num_parts
         into = [0] * num_parts
+        for size, home, p in self.copies(part):
+            out[home] += size
+            into[p] += size
+        return out, into
+
+    def copies(self, part: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+        """``(bytes, from part, to part)`` of every per-step copy under ``part[pos]``: one per
+        (blob, reading part other than the blob's own; a graph input's is its first reader's)."""
         for b, size in enumerate(self.step_bytes):
             consumers = self.blob_consumers[b]
             if not consumers or not size:
@@ -292,9 +300,7 @@ class GraphInfo:
             home = part[self.blob_first[b]]
             for p in {part[c] for c in consumers}:
                 if p != home:
-                    out[home] += size
-                    into[p] += size
-        return out, into
+                    yield size, home, p
 
 
 def _last_before(positions: list[int], j: int) -> int:

@@ -217,14 +217,8 @@ def evaluate_assignment(
     out, into = info.transfers(part, num)
     into_time = [0] * num
     if links is not None:
-        for b, size in enumerate(info.step_bytes):
-            consumers = info.blob_consumers[b]
-            if not consumers or not size:
-                continue
-            home = part[info.blob_first[b]]
-            for p in {part[c] for c in consumers}:
-                if p != home:
-                    into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
+        for size, home, p in info.copies(part):
+            into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
     cut_cost = [0] * num
     if cut_costs is not None:
         for c in range(1, n):

@@ -45,7 +45,8 @@ from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, node_device
 from placement.graph.sizes import format_bytes
-from placement.report.draw import Drawing, device_colour, draw
+from placement.report.colours import device_colour
+from placement.report.draw import Drawing, draw
 from placement.report.summary import Summary, summary
 
 __all__ = ["write_report", "Report", "copy_traffic"]

@@ -6,7 +6,7 @@ import pytest
 
 import placement as pl
 from placement.graph.nodes import SCOPE_KEY, node_scope
-from placement.report.draw import scope_of
+from placement.report.dot import scope_of
 from tests.graph.builders import mlp_graph
 
 
