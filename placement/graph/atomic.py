@@ -7,10 +7,10 @@ SIGTERM during a save cleans up as SIGINT does.
 
 Example:
     >>> import os, tempfile
-    >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
-    >>> write_atomic(path, b"{}")
-    >>> open(path).read()
-    '{}'
+    >>> folder = tempfile.mkdtemp()
+    >>> write_atomic(os.path.join(folder, "a.json"), b"{}")
+    >>> os.listdir(folder), clean_stale_temporaries(folder)  # nothing left behind
+    (['a.json'], [])
 """
 
 from __future__ import annotations

@@ -7,13 +7,11 @@ runtime first reads them. Every path the file names is confined to the model's
 folder first (:mod:`placement.graph.external_data`).
 
 Example:
-    >>> import os, tempfile
     >>> import placement as pl
+    >>> from placement.graph.saving import to_proto
     >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
-    >>> path = os.path.join(tempfile.mkdtemp(), "m.onnx")
-    >>> model.save(path)
-    >>> load(path).devices == model.devices
+    >>> load(to_proto(model), device="cuda:1").devices == model.devices  # devices kept
     True
 """
 
