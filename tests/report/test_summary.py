@@ -83,7 +83,6 @@ def test_columns_are_extensible() -> None:
     assert "half ops" in str(report)
 
 
-
 def test_summary_accepts_ir_models_and_unused_parameters() -> None:
     model = chain(2)
     unused = ir.Value(name="unused", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
