@@ -64,7 +64,7 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from benchmarks.runtime import _alternate, _environment, build_model  # noqa: E402
-from placement.graph.serialize import to_proto  # noqa: E402
+from placement.graph.saving import to_proto  # noqa: E402
 from placement.runtime.ort.sessions import cuda_provider_options, session_options  # noqa: E402
 
 __all__ = ["main", "validate_cpu", "stage_times"]

@@ -45,7 +45,7 @@ import numpy as np
 import onnx_ir as ir
 
 import placement as pl
-from placement.graph.model import DEVICE_KEY
+from placement.graph.nodes import DEVICE_KEY
 
 RESULTS = Path(__file__).resolve().parent / "results" / "passes.json"
 WIDTH = 8

@@ -99,7 +99,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
-from placement.graph.serialize import to_proto  # noqa: E402
+from placement.graph.saving import to_proto  # noqa: E402
 from placement.models import gpt, resnet  # noqa: E402
 from placement.runtime.calibrate import calibrate  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402

@@ -70,18 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.graph.model import is_copy_node, node_device  # noqa: E402
+from placement.graph.nodes import is_copy_node, node_device  # noqa: E402
+from placement.graph.sizes import format_bytes
 from placement.planning.balance import _unit_costs  # noqa: E402
 from placement.planning.fusion import fusion_cut_costs  # noqa: E402
-from placement.planning.links import resolve_links  # noqa: E402
+from placement.planning.graph_info import GraphInfo  # noqa: E402
+from placement.planning.link_model import resolve_links  # noqa: E402
 from placement.planning.modules import module_units  # noqa: E402
-from placement.planning.planner import (  # noqa: E402
-    PartitionProblem,
-    Plan,
-    evaluate_assignment,
-    format_bytes,
-)
-from placement.planning.profile import GraphInfo  # noqa: E402
+from placement.planning.partition import PartitionProblem
+from placement.planning.plan import Plan
+from placement.planning.planner import evaluate_assignment
 
 log = logging.getLogger("benchmarks.planners")
 

@@ -73,7 +73,7 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.graph.serialize import to_proto  # noqa: E402
+from placement.graph.saving import to_proto  # noqa: E402
 from placement.runtime.ort.sessions import providers, session_options  # noqa: E402
 
 __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]

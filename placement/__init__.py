@@ -48,7 +48,7 @@ from placement.errors import (
 if TYPE_CHECKING:
     from placement.graph import Device, Model, Op, Parameter, from_torch, load, verify
     from placement.passes import (
-        Pipeline,
+        PassSequence,
         get_activation_blobs,
         inject_cross_device_copies,
         shift_activation_devices,
@@ -86,7 +86,7 @@ _LAZY = {
         ["Device", "Model", "Op", "Parameter", "from_torch", "load", "verify"], "placement.graph"
     ),
     **dict.fromkeys(
-        ["Pipeline", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
+        ["PassSequence", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
         "placement.passes",
     ),
     **dict.fromkeys(
@@ -149,7 +149,7 @@ __all__ = [
     "get_activation_blobs",
     "shift_activation_devices",
     "inject_cross_device_copies",
-    "Pipeline",
+    "PassSequence",
     # planning
     "module_devices",
     "assign_modules",
@@ -179,8 +179,11 @@ __all__ = [
     "write_report",
 ]
 
-_LAZY.update(Link="placement.planning.links", Links="placement.planning.links")
-_LAZY.update(measure_links="placement.runtime.ort.link_probe")
+_LAZY.update(
+    Link="placement.planning.link_model",
+    Links="placement.planning.link_model",
+    measure_links="placement.runtime.ort.link_probe",
+)
 __all__ += ["Link", "Links", "measure_links"]  # noqa: E501, E702
 _LAZY.update(predict="placement.planning.predict", Prediction="placement.planning.predict")
 __all__ += ["predict", "Prediction"]

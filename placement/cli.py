@@ -367,7 +367,7 @@ def _index_bound(model: Any, name: str) -> int | None:
 
 
 def _scope_counts(model: Any, depth: int) -> dict[str, dict[str, int]]:
-    from placement.report.draw import scope_of
+    from placement.report.dot import scope_of
 
     counts: dict[str, dict[str, int]] = {}
     for op in model.iter_ops():
@@ -399,7 +399,7 @@ def _scope_table(model: Any, depth: int) -> Any:
 def _parameter_table(model: Any, top: int) -> Any:
     from rich.table import Table
 
-    from placement.report.summary import format_bytes
+    from placement.graph.sizes import format_bytes
 
     params = sorted(model.parameters.values(), key=lambda p: -p.nbytes)
     if not params:
@@ -656,7 +656,7 @@ def _write_text(target: Path, text: str) -> None:
 
 def _write_bytes(target: Path, data: bytes) -> None:
     """Write atomically: a failure never leaves a half-written file or clobbers an old one."""
-    from placement.graph.serialize import write_file
+    from placement.graph.atomic import write_file
 
     write_file(target, data)
 

@@ -155,7 +155,7 @@ def write_outputs(path: str | Path, names: Sequence[str], arrays: Sequence[Any])
     import numpy as np
 
     from placement.errors import ModelSaveError
-    from placement.graph.serialize import write_atomic
+    from placement.graph.atomic import write_atomic
 
     buffer = io.BytesIO()
     np.savez(buffer, **dict(zip(names, arrays)))

@@ -54,12 +54,26 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(module: str, path: Path) -> set[str]:
-    """Every ``placement...`` module named by an import in ``path`` (lazy imports included)."""
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}:
+            for statement in node.body:
+                inside.update(id(sub) for sub in ast.walk(statement))
+    return inside
+
+
+def _imports(module: str, path: Path, *, type_checking: bool = True) -> set[str]:
+    """Every ``placement...`` module named by an import in ``path`` (lazy imports included;
+    those under ``if TYPE_CHECKING:`` only when ``type_checking``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skip = set() if type_checking else _type_checking_only(tree)
     names: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -134,6 +148,53 @@ def test_no_package_circles() -> None:
                 graph.add_edge(source_unit, target_unit)
     cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
     assert not cycles, f"package import cycles: {cycles}"
+
+
+# Module circles inside a package still to be broken; each entry is one edge of a circle
+# (importer, imported). This list only shrinks: remove an edge once its circle is gone.
+KNOWN_MODULE_CIRCLE_EDGES = {
+    # the lowering's control-flow emitters (If/Loop bodies) call back into the walker
+    ("placement.runtime.lowering.ops.control", "placement.runtime.lowering.lower"),
+    # the walker builds the pipelined module, which reads the walker's node metadata keys
+    ("placement.runtime.lowering.lower", "placement.runtime.lowering.pipelined"),
+    # the pipelined module's training step lives beside it and imports it back
+    ("placement.runtime.lowering.pipelined", "placement.runtime.lowering.train_step"),
+}
+
+
+def _module_graph() -> nx.DiGraph:
+    """Module -> module imports inside each layer package, subpackages and their ``__init__``
+    included (module- and function-level imports; ``TYPE_CHECKING``-only imports left out)."""
+    modules = _modules()
+    graph = nx.DiGraph()
+    for module, path in modules.items():
+        if module == "placement" or _layer_of(module) == "models":
+            continue
+        for name in _imports(module, path, type_checking=False):
+            target = _known(name, modules)
+            if target is None or target == module or target == "placement":
+                continue
+            if _layer_of(module) == _layer_of(target):  # a layer is a package with its subpackages
+                graph.add_edge(module, target)
+    return graph
+
+
+def test_no_module_circles_inside_a_package() -> None:
+    graph = _module_graph()
+    graph.remove_edges_from(KNOWN_MODULE_CIRCLE_EDGES)
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
+    assert not cycles, f"module import circles inside a package: {cycles}"
+
+
+def test_known_module_circles_are_still_circles() -> None:
+    """An allow-listed edge whose circle is gone must leave the list."""
+    graph = _module_graph()
+    stale = [
+        (a, b)
+        for a, b in sorted(KNOWN_MODULE_CIRCLE_EDGES)
+        if not (graph.has_edge(a, b) and nx.has_path(graph, b, a))
+    ]
+    assert not stale, f"no longer circles, remove from KNOWN_MODULE_CIRCLE_EDGES: {stale}"
 
 
 @pytest.mark.parametrize("name", ["torch", "onnxruntime", "onnx_ir"])

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from placement.graph.model import COPY_KEY, graph_nodes
+from placement.graph.nodes import COPY_KEY, graph_nodes
 
 __all__ = [
     "NONDETERMINISTIC_OPS",

@@ -8,7 +8,7 @@ What this package holds:
   shares (joining the group as one rank of the placement, input checks, the heartbeat).
 * :mod:`~placement.distributed.split`: the lowered model (:func:`placement.to_torch`)
   cut into a chain of ``torch.fx`` stage modules, one per rank.
-* :mod:`~placement.distributed.pipeline`: :class:`DistributedPipeline`, this rank's
+* :mod:`~placement.distributed.torch_ranks`: :class:`DistributedPipeline`, this rank's
   stage as a ``torch.distributed.pipelining.PipelineStage`` run by ``ScheduleGPipe`` or
   ``Schedule1F1B`` for inference and training.
 * :mod:`~placement.distributed.ort_ranks`: :class:`DistributedRunner`, the same ranks on
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from placement.distributed.errors import NotAPipelineError, RankFailedError, WorldSizeError
 from placement.distributed.ort_ranks import DistributedRunner, rank_plan
-from placement.distributed.pipeline import SCHEDULES, DistributedPipeline, free_port, rank_device
 from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
 from placement.distributed.split import RankSplit, split_by_rank
+from placement.distributed.torch_ranks import SCHEDULES, DistributedPipeline, free_port, rank_device
 
 __all__ = [
     "DistributedPipeline",

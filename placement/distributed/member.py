@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -97,7 +97,7 @@ class RankMember:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
         if not isinstance(model, Model):
-            from placement.graph.serialize import load
+            from placement.graph.loading import load
 
             model = load(model)
         self.group = group
@@ -178,6 +178,30 @@ class RankMember:
         """Collective work named ``what``: a peer's failure becomes a RankFailedError naming it."""
         with guard(self._dog, what, grace=self.grace):
             yield
+
+    def _micro_batches(self, chunks: int | None, rows: int | None, share: Callable[[int | None], int]) -> int:
+        """How many micro-batches a run splits rank 0's batch into: the same on every rank.
+
+        ``chunks`` (else the constructor's) wins; when the graph's batch is static it must
+        make exactly ``rows`` (rank 0's rows; None where unknown, as on other ranks).
+        Without it rank 0 divides its rows by the graph's batch (one micro-batch when that
+        is not static) and ``share`` hands its count (None on other ranks) to every rank.
+
+        Raises:
+            InputError: ``chunks`` micro-batches of the graph's batch are not ``rows`` rows.
+        """
+        n = chunks or self.chunks
+        if n is not None:
+            if self.micro_batch and rows is not None and rows != int(n) * self.micro_batch:
+                raise InputError(
+                    f"chunks={n} micro-batches of the graph's batch {self.micro_batch} make "
+                    f"{int(n) * self.micro_batch} rows, but input {self.input_names[0]!r} has {rows}"
+                )
+            return int(n)
+        counted = None
+        if self.is_first:
+            counted = rows // self.micro_batch if self.micro_batch and rows is not None else 1
+        return share(counted)
 
     def _check_inputs(self, inputs: Any) -> list[np.ndarray]:
         """Rank 0's graph inputs as arrays, any multiple of the graph's batch size in rows.

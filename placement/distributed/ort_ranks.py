@@ -1,6 +1,6 @@
 """Serve a placed ONNX model as ``torch.distributed`` ranks on ONNX Runtime (no model code).
 
-The ORT counterpart of :class:`~placement.distributed.pipeline.DistributedPipeline`,
+The ORT counterpart of :class:`~placement.distributed.torch_ranks.DistributedPipeline`,
 for inference. Every rank cuts the placed model into stages exactly as
 :class:`placement.Runner` does (:func:`placement.runtime.stages.split_stages`),
 keeps the stages of its own logical devices (:func:`rank_plan`) and builds one
@@ -61,7 +61,7 @@ from placement.distributed.backend import uses_nccl
 from placement.distributed.errors import NotAPipelineError
 from placement.distributed.member import RankMember
 from placement.distributed.ranks import RanksLike, format_groups
-from placement.errors import InputError, PlacementError
+from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
@@ -400,17 +400,11 @@ class DistributedRunner(RankMember):
     # -- internals ------------------------------------------------------------------------
 
     def _chunks(self, chunks: int | None, arrays: list[Any]) -> int:
-        n = chunks or self.chunks
-        if n is not None:
-            rows = arrays[0].shape[0] if arrays and arrays[0].ndim else None
-            if self.micro_batch and rows is not None and rows != int(n) * self.micro_batch:
-                raise InputError(
-                    f"chunks={n} micro-batches of the graph's batch {self.micro_batch} make "
-                    f"{int(n) * self.micro_batch} rows, but input {self.input_names[0]!r} has {rows}"
-                )
-            return int(n)
-        if self.is_first:
-            n = arrays[0].shape[0] // self.micro_batch if self.micro_batch and arrays else 1
+        rows = arrays[0].shape[0] if arrays and arrays[0].ndim else None
+        return self._micro_batches(chunks, rows, self._share_count)
+
+    def _share_count(self, n: int | None) -> int:
+        """Rank 0's micro-batch count on every rank (a tensor broadcast on the wire's device)."""
         box = torch.tensor([n or 0], dtype=torch.int64, device=self._comm_device)
         dist.broadcast(box, src=self._peers[0], group=self.group)
         return int(box.item())

@@ -25,7 +25,8 @@ from typing import Any, Union
 
 from placement.errors import DeviceError
 from placement.graph.device import Device
-from placement.graph.model import Model, is_copy_node, node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_device
 
 __all__ = ["RanksLike", "pipeline_devices", "rank_groups", "format_groups"]
 

@@ -46,7 +46,7 @@ import onnx_ir as ir
 from onnx_ir import _core as _ir_core  # Usage: the key type of Value._uses
 from onnx_ir import _graph_containers as _ir_containers  # Attributes: a node's attribute dict
 
-from placement.graph.model import name_of
+from placement.graph.nodes import name_of
 
 __all__ = ["FAST", "copy_shape", "new_node", "rewire", "insert_before", "insert_each", "internals_supported"]
 

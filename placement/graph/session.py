@@ -2,7 +2,7 @@
 
 Every session this package builds (stage sessions, the profiler's, the fusion
 probe's) goes through :func:`ort_session`, so they all hand weights to ONNX
-Runtime the same way: :func:`placement.graph.serialize.split_weights` writes the
+Runtime the same way: :func:`placement.graph.weights.split_weights` writes the
 graph with its large weights as stubs, and each weight is supplied as an
 ``OrtValue`` over the model's own array through
 ``SessionOptions.add_external_initializers``.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import onnx_ir as ir
 
 from placement.graph.model import Model
-from placement.graph.serialize import split_weights
+from placement.graph.weights import split_weights
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -41,7 +41,7 @@ def ort_session(
     to ONNX Runtime as an ``OrtValue`` over the model's own array (memory-mapped
     for a model loaded lazily), which the session copies onto its device once.
     Only weights the graph reads are handed over (see
-    :func:`~placement.graph.serialize.split_weights`). ``options`` gets the weights
+    :func:`~placement.graph.weights.split_weights`). ``options`` gets the weights
     added; ONNX Runtime's errors propagate unchanged.
 
     Example:

@@ -35,7 +35,8 @@ from typing import Any
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
-from placement.graph.model import SCOPE_KEY, Model, scope_from_torch_name_scopes
+from placement.graph.model import Model
+from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
 
 __all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
 
@@ -105,7 +106,7 @@ def from_torch(
     ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
-    from placement.graph.serialize import load
+    from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
     log.info("imported %s with the %s exporter: %d ops on %s", name, used, model.graph.num_nodes(), dev)

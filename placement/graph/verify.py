@@ -31,12 +31,12 @@ from onnx_ir.passes.common import CheckerPass
 
 from placement.errors import VerificationError
 from placement.graph.device import Device
-from placement.graph.model import (
+from placement.graph.model import Model
+from placement.graph.nodes import (
     COPY_KEY,
     COPY_KINDS,
     DEVICE_KEY,
     SUBGRAPH_OP_TYPES,
-    Model,
     is_copy_node,
     node_reads,
 )

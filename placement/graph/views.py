@@ -5,16 +5,23 @@ Example:
     >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> g = pl.graph.op_graph(model)
-    >>> import networkx as nx
+    >>> from typing import TYPE_CHECKING
+
+import networkx as nx
     >>> nx.is_directed_acyclic_graph(g)
     True
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import networkx as nx
 
-from placement.graph.model import Model, is_copy_node, node_device, node_scope
+from placement.graph.nodes import is_copy_node, node_device, node_scope
+
+if TYPE_CHECKING:
+    from placement.graph.model import Model
 
 __all__ = ["op_graph"]
 

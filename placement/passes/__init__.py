@@ -3,7 +3,7 @@
 Holds :func:`get_activation_blobs` (activation discovery), :func:`shift_activation_devices`
 (label-propagation device shifting) and :func:`inject_cross_device_copies` (explicit copies
 on cross-device edges), each a thin wrapper over an ``onnx_ir`` in-place pass, plus the pass
-pipeline of :mod:`placement.passes.base`.
+sequence (``PassSequence``) of :mod:`placement.passes.base`.
 
 May import: ``placement.errors``, ``placement.graph``, ``placement.analysis``.
 
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from placement.passes.activations import activation_values, get_activation_blobs
 from placement.passes.base import (
+    PassSequence,
+    PassSequenceResult,
     PassVerificationError,
-    Pipeline,
-    PipelineResult,
     PlacementPass,
     StepResult,
 )
-from placement.passes.copies import CopyResult, InjectCrossDeviceCopiesPass, inject_cross_device_copies
+from placement.passes.copies import InjectCrossDeviceCopiesPass, inject_cross_device_copies
+from placement.passes.copy_injection import CopyResult
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
 from placement.passes.streaming import StreamResult, stream_parameters
 
@@ -43,8 +44,8 @@ __all__ = [
     "stream_parameters",
     "StreamResult",
     "PlacementPass",
-    "Pipeline",
-    "PipelineResult",
+    "PassSequence",
+    "PassSequenceResult",
     "StepResult",
     "PassVerificationError",
 ]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from placement.analysis.dependence import activation_values
-from placement.graph.model import COPY_KEY, Model, name_of
+from placement.graph.model import Model
+from placement.graph.nodes import COPY_KEY, name_of
 from placement.passes.base import as_ir_model, no_gc
 
 __all__ = ["get_activation_blobs", "activation_values", "describe_non_activation"]

@@ -1,4 +1,4 @@
-"""Pass infrastructure: placement passes on top of ``onnx_ir.passes``, and a ``Pipeline``.
+"""Pass infrastructure: placement passes on top of ``onnx_ir.passes``, and a ``PassSequence``.
 
 A placement pass is an ``onnx_ir.passes.InPlacePass``: it holds its options, its
 ``call`` rewrites the ``onnx_ir.Model`` under a :class:`placement.Model` in place and
@@ -10,7 +10,7 @@ a model that passes :func:`placement.verify`; shifting leaves one whose cross-de
 edges still lack copies, so after it only the structural invariants hold (every op
 has a well-formed device, ops are in topological order, valid ONNX). In debug mode
 (``debug=True``, or the environment variable ``PLACEMENT_DEBUG=1``) each pass checks
-its guarantee after running and a :class:`Pipeline` checks after every pass; a broken
+its guarantee after running and a :class:`PassSequence` checks after every pass; a broken
 guarantee raises :class:`PassVerificationError`, which is both a
 :class:`placement.VerificationError` and an ``onnx_ir`` ``PostconditionError``.
 
@@ -20,12 +20,12 @@ Example:
     >>> from placement.passes import InjectCrossDeviceCopiesPass, ShiftActivationDevicesPass
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> acts = pl.get_activation_blobs(model)
-    >>> pipeline = pl.Pipeline(
+    >>> sequence = pl.PassSequence(
     ...     ShiftActivationDevicesPass(acts[2:], {0: 1}), InjectCrossDeviceCopiesPass(), debug=True
     ... )
-    >>> pipeline(model).modified
+    >>> sequence(model).modified
     True
-    >>> pipeline(model).modified   # shifting again moves nothing, copies are in place
+    >>> sequence(model).modified   # shifting again moves nothing, copies are in place
     False
 """
 
@@ -38,7 +38,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import onnx_ir as ir
@@ -46,19 +46,21 @@ from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from placement.errors import DeviceError, VerificationError
 from placement.graph.device import Device
-from placement.graph.model import DEVICE_KEY, Model
+from placement.graph.model import Model
+from placement.graph.nodes import DEVICE_KEY
 from placement.graph.verify import run_onnx_checker, verify
 
 __all__ = [
     "PlacementPass",
-    "Pipeline",
-    "PipelineResult",
+    "PassSequence",
+    "PassSequenceResult",
     "StepResult",
     "PassVerificationError",
     "debug_enabled",
     "check_structure",
     "no_gc",
     "Stopwatch",
+    "run_phases",
     "DEBUG_ENV",
 ]
 
@@ -140,6 +142,30 @@ class Stopwatch:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {sec:.3f}s" for name, sec in self.seconds.items())
+
+
+def run_phases(
+    name: str, phases: Sequence[tuple[str, Callable[[list[Any]], Any]]]
+) -> tuple[list[Any], Stopwatch]:
+    """Run a pass's phases in order, timing each: read-only ones (scan, plan) first, the one
+    that mutates the graph last, so an error before it leaves the model unchanged.
+
+    Each phase gets the list of the earlier phases' results; the timings are logged at debug
+    level under ``name``.
+
+    Example:
+        >>> results, watch = run_phases("demo", [("scan", lambda r: 2), ("apply", lambda r: r[0] * 3)])
+        >>> results, sorted(watch.seconds)
+        ([2, 6], ['apply', 'scan'])
+    """
+    watch = Stopwatch()
+    results: list[Any] = []
+    for phase, run in phases:
+        watch.start(phase)
+        results.append(run(results))
+    watch.stop()
+    log.debug("%s timings: %s", name, watch)
+    return results, watch
 
 
 def as_ir_model(model: ModelLike) -> ir.Model:
@@ -282,7 +308,7 @@ class PlacementPass(InPlacePass):
 
 @dataclasses.dataclass
 class StepResult:
-    """One pass of a pipeline run: its name, whether it changed the model, seconds taken."""
+    """One pass of a pass-sequence run: its name, whether it changed the model, seconds taken."""
 
     name: str
     modified: bool
@@ -291,13 +317,13 @@ class StepResult:
 
 
 @dataclasses.dataclass
-class PipelineResult(PassResult):
-    """A pipeline's result: ``modified`` if any pass changed the model, and every step."""
+class PassSequenceResult(PassResult):
+    """A pass sequence's result: ``modified`` if any pass changed the model, and every step."""
 
     steps: list[StepResult] = dataclasses.field(default_factory=list)
 
 
-class Pipeline(PlacementPass):
+class PassSequence(PlacementPass):
     """Run placement passes in order; in debug mode verify after every pass.
 
     A pass that guarantees a verified model (copy injection) is followed by a full
@@ -319,7 +345,7 @@ class Pipeline(PlacementPass):
         >>> from placement.models import mlp
         >>> from placement.passes import InjectCrossDeviceCopiesPass
         >>> model = pl.from_torch(*mlp.build("tiny"))
-        >>> result = pl.Pipeline(InjectCrossDeviceCopiesPass(), debug=True)(model)
+        >>> result = pl.PassSequence(InjectCrossDeviceCopiesPass(), debug=True)(model)
         >>> [(step.name, step.modified) for step in result.steps]
         [('InjectCrossDeviceCopiesPass', True)]
     """
@@ -327,10 +353,10 @@ class Pipeline(PlacementPass):
     def __init__(self, *passes: InPlacePass, debug: bool | None = None, check_onnx: bool = True) -> None:
         super().__init__(debug=debug, check_onnx=check_onnx)
         if not passes:
-            raise ValueError("Pipeline needs at least one pass")
+            raise ValueError("PassSequence needs at least one pass")
         for pass_ in passes:
             if not getattr(pass_, "in_place", False):
-                raise TypeError(f"Pipeline runs in-place passes only; {pass_!r} is not in place")
+                raise TypeError(f"PassSequence runs in-place passes only; {pass_!r} is not in place")
         self.passes = passes
 
     @property
@@ -338,7 +364,7 @@ class Pipeline(PlacementPass):
         """As strong as the last pass's guarantee."""
         return getattr(self.passes[-1], "ensures_verified", False)
 
-    def call(self, model: ir.Model) -> PipelineResult:
+    def call(self, model: ir.Model) -> PassSequenceResult:
         steps: list[StepResult] = []
         for pass_ in self.passes:
             start = time.perf_counter()
@@ -352,10 +378,10 @@ class Pipeline(PlacementPass):
             log.debug("pass %s: modified=%s in %.3fs", name, result.modified, seconds)
             if self.debug and not getattr(pass_, "debug", False):
                 self.verify_after(model, pass_)
-        return PipelineResult(model, any(s.modified for s in steps), steps)
+        return PassSequenceResult(model, any(s.modified for s in steps), steps)
 
     def ensures(self, model: ir.Model) -> None:
         """Steps are checked one by one in :meth:`call`; nothing more to do."""
 
     def __repr__(self) -> str:
-        return f"Pipeline({', '.join(repr(p) for p in self.passes)})"
+        return f"PassSequence({', '.join(repr(p) for p in self.passes)})"

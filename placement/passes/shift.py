@@ -55,9 +55,9 @@ from onnx_ir.passes import PassResult
 
 from placement.errors import DeviceError, NotAnActivationError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
+from placement.graph.nodes import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
 from placement.passes.activations import describe_non_activation
-from placement.passes.base import DeviceReader, ModelLike, PlacementPass, Stopwatch
+from placement.passes.base import DeviceReader, ModelLike, PlacementPass, run_phases
 
 __all__ = ["shift_activation_devices", "ShiftActivationDevicesPass", "ShiftResult", "parse_shifts"]
 
@@ -196,17 +196,16 @@ class _Shift:
 
     def run(self) -> ShiftResult:
         """Scan, validate and plan (read only), then apply: the graph changes in the last step only."""
-        watch = Stopwatch()
-        watch.start("scan")
-        scan = self._scan()
-        watch.start("validate")
-        shifted = self._validate(scan)
-        watch.start("propagate")
-        plan = self._plan(scan, shifted)
-        watch.start("apply")
-        moved = self._apply(scan, plan.moves)
-        watch.stop()
-        self._log(scan, plan, moved, watch)
+        (scan, _, plan, moved), watch = run_phases(
+            "shift",
+            [
+                ("scan", lambda done: self._scan()),
+                ("validate", lambda done: self._validate(done[0])),
+                ("propagate", lambda done: self._plan(*done)),
+                ("apply", lambda done: self._apply(done[0], done[2].moves)),
+            ],
+        )
+        self._log(scan, plan, moved)
         return ShiftResult(self.model, bool(plan.moves), moved, watch.seconds)
 
     def _scan(self) -> _Scan:
@@ -311,9 +310,7 @@ class _Shift:
             moved[pair] = moved.get(pair, 0) + count
         return moved
 
-    def _log(
-        self, scan: _Scan, plan: _Plan, moved: dict[tuple[Device, Device], int], watch: Stopwatch
-    ) -> None:
+    def _log(self, scan: _Scan, plan: _Plan, moved: dict[tuple[Device, Device], int]) -> None:
         pairs = ", ".join(f"{s}->{t}" for s, t in self.sources.items())
         if moved:
             log.info(
@@ -328,7 +325,6 @@ class _Shift:
                 "shift: %d listed activations are not on a source device and stay", plan.listed_elsewhere
             )
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("shift timings: %s", watch)
             for node, spec in plan.moves:
                 log.debug(
                     "  %s (%s): %s -> %s", node.name, node.op_type, scan.device_of[spec], scan.target_of[spec]

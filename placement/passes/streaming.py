@@ -35,15 +35,8 @@ from collections.abc import Iterable
 
 from placement.errors import DeviceError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import (
-    COPY_KEY,
-    STREAM_WINDOW_KEY,
-    STREAMED_KEY,
-    Model,
-    node_scope,
-    streamed_homes,
-    value_nbytes,
-)
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import COPY_KEY, STREAM_WINDOW_KEY, STREAMED_KEY, node_scope, streamed_homes
 from placement.graph.sizes import parse_bytes
 
 __all__ = ["stream_parameters", "StreamResult", "streamable_parameters"]

@@ -8,7 +8,9 @@
 - :mod:`~placement.planning.evenly`: ``place_evenly``, equal runs of activations per device.
 - :mod:`~placement.planning.frontend`: what the front-ends share (transactions, neighbours).
 - :mod:`~placement.planning.profile`: per-op ONNX Runtime times, bytes, FLOPs, liveness.
-- :mod:`~placement.planning.planner`: the exact planner ``auto_place`` and its ``Plan``.
+- :mod:`~placement.planning.planner`: ``auto_place``, the exact planner's front door;
+  :mod:`~placement.planning.partition`: the partition problem it solves;
+  :mod:`~placement.planning.plan`: the ``Plan`` it returns (table, JSON, files).
 - :mod:`~placement.planning.predict`: ``predict``, a plan's step time and speed-up on N devices
   from measured stage times and a link model (pipeline bubbles, transfer overlap).
 
@@ -32,7 +34,8 @@ from placement.planning.blocks import begin_block
 from placement.planning.evenly import place_evenly
 from placement.planning.experts import expert_modules, spread_experts
 from placement.planning.modules import assign_modules, module_devices
-from placement.planning.planner import Plan, auto_place
+from placement.planning.plan import Plan
+from placement.planning.planner import auto_place
 from placement.planning.profile import Profile, profile
 from placement.planning.stage_assignment import (
     StageAssignment,

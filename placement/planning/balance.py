@@ -8,7 +8,7 @@ neighbours.
 
 ``balance_by_time`` and ``balance_by_size`` compute such lists like torchgpipe's
 ``torchgpipe_balancing`` functions, from per-op profiles, with an exact
-min-bottleneck partition (:func:`placement.planning.planner.partition_costs`) instead of
+min-bottleneck partition (:func:`placement.planning.partition.partition_costs`) instead of
 torchgpipe's block-partition heuristic. They return the list; pass it to
 :func:`balance` (or use :func:`placement.auto_place`, which also honours memory).
 
@@ -33,10 +33,11 @@ import onnx_ir as ir
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, is_copy_node, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
 from placement.planning.modules import module_units
-from placement.planning.planner import partition_costs
+from placement.planning.partition import partition_costs
 from placement.planning.profile import profile
 
 __all__ = ["balance", "balance_by_time", "balance_by_size"]

@@ -31,7 +31,8 @@ import logging
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_device, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.modules import known_modules_message, match_scope
 

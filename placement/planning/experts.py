@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from placement.errors import DeviceError, PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY
-from placement.graph.model import Model, is_copy_node, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, transaction
 
 __all__ = ["expert_modules", "spread_experts"]

@@ -31,7 +31,8 @@ import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin
 from placement.errors import PlanError
-from placement.graph.model import Model, is_copy_node, node_device, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_device, set_node_device
 
 __all__ = ["follow_neighbours", "transaction", "check_no_copies"]
 

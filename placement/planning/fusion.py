@@ -10,7 +10,7 @@ reader of the one before it, adjacent in the order) and, for every cut point ins
 one, times the chain as one session against its two halves as two sessions (all
 graph optimisations on, one intra-op thread, like the profiler). The difference,
 split evenly between the two sides, is what the planner charges the part before and
-the part after that cut (:class:`placement.planning.planner.PartitionProblem`'s
+the part after that cut (:class:`placement.planning.partition.PartitionProblem`'s
 ``cut_costs``). When the next chain follows at once, the timed window reaches
 through it: the cut at the boundary between the two (a block boundary, which keeps the
 fusions but still pays ONNX Runtime's layout conversions out of and back into its
@@ -27,7 +27,7 @@ optimised stage session starts and ends with the same fused kernels as the whole
 
 Example:
     >>> import placement as pl
-    >>> from placement.planning.profile import GraphInfo
+    >>> from placement.planning.graph_info import GraphInfo
     >>> from placement.planning.fusion import find_chains
     >>> from placement.models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from placement.graph.model import Model
-from placement.planning.profile import GraphInfo, fingerprint
+from placement.planning.graph_info import GraphInfo
+from placement.planning.profile import fingerprint
 
 __all__ = ["PATTERNS", "READ_BACK_LIMIT", "find_chains", "fused_cuts", "fusion_cut_costs"]
 
@@ -228,7 +229,7 @@ def fused_cuts(model: Model, info: GraphInfo | None = None) -> list[bool]:
             producer = info.blob_producer[b]
             if producer >= 0 and not info.data_dependent[producer]:
                 continue
-            first = producer if producer >= 0 else consumers[0]
+            first = info.blob_first[b]
             if consumers[-1] > first:
                 diff[first + 1] += 1
                 diff[consumers[-1] + 1] -= 1
@@ -361,7 +362,7 @@ class _SegmentTimer:
     def __init__(self, model: Model, *, repeats: int) -> None:
         import onnx.utils
 
-        from placement.graph.serialize import split_weights
+        from placement.graph.weights import split_weights
 
         self.repeats = repeats
         self._call: float | None = None

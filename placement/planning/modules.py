@@ -42,7 +42,8 @@ import onnx_ir as ir
 
 from placement.errors import DeviceError, PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_device, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
 
 __all__ = ["module_devices", "assign_modules", "module_units", "match_scope"]

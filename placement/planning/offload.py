@@ -17,7 +17,7 @@ activations; the host budget counts the weights that live there. The mode is cho
 from predicted times: each layer's compute time on the GPU and on the host (measured
 on this machine's CPU, or given; a device that cannot be timed here is estimated
 from the host times and the devices' FLOP rates) and the link's bandwidth
-(``links``: a preset, a :class:`~placement.planning.links.Link`, or
+(``links``: a preset, a :class:`~placement.planning.link_model.Link`, or
 :func:`placement.measure_links` for this machine's). A simulation of one forward
 (GPU compute stream, copy stream, the window's room, host layers with their
 activation copies) predicts each candidate's time:
@@ -50,10 +50,12 @@ from typing import Any
 
 from placement.errors import InfeasiblePlacementError, PlanError
 from placement.graph.device import Device
-from placement.graph.model import STREAMED_KEY, Model, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import STREAMED_KEY, node_scope, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
-from placement.planning.links import Link, LinksLike, resolve_links
-from placement.planning.profile import GraphInfo, profile
+from placement.planning.graph_info import GraphInfo
+from placement.planning.link_model import Link, LinksLike, resolve_links
+from placement.planning.profile import profile
 
 __all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
 
@@ -389,7 +391,7 @@ def plan_offload(
         max_memory: exactly one GPU and one host device with budgets, ``{"cuda:0": "2GiB",
             "cpu": "48GiB"}`` or ``{0: ..., "cpu": ...}``; the host's may be left out (unlimited).
         links: the host <-> GPU link model (a preset such as ``"host"``, a
-            :class:`~placement.planning.links.Link`, a mapping, or :func:`placement.measure_links`).
+            :class:`~placement.planning.link_model.Link`, a mapping, or :func:`placement.measure_links`).
         cost: ``"time"`` (host op times measured here with ONNX Runtime) or ``"flops"``
             (every time from FLOPs and ``throughput``).
         sample_inputs: inputs for the timing (see :func:`placement.profile`).

@@ -36,7 +36,7 @@ Objectives:
   (exact, by the same dynamic programme). With room to spare this keeps everything
   on the first device, which is the fastest way to run one request.
 
-Communication (``cost="time"``): a link model (:mod:`placement.planning.links`, by
+Communication (``cost="time"``): a link model (:mod:`placement.planning.link_model`, by
 default typical links by device type; ``links=pl.measure_links()`` for this
 machine's) turns every copy into time, ``latency + bytes / bandwidth``, and a part's
 cost becomes its op costs plus the time to copy in every blob it reads from earlier
@@ -90,658 +90,31 @@ Example:
 
 from __future__ import annotations
 
-import bisect
-import json
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from placement.errors import InfeasiblePlacementError, PlanError, UnknownOpError
+from placement.errors import PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import STREAM_WINDOW_KEY, STREAMED_KEY, Model, set_node_device
+from placement.graph.model import Model
 from placement.graph.sizes import format_bytes, parse_bytes
-from placement.planning.frontend import check_no_copies, transaction
-from placement.planning.links import Link, Links, LinksLike, resolve_links
+from placement.planning.frontend import check_no_copies
+from placement.planning.graph_info import GraphInfo
+from placement.planning.link_model import Links, LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
-from placement.planning.profile import COST_KINDS, GraphInfo, fingerprint, profile
+from placement.planning.partition import PartitionProblem, constant_glue
+from placement.planning.plan import DevicePlan, Plan
+from placement.planning.profile import COST_KINDS, profile
 
-__all__ = [
-    "Plan",
-    "auto_place",
-    "parse_bytes",
-    "format_bytes",
-    "partition_costs",
-    "constant_glue",
-    "PartitionProblem",
-]
+__all__ = ["auto_place", "build_plan", "evaluate_assignment", "OBJECTIVES", "RUNTIMES"]
 
 log = logging.getLogger(__name__)
+
 
 OBJECTIVES = ("throughput", "latency")
 #: What ``auto_place(runtime=...)`` balances a plan for.
 RUNTIMES = ("ort", "torch")
-
-
-def _format_cost(value: float, kind: str) -> str:
-    if kind == "time":
-        return f"{value / 1e6:.3f} ms"
-    if kind == "size":
-        return format_bytes(value)
-    return f"{value / 1e6:.2f} MFLOP"
-
-
-# --- the exact partitioner ------------------------------------------------------------
-
-
-class PartitionProblem:
-    """Contiguous partition of ``n`` ops into ``len(budgets)`` ordered parts.
-
-    The cost of part ``k`` running ops ``i..j-1`` is the sum of their op costs, plus,
-    when ``links_in`` is given, the time to copy into it every distinct blob it reads
-    that was made (or fed) before ``i`` (``links_in[k].time_ns(bytes)`` per blob: one
-    latency per copy), plus, when ``cut_costs`` is given, ``cut_costs[i][1]`` and
-    ``cut_costs[j][0]`` (what a cut at ``i`` costs the part after it and a cut at ``j``
-    the part before it; empty parts cost nothing).
-
-    Args:
-        costs: integer cost per op (non-negative).
-        budgets: per part, a memory budget in bytes or None (unlimited).
-        info: the graph tables (needed for memory and transfers; None for pure costs).
-        allowed_cuts: ``n + 1`` flags; a part may end at position ``j`` only where
-            ``allowed_cuts[j]`` (0 and ``n`` always may). Restricting cut points keeps
-            every algorithm exact over the partitions that remain.
-        links_in: per part, the link its incoming copies travel on (needs ``info``).
-        cut_costs: ``n + 1`` pairs ``(before, after)`` of non-negative integers.
-    """
-
-    def __init__(
-        self,
-        costs: Sequence[int],
-        budgets: Sequence[int | None],
-        info: GraphInfo | None = None,
-        *,
-        allowed_cuts: Sequence[bool] | None = None,
-        links_in: Sequence[Link] | None = None,
-        cut_costs: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
-        if any(c < 0 for c in costs):
-            raise PlanError("op costs must be non-negative")
-        if not budgets:
-            raise PlanError("need at least one device")
-        self.n = len(costs)
-        self.costs = [int(c) for c in costs]
-        self.prefix = [0]
-        for c in self.costs:
-            self.prefix.append(self.prefix[-1] + c)
-        self.budgets = list(budgets)
-        self.info = info
-        allowed = [True] * (self.n + 1) if allowed_cuts is None else [bool(a) for a in allowed_cuts]
-        if len(allowed) != self.n + 1:
-            raise PlanError(f"allowed_cuts needs {self.n + 1} entries, got {len(allowed)}")
-        allowed[0] = allowed[self.n] = True
-        self.allowed = allowed
-        self._floor = [0] * (self.n + 1)  # the largest allowed cut position <= j
-        for j in range(self.n + 1):
-            self._floor[j] = j if allowed[j] else self._floor[j - 1]
-        self._reach: dict[int, dict[int, int]] = {}
-        self._mem: dict[tuple[int, int], int] = {}
-        if info is None and any(b is not None for b in budgets):
-            raise PlanError("memory budgets need graph tables")
-        if links_in is not None:
-            if info is None:
-                raise PlanError("link costs need graph tables")
-            if len(links_in) != len(self.budgets):
-                raise PlanError(
-                    f"links_in needs one link per part ({len(self.budgets)}), got {len(links_in)}"
-                )
-        self.links_in = list(links_in) if links_in is not None else None
-        self.cut_before = [0] * (self.n + 1)  # charged to the part ending at the position
-        self.cut_after = [0] * (self.n + 1)  # charged to the part starting there
-        if cut_costs is not None:
-            if len(cut_costs) != self.n + 1:
-                raise PlanError(f"cut_costs needs {self.n + 1} entries, got {len(cut_costs)}")
-            if any(a < 0 or b < 0 for a, b in cut_costs):
-                raise PlanError("cut costs must be non-negative")
-            for c in range(1, self.n):
-                self.cut_before[c], self.cut_after[c] = (int(x) for x in cut_costs[c])
-        self.simple = self.links_in is None and not any(self.cut_before) and not any(self.cut_after)
-
-    @property
-    def parts(self) -> int:
-        return len(self.budgets)
-
-    def cost(self, i: int, j: int) -> int:
-        return self.prefix[j] - self.prefix[i]
-
-    def memory(self, i: int, j: int) -> int:
-        """Parameters plus peak activations of ops ``i..j-1`` (memoised)."""
-        key = (i, j)
-        value = self._mem.get(key)
-        if value is None:
-            assert self.info is not None
-            value = self.info.segment_memory(i, j) if j > i else 0
-            self._mem[key] = value
-        return value
-
-    def memory_reach(self, budget: int | None, i: int) -> int:
-        """The largest ``j`` such that ops ``i..j-1`` fit in ``budget`` (memory is monotone)."""
-        if budget is None:
-            return self.n
-        cache = self._reach.setdefault(budget, {})
-        hit = cache.get(i)
-        if hit is not None:
-            return hit
-        if self.memory(i, min(i + 1, self.n)) > budget:
-            cache[i] = i
-            return i
-        lo, step = min(i + 1, self.n), 1  # lo fits
-        while lo < self.n:
-            hi = min(self.n, lo + step)
-            if self.memory(i, hi) <= budget:
-                lo, step = hi, step * 2
-            else:
-                break
-        else:
-            cache[i] = self.n
-            return self.n
-        # lo fits, lo+step does not (or is past n): binary search in between
-        hi = min(self.n, lo + step)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.memory(i, mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
-        cache[i] = lo
-        return lo
-
-    def cost_reach(self, i: int, bound: int) -> int:
-        """The largest ``j`` with ``cost(i, j) <= bound``."""
-        return bisect.bisect_right(self.prefix, self.prefix[i] + bound) - 1
-
-    def segments(self, k: int, i: int, bound: int | None) -> Any:
-        """Yield ``(j, part cost, overhead, bytes in)`` for every allowed end ``j > i`` of
-        part ``k`` starting at ``i`` that fits its budget and whose op costs alone stay
-        within ``bound``. ``overhead`` is the part cost minus its op costs."""
-        info = self.info
-        jmax = self.memory_reach(self.budgets[k], i)
-        if bound is not None:
-            jmax = min(jmax, self.cost_reach(i, bound))
-        link = self.links_in[k] if self.links_in is not None else None
-        start = self.cut_after[i]
-        seen: set[int] = set()
-        in_bytes = in_time = 0
-        prefix_i = self.prefix[i]
-        for j in range(i + 1, jmax + 1):
-            if info is not None:
-                for b in info.op_inputs[j - 1]:
-                    if b in seen:
-                        continue
-                    producer = info.blob_producer[b]
-                    first = producer if producer >= 0 else info.blob_consumers[b][0]
-                    if first < i:
-                        seen.add(b)
-                        size = info.step_bytes[b]
-                        in_bytes += size
-                        if link is not None:
-                            in_time += link.time_ns(size)
-            if not self.allowed[j]:
-                continue
-            overhead = in_time + start + self.cut_before[j]
-            yield j, self.prefix[j] - prefix_i + overhead, overhead, in_bytes
-
-    def segment_cost(self, k: int, i: int, j: int) -> int:
-        """The cost of part ``k`` running ops ``i..j-1`` (class docstring)."""
-        if j <= i:
-            return 0
-        cost = self.cost(i, j) + self.cut_after[i] + self.cut_before[j]
-        if self.links_in is not None:
-            assert self.info is not None
-            link = self.links_in[k]
-            cost += sum(link.time_ns(self.info.step_bytes[b]) for b in self.info.blobs_into(i, j))
-        return cost
-
-    def greedy(self, bound: int, budgets: Sequence[int | None] | None = None) -> list[int] | None:
-        """Ends of the parts if every part's op costs can stay within ``bound``, else None."""
-        budgets = self.budgets if budgets is None else budgets
-        i = 0
-        ends = []
-        for budget in budgets:
-            j = self._floor[min(self.cost_reach(i, bound), self.memory_reach(budget, i))]
-            ends.append(j)
-            i = j
-        return ends if i == self.n else None
-
-    def min_bottleneck(self) -> int:
-        """The smallest achievable bottleneck (the largest part cost), exactly.
-
-        Op costs alone: integer bisection over greedy sweeps (a part's cost can only
-        shrink with the part). With links or cut costs a part can cost more when it
-        starts later (a blob made just before it must now be copied in), so the
-        exchange argument behind the greedy sweep fails; a min-max dynamic programme
-        over cut points (exact by optimal substructure) is used instead.
-
-        Raises:
-            InfeasiblePlacementError: the budgets cannot hold the model at all.
-        """
-        total = self.prefix[-1]
-        if self.greedy(total) is None:
-            raise InfeasiblePlacementError(self.infeasible_message())
-        plain = self._min_op_bottleneck()
-        return plain if self.simple else self._min_max(plain)
-
-    def _min_op_bottleneck(self) -> int:
-        """The smallest bottleneck of op costs alone (integer bisection over greedy sweeps)."""
-        total = self.prefix[-1]
-        lo = max(max(self.costs, default=0), -(-total // self.parts))
-        hi = total
-        if lo > hi:
-            lo = hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.greedy(mid) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def _min_max(self, plain: int) -> int:
-        n = self.n
-        inf = math.inf
-        # any feasible partition bounds the optimum from above (the one optimal for op
-        # costs alone is a good one); the bound limits how far a part may reach, since a
-        # part's cost is at least its op costs
-        upper: float = inf
-        ends = self.greedy(plain)
-        if ends is not None:
-            start, worst = 0, 0
-            for k, end in enumerate(ends):
-                worst = max(worst, self.segment_cost(k, start, end))
-                start = end
-            upper = worst
-        best: list[float] = [0] + [inf] * n
-        for k in range(self.parts):
-            new = list(best)  # an empty part keeps the position
-            for i in range(n):
-                base = best[i]
-                if base == inf or base > upper:
-                    continue
-                for j, cost, _, _ in self.segments(k, i, int(upper)):
-                    cand = max(base, cost)
-                    if cand < new[j]:
-                        new[j] = cand
-            best = new
-        if best[n] == inf:
-            raise InfeasiblePlacementError(self.infeasible_message())
-        return int(best[n])
-
-    def min_transfer(self, bound: int | None) -> list[int]:
-        """Part ends minimising (overhead per step, bottleneck), every part within ``bound``.
-
-        The overhead is the bytes copied per step when only op costs count, else the
-        summed part costs beyond op costs (transfer times and cut costs). Exact dynamic
-        programme over cut points; part ``k`` must fit its budget.
-        """
-        n = self.n
-        inf = (math.inf, math.inf)
-        best: list[tuple[float, float]] = [(0, 0)] + [inf] * n
-        parents: list[list[int]] = []
-        for k in range(self.parts):
-            new = list(best)  # an empty part keeps the position
-            parent = list(range(n + 1))
-            for i in range(n):
-                base = best[i]
-                if base == inf:
-                    continue
-                for j, cost, overhead, in_bytes in self.segments(k, i, bound):
-                    if bound is not None and cost > bound:
-                        continue
-                    cand = (base[0] + (in_bytes if self.simple else overhead), max(base[1], cost))
-                    if cand < new[j]:
-                        new[j] = cand
-                        parent[j] = i
-            best = new
-            parents.append(parent)
-        if best[n] == inf:
-            raise InfeasiblePlacementError(self.infeasible_message())
-        ends = []
-        j = n
-        for parent in reversed(parents):
-            ends.append(j)
-            j = parent[j]
-        return list(reversed(ends))
-
-    def min_uniform_budget(self) -> int:
-        """The smallest budget that, given to every part, admits a placement (exact)."""
-        assert self.info is not None
-        total = self.prefix[-1]
-        lo = max((self.memory(i, i + 1) for i in range(self.n)), default=0)
-        hi = self.memory(0, self.n)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.greedy(total, [mid] * self.parts) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def infeasible_message(self) -> str:
-        largest_op = max(range(self.n), key=lambda i: self.memory(i, i + 1)) if self.n else 0
-        need = self.memory(largest_op, largest_op + 1) if self.n else 0
-        uniform = self.min_uniform_budget()
-        budgets = ", ".join(format_bytes(b) if b is not None else "unlimited" for b in self.budgets)
-        name = self.info.names[largest_op] if self.info is not None and self.n else "?"
-        return (
-            f"no contiguous placement of {self.n} ops on {self.parts} devices fits the budgets "
-            f"[{budgets}]: it needs at least {format_bytes(need)} on some device (op {name!r} "
-            f"alone), and the smallest uniform budget that fits is {format_bytes(uniform)} "
-            f"({uniform} bytes) per device"
-        )
-
-
-def constant_glue(info: GraphInfo) -> list[bool]:
-    """Allowed cut points: never right after an op that depends on no graph input.
-
-    Such ops (weight transposes, shape arithmetic, masks) compute from parameters
-    alone: load-time values, folded where they are read. The exporter emits each right
-    before its reader, so a cut right after one would split it from its reader (and
-    count its cost on the wrong device); each stays with the op after it.
-    """
-    return [True] + [info.data_dependent[pos] for pos in range(len(info))]
-
-
-def partition_costs(costs: Sequence[int], parts: int, *, nonempty: bool = True) -> list[int]:
-    """Sizes of an exact min-bottleneck contiguous partition of ``costs`` into ``parts``.
-
-    With ``nonempty`` (and at least ``parts`` items) every part gets one item or more
-    without raising the bottleneck (torchgpipe's balance lists are positive).
-
-    Example:
-        >>> partition_costs([1, 2, 3, 4, 5, 6], 3)
-        [3, 2, 1]
-        >>> partition_costs([1, 1, 10], 3)
-        [1, 1, 1]
-    """
-    if parts < 1:
-        raise PlanError(f"need at least one partition, got {parts}")
-    problem = PartitionProblem(costs, [None] * parts)
-    ends = problem.greedy(problem.min_bottleneck())
-    assert ends is not None
-    if nonempty and len(costs) >= parts:
-        fixed = list(ends)
-        for k in range(parts - 2, -1, -1):
-            fixed[k] = min(fixed[k], fixed[k + 1] - 1)
-        ends = fixed
-    sizes, start = [], 0
-    for end in ends:
-        sizes.append(end - start)
-        start = end
-    return sizes
-
-
-# --- plans ------------------------------------------------------------------------------
-
-
-@dataclass
-class DevicePlan:
-    """Predicted figures of one device under a plan.
-
-    Attributes:
-        device: the device (string).
-        ops: number of ops.
-        first_op / last_op: the part's first and last op (None if empty).
-        cost: summed op cost (ns, bytes or FLOPs, per ``Plan.cost_kind``).
-        param_bytes: parameters it holds (shared ones count on every device reading them).
-        activation_bytes: liveness-based peak of its activations.
-        budget: its memory budget in bytes, or None.
-        bytes_in / bytes_out: bytes copied in and out per step.
-        transfer_time: nanoseconds to copy its inputs in per step under the link model
-            (0 without one).
-        cut_cost: nanoseconds its cuts cost it (fusions lost at a cut; 0 without).
-    """
-
-    device: str
-    ops: int
-    first_op: str | None
-    last_op: str | None
-    cost: int
-    param_bytes: int
-    activation_bytes: int
-    budget: int | None
-    bytes_in: int
-    bytes_out: int
-    transfer_time: int = 0
-    cut_cost: int = 0
-
-    @property
-    def stage_cost(self) -> int:
-        """What the planner minimises the largest of: op costs, transfers in, cut costs."""
-        return self.cost + self.transfer_time + self.cut_cost
-
-    @property
-    def memory(self) -> int:
-        """Parameters plus peak activations."""
-        return self.param_bytes + self.activation_bytes
-
-    @property
-    def fits(self) -> bool:
-        """True if the device's memory stays within its budget."""
-        return self.budget is None or self.memory <= self.budget
-
-
-@dataclass
-class Plan:
-    """A placement plan: the device of every op plus its predicted cost and memory.
-
-    Plans can be applied (:meth:`apply`), printed (``str(plan)`` is a table), saved
-    (:meth:`save`, :meth:`to_json`) and loaded (:meth:`load`, :meth:`from_json`).
-
-    Attributes:
-        assignment: op name -> device string, in graph order.
-        devices: per-device predictions (:class:`DevicePlan`), in part order.
-        cost_kind: ``"time"`` (ns), ``"size"`` (bytes) or ``"flops"``.
-        objective: ``"throughput"`` or ``"latency"``.
-        bottleneck: the largest per-device :attr:`DevicePlan.stage_cost`.
-        lower_bound: ``max(ceil(total / N), largest op)``, no plan can beat it.
-        total_cost: sum of all op costs.
-        transfer_bytes: bytes copied between devices per step.
-        cut_bytes: per boundary between consecutive used devices, bytes of the
-            distinct blobs crossing it.
-        fingerprint: structure fingerprint of the model planned for.
-        overhead: per step, the summed transfer times and cut costs (ns; 0 without a
-            link model or cut costs): what the latency objective minimises.
-        links: the link model planned with (see :meth:`Links.to_dict`), or None.
-        runtime: the executor the op times were taken for (``auto_place(runtime=...)``):
-            ``"ort"`` or ``"torch"``.
-        streamed: parameters that live on the host and stream to the GPU that reads
-            them (parameter -> host device; see :func:`placement.plan_offload`).
-        stream_window: bytes of streamed weights copied ahead of use, or None.
-    """
-
-    assignment: dict[str, str]
-    devices: list[DevicePlan]
-    cost_kind: str
-    objective: str
-    bottleneck: int
-    lower_bound: int
-    total_cost: int
-    transfer_bytes: int
-    cut_bytes: list[int] = field(default_factory=list)
-    fingerprint: str = ""
-    overhead: int = 0
-    links: dict[str, Any] | None = None
-    runtime: str = "ort"
-    streamed: dict[str, str] = field(default_factory=dict)
-    stream_window: int | None = None
-
-    @property
-    def ratio(self) -> float:
-        """``bottleneck / lower_bound`` (1.0 is provably optimal)."""
-        return self.bottleneck / self.lower_bound if self.lower_bound else 1.0
-
-    @property
-    def fits(self) -> bool:
-        """True if every device stays within its budget."""
-        return all(d.fits for d in self.devices)
-
-    def device_of(self, op: str) -> Device:
-        """The device the plan gives ``op``."""
-        try:
-            return Device.parse(self.assignment[op])
-        except KeyError:
-            raise UnknownOpError(f"the plan has no op {op!r}") from None
-
-    def apply(self, model: Model) -> None:
-        """Place ``model``'s ops as planned, in place (transactional).
-
-        Raises:
-            UnknownOpError: the plan names an op the model lacks.
-            PlanError: the model has ops the plan does not cover, or copies.
-        """
-        check_no_copies(model, "Plan.apply")
-        names = {node.name for node in model.graph}
-        for op in self.assignment:
-            if op not in names:
-                raise UnknownOpError(f"the plan places op {op!r}, which is not in the model")
-        missing = [n for n in names if n not in self.assignment]
-        if missing:
-            raise PlanError(f"the plan does not cover op {missing[0]!r} ({len(missing)} ops missing)")
-        if self.fingerprint and fingerprint(model) != self.fingerprint:
-            log.warning("applying a plan made for a different model structure")
-        parsed = {op: Device.parse(dev) for op, dev in self.assignment.items()}
-        with transaction(model):
-            for node in model.graph:
-                set_node_device(node, parsed[node.name or ""])
-        if self.streamed:  # the plan keeps these weights on the host (see plan_offload)
-            props = model.ir_model.metadata_props
-            props[STREAMED_KEY] = json.dumps(self.streamed)
-            if self.stream_window is not None:
-                props[STREAM_WINDOW_KEY] = str(self.stream_window)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return asdict(self)
-
-    def to_json(self, *, indent: int | None = 1) -> str:
-        """The plan as JSON text."""
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Rebuild a plan from :meth:`to_dict` output.
-
-        Raises:
-            PlanError: the data is not a plan.
-        """
-        try:
-            fields = dict(data)
-            fields["devices"] = [DevicePlan(**d) for d in fields["devices"]]
-            fields["assignment"] = {str(k): str(v) for k, v in fields["assignment"].items()}
-            for dev in fields["assignment"].values():
-                Device.parse(dev)
-            return cls(**fields)
-        except (TypeError, KeyError, AttributeError, ValueError) as err:
-            raise PlanError(f"not a placement plan: {err}") from err
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Rebuild a plan from :meth:`to_json` text."""
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise PlanError(f"plan JSON does not parse: {err}") from err
-        if not isinstance(data, dict):
-            raise PlanError("plan JSON must be an object")
-        return cls.from_dict(data)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON, atomically: a failure leaves an existing file as it was.
-
-        Raises:
-            PlanError: the file cannot be written (the message names it).
-        """
-        from placement.graph.serialize import write_atomic
-
-        try:
-            write_atomic(path, self.to_json().encode("utf-8"), what="plan")
-        except (OSError, TypeError, ValueError) as err:
-            raise PlanError(f"cannot save plan to {str(path)!r}: {err}") from err
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan written by :meth:`save`.
-
-        Raises:
-            PlanError: the file is missing or not a plan.
-        """
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as err:
-            raise PlanError(f"cannot read plan {str(path)!r}: {err}") from err
-        except UnicodeDecodeError as err:
-            raise PlanError(f"{str(path)!r} is not a placement plan (not UTF-8 text: {err.reason})") from err
-        try:
-            return cls.from_json(text)
-        except PlanError as err:
-            raise PlanError(f"{str(path)!r}: {err}") from err
-
-    def to_table(self) -> Any:
-        """A ``rich.table.Table`` with one row per device."""
-        from rich.table import Table
-
-        table = Table(
-            title=(
-                f"plan ({self.objective}, cost={self.cost_kind}): bottleneck "
-                f"{_format_cost(self.bottleneck, self.cost_kind)} = {self.ratio:.3f} x lower bound, "
-                f"{format_bytes(self.transfer_bytes)} copied per step"
-            )
-        )
-        for col in (
-            "device",
-            "ops",
-            "first op",
-            "last op",
-            "cost",
-            "params",
-            "peak act.",
-            "budget",
-            "in",
-            "out",
-            *(("transfers", "cut cost") if self.links is not None or self.overhead else ()),
-        ):
-            table.add_column(col, justify="left" if col in ("device", "first op", "last op") else "right")
-        for d in self.devices:
-            table.add_row(
-                d.device,
-                str(d.ops),
-                d.first_op or "-",
-                d.last_op or "-",
-                _format_cost(d.cost, self.cost_kind),
-                format_bytes(d.param_bytes),
-                format_bytes(d.activation_bytes),
-                format_bytes(d.budget) if d.budget is not None else "-",
-                format_bytes(d.bytes_in),
-                format_bytes(d.bytes_out),
-                *(
-                    (_format_cost(d.transfer_time, "time"), _format_cost(d.cut_cost, "time"))
-                    if self.links is not None or self.overhead
-                    else ()
-                ),
-            )
-        return table
-
-    def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
-        console.print(self.to_table())
-        text = console.export_text()
-        console.file.close()
-        return text.rstrip("\n")
 
 
 def _resolve_devices(
@@ -844,15 +217,8 @@ def evaluate_assignment(
     out, into = info.transfers(part, num)
     into_time = [0] * num
     if links is not None:
-        for b, size in enumerate(info.step_bytes):
-            consumers = info.blob_consumers[b]
-            if not consumers or not size:
-                continue
-            producer = info.blob_producer[b]
-            home = part[producer] if producer >= 0 else part[consumers[0]]
-            for p in {part[c] for c in consumers}:
-                if p != home:
-                    into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
+        for size, home, p in info.copies(part):
+            into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
     cut_cost = [0] * num
     if cut_costs is not None:
         for c in range(1, n):
@@ -881,7 +247,7 @@ def evaluate_assignment(
     cut_bytes = []
     for c in range(1, n):
         if part[c] != part[c - 1]:
-            cut_bytes.append(_cut_bytes(info, c))
+            cut_bytes.append(info.cut_bytes(c))
     lower = max(max(costs, default=0), -(-total // num)) if n else 0
     return Plan(
         assignment={info.names[pos]: str(devices[part[pos]]) for pos in range(n)},
@@ -926,19 +292,6 @@ def _available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def _cut_bytes(info: GraphInfo, c: int) -> int:
-    """Bytes of the distinct blobs made (or fed) before position ``c`` and read at or after it."""
-    total = 0
-    for b, consumers in enumerate(info.blob_consumers):
-        if not consumers or consumers[-1] < c:
-            continue
-        producer = info.blob_producer[b]
-        first = producer if producer >= 0 else consumers[0]
-        if first < c:
-            total += info.step_bytes[b]
-    return total
 
 
 def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str, float]) -> list[int]:
@@ -995,9 +348,9 @@ def auto_place(
             docstring.
         repeats: timed runs when profiling.
         links: the link model copies are charged on (``cost="time"`` only): ``"auto"``
-            (typical links by device type, :class:`placement.planning.links.Links`),
+            (typical links by device type, :class:`placement.planning.link_model.Links`),
             a preset (``"pcie"``, ``"nvlink"``, ``"host"``, ``"memcpy"``), a
-            :class:`~placement.planning.links.Link`, a mapping
+            :class:`~placement.planning.link_model.Link`, a mapping
             ``(source, destination) -> link``, links measured by
             :func:`placement.measure_links`, or None (transfers cost nothing).
         fusion: with ``cost="time"``, respect what ONNX Runtime fuses. For

@@ -4,7 +4,7 @@ The machines at hand often have one GPU, so what a plan gains on 2, 4 or 8 GPUs 
 to be predicted from what one GPU measures. :func:`predict` takes per-stage times
 (seconds for a whole batch, measured with every stage on one device: the runtime
 benchmark's per-stage timing, :func:`placement.calibrate`'s ``Trial.measured_s``)
-and a link model (:mod:`placement.planning.links`: ``"nvlink"``, ``"pcie"`` or
+and a link model (:mod:`placement.planning.link_model`: ``"nvlink"``, ``"pcie"`` or
 measured links), and simulates the schedule:
 
 * each stage runs its micro-batches in the schedule's order (``"gpipe"``: every
@@ -51,8 +51,8 @@ from typing import Any, Union
 from placement.errors import PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
-from placement.planning.links import Link, Links, LinksLike, resolve_links
-from placement.planning.planner import Plan
+from placement.planning.link_model import Link, Links, LinksLike, resolve_links
+from placement.planning.plan import Plan
 
 __all__ = ["SCHEDULES", "Prediction", "predict", "simulate_pipeline"]
 
@@ -303,7 +303,7 @@ def predict(
     """Predict a plan's step time and throughput on N devices from measured stage times.
 
     Args:
-        model_or_plan: a :class:`~placement.planning.planner.Plan` (its stages are its
+        model_or_plan: a :class:`~placement.planning.plan.Plan` (its stages are its
             used devices, in order; boundary bytes from ``Plan.cut_bytes``), or a
             :class:`~placement.graph.Model`. For a model and ``gpus``, each count is
             planned with ``auto_place(copy, devices=N, links=links)`` (the model itself
@@ -317,7 +317,7 @@ def predict(
             time before the N-way plans are made (as :func:`placement.calibrate` does).
             None: the plan's (or the profile's) op costs, in ns, as seconds.
         links: the link between consecutive devices: a preset (``"nvlink"``, ``"pcie"``),
-            a :class:`~placement.planning.links.Link`, a :class:`Links` keyed by the
+            a :class:`~placement.planning.link_model.Link`, a :class:`Links` keyed by the
             plan's devices, or measured links (:func:`placement.measure_links`).
         gpus: device counts to predict for (a model only; a plan predicts for its own).
         chunks: micro-batches per batch.
@@ -443,8 +443,9 @@ def _link(links: Links | None, src: str, dst: str) -> Link | None:
 def _own_plan(model: Model, links: Links | None, *, timed: bool = True) -> Plan:
     """The model's own placement as a :class:`Plan` (op costs from its cached or a fresh
     profile, timed or, with ``timed=False``, counted in FLOPs; its devices in order of first use)."""
+    from placement.planning.graph_info import GraphInfo
     from placement.planning.planner import evaluate_assignment
-    from placement.planning.profile import GraphInfo, profile
+    from placement.planning.profile import profile
 
     prof = profile(model, time=timed, optimized=True)
     info = GraphInfo(model)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.model import Model, is_copy_node, node_device, node_scope, set_node_device
+from placement.graph.model import Model
+from placement.graph.nodes import is_copy_node, node_device, node_scope, set_node_device
 from placement.planning.frontend import check_no_copies, transaction
 
 __all__ = ["StageAssignment", "get_stage_assignment", "set_stage_assignment"]

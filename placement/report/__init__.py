@@ -3,7 +3,8 @@
 - :mod:`~placement.report.summary`: the per-device table (ops, parameters, activations,
   copies, bytes moved, peak activations, estimated time).
 - :mod:`~placement.report.draw`: the operator graph coloured by device, through Graphviz
-  (``pl.draw``).
+  (``pl.draw``); :mod:`~placement.report.dot` writes its DOT source and
+  :mod:`~placement.report.colours` holds the device colours every picture shares.
 - :mod:`~placement.report.html`: one self-contained HTML page with tables, charts and the
   graph picture (``pl.write_report``).
 
@@ -20,6 +21,6 @@ Example:
 
 from __future__ import annotations
 
-from placement.report.summary import Column, DeviceRow, Summary, format_bytes, summary
+from placement.report.summary import Column, DeviceRow, Summary, summary
 
-__all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]
+__all__ = ["summary", "Summary", "DeviceRow", "Column"]

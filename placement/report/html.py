@@ -40,11 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from placement.errors import ModelSaveError
+from placement.graph.atomic import write_file
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, Model, node_device, value_nbytes
-from placement.graph.serialize import write_file
-from placement.report.draw import Drawing, device_colour, draw
-from placement.report.summary import Summary, format_bytes, summary
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import COPY_KEY, node_device
+from placement.graph.sizes import format_bytes
+from placement.report.colours import device_colour
+from placement.report.draw import Drawing, draw
+from placement.report.summary import Summary, summary
 
 __all__ = ["write_report", "Report", "copy_traffic"]
 
@@ -203,7 +206,7 @@ def _streamed_section(model: Model) -> str:
         )
     if not rows:
         return ""
-    from placement.graph.model import stream_window
+    from placement.graph.nodes import stream_window
 
     window = stream_window(model.ir_model)
     head = (
@@ -260,15 +263,15 @@ def _traffic_section(traffic: dict[tuple[str, str], int]) -> str:
 
 
 def _plan_section(plan: Any) -> str:
-    from placement.planning.planner import _format_cost
+    from placement.planning.plan import format_cost
 
     kind = plan.cost_kind
     verdict = "optimal (equals the bound)" if plan.bottleneck <= plan.lower_bound else f"{plan.ratio:.3f} x"
     lines = [
         f"<p>Objective <b>{html.escape(plan.objective)}</b>, cost <b>{html.escape(kind)}</b>: bottleneck "
-        f"<b>{_format_cost(plan.bottleneck, kind)}</b> against the lower bound "
-        f"<b>{_format_cost(plan.lower_bound, kind)}</b> ({verdict}); total "
-        f"{_format_cost(plan.total_cost, kind)}; {format_bytes(plan.transfer_bytes)} copied per step "
+        f"<b>{format_cost(plan.bottleneck, kind)}</b> against the lower bound "
+        f"<b>{format_cost(plan.lower_bound, kind)}</b> ({verdict}); total "
+        f"{format_cost(plan.total_cost, kind)}; {format_bytes(plan.transfer_bytes)} copied per step "
         f"(cuts: {', '.join(format_bytes(b) for b in plan.cut_bytes) or 'none'}).</p>"
     ]
     if not plan.fits:
@@ -284,7 +287,7 @@ def _plan_section(plan: Any) -> str:
             f'<tr><td class="left">{_swatch(d.device)}{html.escape(d.device)}</td><td>{d.ops}</td>'
             f'<td class="left">{html.escape(d.first_op or "-")}</td>'
             f'<td class="left">{html.escape(d.last_op or "-")}</td>'
-            f"<td>{_format_cost(d.cost, kind)}</td>"
+            f"<td>{format_cost(d.cost, kind)}</td>"
             f'<td class="{"bad" if over else ""}">{format_bytes(d.memory)}</td>'
             f"<td>{format_bytes(d.budget) if d.budget is not None else '-'}</td>"
             f"<td>{format_bytes(d.bytes_in)}</td><td>{format_bytes(d.bytes_out)}</td></tr>"

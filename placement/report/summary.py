@@ -41,12 +41,14 @@ import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes, value_nbytes
+from placement.graph.model import value_nbytes
+from placement.graph.nodes import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes
+from placement.graph.sizes import format_bytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
 from placement.planning.profile import add_estimates
 
-__all__ = ["summary", "Summary", "DeviceRow", "Column", "format_bytes"]
+__all__ = ["summary", "Summary", "DeviceRow", "Column"]
 
 
 @dataclasses.dataclass
@@ -75,16 +77,6 @@ class DeviceRow:
         data = dataclasses.asdict(self)
         data["device"] = str(self.device)
         return data
-
-
-def format_bytes(count: int) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"  # unreachable
 
 
 @dataclasses.dataclass(frozen=True)

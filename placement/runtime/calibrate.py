@@ -68,8 +68,10 @@ from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
 from placement.planning.frontend import transaction
-from placement.planning.planner import Plan, auto_place
-from placement.planning.profile import GraphInfo, _normalise_inputs, make_sample_inputs, profile
+from placement.planning.graph_info import GraphInfo
+from placement.planning.plan import Plan
+from placement.planning.planner import auto_place
+from placement.planning.profile import _normalise_inputs, make_sample_inputs, profile
 from placement.runtime.device_map import DeviceMapLike
 
 if TYPE_CHECKING:

@@ -79,7 +79,8 @@ from placement.analysis.dependence import load_time_values
 from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
-from placement.graph.model import COPY_KEY, Model, is_copy_node, node_device, node_reads
+from placement.graph.model import Model
+from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_reads
 
 __all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, shape_inference
 import placement as pl
 from placement.analysis import activation_values, copy_origin, independent_values, load_time_values
 from placement.graph.model import value_nbytes
-from placement.planning.profile import GraphInfo
+from placement.planning.graph_info import GraphInfo
 from placement.runtime.stages import split_stages
 from tests.conftest import MODEL_NAMES
 

@@ -11,7 +11,7 @@ import pytest
 import placement as pl
 from placement.cli import main
 from placement.launch import read_inputs
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 
 
 @pytest.mark.slow  # real torchrun processes

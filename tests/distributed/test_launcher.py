@@ -17,7 +17,7 @@ import pytest
 
 import placement as pl
 from placement.cli import main
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}

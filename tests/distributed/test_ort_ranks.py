@@ -15,7 +15,7 @@ from placement.distributed.ort_ranks import rank_program
 from placement.runtime.device_map import PhysicalDevice
 from tests.distributed import ort_workers
 from tests.distributed.harness import spawn
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 
 # the module-scoped fixture (process groups of real ranks) runs once: every test of this module on
 # one xdist worker (--dist loadgroup)

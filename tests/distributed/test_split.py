@@ -7,7 +7,7 @@ import torch
 
 import placement as pl
 from placement.distributed import NotAPipelineError, WorldSizeError, rank_groups, split_by_rank
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 
 
 def _chain(split, args):

@@ -13,7 +13,7 @@ import torch
 
 import placement as pl
 from placement.runtime.precision import FP32_TOLERANCE
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 from tests.gpu import needs_ort_cuda, needs_torch_cuda
 
 pytestmark = [pytest.mark.gpu, needs_ort_cuda, needs_torch_cuda]

@@ -11,7 +11,7 @@ import pytest
 import placement as pl
 from placement.runtime.precision import FP32_TOLERANCE
 from tests.distributed.harness import spawn
-from tests.distributed.test_pipeline import place
+from tests.distributed.test_torch_ranks import place
 from tests.gpu import needs_ort_cuda, needs_torch_cuda, workers
 
 pytestmark = [pytest.mark.gpu, needs_ort_cuda, needs_torch_cuda]

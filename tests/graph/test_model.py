@@ -63,7 +63,7 @@ def test_repr_mentions_devices():
 def test_graph_nodes_is_the_graph_order_after_edits():
     import onnx_ir as ir
 
-    from placement.graph.model import graph_nodes
+    from placement.graph.nodes import graph_nodes
 
     model = mlp_graph()
     graph = model.graph

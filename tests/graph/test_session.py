@@ -9,8 +9,8 @@ from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
 import placement as pl
-from placement.graph.serialize import SUPPLIED_LOCATION, split_weights
 from placement.graph.session import ort_session
+from placement.graph.weights import SUPPLIED_LOCATION, split_weights
 
 N = 64  # 16 KiB weights: over the threshold, so they are supplied outside the protobuf
 

@@ -117,7 +117,7 @@ def test_dynamo_failure_falls_back_to_the_torchscript_exporter(caplog):
             np.testing.assert_allclose(
                 pl.run(model, [probe], device_map="cpu")[0], want, rtol=1e-5, atol=1e-6
             )
-    saved = pl.load(pl.graph.serialize.to_proto(model))
+    saved = pl.load(pl.graph.saving.to_proto(model))
     assert exporter_of(saved) == "torchscript"
 
 

@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 import placement as pl
 from placement.graph import to_proto
-from placement.graph.model import COPY_KEY, DEVICE_KEY
+from placement.graph.nodes import COPY_KEY, DEVICE_KEY
 
 SHAPE = (2, 3)
 UNARY = ("Tanh", "Sigmoid", "Neg", "Relu", "Abs")

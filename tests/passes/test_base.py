@@ -1,4 +1,4 @@
-"""Tests for ``placement.passes.base``: pass objects, ``Pipeline`` and debug verification."""
+"""Tests for ``placement.passes.base``: pass objects, ``PassSequence`` and debug verification."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from onnx_ir.passes import PassResult, PostconditionError
 
 import placement as pl
-from placement.graph.model import DEVICE_KEY
+from placement.graph.nodes import DEVICE_KEY
 from placement.passes import (
     InjectCrossDeviceCopiesPass,
     PassVerificationError,
@@ -34,17 +34,17 @@ class Noop(PlacementPass):
         return PassResult(model, False)
 
 
-def pipeline_for(model: pl.Model, **kwargs) -> pl.Pipeline:
+def sequence_for(model: pl.Model, **kwargs) -> pl.PassSequence:
     acts = pl.get_activation_blobs(model)
-    return pl.Pipeline(
+    return pl.PassSequence(
         ShiftActivationDevicesPass(acts[len(acts) // 2 :], {0: 1}), InjectCrossDeviceCopiesPass(), **kwargs
     )
 
 
-def test_pipeline_reports_modified_per_step_and_is_idempotent() -> None:
+def test_pass_sequence_reports_modified_per_step_and_is_idempotent() -> None:
     model = chain(6)
-    pipeline = pipeline_for(model, debug=True)
-    result = pipeline(model)
+    sequence = sequence_for(model, debug=True)
+    result = sequence(model)
     assert result.modified and result.model is model.ir_model
     assert [(s.name, s.modified) for s in result.steps] == [
         ("ShiftActivationDevicesPass", True),
@@ -52,14 +52,14 @@ def test_pipeline_reports_modified_per_step_and_is_idempotent() -> None:
     ]
     assert all(s.seconds >= 0 for s in result.steps)
     check_copies(model)
-    again = pipeline(model)
+    again = sequence(model)
     assert not again.modified and [s.modified for s in again.steps] == [False, False]
 
 
-def test_debug_pipeline_names_the_pass_that_broke_the_model() -> None:
+def test_debug_pass_sequence_names_the_pass_that_broke_the_model() -> None:
     model = chain(4)
     with pytest.raises(PassVerificationError, match="after pass BreakDevices") as info:
-        pl.Pipeline(Noop(), BreakDevices(debug=False), debug=True)(model)
+        pl.PassSequence(Noop(), BreakDevices(debug=False), debug=True)(model)
     assert isinstance(info.value, pl.VerificationError) and isinstance(info.value, PostconditionError)
 
 
@@ -90,32 +90,34 @@ def test_environment_turns_debug_on(monkeypatch) -> None:
     assert BreakDevices()(chain(4)).modified
 
 
-def test_placement_errors_propagate_unchanged_through_a_pipeline() -> None:
+def test_placement_errors_propagate_unchanged_through_a_pass_sequence() -> None:
     model = chain(4)
     before = snapshot(model)
-    pipeline = pl.Pipeline(ShiftActivationDevicesPass(["nope"], {0: 1}), InjectCrossDeviceCopiesPass())
+    sequence = pl.PassSequence(ShiftActivationDevicesPass(["nope"], {0: 1}), InjectCrossDeviceCopiesPass())
     with pytest.raises(pl.UnknownBlobError, match="nope"):
-        pipeline(model)
+        sequence(model)
     assert snapshot(model) == before
 
 
-def test_pipeline_accepts_ir_models_and_onnx_ir_passes() -> None:
+def test_pass_sequence_accepts_ir_models_and_onnx_ir_passes() -> None:
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     model = chain(4, devices=[0, 0, 1, 1])
-    result = pl.Pipeline(RemoveUnusedNodesPass(), InjectCrossDeviceCopiesPass(), debug=True)(model.ir_model)
+    result = pl.PassSequence(RemoveUnusedNodesPass(), InjectCrossDeviceCopiesPass(), debug=True)(
+        model.ir_model
+    )
     assert result.modified
     check_copies(model)
 
 
-def test_pipeline_validates_its_passes() -> None:
+def test_pass_sequence_validates_its_passes() -> None:
     with pytest.raises(ValueError):
-        pl.Pipeline()
+        pl.PassSequence()
     with pytest.raises(TypeError):
-        pl.Pipeline(object())  # type: ignore[arg-type]
+        pl.PassSequence(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         Noop()("not a model")
-    assert "InjectCrossDeviceCopiesPass" in repr(pl.Pipeline(InjectCrossDeviceCopiesPass()))
+    assert "InjectCrossDeviceCopiesPass" in repr(pl.PassSequence(InjectCrossDeviceCopiesPass()))
 
 
 def test_check_structure_catches_order_and_devices() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.graph.model import COPY_KEY, DEVICE_KEY
+from placement.graph.nodes import COPY_KEY, DEVICE_KEY
 from placement.passes import InjectCrossDeviceCopiesPass
 from tests.conftest import MODEL_NAMES
 from tests.passes.helpers import (

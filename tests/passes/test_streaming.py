@@ -7,7 +7,7 @@ import json
 import pytest
 
 import placement as pl
-from placement.graph.model import COPY_KEY, STREAM_WINDOW_KEY, STREAMED_KEY
+from placement.graph.nodes import COPY_KEY, STREAM_WINDOW_KEY, STREAMED_KEY
 from placement.passes.streaming import streamable_parameters
 
 

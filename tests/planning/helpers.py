@@ -10,7 +10,7 @@ import onnx_ir as ir
 import torch
 
 import placement as pl
-from placement.graph.model import SCOPE_KEY
+from placement.graph.nodes import SCOPE_KEY
 
 
 def run_placed(model: pl.Model, args: tuple) -> list[np.ndarray]:

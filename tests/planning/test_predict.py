@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.planning.links import Link
+from placement.planning.link_model import Link
 from placement.planning.predict import simulate_pipeline
 from placement.runtime.schedule import bubble_fraction
 
@@ -73,7 +73,7 @@ def test_bad_inputs_are_plan_errors():
 
 
 def _plan(cut_bytes: int, devices=("cuda:0", "cuda:1")) -> pl.Plan:
-    from placement.planning.planner import DevicePlan
+    from placement.planning.plan import DevicePlan
 
     rows = [DevicePlan(d, 3, "a", "b", 1_000_000, 0, 0, None, 0, 0) for d in devices]
     return pl.Plan({}, rows, "time", "throughput", 1_000_000, 1_000_000, 2_000_000, cut_bytes, [cut_bytes])

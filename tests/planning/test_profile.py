@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.planning.profile import GraphInfo, make_sample_inputs, op_flops, peak_activation_bytes
+from placement.planning.graph_info import GraphInfo, peak_activation_bytes
+from placement.planning.profile import make_sample_inputs, op_flops
 from tests.graph.builders import mlp_graph
 from tests.planning.helpers import random_dag
 

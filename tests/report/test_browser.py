@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import placement as pl
-from placement.report.draw import COPY_EDGE_COLOUR, DEVICE_PALETTE, device_colour, dot_available
+from placement.report.colours import COPY_EDGE_COLOUR, DEVICE_PALETTE, device_colour
+from placement.report.draw import dot_available
 from tests.report.helpers import chromium, colour_pixels, placed, screenshot
 
 pytestmark = [

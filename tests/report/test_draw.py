@@ -9,7 +9,8 @@ from onnx import TensorProto, helper
 
 import placement as pl
 from placement.analysis.dependence import copy_origin, load_time_values
-from placement.report.draw import COPY_EDGE_COLOUR, DEVICE_PALETTE, device_colour, dot_available
+from placement.report.colours import COPY_EDGE_COLOUR, DEVICE_PALETTE, device_colour
+from placement.report.draw import dot_available
 from tests.report.helpers import placed, svg_boxes, svg_copy_edges
 
 needs_dot = pytest.mark.skipif(not dot_available(), reason="Graphviz 'dot' is not installed")

@@ -6,7 +6,8 @@ import re
 import pytest
 
 import placement as pl
-from placement.report.draw import device_colour, dot_available
+from placement.report.colours import device_colour
+from placement.report.draw import dot_available
 from placement.report.html import copy_traffic
 from tests.report.helpers import placed
 

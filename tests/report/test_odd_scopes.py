@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import placement as pl
-from placement.graph.model import SCOPE_KEY, node_scope
-from placement.report.draw import scope_of
+from placement.graph.nodes import SCOPE_KEY, node_scope
+from placement.report.dot import scope_of
 from tests.graph.builders import mlp_graph
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import placement as pl
-from placement.report.draw import STREAMED_COLOUR
+from placement.report.colours import STREAMED_COLOUR
 
 
 def _streamed_mlp(exported):

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 import placement as pl
 from placement.report import DeviceRow, summary
-from placement.report.summary import Column, format_bytes
+from placement.report.summary import Column
 from tests.passes.helpers import GraphBuilder, chain
 
 FLOAT = 4
@@ -81,16 +81,6 @@ def test_columns_are_extensible() -> None:
     report = summary(golden())
     report.columns.append(Column("half ops", lambda r: str(r.ops / 2)))
     assert "half ops" in str(report)
-
-
-def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 5 * 2**30)] == [
-        "0 B",
-        "1023 B",
-        "1.5 KiB",
-        "3.0 MiB",
-        "5.0 GiB",
-    ]
 
 
 def test_summary_accepts_ir_models_and_unused_parameters() -> None:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.graph.serialize import to_proto
+from placement.graph.saving import to_proto
 from placement.runtime.stages import partition, split_stages, stage_graph
 from tests.graph.builders import mlp_graph
 

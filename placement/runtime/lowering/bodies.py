@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
-from placement.graph.model import subgraphs_of
+from placement.graph.nodes import subgraphs_of
 from placement.runtime.lowering.ops import get_rule
 from placement.runtime.lowering.values import Val, identifier, to_torch_tensor
 from placement.runtime.lowering.walker import Walker

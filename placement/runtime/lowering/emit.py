@@ -29,7 +29,8 @@ import torch.fx as fx
 
 from placement.errors import LoweringError
 from placement.graph.device import Device
-from placement.graph.model import Model, stream_window
+from placement.graph.model import Model
+from placement.graph.nodes import stream_window
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.lowering.meta import DEVICE_META, OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.ops import Rule

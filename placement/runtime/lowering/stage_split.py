@@ -33,7 +33,8 @@ from torch.fx.passes.split_module import split_module
 
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
-from placement.graph.model import Model, subgraphs_of
+from placement.graph.model import Model
+from placement.graph.nodes import subgraphs_of
 from placement.runtime.lowering.meta import OP_META, UNTRACEABLE_META
 from placement.runtime.lowering.stage_exec import TorchStage
 from placement.runtime.lowering.traced import TracedStage

@@ -28,7 +28,7 @@ import numpy as np
 
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
-from placement.planning.links import Link, Links
+from placement.planning.link_model import Link, Links
 from placement.runtime.device_map import DeviceMapLike, cuda_device_count, resolve_device_map
 
 __all__ = ["measure_links"]

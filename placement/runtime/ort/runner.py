@@ -50,14 +50,8 @@ import onnxruntime as ort
 
 from placement.errors import InputError, PlacementError
 from placement.graph.device import Device
-from placement.graph.model import (
-    DEVICE_KEY,
-    INPUT_DEVICE_KEY,
-    OUTPUT_DEVICE_KEY,
-    Model,
-    is_copy_node,
-    node_device,
-)
+from placement.graph.model import Model
+from placement.graph.nodes import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, is_copy_node, node_device
 from placement.passes.copies import inject_cross_device_copies
 from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs

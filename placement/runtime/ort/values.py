@@ -95,7 +95,7 @@ def transfer_kind(src: PhysicalDevice, dst: PhysicalDevice, *, same_logical: boo
     Emulated devices used to copy, to "pay what a real GPU pair pays"; but a host
     memcpy costs nothing like an NVLink or PCIe transfer, so the copy only added
     work this machine does not need (0.2 ms, 1% of bench ResNet, per 1 MiB blob).
-    The planner charges transfers through its link model (:mod:`placement.planning.links`),
+    The planner charges transfers through its link model (:mod:`placement.planning.link_model`),
     independently of how the emulation runs them.
 
     Example:

@@ -200,7 +200,7 @@ def _inferred_output_dims(model: Model, symbol: str) -> dict[str, tuple[Any, ...
     an output keeps the first answer that has the symbol."""
     import onnx
 
-    from placement.graph.serialize import split_weights
+    from placement.graph.weights import split_weights
 
     proto, _ = split_weights(model)  # big weights as stubs: their shapes are all inference needs
     for value in proto.graph.output:

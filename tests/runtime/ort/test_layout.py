@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
-from placement.graph.serialize import to_proto
+from placement.graph.saving import to_proto
 from placement.runtime.ort.layout import batchnorm_as_conv
 
 

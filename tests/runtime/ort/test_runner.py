@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.graph.serialize import to_proto
+from placement.graph.saving import to_proto
 from placement.runtime import device_map as device_map_module
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort import runner as rort

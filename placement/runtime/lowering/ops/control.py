@@ -48,7 +48,7 @@ import torch
 
 from placement.analysis import NONDETERMINISTIC_OPS
 from placement.errors import LoweringError
-from placement.graph.model import node_device
+from placement.graph.nodes import node_device
 from placement.runtime.lowering.meta import UNTRACEABLE_META
 from placement.runtime.lowering.ops._registry import op, torch_dtype
 

@@ -8,7 +8,7 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
-from placement.graph.model import is_copy_node, node_device
+from placement.graph.nodes import is_copy_node, node_device
 from placement.runtime.lowering.ops._registry import (
     FxCall,
     Shapes,

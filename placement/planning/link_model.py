@@ -10,7 +10,7 @@ The presets are typical figures, not measurements of this machine; for those, ti
 real copies with :func:`placement.measure_links`.
 
 Example:
-    >>> from placement.planning.links import Link, Links
+    >>> from placement.planning.link_model import Link, Links
     >>> links = Links({("cuda:0", "cuda:1"): "nvlink"}, default="pcie")
     >>> links.link("cuda:0", "cuda:1").bandwidth > links.link("cuda:1", "cuda:2").bandwidth
     True

@@ -144,3 +144,18 @@ def test_killed_rank_is_named_by_the_others(zoo_run):
             message
         )
         assert seconds < 15, f"rank {rank} took {seconds:.1f} s to notice"  # not the 30 s timeout
+
+
+def test_one_rank_world_checks_rows_against_chunks():
+    import torch.distributed as dist
+
+    from placement.distributed import DistributedPipeline, free_port
+
+    model, batch = place("mlp", 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with DistributedPipeline(model, ranks="cuda:0+cuda:1") as pipe:
+            with pytest.raises(pl.InputError, match="chunks=3"):
+                pipe.run(batch, chunks=3)
+    finally:
+        dist.destroy_process_group()

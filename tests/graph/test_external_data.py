@@ -21,8 +21,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
-from placement.graph import serialize
-from placement.graph.serialize import DATA_CHECK_KEY, write_atomic
+from placement.graph import atomic, loading
+from placement.graph.atomic import write_atomic
+from placement.graph.saving import DATA_CHECK_KEY
 from tests.graph.builders import mlp_graph
 
 # --- watching which files Python opens (sys.addaudithook cannot be removed: gate it) --------
@@ -277,7 +278,7 @@ def test_load_rereads_when_a_save_replaces_the_pair_while_it_is_read(tmp_path, m
     weight = "fc0.weight"
     new.graph.initializers[weight].const_value = pl_tensor(np.full((16, 16), 3.0, np.float32), weight)
     old.save(path, external_data=True)
-    original = serialize._check_external_data
+    original = loading._check_external_data
     raced = []
 
     def check_then_race(proto, where):
@@ -286,7 +287,7 @@ def test_load_rereads_when_a_save_replaces_the_pair_while_it_is_read(tmp_path, m
             new.save(path, external_data=True)
         return original(proto, where)
 
-    monkeypatch.setattr(serialize, "_check_external_data", check_then_race)
+    monkeypatch.setattr(loading, "_check_external_data", check_then_race)
     loaded = pl.load(path)
     assert raced
     np.testing.assert_array_equal(loaded.graph.initializers[weight].const_value.numpy(), 3.0)
@@ -295,7 +296,7 @@ def test_load_rereads_when_a_save_replaces_the_pair_while_it_is_read(tmp_path, m
 def test_load_checks_the_model_it_parsed_not_the_file_again(tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     mlp_graph().save(path)
-    original = serialize._check_external_data
+    original = loading._check_external_data
     replaced = []
 
     def check_then_clobber(proto, where):
@@ -304,7 +305,7 @@ def test_load_checks_the_model_it_parsed_not_the_file_again(tmp_path, monkeypatc
             path.write_bytes(b"\x08\x07garbage that onnx.checker would choke on")
         return original(proto, where)
 
-    monkeypatch.setattr(serialize, "_check_external_data", check_then_clobber)
+    monkeypatch.setattr(loading, "_check_external_data", check_then_clobber)
     model = pl.load(path)  # the parsed (valid) model, whatever the file holds now
     assert replaced and model.graph.num_nodes() == 6
 
@@ -365,7 +366,7 @@ def test_next_save_removes_temporaries_of_dead_saves_only(tmp_path):
     dead = tmp_path / ".placement-save-999999999-12345-abcd"  # no such pid
     dead.mkdir()
     (dead / "m.onnx").write_bytes(b"x" * 1000)
-    live = tmp_path / f".placement-save-{os.getppid()}-{serialize._start_time(os.getppid())}-efgh"
+    live = tmp_path / f".placement-save-{os.getppid()}-{atomic._start_time(os.getppid())}-efgh"
     live.mkdir()
     reused = tmp_path / f".placement-save-{os.getppid()}-1-ijkl"  # the pid lives, but started at another time
     reused.mkdir()
@@ -377,7 +378,7 @@ def test_next_save_removes_temporaries_of_dead_saves_only(tmp_path):
     mlp_graph().save(tmp_path / "m.onnx")
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".placement-save-"))
     assert left == sorted([live.name, young_old_style.name])
-    assert serialize.clean_stale_temporaries(tmp_path) == []
+    assert atomic.clean_stale_temporaries(tmp_path) == []
 
 
 def test_sigterm_during_a_save_removes_its_temporary_folder(tmp_path):

@@ -1,4 +1,4 @@
-"""Run a placed model as a pipeline of ``torch.distributed`` ranks.
+"""Run a placed model as a pipeline of ``torch.distributed`` ranks (torch counterpart of ``ort_ranks``).
 
 :class:`DistributedPipeline` is built on every rank of a process group. Each
 rank lowers the placed model with :func:`placement.to_torch` (all its logical
@@ -230,15 +230,16 @@ class DistributedPipeline(RankMember):
         return tuple(torch.from_numpy(a).to(self.comm_device) for a in self._check_inputs(inputs))
 
     def _chunks(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> int:
-        n = chunks or self.chunks
-        if n is not None:
-            return int(n)
-        if self.micro_batch is None:
+        if self.micro_batch is None and not (chunks or self.chunks):
             raise InputError("the graph's batch dimension is not static: pass chunks=")
-        box = [args[0].shape[0] // self.micro_batch if self.is_first else None]
-        src = self._peers[0]
+        rows = args[0].shape[0] if args and args[0].dim() else None
+        return self._micro_batches(chunks, rows, self._share_count)
+
+    def _share_count(self, n: int | None) -> int:
+        """Rank 0's micro-batch count on every rank (an object broadcast)."""
+        box = [n]
         with self._guard("sending the number of micro-batches"):
-            dist.broadcast_object_list(box, src=src, group=self.group)
+            dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
         return int(box[0])  # type: ignore[arg-type]
 
     def _schedule(self, chunks: int, *, training: bool) -> Any:

@@ -1,0 +1,343 @@
+"""The planner's graph tables: ops in graph order, blobs, parameters, and liveness-based memory.
+
+:class:`GraphInfo` numbers the ops of a model (copies excluded) and its blobs and
+parameters once, so the planner asks for a segment's parameter bytes, peak activations
+or incoming copies by position. Every blob has a *first* position
+(:attr:`GraphInfo.blob_first`): the op that makes it, or, for a graph input, the op that
+first reads it (it is fed there); "made before ``i``" always means ``blob_first < i``.
+
+Peak activation memory is liveness based (:func:`peak_activation_bytes`): a device
+holds a blob from the moment it is produced there (or, for a blob that arrives by
+copy or is a graph input, from the start of the stage that first reads it) until
+its last use there; a blob that leaves the device, or is a graph output, stays until
+the end of the stage that produced it (stages are the maximal same-device runs of
+ops in graph order, the unit the runtimes execute). Parameters are counted apart.
+
+Example:
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> info = GraphInfo(pl.from_torch(*mlp.build("tiny")))
+    >>> len(info), info.segment_in_bytes(0, len(info))
+    (5, 0)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+
+import onnx_ir as ir
+
+from placement.analysis.dependence import copy_origin, load_time_values
+from placement.analysis.shapes import infer_shapes
+from placement.graph.device import Device
+from placement.graph.model import Model, value_nbytes
+from placement.graph.nodes import is_copy_node, node_device
+
+__all__ = ["GraphInfo", "peak_activation_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+class GraphInfo:
+    """Integer tables of a model's non-copy ops, in graph (topological) order.
+
+    Copies are looked through: a consumer of a copy's output counts as a consumer of
+    the copied blob. Blobs are activations (outputs of ops, and graph inputs);
+    parameters are initializers.
+
+    Attributes:
+        nodes: the ``onnx_ir.Node`` of each position.
+        names: op names by position.
+        op_inputs: per position, the distinct activation blob ids it reads.
+        op_params: per position, the distinct parameter ids it reads.
+        op_outputs: per position, the blob ids it produces.
+        blob_bytes, blob_producer (-1 for graph inputs), blob_consumers (sorted
+        positions), blob_is_output: per blob id.
+        param_bytes, param_names: per parameter id.
+    """
+
+    def __init__(self, model: Model) -> None:
+        graph = model.graph
+        self.nodes: list[ir.Node] = [n for n in graph if not is_copy_node(n)]
+        self.names: list[str] = [n.name or "" for n in self.nodes]
+        self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
+        inits = graph.initializers
+        self.param_names: list[str] = list(inits)
+        param_id = {id(v): k for k, v in enumerate(inits.values())}
+        self.param_bytes: list[int] = [int(math.ceil(value_nbytes(v) or 0)) for v in inits.values()]
+        self.blob_names: list[str] = []
+        self.blob_bytes: list[int] = []
+        self.blob_producer: list[int] = []
+        self.blob_consumers: list[list[int]] = []
+        self.blob_is_output: list[bool] = []
+        blob_id: dict[int, int] = {}
+        self.unknown_size: list[str] = []
+
+        self.blob_values: list[ir.Value] = []
+
+        def new_blob(value: ir.Value, producer: int) -> int:
+            b = len(self.blob_names)
+            blob_id[id(value)] = b
+            self.blob_values.append(value)
+            self.blob_names.append(value.name or "")
+            size = value_nbytes(value)
+            if size is None:
+                self.unknown_size.append(value.name or "")
+            self.blob_bytes.append(int(math.ceil(size)) if size else 0)
+            self.blob_producer.append(producer)
+            self.blob_consumers.append([])
+            self.blob_is_output.append(False)
+            return b
+
+        for value in graph.inputs:
+            if id(value) not in param_id:
+                new_blob(value, -1)
+        #: per position: does the op depend (transitively) on a graph input?
+        self.data_dependent: list[bool] = []
+        self.op_inputs: list[list[int]] = []
+        self.op_params: list[list[int]] = []
+        self.op_outputs: list[list[int]] = []
+        for i, node in enumerate(self.nodes):
+            acts: list[int] = []
+            params: list[int] = []
+            for value in node.inputs:
+                if value is None:
+                    continue
+                value = copy_origin(value)
+                k = param_id.get(id(value))
+                if k is not None:
+                    if k not in params:
+                        params.append(k)
+                    continue
+                b = blob_id.get(id(value))
+                if b is None:  # produced outside the graph order (should not happen)
+                    b = new_blob(value, -1)
+                if b not in acts:
+                    acts.append(b)
+                    self.blob_consumers[b].append(i)
+            self.op_inputs.append(acts)
+            self.op_params.append(params)
+            self.op_outputs.append([new_blob(v, i) for v in node.outputs])
+            self.data_dependent.append(
+                any(self.blob_producer[b] < 0 or self.data_dependent[self.blob_producer[b]] for b in acts)
+            )
+        for value in graph.outputs:
+            b = blob_id.get(id(copy_origin(value)))
+            if b is not None:
+                self.blob_is_output[b] = True
+        #: per blob: the position that makes it, or first reads it if it is fed (a graph
+        #: input: fed where first used); ``len(nodes)`` for a graph input nothing reads.
+        self.blob_first: list[int] = [
+            producer if producer >= 0 else (consumers[0] if consumers else len(self.nodes))
+            for producer, consumers in zip(self.blob_producer, self.blob_consumers)
+        ]
+        if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
+            self.unknown_size = []
+            for b, value in enumerate(self.blob_values):
+                if self.blob_bytes[b]:
+                    continue
+                size = value_nbytes(value)
+                if size is None:
+                    self.unknown_size.append(value.name or "")
+                else:
+                    self.blob_bytes[b] = int(math.ceil(size))
+        fixed = {id(v) for v in load_time_values(graph)}
+        self.step_bytes: list[int] = [
+            0 if id(value) in fixed else size for size, value in zip(self.blob_bytes, self.blob_values)
+        ]
+        if self.unknown_size:
+            log.info(
+                "%d blobs have no static shape and count as 0 bytes (first: %r)",
+                len(self.unknown_size),
+                self.unknown_size[0],
+            )
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # -- memory of one contiguous segment -------------------------------------------
+
+    def segment_param_bytes(self, i: int, j: int) -> int:
+        """Bytes of the distinct parameters read by ops ``i..j-1`` (shared ones count once)."""
+        seen: set[int] = set()
+        total = 0
+        for pos in range(i, j):
+            for k in self.op_params[pos]:
+                if k not in seen:
+                    seen.add(k)
+                    total += self.param_bytes[k]
+        return total
+
+    def segment_peak_activation(self, i: int, j: int) -> int:
+        """Peak live activation bytes of a device that runs exactly ops ``i..j-1``."""
+        if j <= i:
+            return 0
+        diff = [0] * (j - i + 1)
+        received: set[int] = set()
+        for pos in range(i, j):
+            for b in self.op_inputs[pos]:
+                if self.blob_producer[b] < i and b not in received:
+                    received.add(b)
+                    size = self.blob_bytes[b]
+                    if size:
+                        end = _last_before(self.blob_consumers[b], j)
+                        diff[0] += size
+                        diff[end - i + 1] -= size
+            for b in self.op_outputs[pos]:
+                size = self.blob_bytes[b]
+                if not size:
+                    continue
+                consumers = self.blob_consumers[b]
+                if self.blob_is_output[b] or (consumers and consumers[-1] >= j):
+                    end = j - 1
+                elif consumers:
+                    end = consumers[-1]
+                else:
+                    end = pos
+                diff[pos - i] += size
+                diff[end - i + 1] -= size
+        return _max_prefix(diff)
+
+    def segment_memory(self, i: int, j: int) -> int:
+        """Parameters plus peak activations of a device that runs ops ``i..j-1``."""
+        return self.segment_param_bytes(i, j) + self.segment_peak_activation(i, j)
+
+    def blobs_into(self, i: int, j: int) -> list[int]:
+        """Distinct activations read by ops ``i..j-1`` and made (or first fed) before ``i``."""
+        seen: set[int] = set()
+        found = []
+        for pos in range(i, j):
+            for b in self.op_inputs[pos]:
+                if b not in seen and self.blob_first[b] < i:
+                    seen.add(b)
+                    found.append(b)
+        return found
+
+    def segment_in_bytes(self, i: int, j: int) -> int:
+        """Bytes copied into a device running ops ``i..j-1`` from earlier ones (per step).
+
+        Counts each distinct activation read there and produced before ``i``; a graph
+        input counts when its first reader lies before ``i`` (it is fed where first used);
+        load-time values (computed from parameters alone) count 0.
+        """
+        return sum(self.step_bytes[b] for b in self.blobs_into(i, j))
+
+    def cut_bytes(self, c: int) -> int:
+        """Bytes of the distinct blobs made (or fed) before position ``c`` and read at or after it."""
+        return sum(
+            self.step_bytes[b]
+            for b, consumers in enumerate(self.blob_consumers)
+            if consumers and consumers[-1] >= c and self.blob_first[b] < c
+        )
+
+    # -- memory of an arbitrary placement --------------------------------------------
+
+    def peak_activations(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """Peak live activation bytes per part for an arbitrary assignment ``part[pos]``."""
+        n = len(self.nodes)
+        run_start = [0] * n
+        run_end = [0] * n
+        for pos in range(n):
+            run_start[pos] = run_start[pos - 1] if pos and part[pos - 1] == part[pos] else pos
+        for pos in range(n - 1, -1, -1):
+            run_end[pos] = run_end[pos + 1] if pos < n - 1 and part[pos + 1] == part[pos] else pos
+        diffs = [[0] * (n + 1) for _ in range(num_parts)]
+        for b, size in enumerate(self.blob_bytes):
+            if not size:
+                continue
+            producer = self.blob_producer[b]
+            by_part: dict[int, list[int]] = {}
+            for c in self.blob_consumers[b]:
+                by_part.setdefault(part[c], []).append(c)
+            home = part[producer] if producer >= 0 else None
+            if home is not None:
+                own = by_part.get(home)
+                end = own[-1] if own else producer
+                if self.blob_is_output[b] or len(by_part) > (1 if own else 0):
+                    end = max(end, run_end[producer])
+                diffs[home][producer] += size
+                diffs[home][end + 1] -= size
+            for p, positions in by_part.items():
+                if p == home:
+                    continue
+                diffs[p][run_start[positions[0]]] += size
+                diffs[p][positions[-1] + 1] -= size
+        return [_max_prefix(d) for d in diffs]
+
+    def part_param_bytes(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """Parameter bytes per part; a parameter read on several parts counts on each."""
+        seen: list[set[int]] = [set() for _ in range(num_parts)]
+        totals = [0] * num_parts
+        for pos, p in enumerate(part):
+            for k in self.op_params[pos]:
+                if k not in seen[p]:
+                    seen[p].add(k)
+                    totals[p] += self.param_bytes[k]
+        return totals
+
+    def transfers(self, part: Sequence[int], num_parts: int) -> tuple[list[int], list[int]]:
+        """Per-step bytes sent and received per part: one copy per (blob, reading part).
+
+        A graph input is fed on the part of its first reader and copied to the others;
+        load-time values (computed from parameters alone) move nothing per step.
+        """
+        out = [0] * num_parts
+        into = [0] * num_parts
+        for size, home, p in self.copies(part):
+            out[home] += size
+            into[p] += size
+        return out, into
+
+    def copies(self, part: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+        """``(bytes, from part, to part)`` of every per-step copy under ``part[pos]``: one per
+        (blob, reading part other than the blob's own; a graph input's is its first reader's)."""
+        for b, size in enumerate(self.step_bytes):
+            consumers = self.blob_consumers[b]
+            if not consumers or not size:
+                continue
+            home = part[self.blob_first[b]]
+            for p in {part[c] for c in consumers}:
+                if p != home:
+                    yield size, home, p
+
+
+def _last_before(positions: list[int], j: int) -> int:
+    """The largest position ``< j`` in a sorted list (there is at least one)."""
+    lo, hi = 0, len(positions)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if positions[mid] < j:
+            lo = mid + 1
+        else:
+            hi = mid
+    return positions[lo - 1]
+
+
+def _max_prefix(diff: list[int]) -> int:
+    best = running = 0
+    for delta in diff:
+        running += delta
+        if running > best:
+            best = running
+    return best
+
+
+def peak_activation_bytes(model: Model) -> dict[Device, int]:
+    """Liveness-based peak activation bytes per device for the model's current placement.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> model = pl.from_torch(*mlp.build("tiny"))
+        >>> from placement.planning.profile import peak_activation_bytes
+        >>> peaks = peak_activation_bytes(model)
+        >>> list(peaks), peaks[pl.Device("cuda", 0)] > 0
+        ([Device('cuda:0')], True)
+    """
+    info = GraphInfo(model)
+    devices = sorted({node_device(n) for n in info.nodes})
+    index = {d: k for k, d in enumerate(devices)}
+    part = [index[node_device(n)] for n in info.nodes]
+    return dict(zip(devices, info.peak_activations(part, len(devices))))
