@@ -150,18 +150,6 @@ def test_no_package_circles() -> None:
     assert not cycles, f"package import cycles: {cycles}"
 
 
-# Module circles inside a package still to be broken; each entry is one edge of a circle
-# (importer, imported). This list only shrinks: remove an edge once its circle is gone.
-KNOWN_MODULE_CIRCLE_EDGES = {
-    # the lowering's control-flow emitters (If/Loop bodies) call back into the walker
-    ("placement.runtime.lowering.ops.control", "placement.runtime.lowering.lower"),
-    # the walker builds the pipelined module, which reads the walker's node metadata keys
-    ("placement.runtime.lowering.lower", "placement.runtime.lowering.pipelined"),
-    # the pipelined module's training step lives beside it and imports it back
-    ("placement.runtime.lowering.pipelined", "placement.runtime.lowering.train_step"),
-}
-
-
 def _module_graph() -> nx.DiGraph:
     """Module -> module imports inside each layer package, subpackages and their ``__init__``
     included (module- and function-level imports; ``TYPE_CHECKING``-only imports left out)."""
@@ -181,20 +169,8 @@ def _module_graph() -> nx.DiGraph:
 
 def test_no_module_circles_inside_a_package() -> None:
     graph = _module_graph()
-    graph.remove_edges_from(KNOWN_MODULE_CIRCLE_EDGES)
     cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
     assert not cycles, f"module import circles inside a package: {cycles}"
-
-
-def test_known_module_circles_are_still_circles() -> None:
-    """An allow-listed edge whose circle is gone must leave the list."""
-    graph = _module_graph()
-    stale = [
-        (a, b)
-        for a, b in sorted(KNOWN_MODULE_CIRCLE_EDGES)
-        if not (graph.has_edge(a, b) and nx.has_path(graph, b, a))
-    ]
-    assert not stale, f"no longer circles, remove from KNOWN_MODULE_CIRCLE_EDGES: {stale}"
 
 
 @pytest.mark.parametrize("name", ["torch", "onnxruntime", "onnx_ir"])
