@@ -96,7 +96,7 @@ def test_ort_stages_are_timed_as_the_runner_runs_them(exported):
 
 
 def test_a_failed_calibration_leaves_the_placement_as_it_was():
-    """The torch lowering has no rule for DFT: calibrating for torch fails naming it, and every
+    """The torch lowering has no rule for MaxRoiPool: calibrating for torch fails naming it, and every
     op keeps the device it had (auto_place had already placed the model when timing failed)."""
     import onnx
     from onnx import helper
@@ -108,14 +108,17 @@ def test_a_failed_calibration_leaves_the_placement_as_it_was():
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
         helper.make_node("Relu", ["h"], ["r"], name="relu"),
-        helper.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze"),
-        helper.make_node("DFT", ["u"], ["y"], name="dft", axis=1),
+        helper.make_node("Reshape", ["r", "shape"], ["u"], name="reshape"),
+        helper.make_node("MaxRoiPool", ["u", "rois"], ["y"], name="roi", pooled_shape=[2, 2]),
     ]
-    axes = onnx.numpy_helper.from_array(np.array([2], dtype=np.int64), "axes")
-    graph = helper.make_graph(nodes, "g", [info("x", [4, 16])], [info("y", [4, 16, 2])], [weight, axes])
+    shape = onnx.numpy_helper.from_array(np.array([1, 4, 4, 4], dtype=np.int64), "shape")
+    rois = onnx.numpy_helper.from_array(np.array([[0, 0, 0, 3, 3]], dtype=np.float32), "rois")
+    graph = helper.make_graph(
+        nodes, "g", [info("x", [4, 16])], [info("y", [1, 4, 2, 2])], [weight, shape, rois]
+    )
     model = pl.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     model.set_device("relu", 1)
     before = {op.name: str(op.device) for op in model.ops}
-    with pytest.raises(pl.LoweringError, match="DFT"):
+    with pytest.raises(pl.LoweringError, match="MaxRoiPool"):
         calibrate(model, devices=2, rounds=1, repeats=1, profile_repeats=1, device_map="cpu", runtime="torch")
     assert {op.name: str(op.device) for op in model.ops} == before
