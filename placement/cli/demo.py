@@ -1,16 +1,19 @@
-"""``placement demo``: place a built-in model, run it on both runtimes, check against torch."""
+"""``placement demo``: place a built-in model, run it on both runtimes, check against torch.
+
+Example:
+    $ placement demo --model gpt --devices 2
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from placement.cli.common import (
-    SIZE_HELP,
-)
+from placement.cli.common import SIZE_HELP
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement demo`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "demo",
         help="the main job: place, run on both runtimes, check against torch",
@@ -33,6 +36,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement demo`` with the parsed ``args``, printing to ``console``; the exit status."""
     from placement.demo import run_demo
 
     result = run_demo(

@@ -1,4 +1,8 @@
-"""``placement draw MODEL -o placed.svg``: the graph coloured by device."""
+"""``placement draw MODEL -o placed.svg``: the graph coloured by device.
+
+Example:
+    $ placement draw gpt --devices 2 -o placed.svg
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,12 @@ import argparse
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    MODEL_HELP,
-    SIZE_HELP,
-    check_output,
-    load_model_spec,
-    step,
-)
-from placement.cli.placing import (
-    add_place_options,
-    place_model,
-    wants_placement,
-)
+from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, step
+from placement.cli.placing import add_place_options, place_model, wants_placement
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement draw`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "draw",
         help="draw the operator graph coloured by device (svg, png, pdf or dot)",
@@ -47,6 +42,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement draw`` with the parsed ``args``, printing to ``console``; the exit status."""
     from placement.report.draw import FORMATS
 
     target = check_output(args.output, list(FORMATS), "the picture")

@@ -1,4 +1,8 @@
-"""``placement inspect MODEL``: inputs and outputs, per-device table, module scopes, parameters."""
+"""``placement inspect MODEL``: inputs and outputs, per-device table, module scopes, parameters.
+
+Example:
+    $ placement inspect gpt --size tiny
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,12 @@ import contextlib
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    MODEL_HELP,
-    SIZE_HELP,
-    load_model_spec,
-)
+from placement.cli.common import MODEL_HELP, SIZE_HELP, load_model_spec
 from placement.cli.inputs import DEFAULT_DIM, index_bound
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement inspect`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "inspect",
         help="inputs and outputs, per-device table, module scopes and parameters of a model",
@@ -37,6 +38,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement inspect`` with the parsed ``args``, printing to ``console``; the exit status."""
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     summary = pl.summary(model)
     if args.json:

@@ -1,4 +1,8 @@
-"""``placement launch PLACED.onnx``: run a placed model as torch.distributed ranks (torchrun)."""
+"""``placement launch PLACED.onnx``: run a placed model as torch.distributed ranks (torchrun).
+
+Example:
+    $ placement launch placed.onnx --input input=x.npy --output out.npz
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,11 @@ import sys
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    check_output,
-)
+from placement.cli.common import check_output
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement launch`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "launch",
         help="run a placed model as torch.distributed ranks (runs torchrun)",
@@ -62,6 +65,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement launch`` with the parsed ``args``, printing to ``console``; the exit status."""
     import shlex
 
     import placement as pl

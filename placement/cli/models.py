@@ -1,4 +1,8 @@
-"""``placement models``: list the built-in models."""
+"""``placement models``: list the built-in models.
+
+Example:
+    $ placement models
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement models`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "models",
         help="list the built-in models",
@@ -17,6 +22,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement models`` with the parsed ``args``, printing to ``console``; the exit status."""
     from rich.table import Table
 
     from placement import models

@@ -1,4 +1,8 @@
-"""``placement place MODEL -o OUT.onnx``: place a model and save it."""
+"""``placement place MODEL -o OUT.onnx``: place a model and save it.
+
+Example:
+    $ placement place resnet --auto --max-memory 0=2GiB,1=6GiB -o resnet_2gpu.onnx
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,12 @@ import argparse
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    MODEL_HELP,
-    SIZE_HELP,
-    check_output,
-    load_model_spec,
-    step,
-)
-from placement.cli.placing import (
-    add_place_options,
-    place_model,
-)
+from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, step
+from placement.cli.placing import add_place_options, place_model
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement place`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "place",
         help="place a model on N devices and save it as ONNX",
@@ -48,6 +44,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement place`` with the parsed ``args``, printing to ``console``; the exit status."""
     target = check_output(args.output, [".onnx"], "the placed model")
     model, _, _ = load_model_spec(
         args.model, size=args.size, console=console, dynamic_batch=args.dynamic_batch

@@ -1,4 +1,8 @@
-"""``placement plan MODEL -o PLAN.json``: plan a placement without placing."""
+"""``placement plan MODEL -o PLAN.json``: plan a placement without placing.
+
+Example:
+    $ placement plan gpt --devices 2 -o plan.json
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,12 @@ import argparse
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    MODEL_HELP,
-    SIZE_HELP,
-    check_output,
-    load_model_spec,
-    write_text,
-)
-from placement.cli.placing import (
-    add_planner_options,
-    auto_plan,
-)
+from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, write_text
+from placement.cli.placing import add_planner_options, auto_plan
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement plan`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "plan",
         help="plan a placement and save it as JSON (the model is not written)",
@@ -38,6 +34,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement plan`` with the parsed ``args``, printing to ``console``; the exit status."""
     target = check_output(args.output, [".json"], "the plan file")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     if any(op.is_copy for op in model.iter_ops()):

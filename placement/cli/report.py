@@ -1,4 +1,8 @@
-"""``placement report MODEL -o report.html``: one self-contained HTML page."""
+"""``placement report MODEL -o report.html``: one self-contained HTML page.
+
+Example:
+    $ placement report gpt --devices 2 -o report.html
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,12 @@ import argparse
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    MODEL_HELP,
-    SIZE_HELP,
-    check_output,
-    load_model_spec,
-    step,
-)
-from placement.cli.placing import (
-    add_place_options,
-    auto_plan,
-    is_placed,
-    wants_placement,
-)
+from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, step
+from placement.cli.placing import add_place_options, auto_plan, is_placed, wants_placement
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement report`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "report",
         help="write one self-contained HTML report (tables, charts, graph picture)",
@@ -41,6 +35,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement report`` with the parsed ``args``, printing to ``console``; the exit status."""
     target = check_output(args.output, [".html", ".htm"], "the report")
     model, _, _ = load_model_spec(args.model, size=args.size, console=console)
     plan = None

@@ -1,4 +1,8 @@
-"""``placement run PLACED.onnx``: run a placed model, print latency and where stages ran."""
+"""``placement run PLACED.onnx``: run a placed model, print latency and where stages ran.
+
+Example:
+    $ placement run resnet_2gpu.onnx --random-inputs --repeat 20
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,12 @@ import time
 from typing import Any
 
 import placement as pl
-from placement.cli.common import (
-    check_output,
-    npz_bytes,
-    step,
-    write_bytes,
-)
+from placement.cli.common import check_output, npz_bytes, step, write_bytes
 from placement.cli.inputs import DEFAULT_DIM, parse_dims, read_inputs
 
 
 def add_parser(sub: Any) -> None:
+    """Add ``placement run`` and its options to ``sub`` (the command's subparsers)."""
     p = sub.add_parser(
         "run",
         help="run a placed .onnx file, print latency and where each stage ran",
@@ -73,6 +73,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    """Run ``placement run`` with the parsed ``args``, printing to ``console``; the exit status."""
     import numpy as np
 
     target = check_output(args.output, [".npz"], "the output file") if args.output else None
