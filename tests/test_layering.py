@@ -8,6 +8,7 @@ README's layout section and ``placement/__init__``'s docstring describe.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import networkx as nx
@@ -127,7 +128,7 @@ def test_imports_point_down_only() -> None:
 
 
 def _unit(module: str, modules: dict[str, Path]) -> str:
-    """The package a module belongs to; a top-level module (``placement.cli``) is its own unit."""
+    """The package a module belongs to; a top-level module (``placement.demo``) is its own unit."""
     if modules[module].name == "__init__.py" or module.count(".") == 1:
         return module
     return module.rpartition(".")[0]
@@ -180,3 +181,60 @@ def test_import_placement_is_light(name: str) -> None:
 
     code = f"import sys, placement; sys.exit(1 if {name!r} in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"`import placement` loaded {name}"
+
+
+# Size limits: a module is one concern a reader can hold; a function one job. Exceptions are for
+# tables only (a long literal mapping or list), each named here with the reason; none today.
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
+LONG_MODULES: dict[str, str] = {}  # module -> why it is a table
+LONG_FUNCTIONS: dict[str, str] = {}  # "module:qualified.name" -> why it is a table
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def test_modules_are_under_600_lines() -> None:
+    long = {
+        module: count
+        for module, path in _modules().items()
+        if (count := len(path.read_text().splitlines())) >= MAX_MODULE_LINES and module not in LONG_MODULES
+    }
+    assert not long, f"modules of {MAX_MODULE_LINES} lines or more (split them by concern): {long}"
+
+
+def _code_lines(function: Function) -> int:
+    """Lines from the first statement after the docstring to the end of the last statement."""
+    body = function.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            body = body[1:]
+    return (body[-1].end_lineno or body[-1].lineno) - body[0].lineno + 1
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, Function]]:
+    """Every function and method of ``tree`` (nested ones included) with its qualified name."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from _functions(node, prefix + node.name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, prefix + node.name + ".")
+        else:
+            yield from _functions(node, prefix)
+
+
+def test_functions_are_at_most_100_lines_of_code() -> None:
+    long = {}
+    for module, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name, function in _functions(tree):
+            key = f"{module}:{name}"
+            if (count := _code_lines(function)) > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS:
+                long[key] = count
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code (split them): {long}"
+
+
+def test_function_size_counts_code_after_the_docstring() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    tree = ast.parse(f'def f():\n    """Doc."""\n{body}\n\n\ndef g():\n    """Doc."""\n    return 1\n')
+    counts = {name: _code_lines(function) for name, function in _functions(tree)}
+    assert counts == {"f": MAX_FUNCTION_LINES + 1, "g": 1}

@@ -18,7 +18,8 @@ import torch
 
 import placement as pl
 from placement import demo
-from placement.cli import _parse_dims, main
+from placement.cli import main
+from placement.cli.inputs import parse_dims
 
 # the module-scoped fixture runs once: every test of this module on one xdist worker (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("cli_inputs")
@@ -136,9 +137,9 @@ def test_bad_random_input_options_are_one_line(dynamic_gpt, argv, words, capsys)
     assert words in err and len(err.splitlines()) == 1
 
 
-def test_parse_dims():
-    assert _parse_dims(["batch=8", "seq=4,x=2"]) == {"batch": 8, "seq": 4, "x": 2}
-    assert _parse_dims(None) == {}
+def testparse_dims():
+    assert parse_dims(["batch=8", "seq=4,x=2"]) == {"batch": 8, "seq": 4, "x": 2}
+    assert parse_dims(None) == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="emulation is announced only without GPUs")

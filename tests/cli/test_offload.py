@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import placement as pl
-from placement.cli import _parse_max_memory, main
+from placement.cli import main
+from placement.cli.placing import parse_max_memory
 
 
 def test_parse_max_memory_takes_the_host():
-    assert _parse_max_memory("0=2GiB,cpu=48GiB") == {"0": "2GiB", "cpu": "48GiB"}
+    assert parse_max_memory("0=2GiB,cpu=48GiB") == {"0": "2GiB", "cpu": "48GiB"}
 
 
 def test_place_with_gpu_and_host_budgets(exported, tmp_path):

@@ -1,0 +1,1 @@
+"""Tests for placement.cli: the ``placement`` command, one test module per concern."""
