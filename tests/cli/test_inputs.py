@@ -6,7 +6,6 @@ shape (symbolic dimensions by name) and how to make an input file; ``run --input
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,19 +19,11 @@ import placement as pl
 from placement import demo
 from placement.cli import main
 from placement.cli.inputs import parse_dims
+from tests.cli.helpers import cli
 
 # the module-scoped fixture runs once: every test of this module on one xdist worker (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("cli_inputs")
 
-SCRIPT = Path(sys.executable).with_name("placement")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "placement.cli"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [*command, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False, env=env
-    )
 
 
 @pytest.fixture(scope="module")

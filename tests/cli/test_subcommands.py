@@ -5,11 +5,8 @@ one line on stderr, exit status 2, nothing written."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,19 +14,11 @@ import torch
 
 import placement as pl
 from placement.report.draw import dot_available
+from tests.cli.helpers import cli
 
 # the module-scoped fixture runs once: every test of this module on one xdist worker (--dist loadgroup)
 pytestmark = pytest.mark.xdist_group("cli_subcommands")
 
-SCRIPT = Path(sys.executable).with_name("placement")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "placement.cli"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [*command, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False, env=env
-    )
 
 
 @pytest.fixture(scope="module")
