@@ -1,0 +1,289 @@
+"""The variants of ``benchmarks/gpu_diagnose.py``: each one runs in a fresh process.
+
+A variant builds its sessions from the files the driver prepared (the unplaced model,
+the placed model and its two stage models, the input), times ``warmup + repeats`` runs
+with device-resident I/O (on a GPU: the input an ``OrtValue`` on the GPU, outputs bound
+to the GPU; on the CPU the same calls with ``"cpu"``) and returns a JSON-ready dict:
+``build_s``, ``run_ms`` (every timed run), ``median_ms``, ``notes``, and for the
+profiled variants ``profile`` (per session: kernel, copy and wait milliseconds per run).
+
+Sessions are built here with plain ONNX Runtime calls; only the ``runner*`` variants use
+``pl.Runner``. Session and provider options start from the ones ``pl.Runner`` gives its
+stage sessions (``placement.runtime.ort.sessions``), so the hand-chained stages differ
+from the Runner's in the Runner's own code only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+__all__ = ["OPTION_VARIANTS", "VARIANTS", "run_variant"]
+
+#: Options tried one at a time on the slow configuration (two stage sessions chained by
+#: hand, another session alive); every session of the process gets the option.
+OPTION_VARIANTS = {
+    "opt:user_compute_stream": "one torch.cuda.Stream shared by every session (user_compute_stream)",
+    "opt:copy_in_default_stream=0": "do_copy_in_default_stream=0",
+    "opt:arena_next_power_of_two": "arena_extend_strategy=kNextPowerOfTwo (ORT's default)",
+    "opt:shared_arena": "one registered arena (create_and_register_allocator_v2 + use_env_allocators)",
+    "opt:cudnn_heuristic": "cudnn_conv_algo_search=HEURISTIC",
+    "opt:one_thread_no_spin": "intra_op_num_threads=1, session.intra_op.allow_spinning=0",
+    "opt:cuda_graph": "enable_cuda_graph on each stage (fixed I/O buffers)",
+    "opt:dedicated_thread": "the chain run on one long-lived thread",
+    "opt:torch_allocator": "gpu_external_alloc/free/empty_cache from torch's caching allocator",
+}
+
+#: Every variant, in the table's order, with what it is.
+VARIANTS = {
+    "single": "one session of the unplaced model, alone",
+    "runner": "pl.Runner (2 stages, one device), alone",
+    "runner+other_before": "pl.Runner, another session created (and run) before it",
+    "runner+other_after": "pl.Runner, another session created (and run) after it",
+    "chain": "2 stage sessions chained by hand (IOBinding), alone",
+    "chain+other": "2 stage sessions chained by hand, another session alive",
+    "profile:chain": "ORT per-node profile of the chain, alone (fast)",
+    "profile:chain+other": "ORT per-node profile of the chain, another session alive (slow)",
+    **OPTION_VARIANTS,
+    "processes": "one process per stage, chained through shared memory",
+}
+
+
+@dataclass
+class Setup:
+    """What the driver prepared (``setup.json`` in the work folder)."""
+
+    folder: Path
+    device: str  # "cuda" or "cpu"
+    input_name: str
+    stage_inputs: list[list[str]]  # per stage, its input names
+    stage_outputs: list[list[str]]
+    sources: dict[str, str]  # stage-1 input -> the stage-0 output it copies
+
+    @classmethod
+    def load(cls, folder: Path) -> Setup:
+        data = json.loads((folder / "setup.json").read_text())
+        return cls(folder=folder, **data)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def path(self, name: str) -> str:
+        return str(self.folder / name)
+
+    def feed(self) -> np.ndarray:
+        return np.load(self.folder / "input.npy")
+
+
+# --- sessions ------------------------------------------------------------------------------------
+
+
+def _session(setup: Setup, path: str, *, provider: dict[str, str] | None = None,
+             config: dict[str, str] | None = None, threads: int | None = None,
+             profile: str | None = None) -> ort.InferenceSession:  # fmt: skip
+    """A session as ``pl.Runner`` makes a stage's, with extra provider / session entries."""
+    from placement.runtime.device_map import PhysicalDevice
+    from placement.runtime.ort.sessions import cuda_provider_options, stage_options
+
+    physical = PhysicalDevice("cuda", 0) if setup.cuda else PhysicalDevice("cpu")
+    options = stage_options(physical, threads=threads)
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile
+    if not setup.cuda:
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    cuda = {**cuda_provider_options(physical), **(provider or {})}
+    return ort.InferenceSession(
+        path, options, providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
+    )
+
+
+def _device(setup: Setup) -> tuple[str, int]:
+    return ("cuda", 0) if setup.cuda else ("cpu", 0)
+
+
+def _bind_run(session: ort.InferenceSession, inputs: dict[str, Any], device: tuple[str, int]) -> list[Any]:
+    """One run through an IOBinding: ``inputs`` are OrtValues, outputs stay on ``device``."""
+    binding = session.io_binding()
+    for name, value in inputs.items():
+        binding.bind_ortvalue_input(name, value)
+    for out in session.get_outputs():
+        binding.bind_output(out.name, device[0], device[1])
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()
+
+
+class Chain:
+    """Two stage sessions, the first's outputs bound as the second's inputs (no host copy)."""
+
+    def __init__(self, setup: Setup, sessions: list[ort.InferenceSession]) -> None:
+        self.setup, self.sessions, self.device = setup, sessions, _device(setup)
+        self.value = ort.OrtValue.ortvalue_from_numpy(setup.feed(), *self.device)
+
+    def __call__(self) -> list[Any]:
+        first = dict(
+            zip(
+                self.setup.stage_outputs[0],
+                _bind_run(self.sessions[0], {self.setup.input_name: self.value}, self.device),
+            )
+        )
+        second = {name: first[self.setup.sources.get(name, name)] for name in self.setup.stage_inputs[1]}
+        return _bind_run(self.sessions[1], second, self.device)
+
+
+def _stages(setup: Setup, **kw: Any) -> list[ort.InferenceSession]:
+    return [_session(setup, setup.path(f"stage{i}.onnx"), **kw) for i in range(2)]
+
+
+def _other(setup: Setup, **kw: Any) -> ort.InferenceSession:
+    """Another session of the unplaced model, run once (as a user's second model would be)."""
+    other = _session(setup, setup.path("single.onnx"), **kw)
+    other.run(None, {setup.input_name: setup.feed()})
+    return other
+
+
+def _single_call(setup: Setup, session: ort.InferenceSession) -> Callable[[], Any]:
+    value = ort.OrtValue.ortvalue_from_numpy(setup.feed(), *_device(setup))
+    return lambda: _bind_run(session, {setup.input_name: value}, _device(setup))
+
+
+def _runner_call(setup: Setup) -> Callable[[], Any]:
+    import placement as pl
+
+    model = pl.load(setup.path("placed.onnx"))
+    device_map = {0: "cuda:0", 1: "cuda:0"} if setup.cuda else "cpu"
+    runner = pl.Runner(model, device_map=device_map)
+    if setup.cuda:
+        import torch
+
+        x = torch.from_numpy(setup.feed()).cuda()
+        return lambda: runner.run([x], outputs="torch")
+    feed = setup.feed()
+    return lambda: runner.run([feed])
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def _sync(setup: Setup) -> None:
+    if setup.cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _time(setup: Setup, fn: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(setup)
+    spent = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(setup)
+        spent.append((time.perf_counter() - start) * 1e3)
+    return spent
+
+
+def run_variant(name: str, folder: Path, *, warmup: int, repeats: int) -> dict[str, Any]:
+    """Build and time variant ``name`` (a key of :data:`VARIANTS`) in this process."""
+    setup = Setup.load(folder)
+    keep: list[Any] = []
+    notes: list[str] = []
+    start = time.perf_counter()
+    if name == "processes":
+        from benchmarks.gpu_diagnose_procs import time_processes
+
+        return time_processes(setup, warmup=warmup, repeats=repeats)
+    fn = _build(name, setup, keep, notes)
+    built = time.perf_counter() - start
+    if fn is None:
+        return {"skipped": "; ".join(notes), "build_s": round(built, 3)}
+    runs = _time(setup, fn, warmup=warmup, repeats=repeats)
+    result: dict[str, Any] = {"build_s": round(built, 3), "run_ms": [round(r, 4) for r in runs],
+                              "median_ms": round(statistics.median(runs), 4), "notes": notes}  # fmt: skip
+    if name.startswith("profile:"):
+        result["profile"] = [
+            summarise_profile(s.end_profiling(), runs=warmup + repeats) for s in keep[0].sessions
+        ]
+    return result
+
+
+def _build(name: str, setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[], Any] | None:
+    """The call to time for ``name``; objects to keep alive go to ``keep``, what to say to ``notes``."""
+    if name == "single":
+        single = _session(setup, setup.path("single.onnx"))
+        keep.append(single)
+        return _single_call(setup, single)
+    if name.startswith("runner"):
+        if name.endswith("before"):
+            keep.append(_other(setup))
+        fn = _runner_call(setup)
+        if name.endswith("after"):
+            keep.append(_other(setup))
+        return fn
+    if name in ("chain", "chain+other", "profile:chain", "profile:chain+other"):
+        profile = setup.path(name.replace(":", "_").replace("+", "_")) if name.startswith("profile") else None
+        chain = Chain(setup, _stages(setup, profile=profile))
+        keep.append(chain)
+        if name.endswith("+other"):
+            keep.append(_other(setup))
+        return chain
+    if name in OPTION_VARIANTS:
+        from benchmarks.gpu_diagnose_options import build_option
+
+        return build_option(name, setup, keep, notes)
+    raise ValueError(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+
+def summarise_profile(path: str, *, runs: int) -> dict[str, Any]:
+    """Per run, the milliseconds of ONNX Runtime's profile of one session spent in node
+    kernels (``kernel_ms``: on a GPU the host time of each node's launch, which includes an
+    allocation that misses the arena), in ``Memcpy*`` nodes (``copy_ms``), and the rest of
+    each ``model_run`` (``wait_ms``: on a GPU mostly the end-of-run stream synchronisation,
+    i.e. waiting for the device), with the five costliest op types."""
+    events = json.loads(Path(path).read_text())
+    run_us = kernel_us = copy_us = 0.0
+    by_op: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") == "Session" and event.get("name") == "model_run":
+            run_us += event.get("dur", 0)
+        elif event.get("cat") == "Node" and str(event.get("name", "")).endswith("_kernel_time"):
+            op = event.get("args", {}).get("op_name", "?")
+            dur = event.get("dur", 0)
+            by_op[op] = by_op.get(op, 0.0) + dur
+            if op.startswith("Memcpy"):
+                copy_us += dur
+            else:
+                kernel_us += dur
+    scale = 1e-3 / max(1, runs)
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:5]
+    wait_us = max(0.0, run_us - kernel_us - copy_us)
+    return {
+        "run_ms": round(run_us * scale, 4),
+        "kernel_ms": round(kernel_us * scale, 4),
+        "copy_ms": round(copy_us * scale, 4),
+        "wait_ms": round(wait_us * scale, 4),
+        "top_ops_ms": {op: round(us * scale, 4) for op, us in top},
+    }
+
+
+def run_on_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` called on one long-lived worker thread (the caller waits for each call)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diagnose-run")
+    return lambda: pool.submit(fn).result()
