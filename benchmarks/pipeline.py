@@ -71,6 +71,7 @@ Usage::
 
     python benchmarks/pipeline.py --quick        # a few repeats, chunks sweep on gpt only
     python benchmarks/pipeline.py                # full: both models, more repeats
+    python benchmarks/pipeline.py --fixed-cost   # the schedule's fixed cost per micro-batch per stage
 """
 
 from __future__ import annotations
@@ -593,6 +594,11 @@ def _print(results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if "--fixed-cost" in args_in:  # the schedule's fixed cost: benchmarks/pipeline_fixed_cost.py
+        from benchmarks import pipeline_fixed_cost
+
+        return pipeline_fixed_cost.main([a for a in args_in if a != "--fixed-cost"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats; chunks sweep on gpt only")
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"], choices=["gpt", "resnet"])

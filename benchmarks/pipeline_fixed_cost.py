@@ -1,0 +1,217 @@
+"""Benchmark: the pipeline schedule's fixed cost per micro-batch per stage (``pipeline.py --fixed-cost``).
+
+Near-zero compute: ``max(4, N)`` ``Linear(8, 8)`` layers (a batch of 64 rows) placed in
+``N`` = 2, 4 and 8 equal stages, one intra-op thread per stage (``torch.set_num_threads(1)``;
+``Runner(threads_per_stage=1)``). Every contender runs the batch as 16 micro-batches of 4
+rows against the same batch unsplit, the two alternating in blocks of calls (the order
+flipping every round) after a warm-up that reaches steady state (traced stages included),
+and the fixed cost is what the 15 extra micro-batches add, per micro-batch and per stage,
+counted as if the stages' calls ran one after another::
+
+    fixed = (T(16 micro-batches) - T(1)) / (15 * N)
+
+(``per_mb_us`` beside it is the same without dividing by ``N``: what each extra
+micro-batch adds to the step.) Contenders:
+
+* ``ort run``: ``Runner(chunks=16).run`` against ``Runner().run``;
+* ``ort stream``: ``Runner.stream`` over the 16 micro-batches against ``Runner().run`` of
+  the whole batch;
+* ``torch 1f1b`` (``pl.train_step`` on ``to_torch(chunks=16)``) and ``torch gpipe``
+  (``loss(module(x)).backward()`` on it), each with ``checkpoint="never"`` and
+  ``"except_last"`` (every stage but the last recomputes its forward during the backward:
+  the row says ``recompute``), against the same step on ``to_torch()`` (one stage after
+  another, no micro-batches).
+
+On the CPU each logical device is emulated; on a GPU every stage runs on ``cuda:0``, kept
+apart (``Runner(fold=False)`` where the Runner has that option). Writes
+``benchmarks/results/pipeline_fixed_cost.json``; the CPU figures are in docs/pipelining.md.
+
+Usage::
+
+    python benchmarks/pipeline.py --fixed-cost              # CPU, and the GPU when there is one
+    python benchmarks/pipeline_fixed_cost.py --stages 2 --repeats 10 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+import placement as pl  # noqa: E402
+from benchmarks.runtime import _alternate, _environment  # noqa: E402
+
+__all__ = ["main", "measure", "runner_options", "tiny_linear"]
+
+RESULTS = _ROOT / "benchmarks" / "results" / "pipeline_fixed_cost.json"
+CHUNKS = 16
+BATCH = 64
+
+
+def tiny_linear(stages: int) -> tuple[pl.Model, torch.Tensor]:
+    """``max(4, stages)`` ``Linear(8, 8)`` layers, a dynamic batch of 64, placed in ``stages`` parts."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(max(4, stages))])
+    x = torch.randn(BATCH, 8, generator=generator)
+    model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    return pl.place_evenly(model, stages), x
+
+
+def runner_options(device_map: Any) -> dict[str, Any]:
+    """``device_map`` and, where ``pl.Runner`` accepts it, ``fold=False`` (stages sharing a
+    device kept apart as sessions of their own)."""
+    options: dict[str, Any] = {"device_map": device_map}
+    if "fold" in inspect.signature(pl.Runner).parameters:
+        options["fold"] = False
+    return options
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _ort_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict[str, dict[str, Callable]]:
+    feeds = [x.numpy()]
+    whole = pl.Runner(model, threads=1, **runner_options(device_map))
+    piped = pl.Runner(model, chunks=CHUNKS, threads_per_stage=1, **runner_options(device_map))
+    streamer = pl.Runner(model, threads_per_stage=1, **runner_options(device_map))
+    micro = [[m.numpy()] for m in x.chunk(CHUNKS)]
+
+    def stream() -> None:
+        for _ in streamer.stream(micro):
+            pass
+
+    return {
+        "ort run": {"k1": functools.partial(whole.run, feeds), "k16": functools.partial(piped.run, feeds)},
+        "ort stream": {"k1": functools.partial(whole.run, feeds), "k16": stream},
+    }
+
+
+def _torch_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict[str, dict[str, Callable]]:
+    x = x.to("cuda:0") if device_map != "cpu" else x
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    plain = pl.to_torch(model, device_map=device_map)
+
+    def one_f_one_b(module: Any) -> None:
+        pl.train_step(module, x, loss_fn=_loss)
+        module.zero_grad(set_to_none=True)
+        sync()
+
+    def gpipe(module: Any) -> None:
+        _loss(module(x)).backward()
+        module.zero_grad(set_to_none=True)
+        sync()
+
+    rows = {}
+    for checkpoint in ("never", "except_last"):
+        piped = pl.to_torch(model, device_map=device_map, chunks=CHUNKS, checkpoint=checkpoint)
+        for name, step in (("1f1b", one_f_one_b), ("gpipe", gpipe)):
+            rows[f"torch {name} checkpoint={checkpoint}"] = {
+                "k1": functools.partial(step, plain),
+                "k16": functools.partial(step, piped),
+            }
+    return rows
+
+
+def measure(stages: int, *, device: str = "cpu", repeats: int = 20, block: int = 5) -> list[dict[str, Any]]:
+    """Every contender's fixed cost on ``stages`` stages (see the module docstring)."""
+    model, x = tiny_linear(stages)
+    device_map: Any = "cpu" if device == "cpu" else {k: "cuda:0" for k in range(stages)}
+    contenders = {**_ort_contenders(model, x, device_map), **_torch_contenders(model, x, device_map)}
+    rows = []
+    for name, fns in contenders.items():
+        times = _alternate(fns, repeats, warmup=3, block=block)
+        k1, k16 = statistics.median(times["k1"]), statistics.median(times["k16"])
+        extra = (k16 - k1) / (CHUNKS - 1)
+        rows.append({
+            "contender": name,
+            "stages": stages,
+            "device": device,
+            "k1_ms": round(k1 * 1e3, 4),
+            "k16_ms": round(k16 * 1e3, 4),
+            "per_mb_us": round(extra * 1e6, 2),
+            "fixed_us": round(extra / stages * 1e6, 2),
+            "recompute": "except_last" in name and stages > 1,
+        })  # fmt: skip
+    return rows
+
+
+def _table(rows: Sequence[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in (
+        "device",
+        "stages",
+        "contender",
+        "1 mb ms",
+        "16 mb ms",
+        "per mb us",
+        "per mb per stage us",
+    ):
+        table.add_column(column)
+    for row in rows:
+        what = row["contender"] + (" (recompute)" if row["recompute"] else "")
+        table.add_row(row["device"], str(row["stages"]), what, f"{row['k1_ms']:.3f}", f"{row['k16_ms']:.3f}",
+                      f"{row['per_mb_us']:.1f}", f"{row['fixed_us']:.1f}")  # fmt: skip
+    return table
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per device: the median fixed cost (us per micro-batch per stage) of the ORT run and of
+    the torch 1F1B step without recomputation, over the stage counts (what ``pl.predict``
+    takes as ``fixed_cost_s``)."""
+    out: dict[str, dict[str, float]] = {}
+    for device in sorted({r["device"] for r in rows}):
+        mine = [r for r in rows if r["device"] == device]
+        ort_run = [r["fixed_us"] for r in mine if r["contender"] == "ort run"]
+        torch_step = [r["fixed_us"] for r in mine if r["contender"] == "torch 1f1b checkpoint=never"]
+        out[device] = {"ort_us": statistics.median(ort_run), "torch_us": statistics.median(torch_step)}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: the CPU, then the GPU when there is one")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=20, help="calls per contender (alternating blocks)")
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    devices = ["cpu"] if args.device in ("auto", "cpu") else []
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        devices.append("cuda")
+    rows = [row for device in devices for n in args.stages
+            for row in measure(n, device=device, repeats=args.repeats, block=args.block)]  # fmt: skip
+    env = _environment()
+    from rich.console import Console
+
+    title = (f"fixed cost of the pipeline schedule: 16 micro-batches against 1, near-zero compute "
+             f"(load {env['load_average'][0]:.1f} on {env['cpu_count']} cores; medians)")  # fmt: skip
+    Console(width=160).print(_table(rows, title))
+    result = {"environment": env, "repeats": args.repeats, "block": args.block, "rows": rows,
+              "summary": summary(rows)}  # fmt: skip
+    print(json.dumps(result["summary"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
