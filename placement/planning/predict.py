@@ -12,6 +12,13 @@ measured links), and simulates the schedule:
   ``j``, then one forward and one backward in turn); a micro-batch costs the stage
   ``time / chunks`` plus a fixed ``call_overhead_s`` per stage call (the launch and
   bookkeeping a smaller call does not shrink);
+* with ``chunks > 1`` every micro-batch also pays the schedule's *fixed cost* on every
+  stage, ``fixed_cost_s`` (the hand-offs between worker threads, splitting and joining,
+  the Python around each call), as host work that the stages do one at a time (their
+  Python holds one lock, the GIL): a stage call waits for the host, holds it for the
+  fixed cost, then computes. In training the fixed cost is shared equally by a
+  micro-batch's forward and backward. :func:`predict`'s default is
+  :data:`FIXED_COST_S`, measured by ``benchmarks/pipeline.py --fixed-cost``;
 * the blobs crossing boundary ``j`` (``Plan.cut_bytes``) move over the link from
   device ``j`` to ``j + 1`` as ``latency + bytes / chunks / bandwidth`` per micro-batch
   (gradients move back over the other direction); with ``overlap=True`` (copies on
@@ -54,7 +61,7 @@ from placement.graph.model import Model
 from placement.planning.link_model import Link, Links, LinksLike, resolve_links
 from placement.planning.plan import Plan
 
-__all__ = ["SCHEDULES", "Prediction", "predict", "simulate_pipeline"]
+__all__ = ["FIXED_COST_S", "SCHEDULES", "Prediction", "predict", "simulate_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,16 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("gpipe", "1f1b")
 
 StageTimes = Union[Sequence[float], Mapping[int, Sequence[float]]]
+
+#: The pipeline schedule's fixed cost per micro-batch per stage, in seconds, by runtime:
+#: ``"ort"`` (``Runner(chunks=k).run``) and ``"torch"`` (``train_step`` on
+#: ``to_torch(chunks=k)``, 1F1B, ``checkpoint="never"``). Medians over 2, 4 and 8 stages of
+#: ``Linear(8, 8)`` layers (near-zero compute, 16 micro-batches of 4 rows against the batch
+#: unsplit, one thread per stage) from ``benchmarks/pipeline.py --fixed-cost``, measured on a
+#: 2-core x86 CPU shared with other work (load average 8-13), each logical device emulated.
+#: :func:`predict` uses them when ``fixed_cost_s`` is not given; pass your machine's figure
+#: (``benchmarks/results/pipeline_fixed_cost.json``, ``summary``) for a GPU.
+FIXED_COST_S = {"ort": 50e-6, "torch": 2000e-6}
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ def simulate_pipeline(
     backward_times: Sequence[float] | None = None,
     overlap: bool = True,
     call_overhead_s: float = 0.0,
+    fixed_cost_s: float = 0.0,
     link: str = "",
 ) -> Prediction:
     """Simulate one batch through a pipeline of stages (see the module docstring).
@@ -143,6 +161,8 @@ def simulate_pipeline(
             training step (None: inference).
         overlap: transfers run beside compute (True) or hold the sending stage.
         call_overhead_s: fixed seconds per stage call, paid by every micro-batch.
+        fixed_cost_s: with ``chunks > 1``, the schedule's seconds per micro-batch per
+            stage, host work the stages do one at a time (see the module docstring).
         link: a description of the link model (kept in the result).
 
     Raises:
@@ -170,19 +190,22 @@ def simulate_pipeline(
     for what, values in (("stage", fwd), ("transfer", transfers), ("backward", bwd)):
         if any(not math.isfinite(t) or t < 0 for t in values):
             raise PlanError(f"{what} times must be finite and non-negative, got {values}")
-    if not math.isfinite(call_overhead_s) or call_overhead_s < 0:
-        raise PlanError(f"call_overhead_s must be non-negative, got {call_overhead_s!r}")
+    for what, value in (("call_overhead_s", call_overhead_s), ("fixed_cost_s", fixed_cost_s)):
+        if not math.isfinite(value) or value < 0:
+            raise PlanError(f"{what} must be non-negative, got {value!r}")
     training = backward_times is not None
+    host = (fixed_cost_s / (2 if training else 1)) if chunks > 1 else 0.0  # per item, one at a time
     f = [t / chunks + call_overhead_s for t in fwd]
     b = [t / chunks + call_overhead_s for t in bwd]
-    step, busy = _makespan(f, b, transfers, chunks, schedule, overlap, training)
+    step, busy = _makespan(f, b, transfers, chunks, schedule, overlap, training, host)
     single = sum(fwd) + sum(bwd)
     if training:
         stream = step
     elif overlap:
-        stream = max(max(f), max(transfers, default=0.0)) * chunks
+        stream = max(max(f) + host, max(transfers, default=0.0), n * host) * chunks
     else:
-        stream = max(f[j] + (transfers[j] if j < n - 1 else 0.0) for j in range(n)) * chunks
+        stream = max(f[j] + host + (transfers[j] if j < n - 1 else 0.0) for j in range(n))
+        stream = max(stream, n * host) * chunks
     bubble = 1.0 - sum(busy) / (n * step) if step > 0 else 0.0
     return Prediction(
         gpus=n,
@@ -197,6 +220,7 @@ def simulate_pipeline(
         single_s=single,
         bubble=max(0.0, bubble),
         link=link,
+        extra={"fixed_cost_s": fixed_cost_s if chunks > 1 else 0.0},
     )
 
 
@@ -223,47 +247,51 @@ def _makespan(
     schedule: str,
     overlap: bool,
     training: bool,
+    host: float = 0.0,
 ) -> tuple[float, list[float]]:
     """(time of the last item's end, per stage its busy time): list scheduling of each
-    stage's fixed order, each item starting when its input arrived and the stage is free."""
+    stage's fixed order, the item that can start earliest first; an item starts when its
+    input arrived, its stage is free and (``host > 0``) the host is free, holds the host
+    for ``host`` seconds, then computes."""
     n = len(f)
     orders = [_order(j, n, chunks, schedule, training) for j in range(n)]
     position = [0] * n
     free = [0.0] * n
     busy = [0.0] * n
+    host_free = 0.0
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> end
     arrive: dict[tuple[str, int, int], float] = {}  # input of (kind, i, stage) is there at
     link_free: dict[tuple[int, int], float] = {}  # (from, to) -> when the link is free
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
+    for _ in range(sum(len(o) for o in orders)):
+        best: tuple[float, int] | None = None
         for j in range(n):
-            while position[j] < len(orders[j]):
-                kind, i = orders[j][position[j]]
-                ready = _ready(kind, i, j, n, done, arrive)
-                if ready is None:
-                    break
-                start = max(free[j], ready)
-                cost = f[j] if kind == "F" else b[j]
-                end = start + cost
-                busy[j] += cost
-                done[(kind, i, j)] = end
-                target = j + 1 if kind == "F" else j - 1
-                if 0 <= target < n:
-                    delay = transfers[min(j, target)]
-                    if overlap:
-                        begin = max(end, link_free.get((j, target), 0.0))
-                        link_free[(j, target)] = begin + delay
-                        arrive[(kind, i, target)] = begin + delay
-                    else:
-                        end += delay
-                        arrive[(kind, i, target)] = end
-                free[j] = end
-                position[j] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the schedules above; a guard against a bad order
+            if position[j] < len(orders[j]):
+                ready = _ready(*orders[j][position[j]], j, n, done, arrive)
+                if ready is not None and (best is None or max(free[j], ready) < best[0]):
+                    best = (max(free[j], ready), j)
+        if best is None:  # cannot happen for the schedules above; a guard against a bad order
             raise PlanError(f"the {schedule} schedule deadlocked in the simulation")
+        start, j = best
+        if host:
+            start = max(start, host_free)
+            host_free = start + host
+        kind, i = orders[j][position[j]]
+        cost = host + (f[j] if kind == "F" else b[j])
+        end = start + cost
+        busy[j] += cost
+        done[(kind, i, j)] = end
+        target = j + 1 if kind == "F" else j - 1
+        if 0 <= target < n:
+            delay = transfers[min(j, target)]
+            if overlap:
+                begin = max(end, link_free.get((j, target), 0.0))
+                link_free[(j, target)] = begin + delay
+                arrive[(kind, i, target)] = begin + delay
+            else:
+                end += delay
+                arrive[(kind, i, target)] = end
+        free[j] = end
+        position[j] += 1
     return max(free), busy
 
 
@@ -299,6 +327,7 @@ def predict(
     backward_times: StageTimes | None = None,
     overlap: bool = True,
     call_overhead_s: float = 0.0,
+    fixed_cost_s: float | None = None,
 ) -> list[Prediction]:
     """Predict a plan's step time and throughput on N devices from measured stage times.
 
@@ -327,6 +356,10 @@ def predict(
         overlap: whether transfers run beside compute (both runtimes copy on their own
             stream on GPUs).
         call_overhead_s: fixed seconds per stage call (measured per-call cost).
+        fixed_cost_s: with ``chunks > 1``, the schedule's fixed cost per micro-batch per
+            stage (host work done one stage at a time). None: :data:`FIXED_COST_S`,
+            ``"torch"`` for a training step, ``"ort"`` otherwise (measured on a 2-core CPU;
+            a GPU machine's own figure from ``benchmarks/pipeline.py --fixed-cost`` is better).
 
     Returns:
         One :class:`Prediction` per device count, in the order given.
@@ -345,13 +378,16 @@ def predict(
         (2, True, 0.01)
     """
     link_model = resolve_links(links)
+    if fixed_cost_s is None:
+        fixed_cost_s = FIXED_COST_S["torch" if backward_times is not None else "ort"]
+    overheads = (call_overhead_s, fixed_cost_s)
     if isinstance(model_or_plan, Plan):
         if gpus is not None:
             raise PlanError("predict: gpus= is for a model; a plan predicts for its own devices")
         if isinstance(stage_times, Mapping) or isinstance(backward_times, Mapping):
             raise PlanError("predict: a plan takes one time per stage, not a mapping")
         return [_predict_plan(model_or_plan, stage_times, backward_times, link_model, chunks, schedule,
-                              overlap, call_overhead_s)]  # fmt: skip
+                              overlap, overheads)]  # fmt: skip
     if not isinstance(model_or_plan, Model):
         raise PlanError(f"predict needs a placement.Model or a Plan, got {type(model_or_plan).__name__}")
     model = model_or_plan
@@ -359,7 +395,7 @@ def predict(
         plan = _own_plan(model, link_model, timed=stage_times is None)
         return [_predict_plan(plan, _times_for(stage_times, len(_used(plan)), "stage_times"),
                               _times_for(backward_times, len(_used(plan)), "backward_times"),
-                              link_model, chunks, schedule, overlap, call_overhead_s)]  # fmt: skip
+                              link_model, chunks, schedule, overlap, overheads)]  # fmt: skip
     counts = [gpus] if isinstance(gpus, int) else list(gpus)
     if not counts or any(not isinstance(c, int) or c < 1 for c in counts):
         raise PlanError(f"gpus must be positive device counts, got {gpus!r}")
@@ -373,7 +409,7 @@ def predict(
         back = backward_times.get(count) if isinstance(backward_times, Mapping) else None
         if backward_times is not None and not isinstance(backward_times, Mapping):
             back = _backward_scaled(plan, backward_times, stage_times)
-        results.append(_predict_plan(plan, fwd, back, link_model, chunks, schedule, overlap, call_overhead_s))
+        results.append(_predict_plan(plan, fwd, back, link_model, chunks, schedule, overlap, overheads))
     return results
 
 
@@ -398,8 +434,9 @@ def _predict_plan(
     chunks: int,
     schedule: str,
     overlap: bool,
-    call_overhead_s: float,
+    overheads: tuple[float, float],
 ) -> Prediction:
+    """``overheads``: ``(call_overhead_s, fixed_cost_s)`` (see :func:`simulate_pipeline`)."""
     rows = _used(plan)
     if not rows:
         raise PlanError("the plan places no op")
@@ -428,7 +465,8 @@ def _predict_plan(
         schedule=schedule,
         backward_times=backward_times,
         overlap=overlap,
-        call_overhead_s=call_overhead_s,
+        call_overhead_s=overheads[0],
+        fixed_cost_s=overheads[1],
         link=described,
     )
     prediction.extra["cut_bytes"] = cut[: len(rows) - 1]

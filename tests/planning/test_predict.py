@@ -63,6 +63,59 @@ def test_call_overhead_is_paid_per_micro_batch():
     assert costly.step_s - base.step_s == pytest.approx(5 * 0.01)
 
 
+@pytest.mark.parametrize("stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("training", [False, True])
+def test_the_fixed_cost_is_host_work_one_stage_at_a_time(stages, training):
+    """Near-zero compute: every micro-batch pays the fixed cost on every stage, one after another."""
+    c, k = 1e-4, 16
+    backward = [0.0] * stages if training else None
+    p = simulate_pipeline([0.0] * stages, chunks=k, fixed_cost_s=c, backward_times=backward)
+    assert p.step_s == pytest.approx(k * stages * c)
+    unsplit = simulate_pipeline([0.0] * stages, chunks=1, fixed_cost_s=c, backward_times=backward)
+    assert unsplit.step_s == 0.0 and unsplit.extra["fixed_cost_s"] == 0.0  # no schedule, no fixed cost
+    if not training:
+        assert p.stream_s == pytest.approx(k * stages * c)
+
+
+def test_the_fixed_cost_serialises_the_stages_host_work():
+    """With compute the host work mostly hides behind the other stage's compute; one host
+    makes it cost at least what the same cost paid in parallel (``call_overhead_s``) costs."""
+    c = 1e-3
+    serial = simulate_pipeline([0.1, 0.1], chunks=4, fixed_cost_s=c)
+    parallel = simulate_pipeline([0.1, 0.1], chunks=4, call_overhead_s=c)
+    assert parallel.step_s == pytest.approx(5 * (0.025 + c))
+    assert parallel.step_s <= serial.step_s <= parallel.step_s + 4 * 2 * c
+    assert serial.step_s < 5 * 0.025 + 4 * 2 * c  # far below paying all of it on the critical path
+
+
+def test_the_fixed_cost_changes_the_best_chunk_count():
+    from placement.models import mlp
+
+    placed = pl.place_evenly(pl.from_torch(*mlp.build("tiny")), 2)
+
+    def best(fixed: float) -> int:
+        times = [0.004, 0.004]
+        steps = {k: pl.predict(placed, stage_times=times, links=None, chunks=k, fixed_cost_s=fixed)[0]
+                 for k in (1, 2, 4, 8, 16, 32, 64)}  # fmt: skip
+        return min(steps, key=lambda k: steps[k].step_s)
+
+    assert best(0.0) == 64  # free micro-batches: the more the smaller the bubble
+    assert best(50e-6) == 8  # 4 ms stages: the bubble against k x 2 x 50 us of hand-offs
+    assert best(400e-6) == 4
+
+
+def test_predict_defaults_to_the_measured_fixed_cost():
+    from placement.planning.predict import FIXED_COST_S
+
+    (run,) = pl.predict(_plan(0), stage_times=[0.002, 0.002], links=None, chunks=4)
+    (free,) = pl.predict(_plan(0), stage_times=[0.002, 0.002], links=None, chunks=4, fixed_cost_s=0.0)
+    assert run.extra["fixed_cost_s"] == FIXED_COST_S["ort"] and run.step_s > free.step_s
+    (step,) = pl.predict(_plan(0), stage_times=[0.002, 0.002], backward_times=[0.004, 0.004], chunks=4)
+    assert step.extra["fixed_cost_s"] == FIXED_COST_S["torch"] and step.training
+    with pytest.raises(pl.PlanError, match="fixed_cost_s"):
+        pl.predict(_plan(0), stage_times=[0.002, 0.002], chunks=4, fixed_cost_s=-1.0)
+
+
 def test_bad_inputs_are_plan_errors():
     with pytest.raises(pl.PlanError, match="transfer times"):
         simulate_pipeline([1.0, 1.0], transfer_times=[])
@@ -88,7 +141,7 @@ def test_link_time_scales_with_bytes_and_bandwidth():
     assert pcie.transfer_s[0] > nv.transfer_s[0] and pcie.step_s > nv.step_s
     (double,) = pl.predict(_plan(2 * nbytes), links="pcie", chunks=4)
     assert double.transfer_s[0] - link.latency == pytest.approx(2 * (pcie.transfer_s[0] - link.latency))
-    (free,) = pl.predict(_plan(nbytes), links=None, chunks=4)
+    (free,) = pl.predict(_plan(nbytes), links=None, chunks=4, fixed_cost_s=0.0)
     assert free.transfer_s == [0.0] and free.step_s == pytest.approx(5 * 1e-3 / 4)
 
 
@@ -117,7 +170,7 @@ def test_predict_a_placed_model_from_its_measured_stages():
     from placement.models import mlp
 
     placed = pl.place_evenly(pl.from_torch(*mlp.build("tiny")), 2)  # with copies
-    (p,) = pl.predict(placed, stage_times=[0.003, 0.001], links="nvlink", chunks=2)
+    (p,) = pl.predict(placed, stage_times=[0.003, 0.001], links="nvlink", chunks=2, fixed_cost_s=0.0)
     assert p.gpus == 2 and p.extra["devices"] == ["cuda:0", "cuda:1"]
     assert p.stream_s == pytest.approx(0.003) and p.transfer_s[0] > 0
 
