@@ -147,6 +147,7 @@ def simulate_pipeline(
     overlap: bool = True,
     call_overhead_s: float = 0.0,
     fixed_cost_s: float = 0.0,
+    shared_device: bool = False,
     link: str = "",
 ) -> Prediction:
     """Simulate one batch through a pipeline of stages (see the module docstring).
@@ -163,6 +164,8 @@ def simulate_pipeline(
         call_overhead_s: fixed seconds per stage call, paid by every micro-batch.
         fixed_cost_s: with ``chunks > 1``, the schedule's seconds per micro-batch per
             stage, host work the stages do one at a time (see the module docstring).
+        shared_device: every stage on one device (logical stages sharing a GPU): their
+            compute runs one item at a time, while host work overlaps it.
         link: a description of the link model (kept in the result).
 
     Raises:
@@ -197,10 +200,12 @@ def simulate_pipeline(
     host = (fixed_cost_s / (2 if training else 1)) if chunks > 1 else 0.0  # per item, one at a time
     f = [t / chunks + call_overhead_s for t in fwd]
     b = [t / chunks + call_overhead_s for t in bwd]
-    step, busy = _makespan(f, b, transfers, chunks, schedule, overlap, training, host)
+    step, busy = _makespan(f, b, transfers, chunks, schedule, overlap, training, host, shared_device)
     single = sum(fwd) + sum(bwd)
     if training:
         stream = step
+    elif shared_device:
+        stream = max(sum(f), n * host) * chunks
     elif overlap:
         stream = max(max(f) + host, max(transfers, default=0.0), n * host) * chunks
     else:
@@ -248,17 +253,18 @@ def _makespan(
     overlap: bool,
     training: bool,
     host: float = 0.0,
+    shared_device: bool = False,
 ) -> tuple[float, list[float]]:
     """(time of the last item's end, per stage its busy time): list scheduling of each
     stage's fixed order, the item that can start earliest first; an item starts when its
     input arrived, its stage is free and (``host > 0``) the host is free, holds the host
-    for ``host`` seconds, then computes."""
+    for ``host`` seconds, then computes (``shared_device``: once the one device is free)."""
     n = len(f)
     orders = [_order(j, n, chunks, schedule, training) for j in range(n)]
     position = [0] * n
     free = [0.0] * n
     busy = [0.0] * n
-    host_free = 0.0
+    host_free = device_free = 0.0
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> end
     arrive: dict[tuple[str, int, int], float] = {}  # input of (kind, i, stage) is there at
     link_free: dict[tuple[int, int], float] = {}  # (from, to) -> when the link is free
@@ -276,9 +282,10 @@ def _makespan(
             start = max(start, host_free)
             host_free = start + host
         kind, i = orders[j][position[j]]
-        cost = host + (f[j] if kind == "F" else b[j])
-        end = start + cost
-        busy[j] += cost
+        compute = f[j] if kind == "F" else b[j]
+        end = max(start + host, device_free if shared_device else 0.0) + compute
+        device_free = end if shared_device else device_free
+        busy[j] += host + compute
         done[(kind, i, j)] = end
         target = j + 1 if kind == "F" else j - 1
         if 0 <= target < n:

@@ -88,6 +88,17 @@ def test_the_fixed_cost_serialises_the_stages_host_work():
     assert serial.step_s < 5 * 0.025 + 4 * 2 * c  # far below paying all of it on the critical path
 
 
+def test_stages_sharing_one_device_compute_one_at_a_time():
+    """Logical stages on one GPU: no pipelining of compute, only host work hides behind it."""
+    alone = simulate_pipeline([0.1, 0.2], chunks=4, shared_device=True)
+    assert alone.step_s == pytest.approx(0.3) and alone.stream_s == pytest.approx(0.3)
+    c = 0.001
+    hidden = simulate_pipeline([0.1, 0.2], chunks=4, shared_device=True, fixed_cost_s=c)
+    assert 0.3 + c <= hidden.step_s < 0.3 + 8 * c  # the first host slot, then mostly behind compute
+    exposed = simulate_pipeline([0.0, 0.0], chunks=4, shared_device=True, fixed_cost_s=c)
+    assert exposed.step_s == pytest.approx(8 * c)
+
+
 def test_the_fixed_cost_changes_the_best_chunk_count():
     from placement.models import mlp
 
