@@ -149,13 +149,18 @@ def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, *, warmup: int, 
     return {"wall": wall, "cpu": cpu}
 
 
-def measure(stages: int, *, device: str = "cpu", repeats: int = 20, block: int = 5) -> list[dict[str, Any]]:
-    """Every contender's fixed cost on ``stages`` stages (see the module docstring)."""
+def measure(
+    stages: int, *, device: str = "cpu", repeats: int = 20, block: int = 5, only: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every contender's fixed cost on ``stages`` stages (see the module docstring); ``only``:
+    these contenders (``"ort run"``, ``"torch 1f1b checkpoint=never"``, ...)."""
     model, x = tiny_linear(stages)
     device_map: Any = "cpu" if device == "cpu" else {k: "cuda:0" for k in range(stages)}
     contenders = {**_ort_contenders(model, x, device_map), **_torch_contenders(model, x, device_map)}
     rows = []
     for name, fns in contenders.items():
+        if only is not None and name not in only:
+            continue
         times = _alternate(fns, repeats, warmup=3, block=block)
         k1, k16 = (statistics.median(times["wall"][k]) for k in ("k1", "k16"))
         extra = (k16 - k1) / CHUNKS
@@ -186,6 +191,7 @@ def _table(rows: Sequence[dict[str, Any]], title: str) -> Any:
         "16 mb ms",
         "per mb us",
         "per mb per stage us",
+        "CPU us",
     ):
         table.add_column(column)
     for row in rows:
@@ -198,15 +204,19 @@ def _table(rows: Sequence[dict[str, Any]], title: str) -> Any:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per device: the median fixed cost (us per micro-batch per stage) of the ORT run and of
-    the torch 1F1B step without recomputation, over the stage counts (what ``pl.predict``
-    takes as ``fixed_cost_s``)."""
+    """Per device: the medians over the stage counts of the fixed cost (us per micro-batch per
+    stage) of the ORT run and of the torch 1F1B step without recomputation, in wall time and
+    in CPU time (what ``pl.predict`` takes as ``fixed_cost_s``)."""
     out: dict[str, dict[str, float]] = {}
     for device in sorted({r["device"] for r in rows}):
         mine = [r for r in rows if r["device"] == device]
-        ort_run = [r["fixed_us"] for r in mine if r["contender"] == "ort run"]
-        torch_step = [r["fixed_us"] for r in mine if r["contender"] == "torch 1f1b checkpoint=never"]
-        out[device] = {"ort_us": statistics.median(ort_run), "torch_us": statistics.median(torch_step)}
+        figures = {}
+        for key, contender in (("ort", "ort run"), ("torch", "torch 1f1b checkpoint=never")):
+            chosen = [r for r in mine if r["contender"] == contender]
+            if chosen:
+                figures[f"{key}_us"] = statistics.median(r["fixed_us"] for r in chosen)
+                figures[f"{key}_cpu_us"] = statistics.median(r["fixed_cpu_us"] for r in chosen)
+        out[device] = figures
     return out
 
 
@@ -230,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     title = (f"fixed cost of the pipeline schedule: 16 micro-batches against 1, near-zero compute "
              f"(load {env['load_average'][0]:.1f} on {env['cpu_count']} cores; medians)")  # fmt: skip
-    Console(width=160).print(_table(rows, title))
+    Console(width=180).print(_table(rows, title))
     result = {"environment": env, "repeats": args.repeats, "block": args.block, "rows": rows,
               "summary": summary(rows)}  # fmt: skip
     print(json.dumps(result["summary"]))
