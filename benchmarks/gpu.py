@@ -21,16 +21,18 @@ ratio is the median of the per-pair median ratios. Sections (``--sections``):
 * ``memory``: the GPU memory a placed run holds / a single session's, each measured in a
   fresh process (``torch.cuda.mem_get_info`` before building and after three runs:
   ONNX Runtime's arenas keep what they grew to, so this is their peak). Target <= 1.15.
-* ``predict``: the big GPT placed in 2, 4 and 8 equal parts, each stage timed on the one
-  GPU, and ``pl.predict`` for NVLink and PCIe, chunks 1 and 4; the predictor checked
-  against the measured unpipelined run on the one GPU (the sum of its stage times).
+* ``predict``: the big GPT in 2, 4 and 8 logical stages on the one GPU (kept apart):
+  predicted (stage times at the micro-batch size, the schedule's fixed cost measured
+  first) against measured ``Runner(chunks=k)`` and ``pl.train_step``, and ``pl.predict``
+  for 2, 4 and 8 GPUs on NVLink and PCIe (:mod:`benchmarks.gpu_predict`).
 * ``validate-cpu`` (runs on any machine): bench gpt (batch 8) on two devices emulated on
   the CPU, one thread per stage: ``pl.predict`` from the stages' times measured at the
   micro-batch size against the measured ``Runner(chunks=k)``; the error per ``k``.
 
 Without a CUDA GPU (torch's and ONNX Runtime's CUDA provider) only ``validate-cpu``
-runs; every GPU section says so and is skipped. ``--dry-run`` runs ``validate-cpu`` on
-the tiny gpt with a few repeats (a smoke test).
+runs; every GPU section says so and is skipped. ``--dry-run`` runs ``validate-cpu`` and
+``predict`` on the tiny gpt on the CPU (which stands in for the GPU) with a few repeats
+(a smoke test); ``--dry-run --sections predict`` only the latter.
 
 Usage::
 
@@ -424,26 +426,13 @@ class _StageTimer:
         return spent
 
 
-def section_predict(*, repeats: int) -> list[dict[str, Any]]:
-    """The big GPT in 2/4/8 parts: stages timed on the one GPU, predicted on NVLink and PCIe."""
-    net, args = big_gpt(8)
-    model = export(net, args)
-    feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
-    rows = []
-    for gpus in (2, 4, 8):
-        placed = pl.place_evenly(model.copy(), gpus)
-        runner = pl.Runner(placed, device_map={k: "cuda:0" for k in range(gpus)})
-        times = stage_times(runner, feeds, repeats=repeats)
-        measured = _median_run(runner, feeds, repeats)
-        for links in ("nvlink", "pcie"):
-            for chunks in (1, 4):
-                (p,) = pl.predict(placed, stage_times=times, links=links, chunks=chunks)
-                row = {"gpus": gpus, "links": links, "chunks": chunks, **_rounded(p.to_dict())}
-                row["one_gpu_measured_ms"] = round(measured * 1e3, 4)
-                row["one_gpu_error"] = round(sum(times) / measured - 1, 4)
-                rows.append(row)
-        del runner
-    return rows
+def section_predict(*, repeats: int, dry_run: bool = False) -> list[dict[str, Any]]:
+    """The GPT in 2/4/8 stages on the one device, predicted against measured; N-GPU predictions
+    (:mod:`benchmarks.gpu_predict`; ``dry_run``: the tiny GPT on the CPU)."""
+    from benchmarks.gpu_predict import section_predict as run
+
+    net, args = model_and_inputs("tiny-gpt", batch=8) if dry_run else big_gpt(8)
+    return run(net, args, device="cpu" if dry_run else "cuda", repeats=repeats)
 
 
 def validate_cpu(
@@ -529,11 +518,10 @@ def _table(results: dict[str, Any]) -> Any:
         ms = f"{row['single_mib']:.0f} / {row['placed_mib']:.0f} MiB"
         table.add_row("memory", f"{row['model']} placed / single", ms, f"{row['ratio']:.3f}", "<= 1.15")
     for row in results.get("predict", []):
-        what = f"big GPT, {row['gpus']} GPUs {row['links']} chunks={row['chunks']}"
-        ratio = f"x{row['speedup']:.2f} (stream x{row['stream_speedup']:.2f})"
-        table.add_row(
-            "predict", what, f"{row['step_s'] * 1e3:.2f}", ratio, f"1-GPU err {row['one_gpu_error']:+.3f}"
-        )
+        what = f"gpt, {row['stages']} stages, one device, {row['runtime']} chunks={row['chunks']}"
+        ms = f"{row['one_device_predicted_ms']:.2f} vs {row['one_device_measured_ms']:.2f}"
+        gpus = f"{row['stages']} GPUs: NVLink {row['nvlink_ms']:.2f} ms, PCIe {row['pcie_ms']:.2f} ms"
+        table.add_row("predict", what, ms, f"error {row['one_device_error']:+.3f}", gpus)
     for row in results.get("validate-cpu", []):
         what = f"gpt, 2 emulated devices, chunks={row['chunks']}"
         ms = f"{row['predicted_ms']:.2f} vs {row['measured_ms']:.2f}"
@@ -549,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument(
-        "--dry-run", action="store_true", help="CPU smoke: validate-cpu on tiny gpt, few repeats"
+        "--dry-run", action="store_true", help="CPU smoke: validate-cpu and predict on tiny gpt, few repeats"
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("KIND", "MODEL"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -559,12 +547,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _memory_child(*args.memory_child)
         return 0
     gpu = has_gpu()
-    sections = ["validate-cpu"] if args.dry_run else args.sections
-    if not gpu and any(s != "validate-cpu" for s in sections):
+    on_cpu = ("validate-cpu", "predict") if args.dry_run else ("validate-cpu",)
+    if args.dry_run:
+        sections = (
+            [s for s in args.sections if s in on_cpu] if args.sections != list(SECTIONS) else list(on_cpu)
+        )
+    else:
+        sections = args.sections
+    if not gpu and any(s not in on_cpu for s in sections):
         print("benchmarks/gpu.py: no CUDA GPU here (torch.cuda and onnxruntime's CUDAExecutionProvider); "
               "the GPU sections are skipped. Run it on a GPU machine, or use --dry-run / "
               "--sections validate-cpu on the CPU.", file=sys.stderr)  # fmt: skip
-        sections = [s for s in sections if s == "validate-cpu"]
+        sections = [s for s in sections if s in on_cpu]
         if not sections:
             return 0
     results: dict[str, Any] = {"environment": _environment(), "targets": TARGETS}
@@ -582,7 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "memory" in sections:
         results["memory"] = section_memory([m for m in args.models if m != "hf-gpt2"])
     if "predict" in sections:
-        results["predict"] = section_predict(repeats=max(5, args.repeats // 3))
+        results["predict"] = section_predict(repeats=3 if args.dry_run else max(5, args.repeats // 3),
+                                             dry_run=args.dry_run)  # fmt: skip
     if "validate-cpu" in sections:
         results["validate-cpu"] = validate_cpu(size="tiny" if args.dry_run else "bench",
                                                repeats=3 if args.dry_run else args.repeats)  # fmt: skip

@@ -196,3 +196,19 @@ def test_gpu_benchmark_validates_the_predictor_on_the_cpu(capsys):
     if not gpu.has_gpu():
         assert gpu.main(["--sections", "ort", "graphs"]) == 0
         assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_benchmark_predict_section_on_the_cpu():
+    """``benchmarks/gpu.py --sections predict`` with the CPU standing in for the GPU: the fixed
+    cost measured first, predicted against measured on one device, N-GPU predictions beside."""
+    from benchmarks import gpu
+    from benchmarks.gpu_predict import section_predict
+
+    net, args = gpu.model_and_inputs("tiny-gpt", batch=4)
+    rows = section_predict(net, args, device="cpu", repeats=1, stage_counts=(2,), chunks=(2,))
+    assert [(r["stages"], r["runtime"], r["chunks"]) for r in rows] == [
+        (2, "ort run", 2), (2, "torch train_step", 2)]  # fmt: skip
+    for row in rows:
+        assert row["one_device_predicted_ms"] > 0 and row["one_device_measured_ms"] > 0
+        assert math.isfinite(row["one_device_error"]) and row["fixed_cost_us"] >= 0
+        assert row["pcie_ms"] >= row["nvlink_ms"] > 0 and len(row["stage_ms"]) == 2
