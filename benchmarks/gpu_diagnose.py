@@ -208,7 +208,8 @@ def _table(report: dict[str, Any]) -> Any:
         if "profile" in row:
             note = (
                 " | ".join(
-                    f"stage {i}: kernels {p['kernel_ms']:.3f}, copies {p['copy_ms']:.3f}, wait {p['wait_ms']:.3f}"
+                    f"stage {i}: kernels {p['kernel_ms']:.3f}, copies {p['copy_ms']:.3f}, "
+                    f"wait {p['wait_ms']:.3f}"
                     for i, p in enumerate(row["profile"])
                 )
                 + " ms/run"

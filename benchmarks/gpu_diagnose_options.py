@@ -11,8 +11,8 @@ import ctypes
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import onnxruntime as ort
+import torch
 
 from benchmarks.gpu_diagnose_variants import Chain, Setup, _other, _stages, run_on_thread
 
@@ -44,8 +44,6 @@ def build_option(name: str, setup: Setup, keep: list[Any], notes: list[str]) -> 
     if name in _PROVIDER:
         kw["provider"] = _PROVIDER[name]
     elif name == "opt:user_compute_stream":
-        import torch
-
         stream = torch.cuda.Stream()
         keep.append(stream)
         kw["provider"] = {"has_user_compute_stream": "1", "user_compute_stream": str(stream.cuda_stream)}
@@ -83,8 +81,6 @@ def _register_shared_arena(setup: Setup, notes: list[str]) -> bool:
 
 def _torch_allocator(keep: list[Any]) -> dict[str, str]:
     """Provider options that send the CUDA provider's allocations to torch's caching allocator."""
-    import torch
-
     torch.cuda.init()
     alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(
         lambda size: torch.cuda.caching_allocator_alloc(int(size), 0)
@@ -102,8 +98,6 @@ def _torch_allocator(keep: list[Any]) -> dict[str, str]:
 def _graph_chain(setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[], Any] | None:
     """The chain with ``enable_cuda_graph`` on both stages: inputs and outputs bound once to
     fixed torch buffers (stage 1 reads stage 0's output buffers); each call copies the input in."""
-    import torch
-
     plain = Chain(setup, _stages(setup))
     first = dict(zip(setup.stage_outputs[0], _outputs(plain.sessions[0], setup, plain.value)))
     first.update(zip(setup.stage_outputs[1], plain()))
@@ -113,9 +107,11 @@ def _graph_chain(setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[]
     except Exception as err:  # noqa: BLE001 (ORT refuses the option when a node is not on CUDA)
         notes.append(f"ORT refused enable_cuda_graph: {str(err).strip().splitlines()[0][:160]}")
         return None
+    notes.append("captured only if every node of a stage is on the CUDA provider")
     x = torch.from_numpy(setup.feed()).cuda()
     static_x = x.clone()
-    buffers = {name: torch.from_numpy(np.ascontiguousarray(v.numpy())).cuda() for name, v in first.items()}
+    buffers = {name: torch.empty(v.shape(), dtype=_TORCH_TYPES[v.data_type()], device="cuda:0")
+               for name, v in first.items()}  # fmt: skip
     bindings = []
     for stage, session in enumerate(sessions):
         binding = session.io_binding()
@@ -129,10 +125,23 @@ def _graph_chain(setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[]
 
     def call() -> None:
         static_x.copy_(x)
+        torch.cuda.current_stream().synchronize()  # ONNX Runtime reads it on its own stream
         for session, binding in zip(sessions, bindings):
             session.run_with_iobinding(binding)
 
     return call
+
+
+#: ONNX Runtime's type names -> torch dtypes (the fixed buffers of the CUDA-graph chain).
+_TORCH_TYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(double)": torch.float64,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(bool)": torch.bool,
+}
 
 
 def _outputs(session: ort.InferenceSession, setup: Setup, value: Any) -> list[Any]:
