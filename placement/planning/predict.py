@@ -178,6 +178,9 @@ def simulate_pipeline(
         >>> p = simulate_pipeline([2.0, 2.0], transfer_times=[0.0], chunks=2, backward_times=[4.0, 4.0])
         >>> p.step_s  # (2 + 2 - 1) * (1 + 2)
         9.0
+        >>> q = simulate_pipeline([0.0, 0.0], chunks=4, fixed_cost_s=0.001)  # no compute: 4 x 2 host slots
+        >>> round(q.step_s, 9)
+        0.008
     """
     n = len(stage_times)
     if n < 1:
