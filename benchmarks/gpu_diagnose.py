@@ -199,7 +199,7 @@ def _table(report: dict[str, Any]) -> Any:
 
     table = Table(title=f"ORT sessions in one process: {report['model']} GPT on {report['device']} "
                         f"({report['repeats']} runs, medians)")  # fmt: skip
-    for column in ("variant", "what", "build s", "ms", "x single", "notes"):
+    for column in ("variant", "what", "build s", "ms", "x single", "est. GPU s", "notes"):
         table.add_column(column)
     for name, row in report["variants"].items():
         ms = f"{row['median_ms']:.3f}" if "median_ms" in row else ""
@@ -217,7 +217,9 @@ def _table(report: dict[str, Any]) -> Any:
         if "skipped" in row:
             note = f"skipped: {note}"
         build = f"{row['build_s']:.2f}" if "build_s" in row else ""
-        table.add_row(name, row["what"], build, ms, ratio, note)
+        part = report["estimate_gpu_s"]["variants"].get(name)
+        estimate = f"{part['build_s'] + part['runs_s']:.1f}" if part else ""
+        table.add_row(name, row["what"], build, ms, ratio, estimate, note)
     return table
 
 
