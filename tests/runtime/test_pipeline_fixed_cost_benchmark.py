@@ -1,0 +1,38 @@
+"""``benchmarks/pipeline.py --fixed-cost``: the schedule's fixed cost, one stage count, one repeat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.mark.slow
+def test_fixed_cost_benchmark_smoke(tmp_path, capsys):
+    """Slow (10-40 s on 2 busy cores): an export, three ORT runners, two pipelined torch modules
+    warmed up to steady state (traced stages), every contender timed twice."""
+    from benchmarks import pipeline
+
+    out = tmp_path / "fixed.json"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--fixed-cost", "--stages", "2", "--device", "cpu", "--repeats", "2", "--block", "1"]
+        assert pipeline.main([*argv, "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    rows = {row["contender"]: row for row in result["rows"]}
+    assert set(rows) == {
+        "ort run", "ort stream", "torch 1f1b checkpoint=never", "torch gpipe checkpoint=never",
+        "torch 1f1b checkpoint=except_last", "torch gpipe checkpoint=except_last",
+    }  # fmt: skip
+    for name, row in rows.items():
+        assert row["stages"] == 2 and row["k1_ms"] > 0 and row["k16_ms"] > 0
+        assert row["recompute"] == ("except_last" in name)
+        # the figure is the difference per micro-batch per stage, as documented
+        expected = (row["k16_ms"] - row["k1_ms"]) * 1e3 / 16 / 2
+        assert abs(row["fixed_us"] - expected) < 0.1 + 1e-3 * abs(expected)
+    assert set(result["summary"]["cpu"]) == {"ort_us", "ort_cpu_us", "torch_us", "torch_cpu_us"}
+    printed = capsys.readouterr().out
+    assert "fixed cost of the pipeline schedule" in printed and "(recompute)" in printed
