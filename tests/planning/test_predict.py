@@ -198,9 +198,11 @@ def test_gpu_benchmark_validates_the_predictor_on_the_cpu(capsys):
         assert "no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_predict_section_on_the_cpu():
     """``benchmarks/gpu.py --sections predict`` with the CPU standing in for the GPU: the fixed
-    cost measured first, predicted against measured on one device, N-GPU predictions beside."""
+    cost measured first, predicted against measured on one device, N-GPU predictions beside.
+    Slow (10-40 s on 2 busy cores): two exports, the fixed-cost measurement, pipelined torch steps."""
     from benchmarks import gpu
     from benchmarks.gpu_predict import section_predict
 
