@@ -11,7 +11,7 @@ from placement.models.synthetic import write_matmul_chain
 from placement.planning.offload import Layer, _choose, simulate
 
 RATES = {"cuda": 1e10, "cpu": 1e8}  # FLOP/s: a GPU 100x faster than the host
-FAST, SLOW = pl.Link(1e12), pl.Link(1e5)
+FAST, SLOW = pl.Link(1e12), pl.Link(1e7)  # slow: a layer's weights take 1.6 ms, its activations 0.1 ms
 
 
 @pytest.fixture(scope="module")
