@@ -117,8 +117,10 @@ def test_plan_apply_restores_streaming(exported):
 
 def test_infeasible_budget_names_the_need(chain_path):
     model = pl.load(chain_path)
-    with pytest.raises(pl.InfeasiblePlacementError, match="streaming needs at least"):
-        _plan(model, 1024, FAST, apply=False)
+    # the host holds every weight: everything runs there, however small the GPU's budget
+    assert set(_plan(model, 1024, FAST, apply=False).modes.values()) == {"host"}
+    with pytest.raises(pl.InfeasiblePlacementError, match="every layer on the host needs 192.0 KiB"):
+        pl.plan_offload(model, {0: 1024, "cpu": "64KiB"}, cost="flops", links=FAST, throughput=RATES)
     assert not model.streamed and model.devices == [pl.Device("cuda", 0)]
 
 
