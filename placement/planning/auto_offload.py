@@ -20,7 +20,7 @@ Example:
     >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
     >>> plan = pl.auto_place(model, max_memory={0: "60KiB", "cpu": "1GiB"}, cost="flops",
-    ...                      throughput={"cuda": 1e13, "cpu": 1e11})
+    ...                      throughput={"cuda": 1e13, "cpu": 1e8})
     >>> plan.cost_kind, plan.fits, plan.offload["speeds"]["cuda"]
     ('time', True, 10000000000000.0)
     >>> any(op.device.type == "cuda" for op in model.ops)
