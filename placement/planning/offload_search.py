@@ -10,7 +10,9 @@ choice hold up when the GPU budget is tight:
   the whole model's: a plan whose large-activation layers (the logits of an LM head) run
   on the host needs less GPU memory, and an all-host plan needs none;
 * :func:`search_modes`: from every starting plan that fits (the spread guess, every
-  layer on the host, and a greedy repair of the all-resident plan), a local search
+  layer on the host, and greedy repairs of the all-resident and the all-streamed plans:
+  layers go to the host, the one freeing the most GPU memory first, until the plan
+  fits), a local search
   changes one layer's mode at a time, taking the change that shortens the simulated
   forward most and keeps both budgets, until none does; the fastest result wins;
 * :func:`infeasible_message`: when no plan fits, the error names both budgets and the
@@ -116,15 +118,21 @@ def _improve(
                 current, best = trial, t
                 break
         else:
-            return current, best
+            break
+    for k, mode in enumerate(current):  # a streamed layer that fits resident at no cost stops copying
+        trial = list(current)
+        trial[k] = "resident"
+        if mode == "streamed" and time(trial) <= best and fits(trial):
+            current, best = trial, time(trial)
+    return current, best
 
 
-def _repair(layers: Sequence[Layer], memory: Memory, fits: Callable[[Sequence[str]], bool]) -> list[str]:
-    """From every layer resident, move to the host the layer that frees the most GPU bytes until it fits."""
-    modes = ["resident"] * len(layers)
+def _repair(start: Sequence[str], memory: Memory, fits: Callable[[Sequence[str]], bool]) -> list[str]:
+    """From ``start``, move to the host the layer that frees the most GPU bytes until the plan fits."""
+    modes = list(start)
     while not fits(modes):
         options = []
-        for k in range(len(layers)):
+        for k in range(len(modes)):
             if modes[k] == "host":
                 continue
             trial = list(modes)
@@ -168,7 +176,10 @@ def search_modes(
         except InfeasiblePlacementError as err:
             log.info("offload search: the spread guess fits nothing (%s)", err)
     starts.append(["host"] * len(layers))
-    starts.append(_repair(layers, memory, fits))
+    starts.append(_repair(["resident"] * len(layers), memory, fits))
+    # every layer with weights streamed: reaches the plans that stream many layers through a
+    # window, which one-layer changes from a resident-heavy plan cannot (they pass through slower plans)
+    starts.append(_repair(["streamed" if layer.weights else "resident" for layer in layers], memory, fits))
     results = []
     for start in starts:
         if fits(start):
