@@ -195,7 +195,7 @@ def test_cli_places_on_the_gpu_and_prints_the_modes(big, tmp_path, capsys):
     argv = ["place", str(path), "--auto", "--max-memory", "0=150MiB,cpu=1GiB", "-o", str(target)]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "offload plan: one forward" in out and "(measured)" in out and "(default)" in out
+    assert "offload plan: one forward" in out and "cpu" in out and "(measured)" in out  # the host's speed
     assert "resident: " in out and "blocks." in out.split("resident: ")[1].split("|")[0]
     placed = pl.load(target)
     pl.verify(placed)
