@@ -43,6 +43,7 @@ from placement.planning.link_model import LinksLike, resolve_links
 from placement.planning.offload import OffloadPlan, is_offload_budget, plan_offload
 from placement.planning.offload_search import gpu_activations
 from placement.planning.plan import Plan
+from placement.planning.profile import fingerprint
 from placement.planning.speeds import device_speeds
 
 __all__ = ["auto_offload", "offload_report"]
@@ -132,6 +133,7 @@ def offload_report(
         list(offload.budgets),
         cost_kind="time",
         objective=objective,
+        fp=fingerprint(model),
         links=link_model,
     )
     gpu_row, host_row = plan.devices

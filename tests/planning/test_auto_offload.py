@@ -183,6 +183,7 @@ def test_plan_round_trips_with_its_offload_summary(small, tmp_path):
     plan.save(tmp_path / "plan.json")
     again = pl.Plan.load(tmp_path / "plan.json")
     assert again == plan and again.offload["modes"] == plan.offload["modes"]
+    assert plan.fingerprint == pl.profile(model, time=False).fingerprint
 
 
 @pytest.mark.slow
