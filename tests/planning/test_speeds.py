@@ -32,3 +32,10 @@ def test_the_host_is_measured_and_an_absent_gpu_is_not():
 def test_bad_rates_are_plan_errors(bad):
     with pytest.raises(pl.PlanError, match="throughput"):
         device_speeds(bad, measure=False)
+
+
+@pytest.mark.gpu
+def test_a_real_gpu_is_measured_faster_than_the_host():
+    speeds = device_speeds()
+    assert speeds.sources["cuda"] == "measured"
+    assert speeds.rates["cuda"] > speeds.rates["cpu"]
