@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from placement.errors import InfeasiblePlacementError, PlanError
 from placement.graph.device import Device
@@ -55,16 +55,21 @@ from placement.graph.nodes import STREAMED_KEY, node_scope, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
+from placement.planning.offload_search import gpu_activations, search_modes
 from placement.planning.profile import profile
+from placement.planning.speeds import DEFAULT_FLOPS
 
 __all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("resident", "streamed", "host")
+#: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
+Activations = Union[int, Callable[[Sequence[str]], int]]
 
-#: FLOP/s assumed to estimate a device's op times from another's (``throughput=``).
-DEFAULT_THROUGHPUT = {"cuda": 100e12, "cpu": 0.5e12}
+#: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
+#: lives in :mod:`placement.planning.speeds`.
+DEFAULT_THROUGHPUT = DEFAULT_FLOPS
 
 
 @dataclass
@@ -252,8 +257,9 @@ def simulate(
 
     The GPU runs resident and streamed layers in order; the copy stream copies streamed
     layers in order, the copy of a streamed layer starting once the previous streamed
-    layer is in use (the window holds one layer ahead); a host layer waits for its input
-    on the host (``back``: the GPU -> host link) and the GPU waits for its output.
+    layer is in use (the window holds one layer ahead); a host layer after a GPU layer
+    waits for its input on the host (``back``: the GPU -> host link) and a GPU layer after
+    a host layer waits for its output.
     ``streamed``: per layer, the weights it streams in (default: its own, ``params``).
 
     Example:
@@ -268,7 +274,7 @@ def simulate(
     t_gpu = 0  # when the GPU's compute stream is free
     t_copy = 0  # when the copy stream is free
     room = 0  # when the window has room for the next streamed layer
-    for layer, mode, weights in zip(layers, modes, streamed):
+    for k, (layer, mode, weights) in enumerate(zip(layers, modes, streamed)):
         if mode == "resident":
             t_gpu += layer.gpu_ns
         elif mode == "streamed":
@@ -277,8 +283,10 @@ def simulate(
             start = max(t_gpu, t_copy)
             room = start  # in use now: the next streamed layer may be copied in
             t_gpu = start + layer.gpu_ns
-        else:
-            t_gpu += back.time_ns(layer.in_bytes) + layer.host_ns + link.time_ns(layer.out_bytes)
+        else:  # consecutive host layers hand activations over on the host (planner fix)
+            copy_in = 0 if k and modes[k - 1] == "host" else back.time_ns(layer.in_bytes)
+            copy_out = 0 if k + 1 < len(modes) and modes[k + 1] == "host" else link.time_ns(layer.out_bytes)
+            t_gpu += copy_in + layer.host_ns + copy_out
     return t_gpu
 
 
@@ -307,7 +315,7 @@ def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, i
     return out
 
 
-def _memory(layers: Sequence[Layer], modes: Sequence[str], activations: int) -> tuple[int, int, int]:
+def _memory(layers: Sequence[Layer], modes: Sequence[str], activations: Activations) -> tuple[int, int, int]:
     """(GPU bytes, host bytes, window) of an assignment of modes: the GPU holds the weights of
     resident layers, the largest streamed layer in use and one more in flight (twice the window)
     and the activations; the host holds every weight a streamed or host layer reads."""
@@ -318,13 +326,15 @@ def _memory(layers: Sequence[Layer], modes: Sequence[str], activations: int) -> 
     hosted: dict[str, int] = {}
     for layer, mode in zip(layers, modes):
         (resident if mode == "resident" else hosted).update(layer.weights)
+    if callable(activations):  # planner hook: the GPU's activations depend on the modes
+        activations = activations(modes)
     return sum(resident.values()) + in_flight + activations, sum(hosted.values()), window
 
 
 def _choose(
     layers: list[Layer],
     budgets: tuple[int | None, int | None],
-    activations: int,
+    activations: Activations,
     link: Link,
     back: Link,
 ) -> tuple[list[str], int]:
@@ -363,6 +373,8 @@ def _choose(
         if best is None or t < best[0]:
             best = (t, modes)
     if best is None:
+        if callable(activations):  # planner hook: the GPU's activations depend on the modes
+            activations = activations(every)
         smallest = activations + 2 * max((sum(layer.weights.values()) for layer in layers), default=0)
         raise InfeasiblePlacementError(
             f"no offload plan fits the budgets (GPU {format_bytes(gpu_budget)}, host "
@@ -415,7 +427,7 @@ def plan_offload(
         >>> weights = write_matmul_chain(path, layers=12, width=64)  # 12 x 16 KiB
         >>> opts = dict(cost="flops", throughput={"cuda": 1e10, "cpu": 1e8})
         >>> fast = pl.plan_offload(pl.load(path), {0: "140KiB"}, links=pl.Link(1e12), **opts)
-        >>> slow = pl.plan_offload(pl.load(path), {0: "140KiB"}, links=pl.Link(1e5), **opts)
+        >>> slow = pl.plan_offload(pl.load(path), {0: "140KiB"}, links=pl.Link(1e7), **opts)
         >>> sorted(set(fast.modes.values())), sorted(set(slow.modes.values()))
         (['resident', 'streamed'], ['host', 'resident'])
     """
@@ -466,8 +478,16 @@ def plan_offload(
                 raise PlanError(f"op_times[{device!r}] needs {len(info)} times, got {len(times)}")
             target[:] = [round(t) for t in times]
     layers = layers_of(model, info, gpu_ns, host_ns)
-    activations = info.segment_peak_activation(0, len(info)) if len(info) else 0
-    modes, predicted = _choose(layers, budgets, activations, to_gpu, to_host)
+    # planner hooks (placement.planning.offload_search): the GPU holds the activations of the
+    # ops it runs, and a local search improves the spread guess or finds a plan where it finds none
+    activations = gpu_activations(info, layers)
+    modes, predicted = search_modes(
+        layers,
+        budgets,
+        lambda m: _memory(layers, m, activations),
+        lambda m: simulate(layers, m, to_gpu, to_host),
+        heuristic=lambda: _choose(layers, budgets, activations, to_gpu, to_host),
+    )
     gpu_bytes, host_bytes, window = _memory(layers, modes, activations)
     plan = OffloadPlan(
         gpu=gpu,

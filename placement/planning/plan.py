@@ -32,7 +32,7 @@ from placement.graph.sizes import format_bytes
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.profile import fingerprint
 
-__all__ = ["Plan", "DevicePlan", "format_cost"]
+__all__ = ["Plan", "DevicePlan", "format_cost", "offload_title", "offload_caption"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,11 @@ class Plan:
         streamed: parameters that live on the host and stream to the GPU that reads
             them (parameter -> host device; see :func:`placement.plan_offload`).
         stream_window: bytes of streamed weights copied ahead of use, or None.
+        offload: for a plan of one GPU plus the host (see
+            :mod:`placement.planning.auto_offload`), each layer's mode (``modes``: layer
+            -> ``resident``/``streamed``/``host``), the prefetch ``window``, the device
+            speeds (``speeds``, FLOP/s per device type, and ``speed_sources``: given,
+            measured or default), ``all_gpu_ns`` and ``copy_ns``; None otherwise.
     """
 
     assignment: dict[str, str]
@@ -137,6 +142,7 @@ class Plan:
     runtime: str = "ort"
     streamed: dict[str, str] = field(default_factory=dict)
     stream_window: int | None = None
+    offload: dict[str, Any] | None = None
 
     @property
     def ratio(self) -> float:
@@ -254,13 +260,18 @@ class Plan:
         """A ``rich.table.Table`` with one row per device."""
         from rich.table import Table
 
-        table = Table(
-            title=(
-                f"plan ({self.objective}, cost={self.cost_kind}): bottleneck "
-                f"{format_cost(self.bottleneck, self.cost_kind)} = {self.ratio:.3f} x lower bound, "
-                f"{format_bytes(self.transfer_bytes)} copied per step"
+        if self.offload is not None:
+            title, caption = offload_title(self), offload_caption(self.offload)
+        else:
+            title, caption = (
+                (
+                    f"plan ({self.objective}, cost={self.cost_kind}): bottleneck "
+                    f"{format_cost(self.bottleneck, self.cost_kind)} = {self.ratio:.3f} x lower bound, "
+                    f"{format_bytes(self.transfer_bytes)} copied per step"
+                ),
+                None,
             )
-        )
+        table = Table(title=title, caption=caption)
         for col in (
             "device",
             "ops",
@@ -303,3 +314,58 @@ class Plan:
         text = console.export_text()
         console.file.close()
         return text.rstrip("\n")
+
+
+def offload_title(plan: Plan) -> str:
+    """The headline of a one-GPU-plus-host plan: predicted forward, against all on the GPU, layer modes.
+
+    Example:
+        >>> plan = Plan({}, [], "time", "throughput", 2_000_000, 1_000_000, 0, 4096,
+        ...             offload={"modes": {"a": "resident", "b": "host"}, "window": 0,
+        ...                      "speeds": {"cuda": 5e13, "cpu": 5e11},
+        ...                      "speed_sources": {"cuda": "default", "cpu": "measured"}})
+        >>> print(offload_title(plan))  # doctest: +NORMALIZE_WHITESPACE
+        offload plan: one forward 2.000 ms predicted = 2.0 x all on the GPU without a budget (1.000 ms);
+        1 resident, 0 streamed, 1 host layers; window 0 B; 4.0 KiB copied per step;
+        speeds cuda 50 TFLOP/s (default), cpu 0.5 TFLOP/s (measured)
+    """
+    info = plan.offload or {}
+    modes = list(info.get("modes", {}).values())
+    counts = ", ".join(f"{modes.count(m)} {m}" for m in ("resident", "streamed", "host"))
+    speeds = info.get("speeds") or {}
+    sources = info.get("speed_sources") or {}
+    rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s ({sources.get(k, 'given')})" for k, v in speeds.items())
+    return (
+        f"offload plan: one forward {format_cost(plan.bottleneck, 'time')} predicted = {plan.ratio:.1f} x "
+        f"all on the GPU without a budget ({format_cost(plan.lower_bound, 'time')}); {counts} layers; "
+        f"window {format_bytes(info.get('window', 0))}; {format_bytes(plan.transfer_bytes)} copied per step"
+        + (f"; speeds {rates}" if rates else "")
+    )
+
+
+def offload_caption(info: Mapping[str, Any]) -> str:
+    """Which layers are resident, streamed and on the host, runs of consecutive layers shortened.
+
+    Example:
+        >>> print(offload_caption({"modes": {"wte": "host", "h.0": "resident", "h.1": "resident",
+        ...                                  "h.2": "resident", "h.3": "host"}}))
+        resident: h.0 .. h.2 | streamed: - | host: wte, h.3
+    """
+    modes = info.get("modes", {})
+    names = list(modes)
+    parts = []
+    for mode in ("resident", "streamed", "host"):
+        runs: list[list[str]] = []
+        for k, name in enumerate(names):
+            if modes[name] != mode:
+                continue
+            if runs and k > 0 and names[k - 1] == runs[-1][-1]:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        text = ", ".join(
+            r[0] if len(r) == 1 else f"{r[0]} .. {r[-1]}" if len(r) > 2 else f"{r[0]}, {r[1]}" for r in runs
+        )
+        parts.append(f"{mode}: {text or '-'}")
+    note = info.get("note")
+    return " | ".join(parts) + (f"\n{note}" if note else "")

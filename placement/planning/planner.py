@@ -99,12 +99,13 @@ from placement.errors import PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
 from placement.graph.sizes import format_bytes, parse_bytes
+from placement.planning.evaluate import build_plan, evaluate_assignment
 from placement.planning.frontend import check_no_copies
 from placement.planning.graph_info import GraphInfo
-from placement.planning.link_model import Links, LinksLike, resolve_links
+from placement.planning.link_model import LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
-from placement.planning.plan import DevicePlan, Plan
+from placement.planning.plan import Plan
 from placement.planning.profile import COST_KINDS, profile
 
 __all__ = ["auto_place", "build_plan", "evaluate_assignment", "OBJECTIVES", "RUNTIMES"]
@@ -150,119 +151,6 @@ def _resolve_devices(
             f"max_memory names {extra[0]}, which is not among devices {[str(d) for d in device_list]}"
         )
     return device_list, [budgets_by_device.get(d) for d in device_list]
-
-
-def build_plan(
-    info: GraphInfo,
-    costs: Sequence[int],
-    ends: Sequence[int],
-    devices: Sequence[Device],
-    budgets: Sequence[int | None],
-    *,
-    cost_kind: str,
-    objective: str,
-    fp: str = "",
-    links: Links | None = None,
-    cut_costs: Sequence[tuple[int, int]] | None = None,
-) -> Plan:
-    """Evaluate a contiguous partition (part ends) into a :class:`Plan`."""
-    n = len(info)
-    part = [0] * n
-    start = 0
-    for k, end in enumerate(ends):
-        for pos in range(start, end):
-            part[pos] = k
-        start = end
-    return evaluate_assignment(
-        info,
-        costs,
-        part,
-        devices,
-        budgets,
-        cost_kind=cost_kind,
-        objective=objective,
-        fp=fp,
-        links=links,
-        cut_costs=cut_costs,
-    )
-
-
-def evaluate_assignment(
-    info: GraphInfo,
-    costs: Sequence[int],
-    part: Sequence[int],
-    devices: Sequence[Device],
-    budgets: Sequence[int | None],
-    *,
-    cost_kind: str,
-    objective: str,
-    fp: str = "",
-    links: Links | None = None,
-    cut_costs: Sequence[tuple[int, int]] | None = None,
-) -> Plan:
-    """Evaluate any assignment ``part[pos]`` (index into ``devices``) into a :class:`Plan`.
-
-    Used for our plans and, in the benchmark, to score other tools' placements with the
-    same cost and memory model. Each copy is charged on the link from the device
-    that makes (or is fed) the blob to the device reading it.
-    """
-    num = len(devices)
-    n = len(info)
-    total = sum(costs)
-    part_cost = [0] * num
-    for pos in range(n):
-        part_cost[part[pos]] += costs[pos]
-    params = info.part_param_bytes(part, num)
-    acts = info.peak_activations(part, num)
-    out, into = info.transfers(part, num)
-    into_time = [0] * num
-    if links is not None:
-        for size, home, p in info.copies(part):
-            into_time[p] += links.link(devices[home], devices[p]).time_ns(size)
-    cut_cost = [0] * num
-    if cut_costs is not None:
-        for c in range(1, n):
-            if part[c] != part[c - 1]:
-                cut_cost[part[c - 1]] += int(cut_costs[c][0])
-                cut_cost[part[c]] += int(cut_costs[c][1])
-    rows = []
-    for k, device in enumerate(devices):
-        members = [pos for pos in range(n) if part[pos] == k]
-        rows.append(
-            DevicePlan(
-                device=str(device),
-                ops=len(members),
-                first_op=info.names[members[0]] if members else None,
-                last_op=info.names[members[-1]] if members else None,
-                cost=part_cost[k],
-                param_bytes=params[k],
-                activation_bytes=acts[k],
-                budget=budgets[k],
-                bytes_in=into[k],
-                bytes_out=out[k],
-                transfer_time=into_time[k],
-                cut_cost=cut_cost[k],
-            )
-        )
-    cut_bytes = []
-    for c in range(1, n):
-        if part[c] != part[c - 1]:
-            cut_bytes.append(info.cut_bytes(c))
-    lower = max(max(costs, default=0), -(-total // num)) if n else 0
-    return Plan(
-        assignment={info.names[pos]: str(devices[part[pos]]) for pos in range(n)},
-        devices=rows,
-        cost_kind=cost_kind,
-        objective=objective,
-        bottleneck=max((row.stage_cost for row in rows), default=0),
-        lower_bound=lower,
-        total_cost=total,
-        transfer_bytes=sum(into),
-        cut_bytes=cut_bytes,
-        fingerprint=fp,
-        overhead=sum(into_time) + sum(cut_cost),
-        links=links.to_dict() if links is not None else None,
-    )
 
 
 def _time_or_flops(model: Model) -> str:
@@ -320,6 +208,7 @@ def auto_place(
     runtime: str = "ort",
     op_costs: Mapping[str, float] | None = None,
     offload: bool | None = None,
+    throughput: Mapping[str, float] | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -327,8 +216,9 @@ def auto_place(
     accelerate's ``{0: "2GiB", "cpu": "48GiB"}``) is planned by
     :func:`placement.plan_offload` instead (``offload=None``: whenever the devices are
     one GPU with a budget and then the host): each layer stays resident on the GPU,
-    streams its weights from the host or runs on the host, and the plan's
-    :attr:`Plan.streamed` names the parameters kept on the host.
+    streams its weights from the host or runs on the host, chosen from predicted times
+    on each device's speed (``throughput``), and the plan's :attr:`Plan.streamed` names
+    the parameters kept on the host (see :mod:`placement.planning.auto_offload`).
 
     Args:
         model: the model, placed in place.
@@ -373,6 +263,10 @@ def auto_place(
             :func:`placement.runtime.calibrate.calibrate`.
         offload: plan one GPU plus the host with :func:`placement.plan_offload` (``None``:
             when the devices are exactly that; ``False``: a contiguous GPU-then-host split).
+        throughput: for an offload plan, FLOP/s per device type (``{"cuda": 60e12,
+            "cpu": 1e12}``); a type left out is measured on this machine (the host
+            always, a GPU that torch sees) or takes the stated default
+            (:data:`placement.planning.speeds.DEFAULT_FLOPS`).
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -402,7 +296,11 @@ def auto_place(
     if offload is None:
         offload = is_offload_budget(device_list, budgets)
     if offload:
-        return _auto_offload(
+        from placement.planning.auto_offload import auto_offload
+
+        if cost == "time":
+            cost = _time_or_flops(model)
+        return auto_offload(
             model,
             device_list,
             budgets,
@@ -412,6 +310,7 @@ def auto_place(
             sample_inputs=sample_inputs,
             repeats=repeats,
             runtime=runtime,
+            throughput=throughput,
         )
     if cost != "time" and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
@@ -471,66 +370,4 @@ def auto_place(
         plan.ratio,
         plan.transfer_bytes,
     )
-    return plan
-
-
-def _auto_offload(
-    model: Model,
-    devices: list[Device],
-    budgets: list[int | None],
-    *,
-    cost: str,
-    objective: str,
-    links: LinksLike,
-    sample_inputs: Any,
-    repeats: int,
-    runtime: str,
-) -> Plan:
-    """``auto_place`` for one GPU plus the host: :func:`plan_offload`, reported as a :class:`Plan`."""
-    from placement.planning.offload import plan_offload
-
-    if not is_offload_budget(devices, budgets):
-        raise PlanError("offload=True needs exactly one GPU with a budget, then the host")
-    if cost == "time":
-        cost = _time_or_flops(model)
-    kind = cost if cost in ("time", "flops") else "flops"
-    offload = plan_offload(
-        model,
-        {devices[0]: budgets[0], devices[1]: budgets[1]},
-        links=links,
-        cost=kind,
-        sample_inputs=sample_inputs,
-        repeats=repeats,
-    )
-    prof = profile(model, sample_inputs=sample_inputs, time=kind == "time", repeats=repeats)
-    info = GraphInfo(model)
-    part = [
-        1 if offload.modes[layer.name] == "host" else 0
-        for layer in offload.layers
-        for _ in range(layer.start, layer.end)
-    ]
-    link_model = resolve_links(links) if kind == "time" else None
-    plan = evaluate_assignment(
-        info,
-        prof.costs(cost),
-        part,
-        devices,
-        budgets,
-        cost_kind=cost,
-        objective=objective,
-        fp=prof.fingerprint,
-        links=link_model,
-    )
-    streamed = offload.streamed_parameters()
-    gpu_row = plan.devices[0]
-    params = info.param_names
-    streamed_set = set(streamed)
-    streamed_bytes = sum(info.param_bytes[k] for k, name in enumerate(params) if name in streamed_set)
-    gpu_row.param_bytes = gpu_row.param_bytes - streamed_bytes + 2 * offload.window
-    plan.devices[1].param_bytes += streamed_bytes
-    plan.streamed = {name: str(offload.host) for name in streamed}
-    plan.stream_window = offload.window if streamed else None
-    plan.runtime = runtime
-    plan.apply(model)
-    log.info("auto_place: %s", offload)
     return plan

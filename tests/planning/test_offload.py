@@ -11,7 +11,7 @@ from placement.models.synthetic import write_matmul_chain
 from placement.planning.offload import Layer, _choose, simulate
 
 RATES = {"cuda": 1e10, "cpu": 1e8}  # FLOP/s: a GPU 100x faster than the host
-FAST, SLOW = pl.Link(1e12), pl.Link(1e5)
+FAST, SLOW = pl.Link(1e12), pl.Link(1e7)  # slow: a layer's weights take 1.6 ms, its activations 0.1 ms
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +117,10 @@ def test_plan_apply_restores_streaming(exported):
 
 def test_infeasible_budget_names_the_need(chain_path):
     model = pl.load(chain_path)
-    with pytest.raises(pl.InfeasiblePlacementError, match="streaming needs at least"):
-        _plan(model, 1024, FAST, apply=False)
+    # the host holds every weight: everything runs there, however small the GPU's budget
+    assert set(_plan(model, 1024, FAST, apply=False).modes.values()) == {"host"}
+    with pytest.raises(pl.InfeasiblePlacementError, match="every layer on the host needs 192.0 KiB"):
+        pl.plan_offload(model, {0: 1024, "cpu": "64KiB"}, cost="flops", links=FAST, throughput=RATES)
     assert not model.streamed and model.devices == [pl.Device("cuda", 0)]
 
 

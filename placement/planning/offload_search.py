@@ -1,0 +1,225 @@
+"""Choosing offload modes under both budgets: the GPU's activations, a local search, the error when none fits.
+
+:func:`placement.plan_offload` gives every layer a mode (``resident``, ``streamed`` or
+``host``). Its first guess spreads the layers taken off the GPU evenly over the order
+(streamed copies then hide behind the resident layers' compute). This module makes that
+choice hold up when the GPU budget is tight:
+
+* :func:`gpu_activations`: the GPU holds the activations of the ops *it* runs (a liveness
+  peak over the resident and streamed layers' ops, activations copied in included), not
+  the whole model's: a plan whose large-activation layers (the logits of an LM head) run
+  on the host needs less GPU memory, and an all-host plan needs none;
+* :func:`search_modes`: from every starting plan that fits (the spread guess, every
+  layer on the host, and greedy repairs of the all-resident and the all-streamed plans:
+  layers go to the host, the one freeing the most GPU memory first, until the plan
+  fits), a local search
+  changes one layer's mode at a time, taking the change that shortens the simulated
+  forward most and keeps both budgets, until none does; the fastest result wins;
+* :func:`infeasible_message`: when no plan fits, the error names both budgets and the
+  smallest thing that does not fit (the weights on the host, the smallest layer on
+  the GPU).
+
+Everything here works on callables (``memory(modes)``, ``time(modes)``), so it knows
+nothing of how memory and time are modelled.
+
+Example:
+    >>> from placement.planning.offload import Layer
+    >>> a = Layer("a", 0, 1, ["w"], 100, 1, 50, 0, 0, {"w": 100})
+    >>> b = Layer("b", 1, 2, ["v"], 100, 1, 50, 0, 0, {"v": 100})
+    >>> memory = lambda m: (sum(100 for x in m if x == "resident"), sum(100 for x in m if x != "resident"), 0)
+    >>> time = lambda m: sum(1 if x == "resident" else 50 for x in m)
+    >>> search_modes([a, b], (150, None), memory, time)
+    (['resident', 'host'], 51)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from placement.errors import InfeasiblePlacementError
+from placement.graph.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from placement.planning.graph_info import GraphInfo
+    from placement.planning.offload import Layer
+
+__all__ = ["gpu_activations", "search_modes", "infeasible_message"]
+
+log = logging.getLogger(__name__)
+
+_MODES = ("resident", "streamed", "host")
+Memory = Callable[[Sequence[str]], tuple[int, int, int]]
+Time = Callable[[Sequence[str]], int]
+
+
+def gpu_activations(info: GraphInfo, layers: Sequence[Layer]) -> Callable[[Sequence[str]], int]:
+    """``modes -> bytes``: the liveness peak of the activations on the GPU when layers run as ``modes``.
+
+    The GPU runs the ops of resident and streamed layers; activations copied in from a
+    host layer count from the start of the GPU run that reads them (as
+    :meth:`GraphInfo.peak_activations` counts a part's inputs). Memoised per
+    host/GPU split.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import gpt
+        >>> from placement.planning.graph_info import GraphInfo
+        >>> from placement.planning.offload import layers_of
+        >>> model = pl.from_torch(*gpt.build("tiny"))
+        >>> info = GraphInfo(model)
+        >>> layers = layers_of(model, info, [0] * len(info), [0] * len(info))
+        >>> peak = gpu_activations(info, layers)
+        >>> whole = info.segment_peak_activation(0, len(info))
+        >>> peak(["host"] * len(layers)), peak(["resident"] * len(layers)) == whole
+        (0, True)
+    """
+    cache: dict[tuple[bool, ...], int] = {}
+
+    def peak(modes: Sequence[str]) -> int:
+        key = tuple(mode == "host" for mode in modes)
+        if key not in cache:
+            if all(key):
+                cache[key] = 0
+            else:
+                part = [int(host) for layer, host in zip(layers, key) for _ in range(layer.start, layer.end)]
+                cache[key] = info.peak_activations(part, 2)[0]
+        return cache[key]
+
+    return peak
+
+
+def _fits(memory: Memory, budgets: tuple[int | None, int | None], modes: Sequence[str]) -> bool:
+    gpu, host, _ = memory(modes)
+    return (budgets[0] is None or gpu <= budgets[0]) and (budgets[1] is None or host <= budgets[1])
+
+
+def _improve(
+    layers: Sequence[Layer], modes: list[str], fits: Callable[[Sequence[str]], bool], time: Time
+) -> tuple[list[str], int]:
+    """Local search: repeatedly apply the one-layer mode change that shortens ``time`` most and fits."""
+    current, best = list(modes), time(modes)
+    while True:
+        moves: list[tuple[int, int, str]] = []
+        for k, layer in enumerate(layers):
+            for mode in _MODES:
+                if mode == current[k] or (mode == "streamed" and not layer.weights):
+                    continue
+                trial = list(current)
+                trial[k] = mode
+                t = time(trial)
+                if t < best:
+                    moves.append((t, k, mode))
+        for t, k, mode in sorted(moves):
+            trial = list(current)
+            trial[k] = mode
+            if fits(trial):
+                current, best = trial, t
+                break
+        else:
+            break
+    for k, mode in enumerate(current):  # a streamed layer that fits resident at no cost stops copying
+        trial = list(current)
+        trial[k] = "resident"
+        if mode == "streamed" and time(trial) <= best and fits(trial):
+            current, best = trial, time(trial)
+    return current, best
+
+
+def _repair(start: Sequence[str], memory: Memory, fits: Callable[[Sequence[str]], bool]) -> list[str]:
+    """From ``start``, move to the host the layer that frees the most GPU bytes until the plan fits."""
+    modes = list(start)
+    while not fits(modes):
+        options = []
+        for k in range(len(modes)):
+            if modes[k] == "host":
+                continue
+            trial = list(modes)
+            trial[k] = "host"
+            options.append((memory(trial)[0], k))
+        if not options:
+            break
+        modes[min(options)[1]] = "host"
+    return modes
+
+
+def search_modes(
+    layers: Sequence[Layer],
+    budgets: tuple[int | None, int | None],
+    memory: Memory,
+    time: Time,
+    heuristic: Callable[[], tuple[list[str], int]] | None = None,
+) -> tuple[list[str], int]:
+    """The fastest modes found that fit both budgets, and their time (see the module docstring).
+
+    Args:
+        layers: the layers in graph order.
+        budgets: the GPU's and the host's budget in bytes (None: unlimited).
+        memory: ``modes -> (GPU bytes, host bytes, window)``.
+        time: ``modes -> ns``, the simulated forward.
+        heuristic: a first guess (``() -> (modes, ns)``); an
+            :class:`~placement.errors.InfeasiblePlacementError` from it only drops it.
+
+    Raises:
+        InfeasiblePlacementError: no starting plan fits; the message is
+            :func:`infeasible_message`'s.
+    """
+
+    def fits(modes: Sequence[str]) -> bool:
+        return _fits(memory, budgets, modes)
+
+    starts: list[list[str]] = []
+    if heuristic is not None:
+        try:
+            starts.append(list(heuristic()[0]))
+        except InfeasiblePlacementError as err:
+            log.info("offload search: the spread guess fits nothing (%s)", err)
+    starts.append(["host"] * len(layers))
+    starts.append(_repair(["resident"] * len(layers), memory, fits))
+    # every layer with weights streamed: reaches the plans that stream many layers through a
+    # window, which one-layer changes from a resident-heavy plan cannot (they pass through slower plans)
+    starts.append(_repair(["streamed" if layer.weights else "resident" for layer in layers], memory, fits))
+    results = []
+    for start in starts:
+        if fits(start):
+            modes, t = _improve(layers, start, fits, time)
+            results.append((t, modes))
+    if not results:
+        raise InfeasiblePlacementError(infeasible_message(layers, budgets, memory))
+    t, modes = min(results, key=lambda r: r[0])
+    return modes, t
+
+
+def infeasible_message(
+    layers: Sequence[Layer], budgets: tuple[int | None, int | None], memory: Memory, gpu: str = "GPU"
+) -> str:
+    """Why no plan fits: both budgets, the weights the host would need, and the smallest layer on the GPU.
+
+    Example:
+        >>> from placement.planning.offload import Layer
+        >>> a = Layer("h.0", 0, 1, ["w"], 100, 1, 50, 0, 0, {"w": 100})
+        >>> memory = lambda m: (100 * m.count("resident"), 100 * (len(m) - m.count("resident")), 0)
+        >>> print(infeasible_message([a, a], (50, 150), memory))  # doctest: +NORMALIZE_WHITESPACE
+        no offload plan fits the budgets (GPU 50 B, host 150 B): every layer on the host
+        needs 200 B of host memory, and the smallest layer to keep on the GPU, h.0, needs 100 B there
+    """
+    gpu_budget, host_budget = budgets
+    everything_host = ["host"] * len(layers)
+    host_need = memory(everything_host)[1]
+    smallest: tuple[int, str] | None = None
+    for k, layer in enumerate(layers):
+        modes = list(everything_host)
+        modes[k] = "resident"
+        need = memory(modes)[0]
+        if smallest is None or need < smallest[0]:
+            smallest = (need, layer.name)
+    text = (
+        f"no offload plan fits the budgets ({gpu} {format_bytes(gpu_budget)}, "
+        f"host {format_bytes(host_budget)}): every layer on the host needs "
+        f"{format_bytes(host_need)} of host memory"
+    )
+    if smallest is not None:
+        need, name = smallest
+        text += f", and the smallest layer to keep on the GPU, {name}, needs {format_bytes(need)} there"
+    return text
