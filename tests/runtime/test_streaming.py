@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering.streaming import WeightStreamer
+from placement.runtime.lowering.copy_emulation import EmulatedCopyEngine
+from placement.runtime.lowering.streaming import ALIGN, WeightStreamer
 from placement.runtime.ort.steps import TransferStep
 
 ATOL = 1e-5
@@ -30,19 +31,99 @@ def _streamed_gpt(exported, *, host_layer: bool = False):
 
 @pytest.mark.parametrize("host_layer", [False, True])
 def test_torch_lowering_streams_and_matches(exported, host_layer):
+    """Direct copies (the CPU default) and emulated late, out-of-order, poisoned ones give eager's
+    outputs, bit for bit the same between the two."""
     model, net, args, result = _streamed_gpt(exported, host_layer=host_layer)
     module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
     assert "self.weight_streamer(" in module.code
+    assert module.code.count("self.weight_release(") == module.code.count("self.weight_streamer(")
     streamer = module.weight_streamer
     assert len(streamer.sizes) == len(result.streamed)
     with torch.no_grad():
         expected = net(*args)
-        got = module(*args)
-        again = module(*args)  # second forward: its first weights were prefetched by the first
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-    torch.testing.assert_close(again, expected, atol=ATOL, rtol=0)
-    assert streamer.copies >= 2 * len(streamer.sizes) - 1
-    assert streamer.prefetched > 0
+        direct = module(*args)
+        engine = streamer.use(EmulatedCopyEngine(latency=0.002, seed=1))
+        try:
+            got = module(*args)
+            again = module(*args)  # second forward: its first weights were prefetched by the first
+        finally:
+            engine.close()
+    torch.testing.assert_close(direct, expected, atol=ATOL, rtol=0)
+    assert torch.equal(got, direct) and torch.equal(again, direct)
+    assert streamer.prefetched > 0 and streamer.overflow == 0
+    assert engine.completed >= 2 * len(streamer.sizes) - 1
+
+
+def _emulated_run(exported, *, hazard=None, window=None):
+    """gpt tiny with blocks.0 streamed, run twice under a holding emulated engine; (outputs, eager)."""
+    model, net, args, _ = _streamed_gpt(exported)
+    module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
+    streamer = module.weight_streamer
+    if window is not None:
+        streamer._window = window
+    engine = streamer.use(EmulatedCopyEngine(hold=True))
+    streamer._unsafe = hazard
+    try:
+        with torch.no_grad():
+            outs = [module(*args) for _ in range(2)]
+    finally:
+        engine.close()
+    return outs, net(*args).detach(), streamer
+
+
+def test_emulated_copies_held_to_the_last_moment_give_eager_outputs(exported):
+    """Copies that complete only when waited for, into a window of twice the largest weight: still exact."""
+    outs, expected, streamer = _emulated_run(exported)
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert streamer.overflow == 0 and streamer.prefetched > 0
+
+
+@pytest.mark.parametrize("hazard", ["skip_wait", "skip_release"])
+def test_a_missing_wait_gives_wrong_outputs(exported, hazard):
+    """The proof that the emulation sees the hazards: drop the read's wait for its copy, or the
+    refill's wait for the last reader's release, and the outputs are wrong (poison or another
+    weight's bytes)."""
+    outs, expected, _ = _emulated_run(exported, hazard=hazard)
+    bad = [not torch.allclose(out, expected, atol=1e-3, equal_nan=False) for out in outs]
+    assert any(bad)
+
+
+def test_the_window_holds_what_is_in_use_and_copied_ahead():
+    """A window of two weights: handing out one copies the next; the one after waits for a release."""
+    weights = [torch.full((4,), float(i)) for i in range(5)]
+    streamer = WeightStreamer([("cpu", 16)] * 5, window=2 * ALIGN)
+    streamer.bind(weights)
+    engine = streamer.use(EmulatedCopyEngine(hold=True))
+    streamer.trace = []
+    try:
+        assert streamer(weights[0], index=0).tolist() == weights[0].tolist()
+        assert streamer.trace == [("copy", 0), ("use", 0), ("copy", 1)]  # 2 waits for 0's release
+        streamer.release(0)
+        assert streamer.trace[-2:] == [("release", 0), ("copy", 2)]
+        assert streamer(weights[1], index=1).tolist() == weights[1].tolist()
+        streamer(weights[4], index=4)  # out of order (another micro-batch): outside the window
+        assert streamer.overflow == 1
+        streamer.drop_prefetched()
+        assert all(slot.state != "pending" for slot in streamer._slots.values())
+    finally:
+        engine.close()
+    assert WeightStreamer([("cpu", 8), ("cpu", 24)]).window == 2 * ALIGN  # unset: double-buffering
+
+
+def test_emulated_engine_completes_out_of_order_and_poisons_until_done():
+    engine = EmulatedCopyEngine(latency=0.01, seed=3)
+    cpu = torch.device("cpu")
+    try:
+        buffer = engine.alloc(cpu, 64 * 4 * 8).view(torch.float32).view(64, 8)
+        events = [engine.copy(torch.full((8,), float(i)), buffer[i]) for i in range(64)]
+        assert bool(buffer[63].isnan().all())  # poisoned from the moment the copy may start
+        for event in events:
+            engine.wait(event, cpu)
+        assert buffer[:, 0].tolist() == [float(i) for i in range(64)]
+        assert engine.out_of_order > 0
+    finally:
+        engine.close()
 
 
 def test_gradients_reach_the_host_weights(exported):
@@ -60,22 +141,6 @@ def test_gradients_reach_the_host_weights(exported):
             torch.testing.assert_close(grad, reference[name].grad, atol=1e-5, rtol=1e-4)
             checked += 1
     assert checked > 0
-
-
-def test_streamer_window_bounds_what_is_copied_ahead():
-    weights = [torch.full((4,), float(i)) for i in range(5)]
-    streamer = WeightStreamer([("cpu", 16)] * 5, window=32)  # two weights ahead
-    streamer.bind(weights)
-    assert streamer(weights[0], index=0) is weights[0]
-    assert sorted(streamer._pending) == [1, 2] and streamer._in_flight == 32
-    streamer(weights[1], index=1)
-    assert sorted(streamer._pending) == [2, 3]
-    streamer(weights[4], index=4)  # out of order (another micro-batch): copied now, then wraps round
-    assert streamer._in_flight <= streamer.window
-    assert sorted(streamer._pending) == [2, 3]
-    streamer.drop_prefetched()
-    assert not streamer._pending and streamer._in_flight == 0
-    assert WeightStreamer([("cpu", 8), ("cpu", 24)]).window == 24  # unset: double-buffering
 
 
 def test_ort_streams_weights_as_stage_inputs(exported):
@@ -145,7 +210,7 @@ def test_streamed_weights_on_a_gpu(exported):
     expected = net(*args).detach()
     # TF32 off by default for matmuls in torch; fp32 on both sides
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
-    assert streamer._streams and streamer.copy_seconds() > 0
+    assert streamer._cuda is not None and streamer._cuda.streams and streamer.copy_seconds() > 0
     assert streamer.prefetched > 0
 
 
