@@ -13,7 +13,7 @@ Example:
     >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
     >>> _ = pl.stream_parameters(model, ["blocks.0.mlp"])
-    >>> pl.inject_cross_device_copies(model)
+    >>> _ = pl.inject_cross_device_copies(model)
     >>> module = pl.to_torch(model, device_map="cpu")
     >>> code = module.code
     >>> code.count("self.weight_streamer(") == code.count("self.weight_release(") > 0

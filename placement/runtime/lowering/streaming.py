@@ -34,7 +34,7 @@ Example:
     >>> import torch
     >>> from placement.runtime.lowering.copy_emulation import EmulatedCopyEngine
     >>> weights = [torch.full((4,), float(i)) for i in range(3)]
-    >>> streamer = WeightStreamer([("cpu", 16)] * 3, window=32)
+    >>> streamer = WeightStreamer([("cpu", 16)] * 3, window=1024)  # two 512-byte regions
     >>> streamer.bind(weights)
     >>> engine = streamer.use(EmulatedCopyEngine())
     >>> got = []
@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from placement.planning.offload_layers import ALIGN
 from placement.runtime.lowering.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
 __all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed"]
@@ -66,8 +67,6 @@ log = logging.getLogger(__name__)
 
 #: The attribute of a lowered module holding its streamer.
 STREAMER_NAME = "weight_streamer"
-#: Bytes each weight's region of the window is aligned to.
-ALIGN = 512
 
 #: Test-only hazards (``streamer._unsafe``): drop one wait to prove the tests see it.
 HAZARDS = ("skip_wait", "skip_release")
