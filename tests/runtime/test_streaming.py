@@ -267,3 +267,27 @@ def test_pipelined_stages_with_streamed_weights_are_not_traced(exported):
     module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
     calls = [n for n in module.graph.nodes if n.op == "call_module" and n.target == "weight_streamer"]
     assert calls and all("streamed weight" in n.meta[UNTRACEABLE_META] for n in calls)
+
+
+def test_host_layers_compute_in_fp32():
+    """An fp16 model with a block on the host: its ops widen to fp32 and narrow back, the GPU
+    side stays fp16; the outputs are as close to the fp32 model's as fp16 allows."""
+    from placement.models import gpt
+
+    net, args = gpt.build("tiny")
+    reference = net(*args).detach()
+    half = net.half()
+    model = pl.from_torch(half, args)
+    for op in model.ops:
+        if (op.scope or "").startswith("blocks.1"):
+            model.set_device(op.name, "cpu")
+    pl.inject_cross_device_copies(model, output_device=0)
+    module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
+    code = module.code
+    assert "_f32 = " in code and ".float()" in code and "_narrow = " in code
+    widened = {n.meta.get("placement_device") for n in module.graph.nodes if n.name.endswith("_f32")}
+    assert widened == {"cpu"}  # only host ops widen
+    with torch.no_grad():
+        got = module(*args)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)  # fp16 storage between ops
