@@ -61,7 +61,7 @@ import torch
 from placement.planning.offload_layers import ALIGN
 from placement.runtime.lowering.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
-__all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed"]
+__all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed", "measure_workspace"]
 
 log = logging.getLogger(__name__)
 
@@ -338,3 +338,25 @@ def pin_streamed(module: torch.nn.Module, paths: Sequence[str]) -> int:
         pinned += param.numel() * param.element_size()
     log.info("pinned %d bytes of streamed parameters", pinned)
     return pinned
+
+
+def measure_workspace(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
+    """GPU bytes the framework allocates for itself on the first matrix product (cuBLAS's
+    workspace, through the caching allocator): the ``workspace=`` of :func:`placement.plan_offload`
+    measured once. 0 without CUDA.
+
+    Example:
+        >>> measure_workspace("cuda") >= 0
+        True
+    """
+    if not torch.cuda.is_available():
+        return 0
+    device = torch.device(device)
+    torch.cuda.synchronize(device)
+    a = torch.ones(256, 256, dtype=dtype, device=device)
+    before = torch.cuda.memory_allocated(device)
+    c = a @ a
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    del a, c
+    return max(0, after - before - 256 * 256 * torch.tensor([], dtype=dtype).element_size())
