@@ -61,7 +61,7 @@ import torch
 from placement.planning.offload_layers import ALIGN
 from placement.runtime.lowering.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
-__all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed", "measure_workspace"]
+__all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed", "measure_workspace", "free_workspaces"]
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,7 @@ def measure_workspace(device: str | torch.device = "cuda", dtype: torch.dtype = 
     if not torch.cuda.is_available():
         return 0
     device = torch.device(device)
+    free_workspaces()
     torch.cuda.synchronize(device)
     a = torch.ones(256, 256, dtype=dtype, device=device)
     before = torch.cuda.memory_allocated(device)
@@ -360,3 +361,14 @@ def measure_workspace(device: str | torch.device = "cuda", dtype: torch.dtype = 
     after = torch.cuda.memory_allocated(device)
     del a, c
     return max(0, after - before - 256 * 256 * torch.tensor([], dtype=dtype).element_size())
+
+
+def free_workspaces() -> bool:
+    """Free cuBLAS's workspaces where this torch can (they are made again on the next product),
+    so that a measurement sees them allocated; whether it could."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_available():
+        return False
+    torch.cuda.synchronize()
+    clear()
+    return True
