@@ -117,13 +117,21 @@ def test_emulated_engine_completes_out_of_order_and_poisons_until_done():
     try:
         buffer = engine.alloc(cpu, 64 * 4 * 8).view(torch.float32).view(64, 8)
         events = [engine.copy(torch.full((8,), float(i)), buffer[i]) for i in range(64)]
-        assert bool(buffer[63].isnan().all())  # poisoned from the moment the copy may start
         for event in events:
             engine.wait(event, cpu)
         assert buffer[:, 0].tolist() == [float(i) for i in range(64)]
         assert engine.out_of_order > 0
     finally:
         engine.close()
+    held = EmulatedCopyEngine(hold=True)  # completes only when waited for
+    try:
+        dst = held.alloc(cpu, 32).view(torch.float32)
+        event = held.copy(torch.ones(8), dst)
+        assert bool(dst.isnan().all()) and not event.query()  # poisoned from the moment it may start
+        held.wait(event, cpu)
+        assert dst.tolist() == [1.0] * 8
+    finally:
+        held.close()
 
 
 def test_gradients_reach_the_host_weights(exported):
