@@ -271,7 +271,14 @@ def _choose(
 
     if fits(every, 1):
         return every, simulate(layers, every, link, back), 1
-    candidates = [k for k, layer in enumerate(layers) if layer.streamable]
+    # layers worth taking off: those whose own weights are a tenth of the largest layer's or more
+    # (streaming a layer norm saves nothing and uses up a place in the interleaving)
+    largest = max((sum(layer.streamable.values()) for layer in layers), default=0)
+    candidates = [
+        k
+        for k, layer in enumerate(layers)
+        if layer.streamable and 10 * sum(layer.streamable.values()) >= largest
+    ]
     best: tuple[int, int, list[str], int] | None = None
     for m in range(1, len(candidates) + 1):
         chosen = _spread(candidates, m)
@@ -298,7 +305,6 @@ def _choose(
             if best is None or (t, -depth) < (best[0], -best[1]):
                 best = (t, depth, modes, m)
     if best is None:
-        largest = max((sum(layer.streamable.values()) for layer in layers), default=0)
         raise InfeasiblePlacementError(
             f"no offload plan fits the budgets (GPU {format_bytes(gpu_budget)}, host "
             f"{format_bytes(host_budget)}): streaming needs at least {format_bytes(fixed + largest)} on "

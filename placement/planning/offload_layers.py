@@ -111,7 +111,7 @@ def size_activations(model: Model, info: GraphInfo, bindings: Mapping[str, int])
         dims = shapes.dims(value)
         if dims is None:
             continue
-        size = math.prod(dims) * value.dtype.itemsize
+        size = int(math.ceil(math.prod(dims) * value.dtype.itemsize))
         info.blob_bytes[b] = size
         info.step_bytes[b] = size
         added += size
