@@ -37,7 +37,7 @@ Example:
     >>> import placement as pl
     >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
-    >>> plan = pl.plan_offload(model, max_memory={0: "40KiB", "cpu": "1GiB"}, cost="flops", links="host")
+    >>> plan = pl.plan_offload(model, max_memory={0: "48KiB", "cpu": "1GiB"}, cost="flops", links="host")
     >>> plan.fits, sorted(set(plan.modes.values())) <= ["host", "resident", "streamed"]
     (True, True)
 """
