@@ -46,6 +46,9 @@ from placement.planning.offload import _choose, _memory, layers_of, simulate  # 
 from placement.planning.offload_search import gpu_activations, search_modes  # noqa: E402
 from placement.planning.speeds import DEFAULT_FLOPS  # noqa: E402
 
+#: the window depth the contenders are compared at (streamed layers in the window)
+DEPTH = 2
+
 #: name -> (config, (batch, tokens), GPU budgets)
 MODELS = {
     "big": (
@@ -73,21 +76,21 @@ def _plans(model: pl.Model, budget: int, rates: dict[str, float]) -> dict[str, t
     whole = info.segment_peak_activation(0, len(info))
 
     def time_of(modes: list[str]) -> int:
-        return simulate(layers, modes, link, link)
+        return simulate(layers, modes, link, link, depth=DEPTH)
 
     out: dict[str, tuple[list[str], int] | None] = {}
     try:
         out["search"] = search_modes(
             layers,
             budgets,
-            lambda m: _memory(layers, m, acts),
+            lambda m: _memory(layers, m, acts, 0, DEPTH),
             time_of,
-            heuristic=lambda: _choose(layers, budgets, acts, link, link),
+            heuristic=lambda: _choose(layers, budgets, acts, 0, link, link, depths=(DEPTH,))[:2],
         )
     except InfeasiblePlacementError:
         out["search"] = None
     try:
-        modes, _ = _choose(layers, budgets, whole, link, link)
+        modes = _choose(layers, budgets, whole, 0, link, link, depths=(DEPTH,))[0]
         out["spread only"] = (modes, time_of(modes))
     except InfeasiblePlacementError:
         out["spread only"] = None

@@ -11,9 +11,11 @@ block, ``h.3`` or ``layers.7``, or of one top-level module) and gives each a mod
   (:func:`placement.stream_parameters`);
 * ``host``: its ops run on the host; only activations cross the link.
 
-The GPU budget counts the resident weights, the prefetch window (room for the
-largest streamed layer in use plus the next one in flight) and the peak of the
-activations; the host budget counts the weights that live there. The mode is chosen
+The GPU budget counts the resident weights (a weight shared by several layers, such as a
+tied embedding, once, on the GPU), the device window of streamed weights (``depth``
+streamed layers in use and copied ahead, chosen with the modes), the peak of the
+activations **at the batch planned for** (``batch=``, or the sample inputs' shapes) and a
+workspace margin; the host budget counts the weights that live there. The mode is chosen
 from predicted times: each layer's compute time on the GPU and on the host (measured
 on this machine's CPU, or given; a device that cannot be timed here is estimated
 from the host times and the devices' FLOP rates) and the link's bandwidth
@@ -35,7 +37,7 @@ Example:
     >>> import placement as pl
     >>> from placement.models import gpt
     >>> model = pl.from_torch(*gpt.build("tiny"))
-    >>> plan = pl.plan_offload(model, max_memory={0: "40KiB", "cpu": "1GiB"}, cost="flops", links="host")
+    >>> plan = pl.plan_offload(model, max_memory={0: "48KiB", "cpu": "1GiB"}, cost="flops", links="host")
     >>> plan.fits, sorted(set(plan.modes.values())) <= ["host", "resident", "streamed"]
     (True, True)
 """
@@ -43,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -51,12 +52,13 @@ from typing import Any, Union
 from placement.errors import InfeasiblePlacementError, PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
-from placement.graph.nodes import STREAMED_KEY, node_scope, set_node_device
+from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
+from placement.planning.offload_layers import ALIGN, Layer, layers_of, size_activations
 from placement.planning.offload_search import gpu_activations, search_modes
-from placement.planning.profile import profile
+from placement.planning.profile import profile, symbol_bindings
 from placement.planning.speeds import DEFAULT_FLOPS
 
 __all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
@@ -67,36 +69,15 @@ MODES = ("resident", "streamed", "host")
 #: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
 Activations = Union[int, Callable[[Sequence[str]], int]]
 
+#: The GPU workspace margin (``workspace=``): cuBLAS keeps up to 32 MiB per stream on
+#: recent GPUs, allocated through torch's caching allocator.
+DEFAULT_WORKSPACE = 32 << 20
+#: The largest share of the GPU budget the default workspace margin takes.
+WORKSPACE_SHARE = 0.05
+
 #: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
 #: lives in :mod:`placement.planning.speeds`.
 DEFAULT_THROUGHPUT = DEFAULT_FLOPS
-
-
-@dataclass
-class Layer:
-    """A run of ops in graph order that is offloaded as one.
-
-    Attributes:
-        name: the block's module path (``"h.3"``), or the first op's name.
-        start, end: its ops are positions ``start .. end-1`` of the graph order.
-        params: weights it reads first (it owns them), in read order.
-        param_bytes: bytes of ``params``.
-        weights: every weight it reads (owned or not, e.g. a tied embedding) -> bytes.
-        gpu_ns, host_ns: predicted compute time on the GPU and on the host.
-        in_bytes, out_bytes: activation bytes it reads from earlier layers and that later
-            layers read from it.
-    """
-
-    name: str
-    start: int
-    end: int
-    params: list[str]
-    param_bytes: int
-    gpu_ns: int
-    host_ns: int
-    in_bytes: int
-    out_bytes: int
-    weights: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,14 +88,21 @@ class OffloadPlan:
         gpu, host: the two devices.
         layers: the layers in order.
         modes: layer name -> ``"resident"``, ``"streamed"`` or ``"host"``.
-        window: prefetch window of streamed weights (bytes copied ahead of use).
-        gpu_bytes: resident weights + twice the window (in use and in flight) + peak activations.
+        window: bytes of the device window holding the streamed weights in use and copied
+            ahead (``depth`` of the largest streamed layer, plus its largest weight for the
+            ring's wrap; :class:`~placement.runtime.lowering.streaming.WeightStreamer`).
+        gpu_bytes: resident weights (shared ones included) + the window + peak activations
+            at the planned batch + the workspace margin.
         host_bytes: weights living on the host.
         budgets: the GPU's and the host's budget (None: unlimited).
         predicted_ns: the simulated time of one forward.
         all_gpu_ns: the simulated time with every layer resident (ignoring the budget).
         copy_ns: the time the streamed weights take on the link per forward.
         link: the host -> GPU link planned with.
+        depth: streamed layers the window holds (in use and copied ahead).
+        activation_bytes: peak live activations at the planned batch.
+        workspace_bytes: the margin for the framework's workspace (cuBLAS, allocator rounding).
+        bindings: the symbolic dimensions planned for (``{"batch": 8}``).
     """
 
     gpu: Device
@@ -129,6 +117,10 @@ class OffloadPlan:
     all_gpu_ns: int
     copy_ns: int
     link: Link = field(repr=False, default_factory=lambda: Link(1e10))
+    depth: int = 2
+    activation_bytes: int = 0
+    workspace_bytes: int = 0
+    bindings: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -156,7 +148,7 @@ class OffloadPlan:
         counts = {mode: sum(1 for m in self.modes.values() if m == mode) for mode in MODES}
         return (
             f"offload plan: {counts['resident']} resident, {counts['streamed']} streamed, "
-            f"{counts['host']} host layers; window {format_bytes(self.window)}; GPU "
+            f"{counts['host']} host layers; window {format_bytes(self.window)} ({self.depth} deep); GPU "
             f"{format_bytes(self.gpu_bytes)} of {format_bytes(self.budgets[0])}; predicted "
             f"{self.predicted_ns / 1e6:.3f} ms (all on the GPU {self.all_gpu_ns / 1e6:.3f} ms)"
         )
@@ -172,95 +164,24 @@ def is_offload_budget(devices: Sequence[Device], budgets: Sequence[int | None]) 
     )
 
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def _layer_key(scope: str | None) -> str:
-    """``h.3.attn.c_attn`` -> ``h.3``; ``model.layers.3.mlp`` -> ``model.layers.3``; ``lm_head`` -> itself."""
-    if not scope:
-        return ""
-    match = _BLOCK.match(scope)
-    if match:
-        return match.group(1)
-    return scope.split(".")[0]
-
-
-def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Sequence[int]) -> list[Layer]:
-    """Cut the graph order into layers (see the module docstring); ops without parameters join the
-    layer before them (the first layer: the one after)."""
-    n = len(info)
-    keys = [_layer_key(node_scope(node)) for node in info.nodes]
-    runs: list[list[int]] = []  # [start, end]
-    for pos in range(n):  # ops outside any module scope: each op with weights starts a layer
-        same = bool(keys[pos]) and runs and keys[pos] == keys[runs[-1][0]]
-        if runs and (same or not info.op_params[pos]):
-            runs[-1][1] = pos + 1
-        else:
-            runs.append([pos, pos + 1])
-    # a leading run without parameters joins the next one
-    if len(runs) > 1 and not any(info.op_params[p] for p in range(*runs[0])):
-        runs[1][0] = runs[0][0]
-        runs.pop(0)
-    owner: dict[int, int] = {}
-    for k, (start, end) in enumerate(runs):
-        for pos in range(start, end):
-            for p in info.op_params[pos]:
-                owner.setdefault(p, k)
-    layers: list[Layer] = []
-    for k, (start, end) in enumerate(runs):
-        params = sorted((p for p, o in owner.items() if o == k), key=lambda p: p)
-        floating = [p for p in params if _is_weight(model, info.param_names[p])]
-        layers.append(
-            Layer(
-                name=keys[start] or info.names[start],
-                start=start,
-                end=end,
-                params=[info.param_names[p] for p in floating],
-                param_bytes=sum(info.param_bytes[p] for p in floating),
-                gpu_ns=int(sum(gpu_ns[start:end])),
-                host_ns=int(sum(host_ns[start:end])),
-                in_bytes=info.segment_in_bytes(start, end),
-                out_bytes=0,
-                weights={
-                    info.param_names[p]: info.param_bytes[p]
-                    for pos in range(start, end)
-                    for p in info.op_params[pos]
-                    if _is_weight(model, info.param_names[p])
-                },
-            )
-        )
-    for k, layer in enumerate(layers):
-        if k + 1 < len(layers):
-            layer.out_bytes = layers[k + 1].in_bytes
-    names: dict[str, int] = {}
-    for layer in layers:  # unique names (a block read twice, root ops between blocks)
-        seen = names.get(layer.name, 0)
-        names[layer.name] = seen + 1
-        if seen:
-            layer.name = f"{layer.name}#{seen}"
-    return layers
-
-
-def _is_weight(model: Model, name: str) -> bool:
-    value = model.graph.initializers[name].const_value
-    return value is not None and value.dtype.is_floating_point() and len(value.shape) >= 1
-
-
 def simulate(
     layers: Sequence[Layer],
     modes: Sequence[str],
     link: Link,
     back: Link | None = None,
     streamed: Sequence[Mapping[str, int]] | None = None,
+    *,
+    depth: int = 2,
 ) -> int:
     """Predicted nanoseconds of one forward (see the module docstring).
 
     The GPU runs resident and streamed layers in order; the copy stream copies streamed
-    layers in order, the copy of a streamed layer starting once the previous streamed
-    layer is in use (the window holds one layer ahead); a host layer after a GPU layer
-    waits for its input on the host (``back``: the GPU -> host link) and a GPU layer after
-    a host layer waits for its output.
-    ``streamed``: per layer, the weights it streams in (default: its own, ``params``).
+    layers in order, the copy of a streamed layer starting once the window has room:
+    it holds ``depth`` streamed layers, so the copy of streamed layer ``j`` waits for the
+    compute of streamed layer ``j - depth`` to end (its release). A host layer after a GPU
+    layer waits for its input on the host (``back``: the GPU -> host link) and a GPU layer
+    after a host layer waits for its output; consecutive host layers hand over on the host.
+    ``streamed``: per layer, the weights it streams in (default: its own).
 
     Example:
         >>> a = Layer("a", 0, 1, ["w"], 10**6, 1000, 10**5, 0, 0, {"w": 10**6})
@@ -273,17 +194,16 @@ def simulate(
         streamed = _streamed(layers, modes)
     t_gpu = 0  # when the GPU's compute stream is free
     t_copy = 0  # when the copy stream is free
-    room = 0  # when the window has room for the next streamed layer
+    finished: list[int] = []  # when each streamed layer's compute ended (its window room is free)
     for k, (layer, mode, weights) in enumerate(zip(layers, modes, streamed)):
         if mode == "resident":
             t_gpu += layer.gpu_ns
         elif mode == "streamed":
-            start_copy = max(t_copy, room)
-            t_copy = start_copy + sum(link.time_ns(size) for size in weights.values())
-            start = max(t_gpu, t_copy)
-            room = start  # in use now: the next streamed layer may be copied in
-            t_gpu = start + layer.gpu_ns
-        else:  # consecutive host layers hand activations over on the host (planner fix)
+            room = finished[-depth] if depth >= 1 and len(finished) >= depth else 0
+            t_copy = max(t_copy, room) + sum(link.time_ns(size) for size in weights.values())
+            t_gpu = max(t_gpu, t_copy) + layer.gpu_ns
+            finished.append(t_gpu)
+        else:
             copy_in = 0 if k and modes[k - 1] == "host" else back.time_ns(layer.in_bytes)
             copy_out = 0 if k + 1 < len(modes) and modes[k + 1] == "host" else link.time_ns(layer.out_bytes)
             t_gpu += copy_in + layer.host_ns + copy_out
@@ -291,7 +211,9 @@ def simulate(
 
 
 def _spread(candidates: Sequence[int], m: int) -> list[int]:
-    """``m`` of ``candidates`` spread evenly over them (interleaved with the others)."""
+    """``m`` of ``candidates`` spread evenly over them (interleaved with the others: a streamed
+    layer needs compute in front of it; the first candidate stays resident while ``m`` is at
+    most half of them)."""
     if m >= len(candidates):
         return list(candidates)
     step = len(candidates) / m
@@ -299,89 +221,147 @@ def _spread(candidates: Sequence[int], m: int) -> list[int]:
 
 
 def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, int]]:
-    """Per layer, the weights it streams in (name -> bytes): those it reads that no resident
-    layer reads and no earlier streamed layer brought in (one copy per weight and device)."""
-    resident = {name for layer, mode in zip(layers, modes) if mode == "resident" for name in layer.weights}
-    seen: set[str] = set()
+    """Per layer, the weights it streams in (name -> bytes): those only it reads (shared weights
+    stay on the GPU), one copy per weight."""
     out: list[dict[str, int]] = []
     for layer, mode in zip(layers, modes):
-        mine: dict[str, int] = {}
-        if mode == "streamed":
-            for name, size in layer.weights.items():
-                if name not in resident and name not in seen:
-                    mine[name] = size
-                    seen.add(name)
-        out.append(mine)
+        out.append(dict(layer.streamable) if mode == "streamed" else {})
     return out
 
 
-def _memory(layers: Sequence[Layer], modes: Sequence[str], activations: Activations) -> tuple[int, int, int]:
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def window_bytes(layers: Sequence[Layer], modes: Sequence[str], depth: int) -> int:
+    """The device window the streamed layers need: ``depth`` of the largest streamed layer (each
+    weight aligned as the runtime lays it out), plus the largest weight for the ring's wrap."""
+    per_layer = [sum(_aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
+    if not per_layer:
+        return 0
+    largest_weight = max(_aligned(size) for m in _streamed(layers, modes) for size in m.values())
+    return min(depth, len(per_layer)) * max(per_layer) + largest_weight
+
+
+def _memory(
+    layers: Sequence[Layer], modes: Sequence[str], activations: Activations, workspace: int, depth: int
+) -> tuple[int, int, int]:
     """(GPU bytes, host bytes, window) of an assignment of modes: the GPU holds the weights of
-    resident layers, the largest streamed layer in use and one more in flight (twice the window)
-    and the activations; the host holds every weight a streamed or host layer reads."""
-    sizes = [sum(m.values()) for m in _streamed(layers, modes) if m]
-    window = max(sizes, default=0)
-    in_flight = window if len(sizes) == 1 else 2 * window  # one streamed layer: never two at once
+    resident layers and the shared weights any GPU layer reads, the window, the peak activations
+    of the ops it runs (``activations``: bytes, or a function of the modes) and the workspace; the
+    host holds every weight a streamed or host layer reads."""
+    window = window_bytes(layers, modes, depth)
     resident: dict[str, int] = {}
     hosted: dict[str, int] = {}
     for layer, mode in zip(layers, modes):
-        (resident if mode == "resident" else hosted).update(layer.weights)
-    if callable(activations):  # planner hook: the GPU's activations depend on the modes
+        if mode == "resident":
+            resident.update(layer.weights)
+        else:
+            hosted.update(layer.weights)
+            if mode == "streamed":
+                resident.update({name: layer.weights[name] for name in layer.shared})
+    if callable(activations):  # the GPU holds the activations of the ops it runs
         activations = activations(modes)
-    return sum(resident.values()) + in_flight + activations, sum(hosted.values()), window
+    return sum(resident.values()) + window + activations + workspace, sum(hosted.values()), window
+
+
+def _neighbours_streamed(modes: Sequence[str]) -> int:
+    """How many pairs of neighbouring layers both stream (a streamed copy hides only behind the
+    compute in front of it: among plans predicted equally fast, the interleaved one is preferred)."""
+    return sum(1 for a, b in zip(modes, modes[1:]) if a == b == "streamed")
+
+
+#: Plans predicted within this share of the fastest count as equally fast (see
+#: :func:`_neighbours_streamed`).
+TIE = 0.01
 
 
 def _choose(
     layers: list[Layer],
     budgets: tuple[int | None, int | None],
     activations: Activations,
+    workspace: int,
     link: Link,
     back: Link,
-) -> tuple[list[str], int]:
-    """The fastest feasible modes (see the module docstring) and their predicted time."""
+    depths: Sequence[int] = (1, 2, 3, 4),
+) -> tuple[list[str], int, int]:
+    """The fastest feasible modes (see the module docstring), their predicted time and window depth."""
     n = len(layers)
     gpu_budget, host_budget = budgets
     every = ["resident"] * n
 
-    def fits(modes: list[str]) -> bool:
-        gpu, host, _ = _memory(layers, modes, activations)
+    def fits(modes: list[str], depth: int) -> bool:
+        gpu, host, _ = _memory(layers, modes, activations, workspace, depth)
         return (gpu_budget is None or gpu <= gpu_budget) and (host_budget is None or host <= host_budget)
 
-    if fits(every):
-        return every, simulate(layers, every, link, back)
-    candidates = [k for k, layer in enumerate(layers) if layer.weights]
-    best: tuple[int, list[str]] | None = None
+    if fits(every, 1):
+        return every, simulate(layers, every, link, back), 1
+    # layers worth taking off: those whose own weights are a tenth of the largest layer's or more
+    # (streaming a layer norm saves nothing and uses up a place in the interleaving)
+    largest = max((sum(layer.streamable.values()) for layer in layers), default=0)
+    candidates = [
+        k
+        for k, layer in enumerate(layers)
+        if layer.streamable and 10 * sum(layer.streamable.values()) >= largest
+    ]
+    best: tuple[int, int, list[str], int] | None = None
     for m in range(1, len(candidates) + 1):
         chosen = _spread(candidates, m)
-        modes = list(every)
-        for k in chosen:
-            modes[k] = "streamed"
-        # each layer taken off: stream it or run it on the host, whichever is faster
-        for _ in range(2):
+        for depth in depths:
+            modes = list(every)
             for k in chosen:
-                options = []
-                for mode in ("streamed", "host"):
-                    modes[k] = mode
-                    options.append((simulate(layers, modes, link, back), mode == "host", mode))
-                modes[k] = min(options)[2]
-        if not fits(modes):
-            host_only = ["host" if k in chosen else "resident" for k in range(n)]
-            modes = host_only if fits(host_only) else modes
-        if not fits(modes):
-            continue
-        t = simulate(layers, modes, link, back)
-        if best is None or t < best[0]:
-            best = (t, modes)
+                modes[k] = "streamed"
+            # each layer taken off: stream it or run it on the host, whichever is faster
+            for _ in range(2):
+                for k in chosen:
+                    options = []
+                    for mode in ("streamed", "host"):
+                        modes[k] = mode
+                        options.append(
+                            (simulate(layers, modes, link, back, depth=depth), mode == "host", mode)
+                        )
+                    modes[k] = min(options)[2]
+            if not fits(modes, depth):
+                host_only = ["host" if k in chosen else "resident" for k in range(n)]
+                modes = host_only if fits(host_only, depth) else modes
+            if not fits(modes, depth):
+                continue
+            t = simulate(layers, modes, link, back, depth=depth)
+            if best is None or (t, -depth) < (best[0], -best[1]):
+                best = (t, depth, modes, m)
     if best is None:
-        if callable(activations):  # planner hook: the GPU's activations depend on the modes
+        if callable(activations):
             activations = activations(every)
-        smallest = activations + 2 * max((sum(layer.weights.values()) for layer in layers), default=0)
+        fixed = activations + workspace
         raise InfeasiblePlacementError(
             f"no offload plan fits the budgets (GPU {format_bytes(gpu_budget)}, host "
-            f"{format_bytes(host_budget)}): streaming needs at least {format_bytes(smallest)} on the GPU "
-            "(peak activations and two layers' weights), and every weight must fit on the host"
+            f"{format_bytes(host_budget)}): streaming needs at least {format_bytes(fixed + largest)} on "
+            f"the GPU (peak activations and workspace {format_bytes(fixed)}, and the largest layer's "
+            "weights), and every weight must fit on the host"
         )
-    return best[1], best[0]
+    return best[2], best[0], best[1]
+
+
+def _feeds(model: Model, sample_inputs: Any) -> dict[str, Any] | None:
+    """Graph input name -> array of the sample inputs (None when there are none)."""
+    if sample_inputs is None:
+        return None
+    from placement.planning.profile import _normalise_inputs
+
+    return _normalise_inputs(model, sample_inputs)
+
+
+def _given(model: Model, feeds: Mapping[str, Any] | None) -> set[str]:
+    """The symbols that the sample inputs give a size."""
+    if not feeds:
+        return set()
+    return {
+        str(dim.value)
+        for value in model.graph.inputs
+        if value.shape is not None and (value.name or "") in feeds
+        for dim in value.shape
+        if not isinstance(dim, int) and dim.value is not None
+    }
 
 
 def plan_offload(
@@ -395,6 +375,8 @@ def plan_offload(
     op_times: Mapping[Any, Sequence[int] | Mapping[str, float]] | None = None,
     throughput: Mapping[str, float] | None = None,
     apply: bool = True,
+    batch: int | None = None,
+    workspace: int | str | None = None,
 ) -> OffloadPlan:
     """Plan one GPU plus host memory: per layer resident, streamed or on the host (see the module doc).
 
@@ -414,6 +396,12 @@ def plan_offload(
             for ``cost="flops"`` and to estimate the GPU's times from the host's.
         apply: place the model and mark its streamed parameters
             (:func:`placement.stream_parameters`, window included).
+        batch: the batch the plan is made for: symbolic dimensions of the graph inputs that
+            ``sample_inputs`` do not give are bound to it (default 1), so the activations
+            counted in the GPU budget are those of that batch.
+        workspace: bytes kept free on the GPU for the framework's workspace (cuBLAS's
+            workspace, the allocator's rounding); default :data:`DEFAULT_WORKSPACE`, capped at
+            :data:`WORKSPACE_SHARE` of the GPU budget for small budgets.
 
     Raises:
         PlanError: the budget is not one GPU plus a host, or bad arguments.
@@ -457,8 +445,16 @@ def plan_offload(
     to_gpu = link_model.link(host, gpu) if link_model is not None else Link(1e18)  # None: copies are free
     to_host = link_model.link(gpu, host) if link_model is not None else to_gpu
     rates = {**DEFAULT_THROUGHPUT, **(throughput or {})}
+    if batch is not None and (not isinstance(batch, int) or batch < 1):
+        raise PlanError(f"plan_offload plans for a positive integer batch, not {batch!r}")
     prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
     info = GraphInfo(model)
+    feeds = _feeds(model, sample_inputs)
+    bindings = {
+        k: (batch if batch is not None and k not in _given(model, feeds) else v)
+        for k, v in symbol_bindings(model, feeds).items()
+    }
+    size_activations(model, info, bindings)
     flops = prof.costs("flops")
     if cost == "time":
         host_ns = list(prof.costs("time"))
@@ -478,17 +474,45 @@ def plan_offload(
                 raise PlanError(f"op_times[{device!r}] needs {len(info)} times, got {len(times)}")
             target[:] = [round(t) for t in times]
     layers = layers_of(model, info, gpu_ns, host_ns)
-    # planner hooks (placement.planning.offload_search): the GPU holds the activations of the
-    # ops it runs, and a local search improves the spread guess or finds a plan where it finds none
-    activations = gpu_activations(info, layers)
-    modes, predicted = search_modes(
-        layers,
-        budgets,
-        lambda m: _memory(layers, m, activations),
-        lambda m: simulate(layers, m, to_gpu, to_host),
-        heuristic=lambda: _choose(layers, budgets, activations, to_gpu, to_host),
+    activations = gpu_activations(info, layers)  # the GPU holds the activations of the ops it runs
+    if workspace is None:
+        workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
+    else:
+        workspace_bytes = parse_bytes(workspace)
+    # for each window depth, the spread guess and a local search (placement.planning.offload_search)
+    # from it, the all-host plan and repaired all-resident/all-streamed plans; the fastest fit wins,
+    # interleaved plans first among equally fast ones
+    found: list[tuple[int, list[str], int]] = []
+    for depth in (1, 2, 3, 4):
+
+        def guess(d: int = depth) -> tuple[list[str], int]:
+            modes, t, _ = _choose(layers, budgets, activations, workspace_bytes, to_gpu, to_host, depths=(d,))
+            return modes, t
+
+        try:
+            found.append((*guess()[::-1], depth))
+        except InfeasiblePlacementError:
+            pass
+        try:
+            modes, predicted = search_modes(
+                layers,
+                budgets,
+                lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
+                lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
+                heuristic=guess,
+            )
+        except InfeasiblePlacementError:
+            if depth == 4 and not found:
+                raise
+            continue
+        found.append((predicted, modes, depth))
+    fastest = min(t for t, _, _ in found)
+    predicted, modes, depth = min(
+        (f for f in found if f[0] <= fastest * (1 + TIE)),
+        key=lambda f: (_neighbours_streamed(f[1]), f[0], -f[2]),
     )
-    gpu_bytes, host_bytes, window = _memory(layers, modes, activations)
+    gpu_bytes, host_bytes, window = _memory(layers, modes, activations, workspace_bytes, depth)
+    peak_activations = activations(modes)
     plan = OffloadPlan(
         gpu=gpu,
         host=host,
@@ -504,6 +528,10 @@ def plan_offload(
             to_gpu.time_ns(size) for per_layer in _streamed(layers, modes) for size in per_layer.values()
         ),
         link=to_gpu,
+        depth=depth,
+        activation_bytes=peak_activations,
+        workspace_bytes=workspace_bytes,
+        bindings=bindings,
     )
     if apply:
         assignment = {name: Device.parse(dev) for name, dev in plan.assignment(info).items()}

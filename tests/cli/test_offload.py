@@ -15,7 +15,9 @@ def test_place_with_gpu_and_host_budgets(exported, tmp_path):
     model, _, _ = exported("gpt")
     source, target = tmp_path / "gpt.onnx", tmp_path / "placed.onnx"
     model.save(source)
-    budget = int(sum(p.nbytes for p in model.parameters.values()) * 0.6)
+    # 60% of the weights, plus room for the activations (28 KiB at the example's batch), which the
+    # GPU budget counts
+    budget = int(sum(p.nbytes for p in model.parameters.values()) * 0.6) + (32 << 10)
     argv = [
         "place",
         str(source),

@@ -33,17 +33,18 @@ def _plan(model, budget, link, **kw):
 
 def test_fast_link_streams_interleaved_within_budget(chain_path):
     model = pl.load(chain_path)
-    budget = int(_weights(model) * 0.7)
+    budget = int(_weights(model) * 0.8)
     plan = _plan(model, budget, FAST)
     modes = [plan.modes[layer.name] for layer in plan.layers]
     assert len(plan.layers) == 12 and plan.fits and plan.gpu_bytes <= budget
     assert "streamed" in modes and "host" not in modes
     assert all(not (a == b == "streamed") for a, b in zip(modes, modes[1:])), modes  # interleaved
     assert set(model.streamed) == set(plan.streamed_parameters())
-    assert plan.window == max(layer.param_bytes for layer in plan.layers)
-    # the window counts in the budget: twice the largest streamed layer (in use + in flight)
+    # the window counts in the budget: depth streamed layers (in use and ahead) + the ring's wrap
+    layer_bytes = max(layer.param_bytes for layer in plan.layers)
+    assert plan.window == plan.depth * layer_bytes + layer_bytes and plan.depth >= 1
     resident = sum(layer.param_bytes for layer, m in zip(plan.layers, modes) if m == "resident")
-    assert plan.gpu_bytes >= resident + 2 * plan.window
+    assert plan.gpu_bytes == resident + plan.window + plan.activation_bytes + plan.workspace_bytes
 
 
 def test_slow_link_computes_on_the_host(chain_path):
@@ -149,7 +150,49 @@ def test_simulation_consecutive_streamed_layers_stall():
 def test_choice_follows_the_link():
     layers = [_layer(k, 10**6, 10**6, 5 * 10**6) for k in range(10)]
     budget = 7 * 10**6
-    fast, _ = _choose(layers, (budget, None), 0, pl.Link(1e13), pl.Link(1e13))
-    slow, _ = _choose(layers, (budget, None), 0, pl.Link(1e8), pl.Link(1e8))
+    fast, _, _ = _choose(layers, (budget, None), 0, 0, pl.Link(1e13), pl.Link(1e13))
+    slow, _, _ = _choose(layers, (budget, None), 0, 0, pl.Link(1e8), pl.Link(1e8))
     assert "streamed" in fast and "host" not in fast
     assert "host" in slow and "streamed" not in slow
+
+
+def test_a_deeper_window_hides_more_when_the_budget_allows():
+    """Streamed layers 1 in 2, copies as long as two layers' compute: a window one layer deep
+    stalls, two deep hides the copies under the resident layers."""
+    layers = [_layer(k, 10**6, 10**6, 10**8) for k in range(8)]
+    link = pl.Link(5e8)  # a copy (2 ms) = two layers' compute
+    spread = ["resident", "streamed"] * 4
+    assert simulate(layers, spread, link, depth=2) < simulate(layers, spread, link, depth=1)
+
+
+def test_tied_weights_are_one_resident_parameter_and_layers_take_module_names(exported):
+    """gpt's LM head is tied to the embedding: the layer ``lm_head`` owns ``lm_head.weight``,
+    the embedding layer reads it too; it is never streamed and counts once on the GPU."""
+    model, _, _ = exported("gpt")
+    budget = int(_weights(model) * 0.6)
+    plan = _plan(model, budget, FAST, batch=2)
+    names = [layer.name for layer in plan.layers]
+    assert names[0] == "wte" and "lm_head" in names
+    assert not any(name.startswith("_") for name in names)
+    head = plan.layers[names.index("lm_head")]
+    assert head.params == ["lm_head.weight"] and "lm_head.weight" in head.shared
+    assert "lm_head.weight" in plan.layers[0].shared
+    assert "lm_head.weight" not in plan.streamed_parameters() and "lm_head.weight" not in model.streamed
+
+
+def test_the_budget_counts_activations_at_the_planned_batch(chain_path):
+    """A dynamic batch: the activations counted grow with ``batch=`` (or the sample inputs)."""
+    import onnx_ir as ir
+
+    small = pl.load(chain_path)
+    x = small.graph.inputs[0]
+    x.shape = ir.Shape(["batch", 64])  # the chain, made dynamic in its batch
+    big = small.copy()
+    one = _plan(small, "1GiB", FAST, batch=1, apply=False)
+    many = _plan(big, "1GiB", FAST, batch=512, apply=False)
+    assert one.bindings == {"batch": 1} and many.bindings == {"batch": 512}
+    assert many.activation_bytes >= 512 * 64 * 4 > one.activation_bytes > 0
+    fed = _plan(pl.load(chain_path), "1GiB", FAST, sample_inputs=np.zeros((4, 64), np.float32), apply=False)
+    assert fed.activation_bytes > 0 and fed.workspace_bytes > 0
+    with pytest.raises(pl.PlanError, match="batch"):
+        _plan(small, "1GiB", FAST, batch=0, apply=False)

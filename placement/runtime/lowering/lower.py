@@ -93,6 +93,7 @@ from placement.runtime.device_map import DeviceMapLike, resolve_device_map
 from placement.runtime.lowering.bodies import Lowering, graph_module
 from placement.runtime.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.runtime.lowering.opset import upgraded
+from placement.runtime.lowering.stream_release import insert_releases
 from placement.runtime.lowering.streaming import pin_streamed
 from placement.runtime.lowering.values import Val, attr_python, identifier, to_torch_tensor
 
@@ -275,6 +276,8 @@ class _ModelLowering(Lowering):
             paths = [self.paths[name] for name in self.streamed_sources]
             pin_streamed(module, sorted(set(paths)))
             self.streamer.bind([module.get_parameter(path) for path in paths])
+            op_types = {node.name or "": node.op_type for node in model.graph}
+            insert_releases(module, self.streamer_path, op_types)
         present = {name for name, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         for path in self.transient & present:
             owner, _, leaf = path.rpartition(".")

@@ -53,6 +53,10 @@ MAX_FOLD_NUMEL = 1 << 22
 WIDE_UNSIGNED = frozenset({ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64})
 
 
+#: The dtypes a host op widens to fp32 (CPU kernels of these round where a GPU's accumulate).
+HALF = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
 class Walker(Emitter):
     """Lowers ops one by one onto the :class:`~.emit.Emitter`'s graph (see the module docstring)."""
 
@@ -87,6 +91,7 @@ class Walker(Emitter):
         while args and args[-1] is None:
             args.pop()
         kwargs = self._kwargs(rule, attrs, phys)
+        narrow = self._widen_on_host(node, device, args)
         fx_op, target = "call_function", rule.fn
         if rule.widen_unsigned and any(v is not None and v.dtype in WIDE_UNSIGNED for v in node.inputs):
             self._lower_widened(node, rule, args, kwargs, device)
@@ -100,13 +105,34 @@ class Walker(Emitter):
         if len(outs) == 1:
             name = outs[0].name or node.name or node.op_type
             call = self._create(fx_op, target, tuple(args), kwargs, name)
+            call = self._narrow(call, outs[0], narrow)
             self.values[outs[0].name or ""] = Val(outs[0].name or "", node=call, device=device)
             return
         call = self._create(fx_op, target, tuple(args), kwargs, op_label(node))
         for i, out in enumerate(outs):
             if out.name:
                 item = self._create("call_function", operator.getitem, (call, i), {}, out.name)
+                item = self._narrow(item, out, narrow)
                 self.values[out.name] = Val(out.name, node=item, device=device)
+
+    def _widen_on_host(self, node: ir.Node, device: Device, args: list[Any]) -> bool:
+        """Host ops compute in fp32: fp16 / bf16 inputs of an op on a ``cpu`` device are widened
+        in place in ``args`` (``.float()``); True when its outputs are to be narrowed back."""
+        if device.type != "cpu":
+            return False
+        widened = False
+        for i, value in enumerate(node.inputs):
+            if i < len(args) and isinstance(args[i], fx.Node) and value is not None and value.dtype in HALF:
+                args[i] = self._create("call_method", "float", (args[i],), {}, f"{op_label(node)}_in{i}_f32")
+                widened = True
+        return widened
+
+    def _narrow(self, call: fx.Node, out: ir.Value, narrow: bool) -> fx.Node:
+        """The output of a widened host op back in its graph dtype."""
+        if not narrow or out.dtype not in HALF:
+            return call
+        dtype = torch_dtype(int(out.dtype))
+        return self._create("call_method", "to", (call, dtype), {}, f"{out.name or 'out'}_narrow")
 
     def _lower_widened(
         self, node: ir.Node, rule: Rule, args: list[Any], kwargs: dict[str, Any], device: Device
