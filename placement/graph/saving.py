@@ -99,6 +99,7 @@ def to_proto(model: Model) -> onnx.ModelProto:
 def _proto_of(ir_model: ir.Model) -> onnx.ModelProto:
     """The ONNX proto of a placed IR model, with ONNX's multi-device fields filled in."""
     proto = ir.serde.serialize_model(ir_model)
+    _drop_initializer_value_info(proto.graph)
     proto.ir_version = min(max(proto.ir_version, _MULTI_DEVICE_IR_VERSION), MAX_IR_VERSION)
     devices = sorted({Device.parse(n.metadata_props.get(DEVICE_KEY, "cuda:0")) for n in ir_model.graph})
     del proto.configuration[:]
@@ -116,6 +117,22 @@ def _proto_of(ir_model: ir.Model) -> onnx.ModelProto:
                 ndc.configuration_id = CONFIGURATION_NAME
                 ndc.pipeline_stage = stage[spec]
     return proto
+
+
+def _drop_initializer_value_info(graph: onnx.GraphProto) -> None:
+    """Remove ``value_info`` entries that repeat an initializer's type.
+
+    An initializer's tensor states its type; a ``value_info`` copy of it is redundant
+    and goes stale when a tool rewrites the initializer under its name (ONNX Runtime's
+    ``quantize_dynamic`` transposes a ``Gemm``'s weight in place, and then refuses the
+    file: "Inferred shape and existing shape differ").
+    """
+    initializers = {t.name for t in graph.initializer}
+    if not initializers or not any(v.name in initializers for v in graph.value_info):
+        return
+    kept = [v for v in graph.value_info if v.name not in initializers]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 def save(
