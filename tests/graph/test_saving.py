@@ -50,11 +50,12 @@ def test_saved_model_runs_in_plain_ort_with_torch_outputs(name, exported, tmp_pa
 @pytest.mark.parametrize("placed", [False, True], ids=["unplaced", "placed"])
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_saved_files_pass_onnx_tools_and_dynamic_quantization(name, placed, exported, tmp_path):
-    """The checker, strict shape inference and ORT's quantize_dynamic accept a saved model;
-    the quantized file runs in ORT close to the float one."""
+    """The checker, strict shape inference, ORT's symbolic shape inference and quantize_dynamic
+    accept a saved model; the quantized file runs in ORT close to the float one."""
     import logging
 
     from onnxruntime.quantization import quantize_dynamic
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     model, _, args = exported(name)
     if placed:
@@ -65,6 +66,8 @@ def test_saved_files_pass_onnx_tools_and_dynamic_quantization(name, placed, expo
     proto = onnx.load(path)
     onnx.checker.check_model(proto, full_check=True)
     onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    # what ORT's quant_pre_process runs first (it reads Constant ops' `value` only)
+    assert SymbolicShapeInference.infer_shapes(proto, auto_merge=False) is not None
     initializers = {t.name for t in proto.graph.initializer}
     assert not [v.name for v in proto.graph.value_info if v.name in initializers]  # types stated once
     logging.getLogger().setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
