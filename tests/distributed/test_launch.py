@@ -71,6 +71,14 @@ def test_launch_multi_node_command(tmp_path, capsys):
     assert "--rdzv-endpoint" in capsys.readouterr().err
 
 
+def test_launch_refuses_unequal_micro_batches_before_starting_ranks(tmp_path, capsys):
+    place_dynamic("gpt", 2).save(tmp_path / "placed.onnx")
+    np.save(tmp_path / "idx.npy", np.zeros((5, 8), np.int64))
+    argv = ["launch", str(tmp_path / "placed.onnx"), "--input", f"idx={tmp_path / 'idx.npy'}"]
+    assert main(argv + ["--chunks", "2"]) == 2
+    assert "'idx' has 5 rows, which do not split into --chunks 2" in capsys.readouterr().err
+
+
 def test_read_inputs_names_the_bad_input(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros(3))
     assert read_inputs([f"x={tmp_path / 'x.npy'}"], ["x"])["x"].shape == (3,)
