@@ -248,7 +248,7 @@ class DistributedPipeline(RankMember):
             return self._micro_batches(chunks, rows, self._share), None
         plan = None
         if self.is_first:
-            n = int(chunks or self.chunks or 1)
+            n = self._micro_batches(chunks, rows, lambda counted: int(counted or 1))
             for name, array in zip(self.input_names, args):
                 if array.dim() and array.shape[0] % n:
                     raise InputError(

@@ -207,3 +207,24 @@ def test_one_rank_world_checks_rows_against_chunks():
                 pipe.run(batch, chunks=3)
     finally:
         dist.destroy_process_group()
+
+
+def test_one_rank_world_runs_a_dynamic_batch_at_any_rows():
+    import torch.distributed as dist
+
+    from placement.distributed import DistributedPipeline, free_port
+
+    model = place_dynamic("gpt", 2)
+    rng = np.random.default_rng(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with DistributedPipeline(model, ranks="cuda:0+cuda:1") as pipe:
+            for rows, chunks in [(6, 3), (5, None), (6, 3)]:
+                idx = rng.integers(0, 64, (rows, 8))
+                (got,) = pipe.run([idx], chunks=chunks)
+                (want,) = pl.run(model, [idx], device_map="cpu")
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            with pytest.raises(pl.InputError, match="5 rows, which do not split into 2 equal"):
+                pipe.run([np.zeros((5, 8), np.int64)], chunks=2)
+    finally:
+        dist.destroy_process_group()
