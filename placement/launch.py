@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule", default="gpipe", choices=["gpipe", "1f1b"], help="pipeline schedule (torch runtime)"
     )
     parser.add_argument(
-        "--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)"
+        "--chunks",
+        type=int,
+        default=None,
+        help="micro-batches (default: rows / graph batch; 1 when the graph's batch is dynamic)",
     )
     parser.add_argument(
         "--backend", default=None, help="gloo or nccl (default: nccl with a GPU per rank, else gloo)"

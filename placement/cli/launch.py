@@ -49,7 +49,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (torch runtime)"
     )
-    p.add_argument("--chunks", type=int, default=None, help="micro-batches (default: rows / graph batch)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="micro-batches (default: rows / graph batch, or 1 if dynamic)",
+    )
     p.add_argument(
         "--backend", default=None, help="gloo or nccl (default: nccl with a GPU per rank, else gloo)"
     )
@@ -112,8 +117,9 @@ def _check_launch_arguments(args: argparse.Namespace, model: Any, *, single: boo
     from placement.launch import read_inputs
     from placement.runtime.ort.sessions import check_threads
 
+    inputs = None
     if single or args.input:  # on several nodes only the one running rank 0 needs the inputs
-        read_inputs(args.input, model.inputs)
+        inputs = read_inputs(args.input, model.inputs)
     if args.output:
         check_output(args.output, [".npz"], "the output file")
     check_threads(args.threads, what="--threads")
@@ -121,3 +127,16 @@ def _check_launch_arguments(args: argparse.Namespace, model: Any, *, single: boo
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise pl.InputError(f"--{flag} must be positive, got {value}")
+    if inputs is not None and args.chunks and args.runtime != "ort":
+        _check_equal_micro_batches(inputs, args.chunks)
+
+
+def _check_equal_micro_batches(inputs: Any, chunks: int) -> None:
+    """The torch runtime's micro-batches are equal: every input's rows split into ``chunks``."""
+    named = inputs.items() if isinstance(inputs, dict) else enumerate(inputs)
+    for name, array in named:
+        if getattr(array, "ndim", 0) and array.shape[0] % chunks:
+            raise pl.InputError(
+                f"--input {name!r} has {array.shape[0]} rows, which do not split into --chunks {chunks} "
+                "equal micro-batches (the torch runtime needs equal ones; --runtime ort does not)"
+            )

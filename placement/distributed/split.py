@@ -19,6 +19,16 @@
   :attr:`RankSplit.shared_parameters` lists them so a trainer can sum their
   gradients.
 
+* **Shape values stay local too.** A value computed from the *shape* of an
+  activation (``Shape``/``Size`` and the integer arithmetic after them: a reshape
+  target holding a dynamic batch) never crosses as data. What crosses is a
+  zero-size *shape token* of the activation (its shape plus a trailing 0: no bytes
+  on the wire), and every rank that reads the shape value recomputes it from the
+  token. ``torch.distributed.pipelining`` infers a stage's input metadata from the
+  previous stage and builds the later stages' example inputs from that metadata
+  alone (uninitialized memory), so an integer tensor sent as data would feed
+  those stages garbage shapes; a token's shape *is* its metadata.
+
 Each rank lowers the whole model and keeps its own stage, so all ranks agree on
 the boundaries without talking. ``.to(device)`` calls between values of the same
 rank are dropped (a rank runs all its devices on one physical device).
@@ -51,7 +61,7 @@ import torch.fx as fx
 from placement.distributed.errors import NotAPipelineError
 from placement.graph.device import Device
 
-__all__ = ["RankSplit", "split_by_rank", "contiguous_grad", "DEVICE_KEY"]
+__all__ = ["RankSplit", "split_by_rank", "contiguous_grad", "shape_token", "token_view", "DEVICE_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +97,27 @@ def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     if not x.requires_grad:
         return x
     return _ContiguousGrad.apply(x)
+
+
+def shape_token(x: torch.Tensor) -> torch.Tensor:
+    """A zero-size tensor carrying ``x``'s shape: ``x.shape + (0,)``, no bytes to send.
+
+    Example:
+        >>> token = shape_token(torch.ones(3, 5))
+        >>> tuple(token.shape), token.numel()
+        ((3, 5, 0), 0)
+    """
+    return x.new_empty((*x.shape, 0))
+
+
+def token_view(token: torch.Tensor) -> torch.Tensor:
+    """A storage-free (meta) tensor with the shape :func:`shape_token` carried: what shape reads read.
+
+    Example:
+        >>> tuple(token_view(shape_token(torch.ones(3, 5))).shape)
+        (3, 5)
+    """
+    return torch.empty(token.shape[:-1], dtype=token.dtype, device="meta")
 
 
 @dataclass
@@ -136,7 +167,7 @@ def split_by_rank(
     """
     n_ranks = len(groups)
     rank_of = {str(d): r for r, group in enumerate(groups) for d in group}
-    graph = module.graph
+    graph, views = _tokenize_shape_reads(module.graph)
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -148,8 +179,8 @@ def split_by_rank(
         if node.op == "placeholder":
             part[node] = -1
             continue
-        if node.op == "output":
-            continue
+        if node.op == "output" or node in views:
+            continue  # a token's view is read where it is needed, like a load-time value
         ins = [a for a in node.all_input_nodes if a in part]
         if not ins:
             continue  # depends on parameters and constants only
@@ -169,34 +200,18 @@ def split_by_rank(
                 )
         part[node] = where
 
-    # 2. the values crossing each boundary (graph outputs cross every boundary after their rank)
+    # 2. each rank's nodes: its own plus the load-time and shape values they read
+    members, reads, shared = _members(module, part, output, groups)
+
+    # 3. the values crossing each boundary (graph outputs cross every boundary after their rank)
     last_use: dict[fx.Node, int] = {}
     for node in part:
         uses = [n_ranks - 1 if u.op == "output" else part.get(u, -2) for u in node.users]
-        last_use[node] = max(uses, default=-2)
+        last_use[node] = max(uses + [reads.get(node, -2)])
     boundaries: list[list[fx.Node]] = []
     for b in range(n_ranks - 1):
         live = [n for n in part if part[n] <= b < last_use[n]]
         boundaries.append(sorted(live, key=order.__getitem__))
-
-    # 3. each rank's nodes: its own plus the load-time values they read
-    members: list[set[fx.Node]] = [set() for _ in range(n_ranks)]
-    for node, where in part.items():
-        if where >= 0:
-            members[where].add(node)
-    shared: dict[str, set[int]] = {}
-    for r in range(n_ranks):
-        todo = [a for n in members[r] for a in n.all_input_nodes if a not in part]
-        if r == n_ranks - 1:
-            todo += [a for a in output.all_input_nodes if a not in part]
-        while todo:
-            node = todo.pop()
-            if node in members[r]:
-                continue
-            members[r].add(node)
-            if node.op == "get_attr" and isinstance(_attr(module, str(node.target)), torch.nn.Parameter):
-                shared.setdefault(str(node.target), set()).add(r)
-            todo.extend(a for a in node.all_input_nodes if a not in members[r])
 
     stages: list[fx.GraphModule | None] = []
     for r in range(n_ranks):
@@ -212,6 +227,78 @@ def split_by_rank(
         node_counts=[sum(1 for n in m if n.op not in ("get_attr",)) for m in members],
         shared_parameters={k: sorted(v) for k, v in sorted(shared.items()) if len(v) > 1},
     )
+
+
+def _members(
+    module: fx.GraphModule, part: dict[fx.Node, int], output: fx.Node, groups: Sequence[Sequence[Device]]
+) -> tuple[list[set[fx.Node]], dict[fx.Node, int], dict[str, set[int]]]:
+    """Each rank's nodes, the last rank reading each computed node through a load-time or
+    shape value (a shape token), and the parameters each rank reads.
+
+    Raises:
+        NotAPipelineError: a rank reads a shape token computed on a later rank.
+    """
+    n_ranks = len(groups)
+    members: list[set[fx.Node]] = [set() for _ in range(n_ranks)]
+    for node, where in part.items():
+        if where >= 0:
+            members[where].add(node)
+    reads: dict[fx.Node, int] = {}
+    shared: dict[str, set[int]] = {}
+    for r in range(n_ranks):
+        todo = [a for n in members[r] for a in n.all_input_nodes if a not in part]
+        if r == n_ranks - 1:
+            todo += [a for a in output.all_input_nodes if a not in part]
+        while todo:
+            node = todo.pop()
+            if node in members[r]:
+                continue
+            members[r].add(node)
+            if node.op == "get_attr" and isinstance(_attr(module, str(node.target)), torch.nn.Parameter):
+                shared.setdefault(str(node.target), set()).add(r)
+            for a in node.all_input_nodes:
+                if a not in part:
+                    todo.append(a)
+                    continue
+                if part[a] > r:  # a shape token of a later rank
+                    raise NotAPipelineError(
+                        f"rank {r} ({'+'.join(map(str, groups[r]))}) reads the shape of {a.args[0]!r}, "
+                        f"computed on the later rank {part[a]}: the ranks do not form a pipeline; "
+                        "group those devices on one rank (ranks=...)"
+                    )
+                reads[a] = max(reads.get(a, -2), r)
+    return members, reads, shared
+
+
+def _tokenize_shape_reads(source: fx.Graph) -> tuple[fx.Graph, set[fx.Node]]:
+    """A copy of ``source`` whose shape reads of input-dependent values read shape tokens.
+
+    Each ``Shape``/``Size`` of a value computed from the graph inputs reads
+    ``token_view(shape_token(value))`` instead (one token per value): the token is computed
+    with the value and crosses ranks in its place; the view and everything computed from
+    it are recomputed on every rank that reads them. Returns the copy and its views.
+    """
+    from placement.runtime.lowering.ops.shape import shape, size
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(source, env))
+    dependent: set[fx.Node] = set()
+    views: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            dependent.add(node)
+            continue
+        if node.op == "call_function" and node.target in (shape, size) and node.args[0] in dependent:
+            data = node.args[0]
+            if data not in views:
+                with graph.inserting_before(node):
+                    token = graph.call_function(shape_token, (data,))
+                    views[data] = graph.call_function(token_view, (token,))
+            node.args = (views[data], *node.args[1:])
+        if any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return graph, set(views.values())
 
 
 def _is_move(node: fx.Node) -> bool:

@@ -10,8 +10,12 @@ the micro-batches; activations and gradients cross ranks with torch's own
 point-to-point ops (gloo on CPU, NCCL on GPUs). Nothing here moves tensors or
 orders work by itself.
 
-Micro-batches: the placed graph has static shapes, so its batch size *is* the
-micro-batch size. A call with ``k`` times that many rows runs ``k`` micro-batches.
+Micro-batches: when the placed graph has static shapes, its batch size *is* the
+micro-batch size, and a call with ``k`` times that many rows runs ``k`` micro-batches.
+A graph with a dynamic batch (``placement place --dynamic-batch``) takes any rows:
+``chunks`` equal micro-batches (one by default). Torch's stages are built for one
+micro-batch shape, so rank 0 tells the other ranks each call's micro-batch shapes and
+every rank keeps a stage per shape (the last few).
 
 Training: give a ``loss_fn(output, target)`` (mean over the micro-batch);
 :meth:`DistributedPipeline.train_step` leaves in each rank's parameters the
@@ -66,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Schedule names accepted by ``schedule=`` (torch.distributed.pipelining classes).
 SCHEDULES = ("gpipe", "1f1b")
+#: micro-batch shapes a rank keeps a torch stage for (graphs with a dynamic shape)
+_KEPT_SHAPES = 4
 
 
 class DistributedPipeline(RankMember):
@@ -81,7 +87,8 @@ class DistributedPipeline(RankMember):
         schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward;
             less activation memory when training).
         chunks: the number of micro-batches per call; default: the rows of rank 0's
-            inputs divided by the graph's batch size (sent to the other ranks each call).
+            inputs divided by the graph's batch size (sent to the other ranks each call),
+            or one when the graph's batch is dynamic.
         loss_fn: ``loss_fn(output, target) -> scalar`` for :meth:`train_step`.
         group: the process group (default: the world); its ranks are the stages.
         device: this rank's physical device (default :func:`rank_device`).
@@ -136,9 +143,13 @@ class DistributedPipeline(RankMember):
         self.module: torch.fx.GraphModule = stage_module
         #: where activations and gradients cross ranks: the rank's device under NCCL, else the host
         self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
-        staged = self.module if self.comm_device == self.device else _HostStaged(self.module, self.device)
-        self.stage = PipelineStage(staged, self.rank, self.world_size, self.comm_device, group=group)
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        on_device = self.comm_device == self.device
+        self._staged = self.module if on_device else _HostStaged(self.module, self.device)
+        #: this rank's torch stage (for a graph with a dynamic shape: the one of the latest shape)
+        self.stage = PipelineStage(self._staged, self.rank, self.world_size, self.comm_device, group=group)
+        self._dynamic = any(not isinstance(d, int) for spec in self._specs for d in spec.shape)
+        self._stages: dict[Any, Any] = {}  # micro-batch shapes -> stage (graphs with a dynamic shape)
+        self._schedules: dict[tuple[int, Any, bool], Any] = {}
         self._shared = self._shared_parameters(module)
         log.info(
             "rank %d/%d runs %s on %s (%d nodes; %d values to the next rank)",
@@ -176,8 +187,8 @@ class DistributedPipeline(RankMember):
             overwrite it.
         """
         args = self._inputs(inputs) if self.is_first else ()
-        n = self._chunks(chunks, args)
-        schedule = self._schedule(n, training=False)
+        n, shapes = self._plan(chunks, args)
+        schedule = self._schedule(n, shapes, training=False)
         with self._guard("run"), torch.no_grad():
             out = schedule.eval(*args) if self.is_first else schedule.eval()
         if not self.is_last:
@@ -202,8 +213,8 @@ class DistributedPipeline(RankMember):
         if self.loss_fn is None:
             raise PlacementError("train_step needs a loss_fn (DistributedPipeline(..., loss_fn=...))")
         args = self._inputs(inputs) if self.is_first else ()
-        n = self._chunks(chunks, args)
-        schedule = self._schedule(n, training=True)
+        n, shapes = self._plan(chunks, args)
+        schedule = self._schedule(n, shapes, training=True)
         losses: list[torch.Tensor] = []
         with self._guard("train_step"):
             if self.is_last:
@@ -229,28 +240,61 @@ class DistributedPipeline(RankMember):
     def _inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(a).to(self.comm_device) for a in self._check_inputs(inputs))
 
-    def _chunks(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> int:
-        if self.micro_batch is None and not (chunks or self.chunks):
-            raise InputError("the graph's batch dimension is not static: pass chunks=")
+    def _plan(self, chunks: int | None, args: tuple[torch.Tensor, ...]) -> tuple[int, Any]:
+        """The micro-batch count and, for a graph with a dynamic shape, one micro-batch's input
+        shapes (rank 0's, sent to every rank); None for a static graph."""
         rows = args[0].shape[0] if args and args[0].dim() else None
-        return self._micro_batches(chunks, rows, self._share_count)
+        if not self._dynamic:
+            return self._micro_batches(chunks, rows, self._share), None
+        plan = None
+        if self.is_first:
+            n = self._micro_batches(chunks, rows, lambda counted: int(counted or 1))
+            for name, array in zip(self.input_names, args):
+                if array.dim() and array.shape[0] % n:
+                    raise InputError(
+                        f"input {name!r} has {array.shape[0]} rows, which do not split into "
+                        f"{n} equal micro-batches (chunks={n})"
+                    )
+            plan = (n, tuple((a.shape[0] // n, *a.shape[1:]) if a.dim() else () for a in args))
+        n, shapes = self._share(plan)
+        return int(n), tuple(tuple(s) for s in shapes)
 
-    def _share_count(self, n: int | None) -> int:
-        """Rank 0's micro-batch count on every rank (an object broadcast)."""
-        box = [n]
-        with self._guard("sending the number of micro-batches"):
+    def _share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (an object broadcast; None elsewhere)."""
+        box = [value]
+        with self._guard("sending the micro-batches"):
             dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
-        return int(box[0])  # type: ignore[arg-type]
+        return box[0]
 
-    def _schedule(self, chunks: int, *, training: bool) -> Any:
-        schedule = self._schedules.get((chunks, training))
+    def _schedule(self, chunks: int, shapes: Any, *, training: bool) -> Any:
+        schedule = self._schedules.get((chunks, shapes, training))
         if schedule is None:
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
             cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-            schedule = cls(self.stage, n_microbatches=chunks, loss_fn=self.loss_fn if training else None)
-            self._schedules[(chunks, training)] = schedule
+            stage = self._stage(shapes)
+            schedule = cls(stage, n_microbatches=chunks, loss_fn=self.loss_fn if training else None)
+            self._schedules[(chunks, shapes, training)] = schedule
         return schedule
+
+    def _stage(self, shapes: Any) -> Any:
+        """The torch stage for micro-batches of ``shapes``: torch sizes a stage's receive buffers
+        from the first micro-batch it runs, so each shape of a dynamic graph gets its own."""
+        if shapes is None:
+            return self.stage
+        stage = self._stages.pop(shapes, None)
+        if stage is None:
+            from torch.distributed.pipelining import PipelineStage
+
+            stage = PipelineStage(
+                self._staged, self.rank, self.world_size, self.comm_device, group=self.group
+            )
+            if len(self._stages) >= _KEPT_SHAPES:  # forget the oldest shape and its schedules
+                oldest = next(iter(self._stages))
+                del self._stages[oldest]
+                self._schedules = {k: v for k, v in self._schedules.items() if k[1] != oldest}
+        self._stages[shapes] = self.stage = stage  # the latest last
+        return stage
 
     def _shared_parameters(self, module: torch.nn.Module) -> list[tuple[str, torch.Size]]:
         """Parameters read on several ranks (tied weights), with their shapes (known on every rank)."""

@@ -99,6 +99,8 @@ def to_proto(model: Model) -> onnx.ModelProto:
 def _proto_of(ir_model: ir.Model) -> onnx.ModelProto:
     """The ONNX proto of a placed IR model, with ONNX's multi-device fields filled in."""
     proto = ir.serde.serialize_model(ir_model)
+    _drop_initializer_value_info(proto.graph)
+    _constants_as_tensors(proto.graph)
     proto.ir_version = min(max(proto.ir_version, _MULTI_DEVICE_IR_VERSION), MAX_IR_VERSION)
     devices = sorted({Device.parse(n.metadata_props.get(DEVICE_KEY, "cuda:0")) for n in ir_model.graph})
     del proto.configuration[:]
@@ -116,6 +118,58 @@ def _proto_of(ir_model: ir.Model) -> onnx.ModelProto:
                 ndc.configuration_id = CONFIGURATION_NAME
                 ndc.pipeline_stage = stage[spec]
     return proto
+
+
+def _drop_initializer_value_info(graph: onnx.GraphProto) -> None:
+    """Remove ``value_info`` entries that repeat an initializer's type.
+
+    An initializer's tensor states its type; a ``value_info`` copy of it is redundant
+    and goes stale when a tool rewrites the initializer under its name (ONNX Runtime's
+    ``quantize_dynamic`` transposes a ``Gemm``'s weight in place, and then refuses the
+    file: "Inferred shape and existing shape differ").
+    """
+    initializers = {t.name for t in graph.initializer}
+    if not initializers or not any(v.name in initializers for v in graph.value_info):
+        return
+    kept = [v for v in graph.value_info if v.name not in initializers]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+
+
+#: ``Constant`` attributes other than ``value`` -> (tensor type, whether a list)
+_CONSTANT_FORMS = {
+    "value_int": (onnx.TensorProto.INT64, False),
+    "value_ints": (onnx.TensorProto.INT64, True),
+    "value_float": (onnx.TensorProto.FLOAT, False),
+    "value_floats": (onnx.TensorProto.FLOAT, True),
+}
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """Write ``Constant(value_int[s]/value_float[s])`` as the same ``Constant(value=tensor)``.
+
+    Both forms are standard; ONNX Runtime's symbolic shape inference (``quant_pre_process``,
+    the quantizer's recommended first step) reads only ``value``. Subgraphs too.
+    """
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _constants_as_tensors(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    _constants_as_tensors(sub)
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+            continue
+        attr = node.attribute[0]
+        if attr.name not in _CONSTANT_FORMS:
+            continue
+        dtype, is_list = _CONSTANT_FORMS[attr.name]
+        values = onnx.helper.get_attribute_value(attr)
+        tensor = onnx.helper.make_tensor(
+            "value", dtype, [len(values)] if is_list else [], values if is_list else [values]
+        )
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", tensor))
 
 
 def save(

@@ -1,4 +1,5 @@
-"""``placement launch`` runs torchrun on ``python -m placement.launch``: 2 ranks, outputs equal pl.run."""
+"""``placement launch`` runs torchrun on ``python -m placement.launch``: 2 ranks, outputs equal pl.run
+(static and dynamic-batch exports, both runtimes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import placement as pl
 from placement.cli import main
 from placement.launch import read_inputs
-from tests.distributed.test_torch_ranks import place
+from tests.distributed.test_torch_ranks import place, place_dynamic
 
 
 @pytest.mark.slow  # real torchrun processes
@@ -39,6 +40,26 @@ def test_launch_two_ranks_with_torchrun(tmp_path):
     np.testing.assert_allclose(got[model.outputs[0]], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # real torchrun processes
+@pytest.mark.parametrize("runtime,chunks", [("torch", 3), ("ort", None)])
+def test_launch_a_dynamic_batch_export(tmp_path, runtime, chunks):
+    """``placement place --dynamic-batch`` files launch on both runtimes with rows the export never
+    saw (6 rows: 3 micro-batches of 2, or one of 6); the outputs equal pl.run on the whole batch."""
+    model = place_dynamic("gpt", 2)
+    model.save(tmp_path / "placed.onnx")
+    idx = np.random.default_rng(0).integers(0, 64, (6, 8))
+    np.save(tmp_path / "idx.npy", idx)
+    command = [sys.executable, "-m", "placement.cli", "launch", "placed.onnx", "--input", "idx=idx.npy"]
+    command += ["--output", "out.npz", "--timeout", "60", "--runtime", runtime]
+    command += ["--chunks", str(chunks)] if chunks else []
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (want,) = pl.run(model, [idx], device_map="cpu")
+    got = np.load(tmp_path / "out.npz")[model.outputs[0]]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_launch_multi_node_command(tmp_path, capsys):
     model, _ = place("mlp", 2)
     model.save(tmp_path / "placed.onnx")
@@ -48,6 +69,14 @@ def test_launch_multi_node_command(tmp_path, capsys):
     assert "--nnodes=2" in out and "--rdzv-endpoint=host0:29400" in out and "--nproc-per-node=1" in out
     assert main(argv + ["--nnodes", "2"]) == 2  # no rendezvous endpoint
     assert "--rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_launch_refuses_unequal_micro_batches_before_starting_ranks(tmp_path, capsys):
+    place_dynamic("gpt", 2).save(tmp_path / "placed.onnx")
+    np.save(tmp_path / "idx.npy", np.zeros((5, 8), np.int64))
+    argv = ["launch", str(tmp_path / "placed.onnx"), "--input", f"idx={tmp_path / 'idx.npy'}"]
+    assert main(argv + ["--chunks", "2"]) == 2
+    assert "'idx' has 5 rows, which do not split into --chunks 2" in capsys.readouterr().err
 
 
 def test_read_inputs_names_the_bad_input(tmp_path):

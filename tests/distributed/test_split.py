@@ -7,7 +7,7 @@ import torch
 
 import placement as pl
 from placement.distributed import NotAPipelineError, WorldSizeError, rank_groups, split_by_rank
-from tests.distributed.test_torch_ranks import place
+from tests.distributed.test_torch_ranks import place, place_dynamic
 
 
 def _chain(split, args):
@@ -31,6 +31,23 @@ def test_chain_of_stages_equals_the_module(name):
         torch.testing.assert_close(got, ref)
     # the graph outputs leave from the last rank; skips pass through the middle one
     assert len(split.stages) == 3 and all(split.boundaries)
+
+
+def test_shape_values_cross_ranks_as_zero_size_tokens():
+    """A dynamic batch's reshape targets are rebuilt on the reading rank from a shape token: no
+    integer data crosses, so a stage whose inputs are made from metadata alone (as
+    torch.distributed.pipelining makes them: uninitialized memory) still gets the right shapes."""
+    model = place_dynamic("gpt", 2)
+    module = pl.to_torch(model, device_map="cpu")
+    split = split_by_rank(module, rank_groups(model))
+    idx = torch.randint(0, 64, (5, 8))  # a batch size the export never saw
+    sent = split.stages[0](idx)
+    assert any(t.numel() == 0 for t in sent)  # the token
+    assert all(t.is_floating_point() or t.numel() == 0 for t in sent), [t.dtype for t in sent]
+    torch.testing.assert_close(split.stages[1](*sent), module(idx))
+    with torch.no_grad():
+        from_metadata = split.stages[1](*[torch.empty_like(t) for t in sent])
+    assert from_metadata.shape == (5, 8, 64)
 
 
 def test_tied_weight_is_shared_by_first_and_last_rank():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 
 import numpy as np
@@ -35,6 +36,41 @@ def place(name: str, n: int) -> tuple[pl.Model, list[np.ndarray]]:
     _, more = _build(name, 1)
     batch = [np.concatenate([a.numpy(), b.numpy()]) for a, b in zip(args, more)]
     return model, batch
+
+
+@functools.cache
+def _export_dynamic(name: str) -> tuple[pl.Model, tuple]:
+    from placement.cli.common import batch_dynamic_shapes
+
+    net, args = _build(name, 0)
+    return pl.from_torch(net, args, dynamic_shapes=batch_dynamic_shapes(args)), args
+
+
+def place_dynamic(name: str, n: int) -> pl.Model:
+    """``name`` exported with a dynamic batch (``placement place --dynamic-batch``) on ``n`` logical GPUs."""
+    model, _ = _export_dynamic(name)
+    model = model.copy()
+    pl.place_evenly(model, n)
+    return model
+
+
+#: a dynamic-batch gpt on 3 ranks: (rows, chunks) per run; none is the export's batch of 2 per
+#: micro-batch, the shapes change from run to run, and the first comes back (a kept stage)
+DYNAMIC_RUNS = [(6, 3), (5, None), (3, 1), (6, 3)]
+
+
+def _dynamic_case(tmp) -> tuple[dict, list[np.ndarray]]:
+    model = place_dynamic("gpt", 3)
+    path = tmp / "gpt3_dynamic.onnx"
+    model.save(path)
+    rng = np.random.default_rng(0)
+    runs, expected = [], []
+    for i, (rows, chunks) in enumerate(DYNAMIC_RUNS):
+        idx = rng.integers(0, 64, (rows, 8))
+        np.save(tmp / f"dynamic{i}.npy", idx)
+        runs.append({"inputs": str(tmp / f"dynamic{i}.npy"), "chunks": chunks})
+        expected.append(pl.run(model, [idx], device_map="cpu")[0])
+    return {"key": "gpt3_dynamic", "ranks": 3, "path": str(path), "runs": runs}, expected
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +119,8 @@ def zoo_run(tmp_path_factory):
                 "schedule": schedule,
             }
         )
+    dynamic, expected["gpt3_dynamic/out"] = _dynamic_case(tmp)
+    cases.append(dynamic)
     cases[0]["path2"] = str(placed["mlp", 2][0])
     gpt3 = placed["gpt", 3][0]
     cases[0]["kill"] = {
@@ -111,6 +149,16 @@ def test_outputs_equal_pl_run(zoo_run, name, ranks):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_batch_runs_any_rows_and_chunks(zoo_run):
+    """A dynamic-batch export on 3 ranks: reshape targets built from the batch reach the later
+    ranks as shape tokens, and each run's micro-batch shape gets its own torch stage."""
+    results, expected = zoo_run
+    for i, want in enumerate(expected["gpt3_dynamic/out"]):
+        got = results[f"gpt3_dynamic/out/{i}"]
+        assert got.shape == want.shape, DYNAMIC_RUNS[i]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=str(DYNAMIC_RUNS[i]))
 
 
 @pytest.mark.parametrize("name,ranks,schedule", TRAIN)
@@ -157,5 +205,26 @@ def test_one_rank_world_checks_rows_against_chunks():
         with DistributedPipeline(model, ranks="cuda:0+cuda:1") as pipe:
             with pytest.raises(pl.InputError, match="chunks=3"):
                 pipe.run(batch, chunks=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_world_runs_a_dynamic_batch_at_any_rows():
+    import torch.distributed as dist
+
+    from placement.distributed import DistributedPipeline, free_port
+
+    model = place_dynamic("gpt", 2)
+    rng = np.random.default_rng(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with DistributedPipeline(model, ranks="cuda:0+cuda:1") as pipe:
+            for rows, chunks in [(6, 3), (5, None), (6, 3)]:
+                idx = rng.integers(0, 64, (rows, 8))
+                (got,) = pipe.run([idx], chunks=chunks)
+                (want,) = pl.run(model, [idx], device_map="cpu")
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            with pytest.raises(pl.InputError, match="5 rows, which do not split into 2 equal"):
+                pipe.run([np.zeros((5, 8), np.int64)], chunks=2)
     finally:
         dist.destroy_process_group()

@@ -33,6 +33,14 @@ def zoo(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], outd
             group = None if n == world_size else pair
             if n < world_size and rank >= n:
                 continue
+            if "runs" in case:  # one pipeline, several runs of different rows
+                with DistributedPipeline(case["path"], group=group) as pipe:
+                    for i, run in enumerate(case["runs"]):
+                        idx = np.load(run["inputs"]) if pipe.is_first else None
+                        out = pipe.run([idx] if idx is not None else None, chunks=run["chunks"])
+                        if out is not None:
+                            results[f"{key}/out/{i}"] = out[0]
+                continue
             training = "target" in case
             pipe = DistributedPipeline(
                 case["path"], group=group, schedule=case.get("schedule", "gpipe"), loss_fn=_mse

@@ -47,6 +47,40 @@ def test_saved_model_runs_in_plain_ort_with_torch_outputs(name, exported, tmp_pa
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["unplaced", "placed"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_saved_files_pass_onnx_tools_and_dynamic_quantization(name, placed, exported, tmp_path):
+    """The checker, strict shape inference, ORT's symbolic shape inference and quantize_dynamic
+    accept a saved model; the quantized file runs in ORT close to the float one."""
+    import logging
+
+    from onnxruntime.quantization import quantize_dynamic
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    model, _, args = exported(name)
+    if placed:
+        pl.place_evenly(model, 2)  # 2 devices, copies injected
+        assert any(op.is_copy for op in model.ops)
+    path, quantized = tmp_path / f"{name}.onnx", tmp_path / f"{name}.int8.onnx"
+    model.save(path)
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto, full_check=True)
+    onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    # what ORT's quant_pre_process runs first (it reads Constant ops' `value` only)
+    assert SymbolicShapeInference.infer_shapes(proto, auto_merge=False) is not None
+    initializers = {t.name for t in proto.graph.initializer}
+    assert not [v.name for v in proto.graph.value_info if v.name in initializers]  # types stated once
+    logging.getLogger().setLevel(logging.ERROR)  # the quantizer logs advice on the root logger
+    quantize_dynamic(path, quantized)
+    ops = {n.op_type for n in onnx.load(quantized).graph.node}
+    assert ops & {"DynamicQuantizeLinear", "DequantizeLinear"}, ops  # int8 weights in the file
+    feeds = {inp: a.numpy() for inp, a in zip(model.inputs, args)}
+    for got, want in zip(_ort(str(quantized), feeds), _ort(str(path), feeds)):
+        assert got.shape == want.shape and np.isfinite(got).all()
+        cosine = float((got * want).sum() / (np.linalg.norm(got) * np.linalg.norm(want)))
+        assert cosine > 0.95, cosine  # 8-bit weights and activations: close, not equal
+
+
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_save_load_save_roundtrip_with_several_devices(name, exported, tmp_path):
     model, _, _ = exported(name)
