@@ -90,7 +90,9 @@ def _emulated_cores():
     their default thread count (``threads=None``) get ``n`` intra-op threads, and the cores
     the thread cap counts (``usable_cores``) are ``n``. More threads split reductions
     differently, so results that were equal bit for bit on fewer cores may differ in the
-    last bits: tests that compare runs must say their tolerance."""
+    last bits: tests that compare runs must say their tolerance. Waiting threads sleep instead
+    of spinning (ORT's ``allow_spinning``; give torch's ``OMP_WAIT_POLICY=PASSIVE``), which
+    changes no result, only keeps n threads on fewer cores from starving each other."""
     n = emulated_threads()
     if n is None:
         yield
@@ -102,7 +104,10 @@ def _emulated_cores():
     original = sessions.session_options
 
     def session_options(physical, *, threads=None):
-        return original(physical, threads=n if threads is None else threads)
+        options = original(physical, threads=n if threads is None else threads)
+        # n threads spinning on fewer cores would starve each other: same results, waiting threads sleep
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return options
 
     before = torch.get_num_threads()
     torch.set_num_threads(n)
