@@ -94,15 +94,17 @@ def move_outputs(outputs: Any, device: torch.device | None) -> Any:
     """
     if device is None:
         return outputs
-    blocking = device.type == "cpu"
     if isinstance(outputs, torch.Tensor):
-        return outputs.to(device, non_blocking=not blocking)
+        return _to(outputs, device)
     if isinstance(outputs, (tuple, list)):
-        moved = [
-            o.to(device, non_blocking=not blocking) if isinstance(o, torch.Tensor) else o for o in outputs
-        ]
-        return type(outputs)(moved)
+        return type(outputs)([_to(o, device) if isinstance(o, torch.Tensor) else o for o in outputs])
     return outputs
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:  # the common case, without a trip through the dispatcher
+        return tensor
+    return tensor.to(device, non_blocking=device.type != "cpu")
 
 
 class _OutputsOnInput:
