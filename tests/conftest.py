@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny models from ``models/`` exported once per session; the ``gpu`` marker."""
+"""Shared fixtures: tiny models from ``models/`` exported once per session; the ``gpu`` marker;
+``PLACEMENT_TEST_THREADS`` (emulate a machine with that many cores)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -65,3 +67,52 @@ def _strict_fp32():
 
     with torch_precision("fp32"):
         yield
+
+
+#: ``PLACEMENT_TEST_THREADS=16`` runs the tests as on a 16-core machine: see :func:`_emulated_cores`.
+THREADS_ENV = "PLACEMENT_TEST_THREADS"
+
+
+def emulated_threads() -> int | None:
+    """The core count ``PLACEMENT_TEST_THREADS`` asks to emulate (None: unset, the real machine)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise pytest.UsageError(f"{THREADS_ENV} must be a whole number of at least 1, got {raw!r}")
+    return int(raw)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _emulated_cores():
+    """With ``PLACEMENT_TEST_THREADS=n``: what a machine with ``n`` cores changes, on this one.
+    Torch's intra-op threads (``torch.set_num_threads(n)``), ONNX Runtime sessions left to
+    their default thread count (``threads=None``) get ``n`` intra-op threads, and the cores
+    the thread cap counts (``usable_cores``) are ``n``. More threads split reductions
+    differently, so results that were equal bit for bit on fewer cores may differ in the
+    last bits: tests that compare runs must say their tolerance. Waiting threads sleep instead
+    of spinning (ORT's ``allow_spinning``; give torch's ``OMP_WAIT_POLICY=PASSIVE``), which
+    changes no result, only keeps n threads on fewer cores from starving each other."""
+    n = emulated_threads()
+    if n is None:
+        yield
+        return
+    import torch
+
+    from placement.runtime.ort import sessions
+
+    original = sessions.session_options
+
+    def session_options(physical, *, threads=None):
+        options = original(physical, threads=n if threads is None else threads)
+        # n threads spinning on fewer cores would starve each other: same results, waiting threads sleep
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return options
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sessions, "usable_cores", lambda: n)
+        patch.setattr(sessions, "session_options", session_options)
+        yield
+    torch.set_num_threads(before)

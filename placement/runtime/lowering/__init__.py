@@ -10,7 +10,8 @@ stage for both) and ``train_step`` is ``pl.train_step``, pipelined or not; ``met
 names the ``fx.Node.meta`` keys the lowering writes, ``traced`` runs a stage as TorchScript
 traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``,
 ``cuda_graphs`` replays the lowered module's GPU segments as CUDA graphs
-(``to_torch(cuda_graphs=True)``).
+(``to_torch(cuda_graphs=True)``), ``outputs`` hands a call's outputs back on its first
+tensor input's device (``to_torch(outputs_on=...)``).
 Imports: the layers below ``placement.runtime`` and its ``device_map``,
 ``stages`` and ``pipeline`` modules.
 """

@@ -40,6 +40,8 @@ Design choices:
 * **Inputs and outputs.** Graph inputs are moved to their device on entry (a
   no-op when already there); graph outputs are moved to the model's output
   device when one is set. One output is returned as a tensor, several as a tuple.
+  A call then hands them back on its first tensor input's device
+  (``outputs_on="input"``, :mod:`.outputs`) or leaves them there (``"last"``).
 * **Parameters.** Floating-point initializers with at least one dimension become
   ``nn.Parameter`` (``requires_grad=True``) on the physical device of their home
   logical device (``Model.parameters[name].device``), registered under their
@@ -93,12 +95,21 @@ from placement.runtime.device_map import DeviceMapLike, resolve_device_map
 from placement.runtime.lowering.bodies import Lowering, graph_module
 from placement.runtime.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.runtime.lowering.opset import upgraded
+from placement.runtime.lowering.outputs import check_outputs_on, install_outputs_on
 from placement.runtime.lowering.stream_release import insert_releases
 from placement.runtime.lowering.streaming import pin_streamed
 from placement.runtime.lowering.values import Val, attr_python, identifier, to_torch_tensor
 
 #: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+
+#: ``nn.Module``'s dictionaries of forward hooks (those this torch has are kept on deepcopy).
+_FORWARD_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+)
 
 __all__ = ["to_torch", "check_supported"]
 
@@ -113,6 +124,7 @@ def to_torch(
     checkpoint: str = "except_last",
     batch_axes: Mapping[str, int | None] | None = None,
     cuda_graphs: bool = False,
+    outputs_on: str = "input",
 ) -> torch.nn.Module:
     """Lower a (placed) model to a ``torch.fx.GraphModule``.
 
@@ -139,6 +151,13 @@ def to_torch(
             ops on one GPU is captured as a CUDA graph per input shape and replayed
             (inference: with gradients enabled it runs eagerly); see
             :mod:`placement.runtime.lowering.cuda_graphs`.
+        outputs_on: where a call's outputs come back: ``"input"`` (the default) on the
+            device of its first tensor input, as accelerate's dispatched modules do (CPU
+            tensors in, CPU tensors out, whatever devices the stages run on); ``"last"``
+            on the last stage's device, for chaining more work there without a round
+            trip. The move is inside autograd (gradients flow back through it), and a
+            pipelined module's ``train_step`` hands ``loss_fn`` the outputs there too;
+            see :mod:`placement.runtime.lowering.outputs`.
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -152,7 +171,7 @@ def to_torch(
         LoweringError: op types without a rule (all of them, named with an
             example op each), unsupported attributes, or an opset older than 13 that
             ``onnx.version_converter`` cannot convert.
-        DeviceError: a bad ``device_map``.
+        DeviceError: a bad ``device_map`` or ``outputs_on``.
         CUDAGraphError: ``cuda_graphs=True`` without a GPU in the device map, or with ``chunks > 1``.
 
     The module (``chunks=1``) checks its inputs as :class:`placement.Runner` does: a
@@ -171,6 +190,7 @@ def to_torch(
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
     if cuda_graphs and chunks != 1:
         raise CUDAGraphError(f"cuda_graphs=True runs the unpipelined module (chunks=1), got chunks={chunks}")
+    check_outputs_on(outputs_on)
     model, problems = upgraded(model, device=_logical_devices(model)[0])
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
@@ -186,11 +206,19 @@ def to_torch(
     if chunks != 1:
         from placement.runtime.lowering.pipelined import pipeline_module
 
-        return pipeline_module(model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes)
+        pipelined = pipeline_module(
+            model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes
+        )
+        return install_outputs_on(pipelined, outputs_on)
     if cuda_graphs:
         from placement.runtime.lowering.cuda_graphs import cuda_graph_module
 
-        return cuda_graph_module(module)
+        return install_outputs_on(cuda_graph_module(module), outputs_on)
+    install_outputs_on(module, outputs_on)
+    # copy.deepcopy rebuilds a GraphModule without its forward hooks (the input check, the
+    # outputs' move): keep them, and the choice, among the attributes it restores.
+    kept = {key: module.__dict__[key] for key in _FORWARD_HOOKS if key in module.__dict__}
+    module.meta.setdefault(_PRESERVED, {}).update(kept, outputs_on=outputs_on)
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),
@@ -303,11 +331,11 @@ class _ModelLowering(Lowering):
             device = self.model.blob_device(value)
             phys = self._phys(device)
             self.current_device = device
-            moved = self._create(
+            moved = self._create(  # to the CPU it blocks: the caller's tensor may be on a GPU
                 "call_method",
                 "to",
                 (placeholder, phys),
-                {"non_blocking": True},
+                {} if phys == "cpu" else {"non_blocking": True},
                 f"{placeholder.name}_on_{phys}",
             )
             self.values[name] = Val(name, node=moved, device=device)

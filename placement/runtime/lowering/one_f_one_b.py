@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from placement.errors import InputError
+from placement.runtime.lowering.outputs import move_outputs
 from placement.runtime.lowering.stage_exec import (
     TorchStage,
     accumulate_owned,
@@ -113,6 +114,7 @@ class _Shared:
     targets: list[list[Any]]
     weights: list[float]
     loss_fn: LossFn
+    outputs_device: torch.device | None  # where loss_fn gets the outputs (None: the last stage's)
     defer: bool
     limit: int
     inboxes: list[queue.SimpleQueue[Any]]
@@ -196,6 +198,7 @@ def pipelined_train_step(
     reduction: str = "mean",
     defer_weights: bool = True,
     max_in_flight: int | None = None,
+    outputs_device: torch.device | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
 
@@ -219,6 +222,8 @@ def pipelined_train_step(
             helps (stages after the first); ``False`` runs plain 1F1B.
         max_in_flight: most micro-batches a stage holds between their forward and
             backward (their activations); default: no bound beyond ``chunks``.
+        outputs_device: the device ``loss_fn`` gets the outputs on (moved there inside
+            autograd; :func:`.outputs.move_outputs`); None: the last stage's.
 
     Returns:
         The mini-batch's loss (detached).
@@ -251,6 +256,7 @@ def pipelined_train_step(
         targets=parts,
         weights=[(stop - start) / size if reduction == "mean" else 1.0 for start, stop in bounds],
         loss_fn=loss_fn,
+        outputs_device=outputs_device,
         defer=defer_weights,
         limit=max_in_flight or len(envs),
         inboxes=[queue.SimpleQueue() for _ in stages],
@@ -374,8 +380,9 @@ class _StageLoop:
         shared = self.shared
         keys = shared.output_keys
         leaves = [detached(env[key], True) for key in keys]
-        output = leaves[0] if len(leaves) == 1 else tuple(leaves)
         with torch.enable_grad():
+            moved = move_outputs(leaves, shared.outputs_device)
+            output = moved[0] if len(moved) == 1 else tuple(moved)
             loss = scalar_loss(shared.loss_fn(output, *shared.targets[i]))
         weight = shared.weights[i]
         shared.losses[i] = loss.detach().reshape(()) * weight

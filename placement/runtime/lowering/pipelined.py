@@ -79,6 +79,7 @@ import torch.fx as fx
 from placement.errors import LoweringError
 from placement.graph.model import Model
 from placement.runtime.lowering.one_f_one_b import pipelined_train_step
+from placement.runtime.lowering.outputs import first_tensor_device
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
     TorchStage,
@@ -146,7 +147,7 @@ class PipelinedModule(torch.nn.Module):
     """A lowered placed model whose forward and backward are pipelined over micro-batches.
 
     Built by ``pl.to_torch(model, chunks=k)``; see the module docstring.
-    Attributes: ``chunks``, ``checkpoint``, ``stages`` (the per-stage
+    Attributes: ``chunks``, ``checkpoint``, ``outputs_on``, ``stages`` (the per-stage
     ``GraphModule`` s, in order), ``batch_axes``, and the plain lowering's
     ``input_names``, ``output_names``, ``device_map``, ``initializer_paths``.
     """
@@ -175,6 +176,7 @@ class PipelinedModule(torch.nn.Module):
         self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.outputs_on = "last"  # where outputs come back; to_torch sets it (see .outputs)
         self.batch_axes = axes
         self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
         self._in_axes = [axes.inputs[name] for name in self.input_names]
@@ -255,9 +257,11 @@ class PipelinedModule(torch.nn.Module):
             >>> loss.shape, all(p.grad is not None for p in module.parameters())
             (torch.Size([]), True)
         """
+        inputs = self._bind(args, kwargs)
+        on_input = getattr(self, "outputs_on", "last") == "input"
         return pipelined_train_step(
             self._pl_stages,
-            self._bind(args, kwargs),
+            inputs,
             input_keys=self._pl_inputs,
             input_axes=self._in_axes,
             output_keys=self._pl_outputs,
@@ -268,6 +272,7 @@ class PipelinedModule(torch.nn.Module):
             reduction=reduction,
             defer_weights=defer_weights,
             max_in_flight=max_in_flight,
+            outputs_device=first_tensor_device(inputs) if on_input else None,
         )
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:

@@ -32,12 +32,35 @@ def test_huge_thread_counts_are_capped_with_a_warning(caplog):
     assert sessions.check_threads(cap) == cap and sessions.check_threads(None) is None
 
 
+#: float32 results of one model run with different intra-op thread counts: the reductions are
+#: split (and summed) differently, so they agree to a few ulps, not bit for bit.
+THREADS_TOL = {"rtol": 1e-6, "atol": 1e-6}
+
+
 def test_runner_with_capped_threads_still_runs():
     model = mlp_graph()
     x = np.ones((2, 4), np.float32)
     np.testing.assert_allclose(
-        pl.Runner(model, device_map="cpu", threads=10000).run({"x": x})[0], pl.run(model, {"x": x})[0]
+        pl.Runner(model, device_map="cpu", threads=10000).run({"x": x})[0],
+        pl.run(model, {"x": x}, device_map="cpu")[0],
+        **THREADS_TOL,
     )
+
+
+def test_emulated_cores_reach_both_runtimes():
+    """``PLACEMENT_TEST_THREADS=n`` (tests/conftest.py) gives torch and default ORT sessions
+    ``n`` threads; unset, nothing changes."""
+    import torch
+
+    from tests.conftest import emulated_threads
+
+    n = emulated_threads()
+    options = sessions.stage_options(PhysicalDevice("cpu"))
+    if n is None:
+        assert options.intra_op_num_threads == 0  # ONNX Runtime's own choice
+    else:
+        assert torch.get_num_threads() == n and options.intra_op_num_threads == n
+        assert sessions.usable_cores() == n
 
 
 def test_cli_refuses_negative_threads(tmp_path, capsys):
