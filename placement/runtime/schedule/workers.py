@@ -200,14 +200,17 @@ def run_microbatches(
     *,
     names: Sequence[str] | None = None,
     context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+    inline_last: bool = False,
 ) -> list[Any]:
     """Run every payload through the stages in the fill-drain schedule; results in order.
+
+    ``inline_last``: run the last stage on the caller's thread (see :class:`StageWorkers`).
 
     Example:
         >>> run_microbatches([lambda i, x: x * 2, lambda i, x: x + i], [1, 2, 3])
         [2, 5, 8]
     """
-    with StageWorkers(stages, names, context=context) as workers:
+    with StageWorkers(stages, names, context=context, inline_last=inline_last) as workers:
         for i, payload in enumerate(payloads):
             workers.submit(i, payload)
         return [workers.result() for _ in payloads]
