@@ -191,3 +191,17 @@ def test_two_logical_devices_on_one_gpu_run_as_one_session(sessions):
         assert runner.tolerance.allclose(g, e)
     apart = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, fold=False)
     assert len(apart.stages) == 2
+
+
+def test_a_folded_session_carries_each_weight_once():
+    """gpt ties its embedding and output weights: a stage on each device carries it twice (the
+    second as a static copy); folded, the one session carries every parameter once."""
+    model, _, _ = placed_zoo("gpt")
+    params = sum(p.nbytes for p in model.parameters.values())
+
+    def carried(runner):
+        inits = [v for s in runner.stages for v in s.model.graph.initializers.values()]
+        return sum(v.const_value.nbytes for v in inits if v.const_value is not None)
+
+    assert carried(pl.Runner(model, device_map="cpu", fold=False)) > params
+    assert carried(pl.Runner(model, device_map="cpu")) == params
