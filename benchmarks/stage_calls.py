@@ -7,8 +7,10 @@ Two tables, each from contenders alternated run by run in one process (medians):
   ``InferenceSession`` of the whole model, through ``pl.Runner(device_map="cpu")`` (folded:
   one session) and through ``pl.Runner(device_map="cpu", fold=False)`` (one session per
   stage), with numpy inputs and outputs and with ``OrtValue`` s in and out (``outputs=
-  "ortvalue"``, the CPU stand-in for device I/O). *per extra call* is
-  ``(T(stages apart) - T(one session)) / (stages - 1)``.
+  "ortvalue"``, the CPU stand-in for device I/O). *runner* is what a Runner adds to one
+  session (``T(folded) - T(single)``: the placement-change check, input checks, wrapping,
+  outputs); *per call* is what each extra stage call costs (``(T(apart) - T(folded)) /
+  (stages - 1)``).
 * **cost per micro-batch**: 4 ``Linear(8, 8)`` in 2 stages, batch 64, one intra-op thread per
   stage: ``Runner(chunks=16).run`` against ``chunks=1`` (stages apart in both);
   ``(T16 - T1) / (16 * 2)`` is the cost per micro-batch per stage.
@@ -83,6 +85,7 @@ def stage_call_rows(name: str, size: str, devices: int, repeats: int) -> list[di
     apart = pl.Runner(model, device_map="cpu", threads=1, fold=False)
     stages = len(apart.stages)
     ort_values = [values[n] for n in names]
+    native = single._sess.run_with_ort_values  # what a Runner's CPU stage calls
     rows = []
     for io, fns in (
         (
@@ -96,7 +99,7 @@ def stage_call_rows(name: str, size: str, devices: int, repeats: int) -> list[di
         (
             "OrtValue",
             {
-                "single": lambda: single.run_with_ort_values(outs, values),
+                "single": lambda: native({k: v._ortvalue for k, v in values.items()}, outs, None),
                 "folded": lambda: folded.run(ort_values, outputs="ortvalue"),
                 "apart": lambda: apart.run(ort_values, outputs="ortvalue"),
             },
@@ -109,7 +112,8 @@ def stage_call_rows(name: str, size: str, devices: int, repeats: int) -> list[di
                 "stages": stages,
                 "io": io,
                 **{k: v * 1e6 for k, v in med.items()},
-                "per_call": (med["apart"] - med["single"]) / max(1, stages - 1) * 1e6,
+                "overhead": (med["folded"] - med["single"]) * 1e6,
+                "per_call": (med["apart"] - med["folded"]) / max(1, stages - 1) * 1e6,
             }
         )
     return rows
@@ -146,13 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=200)
     ns = parser.parse_args(argv)
     print("cost per stage call (CPU, 1 intra-op thread; medians in us)")
-    print(f"{'model':14} {'stages':>6} {'io':>9} {'single':>8} {'folded':>8} {'apart':>8} {'per call':>9}")
+    columns = ("single", "folded", "apart", "runner", "per call")
+    print(f"{'model':14} {'stages':>6} {'io':>9} " + " ".join(f"{c:>8}" for c in columns))
     for name in ns.models:
         for devices in ns.devices:
             for row in stage_call_rows(name, ns.size, devices, ns.repeats):
                 print(
                     f"{row['model']:14} {row['stages']:6d} {row['io']:>9} {row['single']:8.0f} "
-                    f"{row['folded']:8.0f} {row['apart']:8.0f} {row['per_call']:9.1f}"
+                    f"{row['folded']:8.0f} {row['apart']:8.0f} {row['overhead']:8.1f} {row['per_call']:8.1f}"
                 )
     row = microbatch_row(ns.repeats)
     print("\ncost per micro-batch (4 Linear(8, 8), 2 stages, batch 64, 1 thread per stage; us)")
