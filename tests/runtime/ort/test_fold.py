@@ -205,3 +205,16 @@ def test_a_folded_session_carries_each_weight_once():
 
     assert carried(pl.Runner(model, device_map="cpu", fold=False)) > params
     assert carried(pl.Runner(model, device_map="cpu")) == params
+
+
+def test_streamed_weights_and_a_host_stage_fold_with_the_gpu_stages(exported):
+    """gpt with blocks.0 streamed from the host and blocks.1 on the host, all on the CPU: one
+    session; the streamed copies stay per-run transfers; outputs as the module's."""
+    from tests.runtime.test_streaming import _streamed_gpt
+
+    model, net, args, result = _streamed_gpt(exported, host_layer=True)
+    runner = pl.Runner(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})
+    assert len(runner.stages) == 1 and len(runner.stages[0].folded) == 2
+    assert set(runner.program.resident) == set(result.streamed)
+    (got,) = runner.run([a.numpy() for a in args])
+    np.testing.assert_allclose(got, net(*args).detach().numpy(), atol=1e-4)
