@@ -151,7 +151,7 @@ def _print_stages(runner: Any, console: Any) -> None:
         where = str(physical) + (" (emulated)" if physical is not None and physical.emulated else "")
         table.add_row(
             str(stage.index),
-            str(stage.device),
+            "+".join(map(str, stage.folded)) if stage.folded else str(stage.device),
             where,
             str(len(stage.ops)),
             _clip(", ".join(stage.inputs)),

@@ -299,7 +299,7 @@ class _StageTimer:
         from placement.runtime.ort import Runner
         from placement.runtime.ort.steps import HostStep, StageStep
 
-        program = Runner(model, device_map=device_map, threads_per_stage=threads).program
+        program = Runner(model, device_map=device_map, threads_per_stage=threads, fold=False).program
         values = program.feed([inputs[name] for name, _ in program.feeds])
         self.part_of: list[int] = []
         self.parts = len(order)

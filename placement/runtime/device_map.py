@@ -13,9 +13,12 @@ Accepted forms of ``device_map``:
   neighbouring pipeline stages share a GPU), announced once per process on
   stderr (``logging.warning``). Only with no GPU at all is *every* logical device
   emulated on the CPU (each keeps its own execution context in the runtimes, so
-  copies and stage boundaries are exercised as on GPUs), announced the same way.
+  copies and stage boundaries are exercised as on GPUs: the ONNX Runtime executor
+  does not fold them into one session), announced the same way.
   Logical ``cpu`` always runs on the CPU.
-* a single device, e.g. ``"cpu"`` or ``"cuda:0"``: every logical device on it.
+* a single device, e.g. ``"cpu"`` or ``"cuda:0"``: every logical device on it (the
+  ONNX Runtime executor runs logical devices sharing a physical device as one session,
+  see :mod:`placement.runtime.ort.fold`).
 * a dict logical -> physical, e.g. ``{0: "cuda:0", 1: "cuda:0"}`` (two logical
   devices sharing one GPU) or ``{"cuda:1": "cpu"}``. Keys and values are
   anything :meth:`placement.Device.parse` accepts (ints are GPU ids). Every
@@ -48,6 +51,7 @@ __all__ = [
     "DeviceMapLike",
     "resolve_device_map",
     "cuda_device_count",
+    "is_auto",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,16 @@ def cuda_device_count(runtime: str = "torch") -> int:
     return count
 
 
+def is_auto(device_map: DeviceMapLike) -> bool:
+    """Whether ``device_map`` asks for the ``"auto"`` map (``"auto"`` or None).
+
+    Example:
+        >>> is_auto("auto"), is_auto(None), is_auto("cpu")
+        (True, True, False)
+    """
+    return device_map is None or (isinstance(device_map, str) and device_map.strip().lower() == "auto")
+
+
 def resolve_device_map(
     model_devices: Iterable[DeviceLike],
     device_map: DeviceMapLike = "auto",
@@ -149,7 +163,7 @@ def resolve_device_map(
     """
     logical = sorted({Device.parse(d) for d in model_devices})
     n_gpus = cuda_device_count(runtime)
-    if device_map is None or (isinstance(device_map, str) and device_map.strip().lower() == "auto"):
+    if is_auto(device_map):
         return _auto(logical, n_gpus)
     if isinstance(device_map, Mapping):
         pairs = _parse_mapping(device_map)
@@ -192,8 +206,10 @@ def _auto(logical: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
     if not _warned_emulation:
         _warned_emulation = True
         log.warning(
-            "placement: EMULATING logical devices %s on the CPU (%d GPU(s) available); "
-            "outputs are exact but timings are not GPU timings. Pass device_map= to choose.",
+            "placement: EMULATING logical devices %s on the CPU (%d GPU(s) available), each in its "
+            "own session so that stage boundaries are exercised as on GPUs; outputs are exact but "
+            "timings are not GPU timings. Pass device_map='cpu' to run them as one session, or "
+            "device_map= to choose.",
             ", ".join(map(str, cuda)),
             n_gpus,
         )

@@ -164,7 +164,7 @@ def normalize_inputs(
         InputError: an unknown or missing name, a wrong count, dtype, rank or
             static dimension; the message names the input and says expected vs got.
     """
-    if type(inputs) is dict:
+    if type(inputs) is dict or type(inputs) is list:
         ready = _ready(inputs, specs)
         if ready is not None:
             return ready
@@ -277,18 +277,20 @@ def _device_value(spec: InputSpec, value: Any) -> Any:
     return ortvalue_from_torch(value)
 
 
-def _ready(inputs: dict[str, Any], specs: Sequence[InputSpec]) -> list[np.ndarray] | None:
-    """The arrays of ``inputs`` in order if they need nothing done (a dict holding exactly
-    the model's tensor inputs as C-contiguous numpy arrays of the right dtype, rank and
-    static sizes), else None (:func:`normalize_inputs` then converts and explains).
+def _ready(inputs: dict[str, Any] | list[Any], specs: Sequence[InputSpec]) -> list[np.ndarray] | None:
+    """The arrays of ``inputs`` in order if they need nothing done (a dict by name or a list
+    in order holding exactly the model's tensor inputs as C-contiguous numpy arrays of the
+    right dtype, rank and static sizes), else None (:func:`normalize_inputs` then converts
+    and explains).
 
     The common case of every run, checked with as little Python as it takes.
     """
     if len(inputs) != len(specs):
         return None
+    by_name = type(inputs) is dict
     arrays = []
-    for spec in specs:
-        array = inputs.get(spec.name)
+    for n, spec in enumerate(specs):
+        array = inputs.get(spec.name) if by_name else inputs[n]  # type: ignore[union-attr,index]
         shape = spec.shape
         if (
             type(array) is not np.ndarray
@@ -315,6 +317,18 @@ def _is_array(value: Any) -> bool:
     )
 
 
+class _Described:
+    """A value's dtype and shape, as an error message says them (``float32[2, 4]``)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: np.dtype | None, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+
+    def __str__(self) -> str:
+        return f"{self.dtype if self.dtype is not None else '?'}[{', '.join(map(str, self.shape))}]"
+
+
 def _check(spec: InputSpec, array: np.ndarray) -> None:
     check_value(spec, array.dtype, tuple(array.shape))
 
@@ -336,7 +350,7 @@ def check_value(spec: InputSpec, dtype: np.dtype | None, shape: Sequence[int]) -
         placement.errors.InputError: input 'x' has rank 2, expected 1 (expected float32[4], got float32[2, 4])
     """
     shape = tuple(int(d) for d in shape)
-    got = f"{dtype if dtype is not None else '?'}[{', '.join(map(str, shape))}]"
+    got = _Described(dtype, shape)  # formatted only for an error message
     strings = spec.dtype == np.dtype(object) and dtype is not None and dtype.kind in "OUS"
     if spec.dtype is not None and dtype is not None and dtype != spec.dtype and not strings:
         raise InputError(

@@ -109,6 +109,9 @@ class Stage:
             session can be reused (see :class:`placement.runtime.ort.Runner`).
         load_time_ops: ops of other stages the stage model also contains because
             they compute a load-time value it reads (see the module docstring).
+        folded: the logical devices this stage runs, when a runtime folded several
+            logical devices sharing one physical device into ``device``
+            (:mod:`placement.runtime.ort.fold`); empty otherwise.
     """
 
     index: int
@@ -121,14 +124,16 @@ class Stage:
     model: ir.Model = field(repr=False)
     fingerprint: str = ""
     load_time_ops: tuple[str, ...] = ()
+    folded: tuple[Device, ...] = ()
 
     def to_proto(self) -> onnx.ModelProto:
         """The stage model as an ``onnx.ModelProto``."""
         return ir.serde.serialize_model(self.model)
 
     def __repr__(self) -> str:
+        device = "+".join(map(str, self.folded)) if self.folded else str(self.device)
         return (
-            f"Stage({self.index}, {self.device}, ops={len(self.ops)}, "
+            f"Stage({self.index}, {device}, ops={len(self.ops)}, "
             f"inputs={list(self.inputs)}, outputs={list(self.outputs)}, "
             f"depends_on={list(self.depends_on)})"
         )

@@ -148,7 +148,7 @@ def _check(model: pl.Model, proto: onnx.ModelProto, feeds_list: list[dict[str, n
     pl.inject_cross_device_copies(model)
     pl.verify(model)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)  # a session per stage
     plain = pl.to_torch(model, device_map="cpu")
     piped = pl.to_torch(model, device_map="cpu", chunks=2)
     for feeds in feeds_list:

@@ -74,7 +74,7 @@ def test_gpu_stages_hand_over_on_the_gpu(exported, monkeypatch):
     (no transfer moves data, and no ``OrtValue`` is read back to the host during the steps)."""
     model, net, args = exported("gpt")
     place_shift(model, 2)
-    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"})
+    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, fold=False)  # stages apart
     program = runner.program
     stages = [s for s in program.steps if isinstance(s, StageStep)]
     assert len(stages) == 2 and program.n_handovers >= 1 and program.n_transfers == 0

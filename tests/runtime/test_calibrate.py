@@ -87,7 +87,7 @@ def test_ort_stages_are_timed_as_the_runner_runs_them(exported):
     model = pl.place_evenly(model, 2)
     devices = [Device.parse("cuda:0"), Device.parse("cuda:1")]
     timer = _StageTimer(model, devices, make_sample_inputs(model), threads=1, device_map="cpu")
-    assert timer.part_of == [0, 1] and pl.Runner(model, device_map="cpu").blocked_boundaries
+    assert timer.part_of == [0, 1] and pl.Runner(model, device_map="cpu", fold=False).blocked_boundaries
     off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for run in timer.runs:  # both ends of the blocked boundary: ORT's optimised graphs, loaded as they are
         assert run.func.__self__.exec.session.get_session_options().graph_optimization_level == off

@@ -31,7 +31,7 @@ Example:
     >>> from placement.models import resnet
     >>> model = pl.from_torch(*resnet.build("tiny"))
     >>> model = pl.place_evenly(model, 2)
-    >>> runner = pl.Runner(model, device_map="cpu")
+    >>> runner = pl.Runner(model, device_map="cpu", fold=False)  # folded, no boundary is left
     >>> "conv2d_3" in runner.blocked_boundaries
     True
 """

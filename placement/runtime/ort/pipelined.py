@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from placement.runtime.inputs import contiguous, normalize_inputs, ortvalue_from_torch
+from placement.runtime.ort.program import NativeRun
 from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
 from placement.runtime.ort.values import to_output
 from placement.runtime.schedule import (
@@ -34,15 +35,20 @@ from placement.runtime.schedule import (
 __all__ = ["ort_run_pipelined", "ort_stream", "ort_value_type"]
 
 
-def _ort_stages(runner: Any, outputs: str = "numpy") -> tuple[list[StageFn], list[str]]:
+def _ort_stages(
+    runner: Any, outputs: str = "numpy", *, views: bool = False
+) -> tuple[list[StageFn], list[str]]:
     """The runner's program as pipeline stage functions (one per stage session).
 
     Each function runs one stage and the transfers that follow it on a
     micro-batch's own value table, through its own ``IOBinding`` (so a stream
     and a run of one runner never share bindings). The first also feeds the
-    graph inputs; the last collects the outputs.
+    graph inputs; the last collects the outputs (with ``views``, as host views
+    paired with the table that keeps them valid: see :func:`_native_stages`).
     """
-    program = runner.program
+    program = runner._pipelined_program()
+    if program.native is not None:
+        return _native_stages(program.native, outputs, views=views)
     groups: list[list[StageStep | HostStep | TransferStep]] = [[]]
     for step in program.steps:  # a stage (or host-value stage) and the transfers after it
         if not isinstance(step, TransferStep) and any(not isinstance(s, TransferStep) for s in groups[-1]):
@@ -51,7 +57,7 @@ def _ort_stages(runner: Any, outputs: str = "numpy") -> tuple[list[StageFn], lis
     names = []
     for group in groups:
         ex = next((s.exec for s in group if not isinstance(s, TransferStep)), None)
-        names.append(f"stage {ex.stage.index} on {ex.stage.device} ({ex.physical})" if ex else "transfers")
+        names.append(_name(ex) if ex else "transfers")
 
     def make(index: int, group: list[StageStep | HostStep | TransferStep]) -> StageFn:
         # each worker binds through its own IOBindings, never the runner's
@@ -69,6 +75,50 @@ def _ort_stages(runner: Any, outputs: str = "numpy") -> tuple[list[StageFn], lis
     return [make(n, group) for n, group in enumerate(groups)], names
 
 
+def _name(ex: Any) -> str:
+    return f"stage {ex.stage.index} on {ex.stage.device} ({ex.physical})"
+
+
+def _native_stages(native: NativeRun, outputs: str, *, views: bool) -> tuple[list[StageFn], list[str]]:
+    """Stage functions of a program that runs natively on the CPU (:class:`NativeRun`): each
+    calls its stage's native ``run_with_ort_values`` on a micro-batch's table of native
+    values, with no step objects or ``OrtValue`` wrappers in between. The table keeps the
+    micro-batch's input arrays alive (native values over them do not). With ``views`` and
+    numpy outputs, the last returns ``(host views of the outputs, the table)``: joining the
+    micro-batches then copies each output once, into the joined array."""
+    last = len(native.stages) - 1
+
+    def make(j: int, ex: Any, bind: Any, outs: list[str], free: tuple[str, ...]) -> StageFn:
+        def fn(i: int, payload: Any) -> Any:
+            if j == 0:
+                values = native.feed(payload)
+                values[_KEEP] = payload
+            else:
+                values = payload
+            try:
+                results = ex.direct({name: values[key] for name, key in bind}, outs, None)
+            except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+                raise ex.error(err) from err
+            for n, name in enumerate(outs):
+                values[name] = results[n]
+            for key in free:
+                del values[key]
+            if j < last:
+                return values
+            if views and outputs == "numpy":
+                return native.views(values), values
+            return native.collect(values, outputs)
+
+        return fn
+
+    fns = [make(j, *stage) for j, stage in enumerate(native.stages)]
+    return fns, [_name(stage[0]) for stage in native.stages]
+
+
+#: The key under which a native micro-batch's table keeps its input arrays alive.
+_KEEP = "\0inputs"
+
+
 def ort_run_pipelined(runner: Any, arrays: list[Any], *, outputs: str = "numpy") -> list[Any]:
     """One :meth:`Runner.run` with ``chunks > 1``: split, pipeline, concatenate.
 
@@ -78,13 +128,18 @@ def ort_run_pipelined(runner: Any, arrays: list[Any], *, outputs: str = "numpy")
     device = outputs != "numpy" or any(isinstance(a, ort_value_type()) for a in arrays)
     if device:
         arrays = [_as_torch(a) for a in arrays]
-    fns, names = _ort_stages(runner, "torch" if device else "numpy")
     axes = runner._pipeline_axes()
     in_axes = [axes.inputs[name] for name in runner.input_names]
     parts = split_batch(arrays, in_axes, runner.chunks)
     parts = [[contiguous(a) for a in part] for part in parts]
-    results = run_microbatches(fns, parts, names=names)
-    joined = concat_batch(results, [axes.outputs[name] for name in runner.output_names])
+    fns, names = _ort_stages(runner, "torch" if device else "numpy", views=True)
+    # the last stage on the caller's thread: one hand-off per micro-batch fewer
+    results = run_microbatches(fns, parts, names=names, inline_last=True)
+    pieces = results
+    if results and isinstance(results[0], tuple):  # host views, valid while ``results`` holds their tables
+        pieces = [views for views, _ in results]
+    joined = concat_batch(pieces, [axes.outputs[name] for name in runner.output_names])
+    del results
     if not device or outputs == "torch":
         return joined
     return [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]

@@ -36,7 +36,7 @@ Example:
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> model.set_device(model.ops[-1].name, 1)
-    >>> runner = pl.Runner(model, device_map="cpu")
+    >>> runner = pl.Runner(model, device_map="cpu", fold=False)
     >>> [type(step).__name__ for step in runner.program.steps]
     ['StageStep', 'TransferStep', 'StageStep']
 """
@@ -202,14 +202,7 @@ class NativeRun:
         """One whole run on ``arrays`` (graph inputs in order): the graph outputs, in
         order, each owning its memory or keeping its value alive (as ``kind`` says,
         :data:`OUTPUT_KINDS`)."""
-        values: dict[str, Any] = dict(self.resident)
-        for key, array in zip(self.feeds, arrays):
-            if _is_tensor(array):
-                values[key] = _C.OrtValue.ortvalue_from_numpy(array, _CPU)
-            elif isinstance(array, ort.OrtValue) or _is_torch(array):
-                values[key] = place(array, _HOST)._ortvalue
-            else:
-                values[key] = array
+        values = self.feed(arrays)
         for ex, bind, outputs, free in self.stages:
             try:
                 results = ex.direct({name: values[key] for name, key in bind}, outputs, None)
@@ -219,6 +212,25 @@ class NativeRun:
                 values[name] = results[i]  # where iterating takes one more per stage
             for key in free:
                 del values[key]
+        return self.collect(values, kind)
+
+    def feed(self, arrays: list[Any]) -> dict[str, Any]:
+        """The value table of a run: the graph inputs (``arrays``, in order) as native values,
+        and the streamed parameters. Native values over numpy arrays do not keep them alive:
+        the caller holds ``arrays`` until the run ends."""
+        values: dict[str, Any] = dict(self.resident)
+        for key, array in zip(self.feeds, arrays):
+            if _is_tensor(array):
+                values[key] = _C.OrtValue.ortvalue_from_numpy(array, _CPU)
+            elif isinstance(array, ort.OrtValue) or _is_torch(array):
+                values[key] = place(array, _HOST)._ortvalue
+            else:
+                values[key] = array
+        return values
+
+    def collect(self, values: dict[str, Any], kind: str = "numpy") -> list[Any]:
+        """The graph outputs of a finished run's table, each owning its memory or keeping its
+        value alive (as ``kind`` says)."""
         collected = []
         for key, const in self.outputs:
             if const is not None:
@@ -230,6 +242,11 @@ class NativeRun:
             else:
                 collected.append(to_output(ort.OrtValue(value) if _is_native(value) else value, kind))
         return collected
+
+    def views(self, values: dict[str, Any]) -> list[np.ndarray]:
+        """The graph outputs of a finished run's table as host views, valid while ``values``
+        holds them (for joining micro-batches without a copy of each)."""
+        return [values[key].numpy() if const is None else const for key, const in self.outputs]
 
 
 # --- compiling ---------------------------------------------------------------------------

@@ -4,9 +4,11 @@
 maps each stage's logical device to a physical one
 (:func:`placement.runtime.device_map.resolve_device_map`) and builds one
 session per stage: the CUDA execution provider with that GPU's ``device_id``,
-or the CPU provider. Without the GPUs the model names, ``device_map="auto"``
-emulates every logical device on the CPU, each stage still in its own session,
-and says so once (a ``logging`` warning).
+or the CPU provider. Logical devices that share a physical device are folded
+into one first (:mod:`placement.runtime.ort.fold`), so a device map onto fewer
+devices costs no extra sessions. Without the GPUs the model names,
+``device_map="auto"`` emulates every logical device on the CPU, each stage still
+in its own session, and says so once (a ``logging`` warning).
 
 Data flow and copies: see :mod:`placement.runtime.ort`.
 
@@ -26,12 +28,14 @@ Example:
     >>> net, (x,) = mlp.build("tiny")
     >>> model = pl.from_torch(net, (x,))
     >>> model.set_device(model.ops[-1].name, 1)
-    >>> runner = Runner(model, device_map="cpu")
+    >>> runner = Runner(model, device_map="cpu", fold=False)
     >>> (y,) = runner.run({"input": x.numpy()})
     >>> bool(np.allclose(y, net(x).detach().numpy(), atol=1e-5))
     True
     >>> runner.stats.sessions_built
     2
+    >>> Runner(model, device_map="cpu").stats.sessions_built  # both logical devices on the CPU: folded
+    1
 """
 
 from __future__ import annotations
@@ -46,24 +50,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from placement.errors import InputError, PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
-from placement.graph.nodes import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, is_copy_node, node_device
+from placement.graph.nodes import DEVICE_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY
 from placement.passes.copies import inject_cross_device_copies
-from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, resolve_device_map
+from placement.runtime.device_map import DeviceMapLike, PhysicalDevice, is_auto, resolve_device_map
 from placement.runtime.inputs import InputsLike, InputSpec, input_specs, normalize_inputs
-from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.build import (
+    BuildOptions,
+    SessionCache,
+    build_program,
+    logical_devices,
+    stale_copies,
+)
+from placement.runtime.ort.fold import fold_groups
 from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
-from placement.runtime.ort.program import Program, compile_program
-from placement.runtime.ort.sessions import check_threads, stage_session
-from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.program import Program
+from placement.runtime.ort.sessions import check_threads
 from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
-from placement.runtime.schedule import batch_axes, check_chunks, stage_threads
-from placement.runtime.stages import Stage, split_stages
+from placement.runtime.schedule import batch_axes, check_chunks
+from placement.runtime.stages import Stage
 
 __all__ = ["Runner", "RunnerStats", "run"]
 
@@ -127,6 +136,15 @@ class Runner:
             it over in ONNX Runtime's blocked layout instead of converting it out and
             back in (:mod:`placement.runtime.ort.boundaries`; :attr:`blocked_boundaries`
             lists those blobs). Outputs are identical either way.
+        fold: run the stages of logical devices that share a physical device as one session
+            (:mod:`placement.runtime.ort.fold`; :attr:`folds` and :meth:`summary` say what
+            folded). ``None`` (default): logical devices sharing a GPU always fold; sharing
+            the CPU (``device_map="cpu"``), they fold for sequential runs but stay apart for
+            pipelined ones (``chunks > 1``, :meth:`stream`), where the CPU's cores run stages
+            at once; ``"auto"``'s emulation of GPUs on the CPU never folds (it exists to
+            exercise stage boundaries). ``True``: fold every shared device; ``False``: one
+            session per logical-device stage (measurements, tests of stage boundaries).
+            The placement itself (op devices, copies, the saved file) is never changed.
         precision: ``"fp32"`` (default): GPU stages compute fp32 strictly (ONNX Runtime's
             CUDA provider with ``use_tf32=0``), so outputs match the CPU's within
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
@@ -166,6 +184,7 @@ class Runner:
         threads_per_stage: int | None = None,
         keep_layout: bool = True,
         precision: str = DEFAULT_PRECISION,
+        fold: bool | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -178,8 +197,12 @@ class Runner:
         self.keep_layout = keep_layout
         #: boundary blobs handed between CPU stages in the blocked layout (see ``keep_layout``)
         self.blocked_boundaries: list[str] = []
-        self._blocked_sessions: dict[tuple[str, ...], ort.InferenceSession] = {}
-        self._optimized_graphs: dict[tuple[str, ...], Any] = {}  # stage -> ORT's optimised graph
+        #: folds of the current program: logical device -> the device it runs as (see ``fold``)
+        self.folds: dict[Device, Device] = {}
+        self.fold = fold
+        self._cache = SessionCache()
+        self._base: Model | None = None  # the private copy of the model the program was built from
+        self._piped: tuple[Program, Program] | None = None  # (program, its pipelined form)
         self._device_map_arg = device_map
         threads = check_threads(threads)
         threads_per_stage = check_threads(threads_per_stage, what="threads_per_stage")
@@ -187,9 +210,7 @@ class Runner:
         self.chunks = check_chunks(chunks)
         self._batch_axes_arg = dict(batch_axes) if batch_axes is not None else None
         self._threads_per_stage = threads_per_stage
-        self._session_threads = threads
         self._lock = threading.Lock()
-        self._sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
         self._state: tuple[Any, ...] | None = None
         self._watched: list[dict[str, str]] = []
         self._program: Program | None = None
@@ -226,6 +247,26 @@ class Runner:
         """The current stages, in execution order."""
         assert self._program is not None
         return list(self._program.partition.stages)
+
+    def summary(self) -> str:
+        """One line per stage: its logical device(s), the physical device, ops and boundary.
+
+        Example:
+            >>> import placement as pl
+            >>> from placement.models import mlp
+            >>> model = pl.from_torch(*mlp.build("tiny"))
+            >>> model.set_device(model.ops[-1].name, 1)
+            >>> print(Runner(model, device_map="cpu").summary())
+            stage 0: cuda:0+cuda:1 (folded) on cpu, 5 ops, inputs ['input'], outputs ['linear_2']
+        """
+        lines = []
+        for stage in self.stages:
+            logical = "+".join(map(str, stage.folded)) + " (folded)" if stage.folded else str(stage.device)
+            lines.append(
+                f"stage {stage.index}: {logical} on {self._device_map[stage.device]}, {len(stage.ops)} ops, "
+                f"inputs {list(stage.inputs)}, outputs {list(stage.outputs)}"
+            )
+        return "\n".join(lines)
 
     @property
     def program(self) -> Program:
@@ -438,95 +479,75 @@ class Runner:
         self, model: Model, state: tuple[list[dict[str, str]], tuple[Any, ...]] | None, workdir: Path
     ) -> None:
         """The rebuild, with ``workdir`` for the optimised graphs of stages whose boundaries may
-        stay blocked: their sessions write them as they are built, so :meth:`_keep_layout`
-        does not build them a second time to read them."""
-        if _stale_copies(model):
+        stay blocked: their sessions write them as they are built, so the blocked layout does
+        not build them a second time to read them."""
+        if stale_copies(model):
             log.info("copies went stale after ops moved; running with them re-injected on a private copy")
             inject_cross_device_copies(model)
-        part = split_stages(model)
-        logical = (
-            {s.device for s in part.stages} | set(part.input_devices.values()) | set(part.streamed.values())
+        self._device_map = resolve_device_map(logical_devices(model), self._device_map_arg, runtime="ort")
+        self._base = model
+        self._piped = None
+        built = build_program(
+            model.copy() if self.chunks == 1 else model,
+            self._device_map,
+            self._cache,
+            self._build_options(self.chunks > 1),
+            workdir=workdir,
+            keep=self.keep_sessions,
         )
-        logical |= {t.device for t in part.transfers}  # a copy may be the only op on its device
-        self._device_map = resolve_device_map(sorted(logical), self._device_map_arg, runtime="ort")
-        sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
-        execs: dict[int, StageExec] = {}
-        if self._threads is None and (self.chunks > 1 or self._threads_per_stage is not None):
-            self._session_threads = self._threads_per_stage or stage_threads(len(part.stages))
-        built = reused = 0
-        layout = self.keep_layout and sum(not self._device_map[s.device].is_cuda for s in part.stages) > 1
-        for stage in part.stages:
-            if not stage.outputs:
-                log.debug("stage %d computes nothing that is read; skipped", stage.index)
-                continue
-            physical = self._device_map[stage.device]
-            key = (stage.fingerprint, physical)
-            session = self._sessions.get(key) or sessions.get(key)
-            if session is None:
-                dump = (
-                    layout and not physical.is_cuda and any(op.op_type == "Conv" for op in stage.model.graph)
-                )
-                session = stage_session(
-                    stage,
-                    physical,
-                    threads=self._session_threads,
-                    optimized_path=optimized_path(workdir, stage) if dump else None,
-                    precision=self.precision,
-                )
-                built += 1
-            else:
-                reused += 1
-            sessions[key] = session
-            execs[stage.index] = StageExec(stage, physical, session)
-        if self.keep_sessions:
-            self._sessions.update(sessions)
-        else:
-            self._sessions = sessions  # sessions of stages that no longer exist are released
-        self.stats.sessions_built += built
+        self.stats.sessions_built += built.built
         if self.stats.partitions:
-            self.stats.sessions_reused += reused
+            self.stats.sessions_reused += built.reused
         self.stats.partitions += 1
         self._specs = input_specs(model.graph)
-        self._program = compile_program(model, part, execs, self._device_map)
-        self._keep_layout(model, part, execs, workdir)
-        self.stats.transfers = self._program.n_transfers
+        self._program = built.program
+        self.folds = built.folds
+        self.blocked_boundaries = built.blocked_boundaries
+        self.stats.transfers = built.program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
         self._watched, self._state = state
         log.info(
-            "runner: %d stages on %s (%d sessions built, %d reused, %d transfers per run)",
-            len(part.stages),
+            "runner: %d stages on %s (%d sessions built, %d reused, %d transfers per run%s)",
+            len(built.program.partition.stages),
             ", ".join(sorted({f"{d}->{p}" for d, p in self._device_map.items()})),
-            built,
-            reused,
-            self._program.n_transfers,
+            built.built,
+            built.reused,
+            built.program.n_transfers,
+            "; folded " + ", ".join(f"{d}->{t}" for d, t in built.folds.items()) if built.folds else "",
         )
 
-    def _keep_layout(self, model: Model, part: Any, execs: dict[int, StageExec], workdir: Path) -> None:
-        """Rebuild CPU stages so their convolutional boundaries stay blocked (see
-        :mod:`placement.runtime.ort.boundaries`), and recompile the program for them."""
-        self.blocked_boundaries = []
-        on_cpu = [ex for ex in execs.values() if not ex.physical.is_cuda]
-        if not self.keep_layout or len(on_cpu) < 2:
-            return
-        assert self._program is not None
-        plan = keep_blocked_boundaries(
-            self._program,
-            self._session_threads,
-            self._blocked_sessions,
-            self._optimized_graphs,
-            workdir=workdir,
+    def _build_options(self, pipelined: bool) -> BuildOptions:
+        return BuildOptions(
+            fold=self.fold,
+            pipelined=pipelined,
+            emulating=is_auto(self._device_map_arg),
+            threads=self._threads,
+            threads_per_stage=self._threads_per_stage,
+            keep_layout=self.keep_layout,
+            precision=self.precision,
         )
-        self.stats.sessions_built += plan.built
-        if self.keep_sessions:
-            self._blocked_sessions.update(plan.sessions)
-        else:  # keep only what the current stages use
-            self._blocked_sessions = plan.sessions
-            current = {ex.stage.fingerprint for ex in execs.values()}
-            self._optimized_graphs = {k: g for k, g in self._optimized_graphs.items() if k[0] in current}
-        if plan.blobs:
-            self.blocked_boundaries = plan.blobs
-            self._program = compile_program(model, part, execs, self._device_map)
+
+    def _pipelined_program(self) -> Program:
+        """The program pipelined runs walk (:mod:`placement.runtime.ort.pipelined`): the
+        runner's own, except where its devices fold on the CPU only for sequential runs
+        (see :mod:`placement.runtime.ort.fold`): then one that keeps those stages apart,
+        built on first use and kept until the next re-placement."""
+        program = self._program
+        assert program is not None and self._base is not None
+        if self.chunks > 1:
+            return program
+        options = self._build_options(True)
+        folds = fold_groups(self._device_map, fold=self.fold, pipelined=True, emulating=options.emulating)
+        if folds == self.folds:
+            return program
+        with self._lock:
+            if self._piped is None or self._piped[0] is not program:
+                built = build_program(self._base.copy(), self._device_map, self._cache, options, workdir=None)
+                self.stats.sessions_built += built.built
+                log.info("runner: %d stages kept apart for pipelining", len(built.program.partition.stages))
+                self._piped = (program, built.program)
+            return self._piped[1]
 
     # -- running -----------------------------------------------------------------------
 
@@ -569,18 +590,3 @@ def run(
     """
     runner = Runner(model, device_map=device_map, auto_update=False, precision=precision)
     return runner.run(inputs, outputs=outputs)
-
-
-def _stale_copies(model: Model) -> bool:
-    """True if a copy no longer matches the placement: its ends share a device, or a
-    reader of its blob moved to another device than the copy's."""
-    for node in model.graph:
-        if not is_copy_node(node):
-            continue
-        device = node_device(node)
-        source = node.inputs[0] if node.inputs else None
-        if source is None or model.blob_device(source) == device:
-            return True
-        if any(node_device(use.node) != device for use in node.outputs[0].uses()):
-            return True
-    return False

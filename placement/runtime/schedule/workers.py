@@ -104,6 +104,18 @@ class StageWorkers:
         self.close()
 
     @property
+    def usable(self) -> bool:
+        """Whether the workers still run (not closed, no stage failed): :meth:`map` may be called."""
+        return self._running and not self._failed.is_set()
+
+    def map(self, payloads: Sequence[Any]) -> list[Any]:
+        """Run every payload through the stages; the results in order. The workers stay up,
+        so a caller that runs many batches pays for starting threads once."""
+        for i, payload in enumerate(payloads):
+            self.submit(i, payload)
+        return [self.result() for _ in payloads]
+
+    @property
     def in_flight(self) -> int:
         """Micro-batches submitted whose results were not taken yet."""
         return self._pending
@@ -200,17 +212,18 @@ def run_microbatches(
     *,
     names: Sequence[str] | None = None,
     context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+    inline_last: bool = False,
 ) -> list[Any]:
     """Run every payload through the stages in the fill-drain schedule; results in order.
+
+    ``inline_last``: run the last stage on the caller's thread (see :class:`StageWorkers`).
 
     Example:
         >>> run_microbatches([lambda i, x: x * 2, lambda i, x: x + i], [1, 2, 3])
         [2, 5, 8]
     """
-    with StageWorkers(stages, names, context=context) as workers:
-        for i, payload in enumerate(payloads):
-            workers.submit(i, payload)
-        return [workers.result() for _ in payloads]
+    with StageWorkers(stages, names, context=context, inline_last=inline_last) as workers:
+        return workers.map(payloads)
 
 
 def stream_microbatches(

@@ -33,44 +33,44 @@ def _same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 @pytest.mark.parametrize("devices", [2, 4])
 def test_blocked_boundaries_give_the_usual_outputs_exactly(devices):
     model, net, (x,) = _placed(devices)
-    blocked = pl.Runner(model, device_map="cpu")
-    usual = pl.Runner(model, device_map="cpu", keep_layout=False)
+    blocked = pl.Runner(model, device_map="cpu", fold=False)
+    usual = pl.Runner(model, device_map="cpu", fold=False, keep_layout=False)
     assert blocked.blocked_boundaries and not usual.blocked_boundaries
     want = usual.run([x])
     _same(blocked.run([x]), want)
     np.testing.assert_allclose(want[0], net(x).detach().numpy(), atol=1e-5, rtol=1e-4)
     # every way a runner runs: micro-batches, a stream, other batch sizes
-    _same(pl.Runner(model, device_map="cpu", chunks=2).run([x]), want)
-    streamed = list(pl.Runner(model, device_map="cpu").stream([[x[:1].numpy()], [x[1:].numpy()]]))
+    _same(pl.Runner(model, device_map="cpu", fold=False, chunks=2).run([x]), want)
+    streamed = list(pl.Runner(model, device_map="cpu", fold=False).stream([[x[:1].numpy()], [x[1:].numpy()]]))
     _same([np.concatenate([s[0] for s in streamed])], want)
     _same(blocked.run([x[:1]]), usual.run([x[:1]]))
 
 
 def test_a_boundary_that_is_also_a_graph_output_stays_plain():
     model, _, (x,) = _placed()
-    before = pl.Runner(model, device_map="cpu").blocked_boundaries
+    before = pl.Runner(model, device_map="cpu", fold=False).blocked_boundaries
     assert before  # which cuts stay blocked depends on ONNX Runtime's fusions: one or more
     blob = before[-1]
     graph = model.ir_model.graph
     graph.outputs.append(next(v for node in graph for v in node.outputs if v.name == blob))
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert blob not in runner.blocked_boundaries
     got = runner.run([x])
-    want = pl.Runner(model, device_map="cpu", keep_layout=False).run([x])
+    want = pl.Runner(model, device_map="cpu", fold=False, keep_layout=False).run([x])
     _same(got, want)
     assert got[-1].ndim == 4
 
 
 def test_a_failed_blocked_session_leaves_every_usual_session(monkeypatch, caplog):
     model, _, (x,) = _placed()
-    want = pl.Runner(model, device_map="cpu", keep_layout=False).run([x])
+    want = pl.Runner(model, device_map="cpu", fold=False, keep_layout=False).run([x])
 
     def broken(*args, **kwargs):
         raise RuntimeError("no session today")
 
     monkeypatch.setattr(boundaries, "blocked_session", broken)
     with caplog.at_level(logging.WARNING, logger="placement"):
-        runner = pl.Runner(model, device_map="cpu")
+        runner = pl.Runner(model, device_map="cpu", fold=False)
     assert runner.blocked_boundaries == []
     assert "no session today" in caplog.text
     _same(runner.run([x]), want)
@@ -78,7 +78,7 @@ def test_a_failed_blocked_session_leaves_every_usual_session(monkeypatch, caplog
 
 def test_re_placement_reuses_blocked_sessions():
     model, _, (x,) = _placed()
-    runner = pl.Runner(model, device_map="cpu", keep_sessions=True)
+    runner = pl.Runner(model, device_map="cpu", fold=False, keep_sessions=True)
     first = list(runner.blocked_boundaries)
     built = runner.stats.sessions_built
     op = model.ops[-1].name
@@ -95,7 +95,7 @@ def test_re_placement_reuses_blocked_sessions():
     runner.run([x])
     model.set_device(op, device)
     pl.inject_cross_device_copies(model)
-    _same(runner.run([x]), pl.Runner(model, device_map="cpu", keep_layout=False).run([x]))
+    _same(runner.run([x]), pl.Runner(model, device_map="cpu", fold=False, keep_layout=False).run([x]))
     assert runner.blocked_boundaries == first
     assert runner.stats.sessions_built == after > built  # switching back and forth built nothing new
 
@@ -115,11 +115,11 @@ def test_stage_sessions_are_built_once_to_read_their_optimised_graphs(monkeypatc
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert len(runner.stages) == 2 and runner.blocked_boundaries
     # each stage once as usual, and once more blocked (both sides of the boundary)
     assert len(built) == runner.stats.sessions_built == 4
-    _same(runner.run([x]), pl.Runner(model, device_map="cpu", keep_layout=False).run([x]))
+    _same(runner.run([x]), pl.Runner(model, device_map="cpu", fold=False, keep_layout=False).run([x]))
 
 
 def test_models_without_convolutions_build_nothing_extra():
@@ -128,7 +128,7 @@ def test_models_without_convolutions_build_nothing_extra():
     net, args = mlp.build("tiny")
     model = pl.from_torch(net, args)
     pl.place_evenly(model, 2)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert runner.blocked_boundaries == [] and runner.stats.sessions_built == 2
 
 

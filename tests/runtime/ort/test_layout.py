@@ -88,7 +88,7 @@ def test_a_conv_bn_cut_in_resnet_runs_equal_to_the_single_session(exported):
     acts = pl.get_activation_blobs(model)
     pl.shift_activation_devices(model, acts[acts.index(bn.inputs[0]) + 1 :], {0: 1})
     pl.inject_cross_device_copies(model)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     stage = runner.stages[1]
     assert batchnorm_as_conv(stage.model) is not stage.model
     assert bn.name in stage.ops and any(n.op_type == "BatchNormalization" for n in stage.model.graph)

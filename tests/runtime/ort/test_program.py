@@ -27,7 +27,7 @@ def walk(program: Program, arrays: list[np.ndarray]) -> list[np.ndarray]:
 def test_native_run_equals_the_step_walk_bit_for_bit(exported, name, place):
     model, _, args = exported(name)
     place_shift(model, 4) if place == "shift4" else place_random(model, 3, seed=7)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     program = runner.program
     assert isinstance(program.native, NativeRun)
     assert len(program.native.stages) == sum(isinstance(s, StageStep) for s in program.steps)
@@ -44,7 +44,7 @@ def test_native_run_equals_the_step_walk_bit_for_bit(exported, name, place):
 def test_native_run_resolves_aliases_and_frees_every_key_after_its_last_reader(exported):
     model, _, _ = exported("unet")
     place_shift(model, 4)
-    program = pl.Runner(model, device_map="cpu").program
+    program = pl.Runner(model, device_map="cpu", fold=False).program
     native = program.native
     assert native is not None
     targets = {s.target for s in program.steps if isinstance(s, TransferStep)}
@@ -83,7 +83,7 @@ def test_small_outputs_are_copied_large_ones_keep_their_value_alive():
     model.set_device("neg", 1)
     model.set_device("sum", 1)
     pl.inject_cross_device_copies(model)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert runner.program.native is not None
     x = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
     small, large = runner.run({"x": x})
@@ -107,7 +107,7 @@ def test_programs_that_need_their_steps_have_no_native_run():
         ],
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=10)
-    runner = pl.Runner(pl.load(proto), device_map="cpu")
+    runner = pl.Runner(pl.load(proto), device_map="cpu", fold=False)
     assert runner.program.native is None
     x = np.array([1.0, -2.0], np.float32)
     y, same = runner.run({"x": x})
@@ -127,7 +127,7 @@ def test_programs_that_need_their_steps_have_no_native_run():
     model = pl.load(proto)
     model.set_device("concat", 1)
     pl.inject_cross_device_copies(model)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert runner.program.native is None
     (cat,) = runner.run({"x": x})
     np.testing.assert_array_equal(cat, np.concatenate([x, x]))
@@ -136,7 +136,7 @@ def test_programs_that_need_their_steps_have_no_native_run():
 def test_native_run_failures_name_the_stage(exported):
     model, _, (x,) = exported("mlp")
     place_shift(model, 2)
-    native = pl.Runner(model, device_map="cpu").program.native
+    native = pl.Runner(model, device_map="cpu", fold=False).program.native
     assert native is not None
     wrong = np.ascontiguousarray(x.numpy()[..., :1])  # what the runner's checks would refuse
     with pytest.raises(pl.PlacementError, match=r"stage 0 .* failed in ONNX Runtime"):

@@ -17,7 +17,7 @@ import placement as pl
 from placement.graph.saving import to_proto
 from placement.runtime import device_map as device_map_module
 from placement.runtime.device_map import PhysicalDevice
-from placement.runtime.ort import runner as rort
+from placement.runtime.ort import build
 from placement.runtime.ort.sessions import ort_log_severity
 from placement.runtime.ort.steps import StageStep, TransferStep
 from placement.runtime.ort.values import transfer_kind
@@ -559,8 +559,8 @@ def test_stale_copies_run_as_if_reinjected(exported, name):
 def test_replacement_during_a_rebuild_is_retried(exported, monkeypatch):
     model, _, args = exported("mlp")
     compute = [op.name for op in model.ops]
-    runner = pl.Runner(model, device_map="cpu")
-    real_plan = rort.split_stages
+    runner = pl.Runner(model, device_map="cpu", fold=False)
+    real_plan = build.split_stages
     calls = []
 
     def plan_then_replace(m):  # another thread re-places the model right after it was partitioned
@@ -573,7 +573,7 @@ def test_replacement_during_a_rebuild_is_retried(exported, monkeypatch):
 
     for name in compute[len(compute) // 2 :]:
         model.set_device(name, 1)
-    monkeypatch.setattr(rort, "split_stages", plan_then_replace)
+    monkeypatch.setattr(build, "split_stages", plan_then_replace)
     _check("mlp", runner.run(args))  # runs the placement it partitioned, whole
     assert calls == [2] and [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1"]
     _check("mlp", runner.run(args))  # and follows the change at the next run
