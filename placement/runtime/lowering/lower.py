@@ -86,7 +86,7 @@ import onnx_ir as ir
 import torch
 import torch.fx as fx
 
-from placement.errors import CUDAGraphError, LoweringError
+from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike, resolve_device_map
@@ -137,7 +137,11 @@ def to_torch(
             :class:`~placement.runtime.lowering.cuda_graphs.CUDAGraphModule`: each run of
             ops on one GPU is captured as a CUDA graph per input shape and replayed
             (inference: with gradients enabled it runs eagerly); see
-            :mod:`placement.runtime.lowering.cuda_graphs`.
+            :mod:`placement.runtime.lowering.cuda_graphs`. With ``chunks > 1``, each
+            GPU stage replays a graph per micro-batch shape, forward and (where its
+            backward follows at once) backward; stages on the CPU run eagerly, with a
+            warning when no stage is on a GPU; see
+            :mod:`placement.runtime.lowering.stage_graphs`.
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -152,7 +156,7 @@ def to_torch(
             example op each), unsupported attributes, or an opset older than 13 that
             ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map``.
-        CUDAGraphError: ``cuda_graphs=True`` without a GPU in the device map, or with ``chunks > 1``.
+        CUDAGraphError: ``cuda_graphs=True`` and ``chunks=1`` without a GPU in the device map.
 
     The module (``chunks=1``) checks its inputs as :class:`placement.Runner` does: a
     wrong dtype, rank or static dimension raises :class:`placement.InputError`
@@ -168,8 +172,6 @@ def to_torch(
     """
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
-    if cuda_graphs and chunks != 1:
-        raise CUDAGraphError(f"cuda_graphs=True runs the unpipelined module (chunks=1), got chunks={chunks}")
     model, problems = upgraded(model, device=_logical_devices(model)[0])
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
@@ -185,7 +187,14 @@ def to_torch(
     if chunks != 1:
         from placement.runtime.lowering.pipelined import pipeline_module
 
-        return pipeline_module(model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes)
+        return pipeline_module(
+            model,
+            module,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            batch_axes=batch_axes,
+            cuda_graphs=cuda_graphs,
+        )
     if cuda_graphs:
         from placement.runtime.lowering.cuda_graphs import cuda_graph_module
 

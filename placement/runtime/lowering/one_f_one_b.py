@@ -62,19 +62,26 @@ import torch
 
 from placement.errors import InputError
 from placement.runtime.lowering.stage_exec import (
+    StepStats,
     TorchStage,
+    accumulate,
     accumulate_owned,
     add_input_grads,
     backward_operands,
+    call_stage,
     detached,
     forward_for_backward,
+    hand_over,
+    input_slots,
+    join_streams,
     keeps_activations,
     microbatch_envs,
+    owned_grads,
     per_parameter,
     signal,
     stage_args,
     stage_name,
-    synchronize,
+    static_grads,
     trainable_params,
     wait_for,
     worker_context,
@@ -117,6 +124,8 @@ class _Shared:
     limit: int
     inboxes: list[queue.SimpleQueue[Any]]
     params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
+    stats: StepStats
+    tracked: Callable[[str], bool] = field(default=lambda key: True)  # env keys that take gradients
     failed: threading.Event = field(default_factory=threading.Event)
     failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
     losses: list[torch.Tensor | None] = field(default_factory=list)
@@ -140,10 +149,12 @@ class _Shared:
         self.failed.set()
         self.wake(_STOP)
 
-    def wake(self, message: Any = None) -> None:
-        """Tell every worker that something changed (new weight gradients, the end, a failure)."""
-        for inbox in self.inboxes:
-            inbox.put(("W", -1, None) if message is None else message)
+    def wake(self, message: Any = None, *, exclude: int = -1) -> None:
+        """Tell every worker but ``exclude`` that something changed (new weight gradients,
+        the end, a failure)."""
+        for j, inbox in enumerate(self.inboxes):
+            if j != exclude:
+                inbox.put(("W", -1, None) if message is None else message)
 
     def finish(self, stage: int, microbatch: int, grads: list[tuple[int, torch.Tensor]], groups: int) -> None:
         """Record parameter gradients of ``(stage, microbatch)``; call under ``lock``.
@@ -196,6 +207,7 @@ def pipelined_train_step(
     reduction: str = "mean",
     defer_weights: bool = True,
     max_in_flight: int | None = None,
+    stats: StepStats | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
 
@@ -219,6 +231,7 @@ def pipelined_train_step(
             helps (stages after the first); ``False`` runs plain 1F1B.
         max_in_flight: most micro-batches a stage holds between their forward and
             backward (their activations); default: no bound beyond ``chunks``.
+        stats: where to count what the step did (recomputed forwards); a new one if None.
 
     Returns:
         The mini-batch's loss (detached).
@@ -242,6 +255,8 @@ def pipelined_train_step(
     envs = microbatch_envs(list(input_keys), list(input_axes), chunks, inputs)
     parts = split_batch(list(targets), [0] * len(targets), chunks) if targets else [[] for _ in envs]
     bounds = microbatch_bounds(size, chunks)
+    stats = stats if stats is not None else StepStats()
+    stats.microbatches, stats.recomputed = len(envs), [0] * len(stages)
     shared = _Shared(
         stages=stages,
         input_keys=set(input_keys),
@@ -255,6 +270,8 @@ def pipelined_train_step(
         limit=max_in_flight or len(envs),
         inboxes=[queue.SimpleQueue() for _ in stages],
         params=[trainable_params(stage) for stage in stages],
+        stats=stats,
+        tracked=lambda key, data=frozenset(input_keys): key not in data,  # graph inputs are data
         losses=[None] * len(envs),
         backwards_left=len(stages) * len(envs),
         flushed=[0] * len(stages),
@@ -275,7 +292,7 @@ def pipelined_train_step(
     finally:
         for thread in threads:
             thread.join()
-    synchronize(stages)
+    join_streams(stages)  # the caller's stream waits for the workers' (no host synchronisation)
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
         raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
@@ -321,12 +338,13 @@ class _StageLoop:
                     self._file(message)
                 if next_b in self.backward_ready:
                     self.current = (self.j, next_b)
-                    self._backward(next_b)
+                    self._backward(next_b, self.backward_ready.pop(next_b))
                     next_b += 1
                 elif next_f < self.k and next_f in self.forward_ready and next_f - next_b < shared.limit:
                     self.current = (self.j, next_f)
                     self._forward(next_f)
                     next_f += 1
+                    next_b += self.last  # the last stage's backward ran with its forward
                 elif not self._weights():
                     if next_b == self.k and self._done():
                         return
@@ -356,58 +374,86 @@ class _StageLoop:
             return not mine and self.shared.backwards_left == 0
 
     def _forward(self, i: int) -> None:
+        """Micro-batch ``i``'s forward; on the last stage also its loss and backward, at once
+        (its activations are never held across other work, so they are never recomputed)."""
         stage, shared = self.stage, self.shared
         env = self.forward_ready.pop(i)
         wait_for(env)
-        args = stage_args(stage, env, lambda key: key not in shared.input_keys)  # graph inputs are data
+        args = stage_args(stage, env, shared.tracked)
+        if self.last:
+            with torch.enable_grad():
+                outs = call_stage(stage, args, immediate=True)
+                loss, leaves = self._loss(i, env, outs)
+            self._backward(i, {}, (args, outs), loss, leaves)
+            return
         outs, saved = forward_for_backward(stage, args, keeps_activations(shared.checkpoint, i, self.k))
         self.saved[i] = (args, saved)
         env.update(outs)
         signal(env, stage.device)
-        if self.last:
-            self.backward_ready[i] = self._loss(i, env)
-        else:
-            self.shared.inboxes[self.j + 1].put(("F", i, env))
+        shared.inboxes[self.j + 1].put(("F", i, env))
 
-    def _loss(self, i: int, env: dict[str, Any]) -> dict[str, Any]:
-        """Micro-batch ``i``'s loss from the model's outputs in ``env``; returns the outputs' gradients."""
+    def _loss(
+        self, i: int, env: dict[str, Any], outs: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Micro-batch ``i``'s loss (None when nothing in it takes a gradient) from
+        the model's outputs: this stage's own, and leaves cut from an earlier stage's values
+        (returned by key: their gradients go back to that stage)."""
         shared = self.shared
-        keys = shared.output_keys
-        leaves = [detached(env[key], True) for key in keys]
-        output = leaves[0] if len(leaves) == 1 else tuple(leaves)
-        with torch.enable_grad():
-            loss = scalar_loss(shared.loss_fn(output, *shared.targets[i]))
-        weight = shared.weights[i]
-        shared.losses[i] = loss.detach().reshape(()) * weight
-        tracked = [(key, leaf) for key, leaf in zip(keys, leaves) if leaf.requires_grad]
-        if not tracked or not loss.requires_grad:
-            return {}
-        grads = torch.autograd.grad(
-            loss.reshape(()),
-            [leaf for _, leaf in tracked],
-            torch.tensor(weight, dtype=loss.dtype, device=loss.device),
-            allow_unused=True,
+        leaves: dict[str, torch.Tensor] = {}
+        values = []
+        for key in shared.output_keys:
+            if key in outs:
+                values.append(outs[key])
+            else:
+                leaves[key] = detached(env[key], True)
+                values.append(leaves[key])
+        loss = scalar_loss(
+            shared.loss_fn(values[0] if len(values) == 1 else tuple(values), *shared.targets[i])
         )
-        return {key: g for (key, _), g in zip(tracked, grads) if g is not None}
+        shared.losses[i] = loss.detach().reshape(()) * shared.weights[i]
+        return (loss.reshape(()) if loss.requires_grad else None), leaves
 
-    def _backward(self, i: int) -> None:
+    def _backward(
+        self,
+        i: int,
+        genv: dict[str, Any],
+        saved: tuple[list[Any], dict[str, Any] | None] | None = None,
+        loss: torch.Tensor | None = None,
+        leaves: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Micro-batch ``i``'s backward on this stage: input gradients now, weight gradients
+        now or deferred; the input gradients go to the stage before. On the last stage it
+        starts from ``loss`` (``saved`` its forward's), elsewhere from the gradients in ``genv``."""
         shared, stage = self.shared, self.stage
-        genv = self.backward_ready.pop(i)
         wait_for(genv)
-        args, outs = self.saved.pop(i)
+        args, outs = saved if saved is not None else self.saved.pop(i)
         params = shared.params[self.j]
-        outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
+        leaf_keys = [k for k, leaf in (leaves or {}).items() if leaf.requires_grad]
+        if self.last:
+            outputs, seeds = [], []
+            if loss is not None:  # weighted by the micro-batch's share of the batch
+                outputs, seeds = (
+                    [loss],
+                    [torch.tensor(shared.weights[i], dtype=loss.dtype, device=loss.device)],
+                )
+            arg_slots = input_slots(args, params)
+        else:
+            outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, shared.stats)
         now: list[torch.Tensor | None] = []
         later: DeferredWeights | None = None
-        if outputs and (arg_slots or params):
-            arg_values = [args[n] for n in arg_slots]
+        if outputs and (arg_slots or params or leaf_keys):
+            arg_values = [args[n] for n in arg_slots] + [leaves[k] for k in leaf_keys]  # type: ignore[index]
             param_values = [args[n] for n, _ in params]
-            if shared.defer and arg_slots and params:
+            if shared.defer and arg_values and params and not static_grads(stage):
                 arg_grads, now, later = backward_inputs(outputs, seeds, arg_values, param_values)
             else:
                 grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
-                arg_grads, now = list(grads[: len(arg_slots)]), list(grads[len(arg_slots) :])
-            add_input_grads(genv, stage, arg_slots, arg_grads)
+                grads = owned_grads(stage, grads)
+                arg_grads, now = list(grads[: len(arg_values)]), list(grads[len(arg_values) :])
+            add_input_grads(genv, stage, arg_slots, arg_grads[: len(arg_slots)])
+            for key, g in zip(leaf_keys, arg_grads[len(arg_slots) :]):
+                if g is not None:
+                    accumulate(genv, key, g)
         signal(genv, stage.device)
         if self.j > 0:
             shared.inboxes[self.j - 1].put(("B", i, genv))
@@ -417,8 +463,8 @@ class _StageLoop:
                 shared.pool.append(_Pending(self.j, i, later))
             shared.finish(self.j, i, [(p, g) for p, g in enumerate(now) if g is not None], groups)
             last = shared.backwards_left == 0
-        if groups or last:
-            shared.wake()
+        if last or (groups and stage.device.type == "cpu"):  # others may run CPU stages' groups
+            shared.wake(exclude=self.j)
 
     def _weights(self) -> bool:
         """Claim and run one group of the oldest deferred weight gradients this worker may run;
@@ -450,7 +496,7 @@ def _write_grads(
     A gradient that is one autograd result, not an accumulator made here, is copied before
     it becomes a ``.grad`` (autograd may share it)."""
     for param, g, fresh in per_parameter(stages, param_grads, owned).values():
-        g = g.to(param.device)
+        g = hand_over(g.to(param.device))  # made on a worker's stream, read on the caller's
         if param.grad is None:
             param.grad = g if fresh else g.clone()
         else:
