@@ -89,7 +89,14 @@ from placement.runtime.lowering.stage_exec import (
 from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
 
-__all__ = ["REDUCTIONS", "check_reduction", "pipelined_train_step", "scalar_loss"]
+__all__ = [
+    "DEFER_MIN_MACS",
+    "REDUCTIONS",
+    "check_reduction",
+    "defer_pays",
+    "pipelined_train_step",
+    "scalar_loss",
+]
 
 #: How micro-batch losses combine into the step's loss.
 REDUCTIONS = ("mean", "sum")
@@ -120,7 +127,7 @@ class _Shared:
     targets: list[list[Any]]
     weights: list[float]
     loss_fn: LossFn
-    defer: bool
+    defer: bool | str  # True, False or "auto" (see :func:`defer_pays`)
     limit: int
     inboxes: list[queue.SimpleQueue[Any]]
     params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
@@ -179,6 +186,34 @@ class _Shared:
             self.flushed[stage] += 1
 
 
+#: Least multiply-adds (rows x parameter elements) of a stage's weight gradients for one
+#: micro-batch at which ``defer_weights="auto"`` computes them apart from the input gradients.
+#: Splitting a backward costs a graph walk, hooks and one autograd call per weight group
+#: (tens of microseconds of Python); below about a million multiply-adds (a few tens of
+#: microseconds of compute on one core) the split costs more than the time it frees.
+DEFER_MIN_MACS = 1 << 20
+
+
+def defer_pays(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether deferring the weight gradients of a backward with these ``inputs`` (activations)
+    and ``params`` pays: rows (an input's elements over its last axis) x parameter elements
+    reach :data:`DEFER_MIN_MACS`.
+
+    Example:
+        >>> import torch
+        >>> defer_pays([torch.zeros(4, 8)], [torch.zeros(8, 8)])
+        False
+        >>> defer_pays([torch.zeros(8, 128, 512)], [torch.zeros(512, 512)])
+        True
+    """
+    return _rows(inputs) * sum(p.numel() for p in params) >= DEFER_MIN_MACS
+
+
+def _rows(inputs: Sequence[torch.Tensor]) -> int:
+    """The most rows (elements over the last axis) of the activations ``inputs``."""
+    return max((t.numel() // max(1, t.shape[-1]) for t in inputs if t.dim() > 0), default=1)
+
+
 def check_reduction(reduction: str) -> None:
     """Raise ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
     if reduction not in REDUCTIONS:
@@ -205,7 +240,7 @@ def pipelined_train_step(
     loss_fn: LossFn,
     targets: Sequence[Any] = (),
     reduction: str = "mean",
-    defer_weights: bool = True,
+    defer_weights: bool | str = "auto",
     max_in_flight: int | None = None,
     stats: StepStats | None = None,
 ) -> torch.Tensor:
@@ -228,7 +263,9 @@ def pipelined_train_step(
         targets: tensors cut along their first axis like the inputs' batch.
         reduction: ``"mean"`` (``loss_fn`` averages over the batch) or ``"sum"``.
         defer_weights: compute weight gradients after input gradients where that
-            helps (stages after the first); ``False`` runs plain 1F1B.
+            helps (stages after the first); ``False`` runs plain 1F1B; ``"auto"`` (the
+            default) defers where a micro-batch's weight gradients are big enough to pay
+            for computing them apart (:func:`defer_pays`), ``True`` wherever it can.
         max_in_flight: most micro-batches a stage holds between their forward and
             backward (their activations); default: no bound beyond ``chunks``.
         stats: where to count what the step did (recomputed forwards); a new one if None.
@@ -242,6 +279,8 @@ def pipelined_train_step(
         InputError: a target's batch size differs from the inputs'.
     """
     check_reduction(reduction)
+    if defer_weights not in (True, False, "auto"):
+        raise ValueError(f"defer_weights must be True, False or 'auto', got {defer_weights!r}")
     if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
         raise ValueError(f"max_in_flight must be a positive integer or None, got {max_in_flight!r}")
     inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
@@ -256,7 +295,7 @@ def pipelined_train_step(
     parts = split_batch(list(targets), [0] * len(targets), chunks) if targets else [[] for _ in envs]
     bounds = microbatch_bounds(size, chunks)
     stats = stats if stats is not None else StepStats()
-    stats.microbatches, stats.recomputed = len(envs), [0] * len(stages)
+    stats.microbatches, stats.recomputed, stats.deferred = len(envs), [0] * len(stages), 0
     shared = _Shared(
         stages=stages,
         input_keys=set(input_keys),
@@ -322,6 +361,21 @@ class _StageLoop:
         self.backward_ready: dict[int, dict[str, Any]] = {}
         self.saved: dict[int, tuple[list[Any], dict[str, Any] | None]] = {}
         self.current = (j, 0)  # the (stage, micro-batch) being worked on, named in errors
+        self._param_elements = sum(self.stage.consts[key].numel() for _, key in shared.params[j])
+        self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+
+    def _seed(self, weight: float, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a micro-batch's loss starts from (its weight), made once per value."""
+        seed = self._seeds.get((weight, loss.dtype))
+        if seed is None:
+            seed = self._seeds[weight, loss.dtype] = torch.tensor(
+                weight, dtype=loss.dtype, device=loss.device
+            )
+        return seed
+
+    def _defer_pays(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """:func:`defer_pays` for this stage's parameters (their size counted once)."""
+        return _rows(inputs) * self._param_elements >= DEFER_MIN_MACS
 
     def run(self) -> None:
         shared, inbox = self.shared, self.shared.inboxes[self.j]
@@ -432,10 +486,7 @@ class _StageLoop:
         if self.last:
             outputs, seeds = [], []
             if loss is not None:  # weighted by the micro-batch's share of the batch
-                outputs, seeds = (
-                    [loss],
-                    [torch.tensor(shared.weights[i], dtype=loss.dtype, device=loss.device)],
-                )
+                outputs, seeds = [loss], [self._seed(shared.weights[i], loss)]
             arg_slots = input_slots(args, params)
         else:
             outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, shared.stats)
@@ -444,7 +495,8 @@ class _StageLoop:
         if outputs and (arg_slots or params or leaf_keys):
             arg_values = [args[n] for n in arg_slots] + [leaves[k] for k in leaf_keys]  # type: ignore[index]
             param_values = [args[n] for n, _ in params]
-            if shared.defer and arg_values and params and not static_grads(stage):
+            defer = shared.defer is True or (shared.defer == "auto" and self._defer_pays(arg_values))
+            if defer and arg_values and params and not static_grads(stage):
                 arg_grads, now, later = backward_inputs(outputs, seeds, arg_values, param_values)
             else:
                 grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
@@ -461,6 +513,7 @@ class _StageLoop:
         with shared.lock:
             if later is not None and groups:
                 shared.pool.append(_Pending(self.j, i, later))
+                shared.stats.deferred += groups
             shared.finish(self.j, i, [(p, g) for p, g in enumerate(now) if g is not None], groups)
             last = shared.backwards_left == 0
         if last or (groups and stage.device.type == "cpu"):  # others may run CPU stages' groups

@@ -87,10 +87,13 @@ class StepStats:
         microbatches: micro-batches the step ran.
         recomputed: per stage, the forwards it ran again in backward because checkpointing
             dropped their activations (``checkpoint=``); :attr:`total_recomputed` sums them.
+        deferred: groups of weight gradients ``train_step`` computed apart from their
+            backward (``defer_weights=``).
     """
 
     microbatches: int = 0
     recomputed: list[int] = field(default_factory=list)
+    deferred: int = 0
 
     @classmethod
     def start(cls, stages: int, microbatches: int) -> StepStats:

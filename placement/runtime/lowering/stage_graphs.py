@@ -40,7 +40,9 @@ Example (the capture seam: here a "capture" that fails, so the stage runs eagerl
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -57,6 +59,15 @@ _WARMUP = 2
 
 #: ``capture(fn, args, device, fixed)`` -> a replay of ``fn``; ``fixed``: positions of the args
 #: that are the same tensors on every call (parameters), used in place rather than copied.
+#: One capture at a time in the process (stages on one GPU capture from their own threads).
+_capturing = threading.Lock()
+#: Other threads' CUDA calls stay legal while one thread captures (where torch has the option).
+_THREAD_LOCAL = (
+    {"capture_error_mode": "thread_local"}
+    if "capture_error_mode" in inspect.signature(torch.cuda.graph.__init__).parameters
+    else {}
+)
+
 CaptureFn = Callable[[Callable[..., Any], Sequence[Any], torch.device, frozenset[int]], Callable[..., Any]]
 
 
@@ -80,13 +91,14 @@ def capture_forward(
     stream = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(stream)
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(_WARMUP):
-            fn(*statics)
-    stream.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-        outputs = fn(*statics)
+    with _capturing, torch.cuda.device(device):
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(_WARMUP):
+                fn(*statics)
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, **_THREAD_LOCAL):
+            outputs = fn(*statics)
     slots = [n for n, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
     def replay(*new: Any) -> Any:
@@ -111,8 +123,14 @@ def capture_training(
         else a
         for n, a in enumerate(args)
     )
-    with torch.cuda.device(device):
-        graphed = torch.cuda.make_graphed_callables(fn, samples, num_warmup_iters=3)
+
+    def run(
+        *args: Any,
+    ) -> Any:  # a function, not the module: make_graphed_callables patches a module's forward
+        return fn(*args)
+
+    with _capturing, torch.cuda.device(device):
+        graphed = torch.cuda.make_graphed_callables(run, samples, num_warmup_iters=3)
     return lambda *new: _clone(graphed(*new))
 
 
