@@ -120,17 +120,20 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     it, ordinary tensors."""
 
     @contextlib.contextmanager
-    def enter(j: int) -> Iterator[None]:
-        device = stages[min(j, len(stages) - 1)].device
+    def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
-            if device.type == "cuda":
-                with (
-                    torch.cuda.device(device),
-                    torch.cuda.stream(stage_stream(stages[min(j, len(stages) - 1)])),
-                ):
-                    yield
-            else:
+            with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
                 yield
+
+    def enter(j: int) -> contextlib.AbstractContextManager[Any]:
+        # Entered around every call of a stage run on the caller's thread: on the CPU, the
+        # grad mode's own context manager (none when it is already on), not a generator.
+        stage = stages[min(j, len(stages) - 1)]
+        if stage.device.type == "cuda":
+            return on_gpu(stage)
+        if not grad:
+            return torch.inference_mode()
+        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
 
     return enter
 
