@@ -93,9 +93,42 @@ def test_three_stages_and_bounded_activations(max_in_flight):
     plain, want = _reference(model, (idx,), target)
     piped = pl.to_torch(model, device_map="cpu", chunks=4)
     assert len(piped.stages) == 3
-    loss = piped.train_step(idx, loss_fn=_loss, targets=(target,), max_in_flight=max_in_flight)
+    loss = piped.train_step(
+        idx, loss_fn=_loss, targets=(target,), max_in_flight=max_in_flight, defer_weights=True
+    )
+    assert piped.stats.deferred > 0
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
     _assert_same_grads(piped, plain)
+
+
+def test_auto_defers_only_weight_gradients_big_enough_to_pay():
+    """``defer_weights="auto"`` (the default) leaves a tiny stage's weight gradients in its
+    backward and defers those of a stage whose micro-batch makes them big."""
+    from placement.runtime.lowering.one_f_one_b import DEFER_MIN_MACS, defer_pays
+
+    torch.manual_seed(0)
+    width = 256
+    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+    x = torch.randn(8, width)
+    model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    model.set_device(model.ops[-1].name, 1)
+    pl.inject_cross_device_copies(model)
+    piped = pl.to_torch(model, device_map="cpu", chunks=2)
+    small, big = x[:4], x.repeat(4, 1)  # micro-batches of 2 and 16 rows; the last stage has 65792 weights
+    assert not defer_pays([small[:2]], [net[2].weight, net[2].bias])
+    assert 16 * (width * width + width) >= DEFER_MIN_MACS
+    piped.train_step(small, loss_fn=_loss_sq)
+    assert piped.stats.deferred == 0
+    piped.train_step(big, loss_fn=_loss_sq)
+    assert piped.stats.deferred == 2  # the last stage's Linear, for each micro-batch
+    piped.train_step(small, loss_fn=_loss_sq, defer_weights=True)
+    assert piped.stats.deferred == 2
+    piped.train_step(big, loss_fn=_loss_sq, defer_weights=False)
+    assert piped.stats.deferred == 0
+
+
+def _loss_sq(out):
+    return out.square().mean()
 
 
 def test_gradients_do_not_depend_on_timing():
@@ -106,7 +139,7 @@ def test_gradients_do_not_depend_on_timing():
     runs = []
     for _ in range(4):
         piped.zero_grad(set_to_none=True)
-        piped.train_step(idx, loss_fn=_loss, targets=(target,))
+        piped.train_step(idx, loss_fn=_loss, targets=(target,), defer_weights=True)
         runs.append([p.grad.clone() for p in piped.parameters()])
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
@@ -198,6 +231,8 @@ def test_bad_arguments():
         piped.train_step(x, loss_fn=_loss, targets=(torch.zeros(4, 3),))
     with pytest.raises(ValueError, match="reduction"):
         piped.train_step(x, loss_fn=_loss, reduction="max")
+    with pytest.raises(ValueError, match="defer_weights"):
+        piped.train_step(x, loss_fn=_loss, defer_weights="sometimes")
     with pytest.raises(ValueError, match="max_in_flight"):
         piped.train_step(x, loss_fn=_loss, max_in_flight=0)
     with pytest.raises(TypeError, match="missing input"):

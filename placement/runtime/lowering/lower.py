@@ -88,7 +88,7 @@ import onnx_ir as ir
 import torch
 import torch.fx as fx
 
-from placement.errors import CUDAGraphError, LoweringError
+from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike, resolve_device_map
@@ -150,7 +150,11 @@ def to_torch(
             :class:`~placement.runtime.lowering.cuda_graphs.CUDAGraphModule`: each run of
             ops on one GPU is captured as a CUDA graph per input shape and replayed
             (inference: with gradients enabled it runs eagerly); see
-            :mod:`placement.runtime.lowering.cuda_graphs`.
+            :mod:`placement.runtime.lowering.cuda_graphs`. With ``chunks > 1``, each
+            GPU stage replays a graph per micro-batch shape, forward and (where its
+            backward follows at once) backward; stages on the CPU run eagerly, with a
+            warning when no stage is on a GPU; see
+            :mod:`placement.runtime.lowering.stage_graphs`.
         outputs_on: where a call's outputs come back: ``"input"`` (the default) on the
             device of its first tensor input, as accelerate's dispatched modules do (CPU
             tensors in, CPU tensors out, whatever devices the stages run on); ``"last"``
@@ -172,7 +176,7 @@ def to_torch(
             example op each), unsupported attributes, or an opset older than 13 that
             ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map`` or ``outputs_on``.
-        CUDAGraphError: ``cuda_graphs=True`` without a GPU in the device map, or with ``chunks > 1``.
+        CUDAGraphError: ``cuda_graphs=True`` and ``chunks=1`` without a GPU in the device map.
 
     The module (``chunks=1``) checks its inputs as :class:`placement.Runner` does: a
     wrong dtype, rank or static dimension raises :class:`placement.InputError`
@@ -188,8 +192,6 @@ def to_torch(
     """
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
-    if cuda_graphs and chunks != 1:
-        raise CUDAGraphError(f"cuda_graphs=True runs the unpipelined module (chunks=1), got chunks={chunks}")
     check_outputs_on(outputs_on)
     model, problems = upgraded(model, device=_logical_devices(model)[0])
     check_supported(model, problems=problems)
@@ -207,7 +209,12 @@ def to_torch(
         from placement.runtime.lowering.pipelined import pipeline_module
 
         pipelined = pipeline_module(
-            model, module, chunks=chunks, checkpoint=checkpoint, batch_axes=batch_axes
+            model,
+            module,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            batch_axes=batch_axes,
+            cuda_graphs=cuda_graphs,
         )
         return install_outputs_on(pipelined, outputs_on)
     if cuda_graphs:

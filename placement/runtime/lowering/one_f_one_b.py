@@ -63,19 +63,26 @@ import torch
 from placement.errors import InputError
 from placement.runtime.lowering.outputs import move_outputs
 from placement.runtime.lowering.stage_exec import (
+    StepStats,
     TorchStage,
+    accumulate,
     accumulate_owned,
     add_input_grads,
     backward_operands,
+    call_stage,
     detached,
     forward_for_backward,
+    hand_over,
+    input_slots,
+    join_streams,
     keeps_activations,
     microbatch_envs,
+    owned_grads,
     per_parameter,
     signal,
     stage_args,
     stage_name,
-    synchronize,
+    static_grads,
     trainable_params,
     wait_for,
     worker_context,
@@ -83,7 +90,14 @@ from placement.runtime.lowering.stage_exec import (
 from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
 
-__all__ = ["REDUCTIONS", "check_reduction", "pipelined_train_step", "scalar_loss"]
+__all__ = [
+    "DEFER_MIN_MACS",
+    "REDUCTIONS",
+    "check_reduction",
+    "defer_pays",
+    "pipelined_train_step",
+    "scalar_loss",
+]
 
 #: How micro-batch losses combine into the step's loss.
 REDUCTIONS = ("mean", "sum")
@@ -115,10 +129,12 @@ class _Shared:
     weights: list[float]
     loss_fn: LossFn
     outputs_device: torch.device | None  # where loss_fn gets the outputs (None: the last stage's)
-    defer: bool
+    defer: bool | str  # True, False or "auto" (see :func:`defer_pays`)
     limit: int
     inboxes: list[queue.SimpleQueue[Any]]
     params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
+    stats: StepStats
+    tracked: Callable[[str], bool] = field(default=lambda key: True)  # env keys that take gradients
     failed: threading.Event = field(default_factory=threading.Event)
     failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
     losses: list[torch.Tensor | None] = field(default_factory=list)
@@ -142,10 +158,12 @@ class _Shared:
         self.failed.set()
         self.wake(_STOP)
 
-    def wake(self, message: Any = None) -> None:
-        """Tell every worker that something changed (new weight gradients, the end, a failure)."""
-        for inbox in self.inboxes:
-            inbox.put(("W", -1, None) if message is None else message)
+    def wake(self, message: Any = None, *, exclude: int = -1) -> None:
+        """Tell every worker but ``exclude`` that something changed (new weight gradients,
+        the end, a failure)."""
+        for j, inbox in enumerate(self.inboxes):
+            if j != exclude:
+                inbox.put(("W", -1, None) if message is None else message)
 
     def finish(self, stage: int, microbatch: int, grads: list[tuple[int, torch.Tensor]], groups: int) -> None:
         """Record parameter gradients of ``(stage, microbatch)``; call under ``lock``.
@@ -168,6 +186,34 @@ class _Shared:
                 accumulate_owned(self.param_grads[stage], self.owned[stage], self.params[stage][p][1], g)
             del self.unfinished[key]
             self.flushed[stage] += 1
+
+
+#: Least multiply-adds (rows x parameter elements) of a stage's weight gradients for one
+#: micro-batch at which ``defer_weights="auto"`` computes them apart from the input gradients.
+#: Splitting a backward costs a graph walk, hooks and one autograd call per weight group
+#: (tens of microseconds of Python); below about a million multiply-adds (a few tens of
+#: microseconds of compute on one core) the split costs more than the time it frees.
+DEFER_MIN_MACS = 1 << 20
+
+
+def defer_pays(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether deferring the weight gradients of a backward with these ``inputs`` (activations)
+    and ``params`` pays: rows (an input's elements over its last axis) x parameter elements
+    reach :data:`DEFER_MIN_MACS`.
+
+    Example:
+        >>> import torch
+        >>> defer_pays([torch.zeros(4, 8)], [torch.zeros(8, 8)])
+        False
+        >>> defer_pays([torch.zeros(8, 128, 512)], [torch.zeros(512, 512)])
+        True
+    """
+    return _rows(inputs) * sum(p.numel() for p in params) >= DEFER_MIN_MACS
+
+
+def _rows(inputs: Sequence[torch.Tensor]) -> int:
+    """The most rows (elements over the last axis) of the activations ``inputs``."""
+    return max((t.numel() // max(1, t.shape[-1]) for t in inputs if t.dim() > 0), default=1)
 
 
 def check_reduction(reduction: str) -> None:
@@ -196,9 +242,10 @@ def pipelined_train_step(
     loss_fn: LossFn,
     targets: Sequence[Any] = (),
     reduction: str = "mean",
-    defer_weights: bool = True,
+    defer_weights: bool | str = "auto",
     max_in_flight: int | None = None,
     outputs_device: torch.device | None = None,
+    stats: StepStats | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
 
@@ -219,11 +266,14 @@ def pipelined_train_step(
         targets: tensors cut along their first axis like the inputs' batch.
         reduction: ``"mean"`` (``loss_fn`` averages over the batch) or ``"sum"``.
         defer_weights: compute weight gradients after input gradients where that
-            helps (stages after the first); ``False`` runs plain 1F1B.
+            helps (stages after the first); ``False`` runs plain 1F1B; ``"auto"`` (the
+            default) defers where a micro-batch's weight gradients are big enough to pay
+            for computing them apart (:func:`defer_pays`), ``True`` wherever it can.
         max_in_flight: most micro-batches a stage holds between their forward and
             backward (their activations); default: no bound beyond ``chunks``.
         outputs_device: the device ``loss_fn`` gets the outputs on (moved there inside
             autograd; :func:`.outputs.move_outputs`); None: the last stage's.
+        stats: where to count what the step did (recomputed forwards); a new one if None.
 
     Returns:
         The mini-batch's loss (detached).
@@ -234,6 +284,8 @@ def pipelined_train_step(
         InputError: a target's batch size differs from the inputs'.
     """
     check_reduction(reduction)
+    if defer_weights not in (True, False, "auto"):
+        raise ValueError(f"defer_weights must be True, False or 'auto', got {defer_weights!r}")
     if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
         raise ValueError(f"max_in_flight must be a positive integer or None, got {max_in_flight!r}")
     inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
@@ -247,6 +299,8 @@ def pipelined_train_step(
     envs = microbatch_envs(list(input_keys), list(input_axes), chunks, inputs)
     parts = split_batch(list(targets), [0] * len(targets), chunks) if targets else [[] for _ in envs]
     bounds = microbatch_bounds(size, chunks)
+    stats = stats if stats is not None else StepStats()
+    stats.microbatches, stats.recomputed, stats.deferred = len(envs), [0] * len(stages), 0
     shared = _Shared(
         stages=stages,
         input_keys=set(input_keys),
@@ -261,6 +315,8 @@ def pipelined_train_step(
         limit=max_in_flight or len(envs),
         inboxes=[queue.SimpleQueue() for _ in stages],
         params=[trainable_params(stage) for stage in stages],
+        stats=stats,
+        tracked=lambda key, data=frozenset(input_keys): key not in data,  # graph inputs are data
         losses=[None] * len(envs),
         backwards_left=len(stages) * len(envs),
         flushed=[0] * len(stages),
@@ -281,7 +337,7 @@ def pipelined_train_step(
     finally:
         for thread in threads:
             thread.join()
-    synchronize(stages)
+    join_streams(stages)  # the caller's stream waits for the workers' (no host synchronisation)
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
         raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
@@ -311,6 +367,21 @@ class _StageLoop:
         self.backward_ready: dict[int, dict[str, Any]] = {}
         self.saved: dict[int, tuple[list[Any], dict[str, Any] | None]] = {}
         self.current = (j, 0)  # the (stage, micro-batch) being worked on, named in errors
+        self._param_elements = sum(self.stage.consts[key].numel() for _, key in shared.params[j])
+        self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+
+    def _seed(self, weight: float, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a micro-batch's loss starts from (its weight), made once per value."""
+        seed = self._seeds.get((weight, loss.dtype))
+        if seed is None:
+            seed = self._seeds[weight, loss.dtype] = torch.tensor(
+                weight, dtype=loss.dtype, device=loss.device
+            )
+        return seed
+
+    def _defer_pays(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """:func:`defer_pays` for this stage's parameters (their size counted once)."""
+        return _rows(inputs) * self._param_elements >= DEFER_MIN_MACS
 
     def run(self) -> None:
         shared, inbox = self.shared, self.shared.inboxes[self.j]
@@ -327,12 +398,13 @@ class _StageLoop:
                     self._file(message)
                 if next_b in self.backward_ready:
                     self.current = (self.j, next_b)
-                    self._backward(next_b)
+                    self._backward(next_b, self.backward_ready.pop(next_b))
                     next_b += 1
                 elif next_f < self.k and next_f in self.forward_ready and next_f - next_b < shared.limit:
                     self.current = (self.j, next_f)
                     self._forward(next_f)
                     next_f += 1
+                    next_b += self.last  # the last stage's backward ran with its forward
                 elif not self._weights():
                     if next_b == self.k and self._done():
                         return
@@ -362,59 +434,86 @@ class _StageLoop:
             return not mine and self.shared.backwards_left == 0
 
     def _forward(self, i: int) -> None:
+        """Micro-batch ``i``'s forward; on the last stage also its loss and backward, at once
+        (its activations are never held across other work, so they are never recomputed)."""
         stage, shared = self.stage, self.shared
         env = self.forward_ready.pop(i)
         wait_for(env)
-        args = stage_args(stage, env, lambda key: key not in shared.input_keys)  # graph inputs are data
+        args = stage_args(stage, env, shared.tracked)
+        if self.last:
+            with torch.enable_grad():
+                outs = call_stage(stage, args, immediate=True)
+                loss, leaves = self._loss(i, env, outs)
+            self._backward(i, {}, (args, outs), loss, leaves)
+            return
         outs, saved = forward_for_backward(stage, args, keeps_activations(shared.checkpoint, i, self.k))
         self.saved[i] = (args, saved)
         env.update(outs)
         signal(env, stage.device)
-        if self.last:
-            self.backward_ready[i] = self._loss(i, env)
-        else:
-            self.shared.inboxes[self.j + 1].put(("F", i, env))
+        shared.inboxes[self.j + 1].put(("F", i, env))
 
-    def _loss(self, i: int, env: dict[str, Any]) -> dict[str, Any]:
-        """Micro-batch ``i``'s loss from the model's outputs in ``env``; returns the outputs' gradients."""
+    def _loss(
+        self, i: int, env: dict[str, Any], outs: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Micro-batch ``i``'s loss (None when nothing in it takes a gradient) from
+        the model's outputs: this stage's own, and leaves cut from an earlier stage's values
+        (returned by key: their gradients go back to that stage)."""
         shared = self.shared
-        keys = shared.output_keys
-        leaves = [detached(env[key], True) for key in keys]
+        leaves: dict[str, torch.Tensor] = {}
+        values = []
+        for key in shared.output_keys:
+            if key in outs:
+                values.append(outs[key])
+            else:
+                leaves[key] = detached(env[key], True)
+                values.append(leaves[key])
         with torch.enable_grad():
-            moved = move_outputs(leaves, shared.outputs_device)
-            output = moved[0] if len(moved) == 1 else tuple(moved)
-            loss = scalar_loss(shared.loss_fn(output, *shared.targets[i]))
-        weight = shared.weights[i]
-        shared.losses[i] = loss.detach().reshape(()) * weight
-        tracked = [(key, leaf) for key, leaf in zip(keys, leaves) if leaf.requires_grad]
-        if not tracked or not loss.requires_grad:
-            return {}
-        grads = torch.autograd.grad(
-            loss.reshape(()),
-            [leaf for _, leaf in tracked],
-            torch.tensor(weight, dtype=loss.dtype, device=loss.device),
-            allow_unused=True,
-        )
-        return {key: g for (key, _), g in zip(tracked, grads) if g is not None}
+            values = move_outputs(values, shared.outputs_device)
+            loss = scalar_loss(
+                shared.loss_fn(values[0] if len(values) == 1 else tuple(values), *shared.targets[i])
+            )
+        shared.losses[i] = loss.detach().reshape(()) * shared.weights[i]
+        return (loss.reshape(()) if loss.requires_grad else None), leaves
 
-    def _backward(self, i: int) -> None:
+    def _backward(
+        self,
+        i: int,
+        genv: dict[str, Any],
+        saved: tuple[list[Any], dict[str, Any] | None] | None = None,
+        loss: torch.Tensor | None = None,
+        leaves: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Micro-batch ``i``'s backward on this stage: input gradients now, weight gradients
+        now or deferred; the input gradients go to the stage before. On the last stage it
+        starts from ``loss`` (``saved`` its forward's), elsewhere from the gradients in ``genv``."""
         shared, stage = self.shared, self.stage
-        genv = self.backward_ready.pop(i)
         wait_for(genv)
-        args, outs = self.saved.pop(i)
+        args, outs = saved if saved is not None else self.saved.pop(i)
         params = shared.params[self.j]
-        outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
+        leaf_keys = [k for k, leaf in (leaves or {}).items() if leaf.requires_grad]
+        if self.last:
+            outputs, seeds = [], []
+            if loss is not None:  # weighted by the micro-batch's share of the batch
+                outputs, seeds = [loss], [self._seed(shared.weights[i], loss)]
+            arg_slots = input_slots(args, params)
+        else:
+            outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, shared.stats)
         now: list[torch.Tensor | None] = []
         later: DeferredWeights | None = None
-        if outputs and (arg_slots or params):
-            arg_values = [args[n] for n in arg_slots]
+        if outputs and (arg_slots or params or leaf_keys):
+            arg_values = [args[n] for n in arg_slots] + [leaves[k] for k in leaf_keys]  # type: ignore[index]
             param_values = [args[n] for n, _ in params]
-            if shared.defer and arg_slots and params:
+            defer = shared.defer is True or (shared.defer == "auto" and self._defer_pays(arg_values))
+            if defer and arg_values and params and not static_grads(stage):
                 arg_grads, now, later = backward_inputs(outputs, seeds, arg_values, param_values)
             else:
                 grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
-                arg_grads, now = list(grads[: len(arg_slots)]), list(grads[len(arg_slots) :])
-            add_input_grads(genv, stage, arg_slots, arg_grads)
+                grads = owned_grads(stage, grads)
+                arg_grads, now = list(grads[: len(arg_values)]), list(grads[len(arg_values) :])
+            add_input_grads(genv, stage, arg_slots, arg_grads[: len(arg_slots)])
+            for key, g in zip(leaf_keys, arg_grads[len(arg_slots) :]):
+                if g is not None:
+                    accumulate(genv, key, g)
         signal(genv, stage.device)
         if self.j > 0:
             shared.inboxes[self.j - 1].put(("B", i, genv))
@@ -422,10 +521,11 @@ class _StageLoop:
         with shared.lock:
             if later is not None and groups:
                 shared.pool.append(_Pending(self.j, i, later))
+                shared.stats.deferred += groups
             shared.finish(self.j, i, [(p, g) for p, g in enumerate(now) if g is not None], groups)
             last = shared.backwards_left == 0
-        if groups or last:
-            shared.wake()
+        if last or (groups and stage.device.type == "cpu"):  # others may run CPU stages' groups
+            shared.wake(exclude=self.j)
 
     def _weights(self) -> bool:
         """Claim and run one group of the oldest deferred weight gradients this worker may run;
@@ -457,7 +557,7 @@ def _write_grads(
     A gradient that is one autograd result, not an accumulator made here, is copied before
     it becomes a ``.grad`` (autograd may share it)."""
     for param, g, fresh in per_parameter(stages, param_grads, owned).values():
-        g = g.to(param.device)
+        g = hand_over(g.to(param.device))  # made on a worker's stream, read on the caller's
         if param.grad is None:
             param.grad = g if fresh else g.clone()
         else:

@@ -82,6 +82,7 @@ from placement.runtime.lowering.one_f_one_b import pipelined_train_step
 from placement.runtime.lowering.outputs import first_tensor_device
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
 from placement.runtime.lowering.stage_exec import (
+    StepStats,
     TorchStage,
     accumulate,
     accumulate_owned,
@@ -89,17 +90,20 @@ from placement.runtime.lowering.stage_exec import (
     backward_operands,
     call_stage,
     forward_for_backward,
+    hand_over,
+    join_streams,
     keeps_activations,
     microbatch_envs,
+    owned_grads,
     per_parameter,
     signal,
     stage_args,
     stage_name,
-    synchronize,
     trainable_params,
     wait_for,
     worker_context,
 )
+from placement.runtime.lowering.stage_graphs import graph_stages
 from placement.runtime.lowering.stage_split import (
     nondeterministic_ops,
     split_stages,
@@ -127,16 +131,21 @@ def pipeline_module(
     chunks: int,
     checkpoint: str = "except_last",
     batch_axes: Mapping[str, int | None] | None = None,
+    cuda_graphs: bool = False,
 ) -> PipelinedModule:
-    """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``)."""
+    """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``);
+    ``cuda_graphs``: its GPU stages replay CUDA graphs (:mod:`.stage_graphs`)."""
     check_chunks(chunks)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)
     untraceable = nondeterministic_ops(model)
-    return PipelinedModule(
+    pipelined = PipelinedModule(
         module, stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
     )
+    if cuda_graphs:
+        graph_stages(pipelined._pl_stages)
+    return pipelined
 
 
 def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
@@ -187,6 +196,8 @@ class PipelinedModule(torch.nn.Module):
         self._pl_inputs = env_inputs
         object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
         self._pl_outputs = outputs
+        #: what the last step did: micro-batches, stage forwards recomputed (``checkpoint``)
+        self.stats = StepStats.start(len(stages), 0)
         log.info(
             "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
         )
@@ -235,7 +246,7 @@ class PipelinedModule(torch.nn.Module):
         loss_fn: Callable[..., torch.Tensor],
         targets: Sequence[Any] = (),
         reduction: str = "mean",
-        defer_weights: bool = True,
+        defer_weights: bool | str = "auto",
         max_in_flight: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
@@ -273,6 +284,7 @@ class PipelinedModule(torch.nn.Module):
             defer_weights=defer_weights,
             max_in_flight=max_in_flight,
             outputs_device=first_tensor_device(inputs) if on_input else None,
+            stats=self.stats,
         )
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -295,13 +307,14 @@ class PipelinedModule(torch.nn.Module):
 
 def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
     """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
-    each: grad mode and CUDA stream per worker; when every stage is on the CPU the last runs on
-    the caller's thread, which waits for results anyway."""
+    each: grad mode and CUDA stream per worker. The last stage runs on the caller's thread,
+    which waits for its results anyway: one thread and one hand-off per micro-batch fewer (on a
+    GPU it queues its kernels on its own stream there, as its worker would)."""
     return StageWorkers(
         [make(s) for s in stages],
         [stage_name(s) for s in stages],
         context=worker_context(stages, grad),
-        inline_last=all(s.device.type == "cpu" for s in stages),
+        inline_last=True,
     )
 
 
@@ -335,9 +348,12 @@ def _backward_schedule(
 
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
     for env in envs:
-        wait_for(env)
+        wait_for(env)  # the caller's stream waits for the last stage's work on each micro-batch
     keys = module._pl_outputs
-    return [torch.cat([env[key] for env in envs], dim=axis) for key, axis in zip(keys, module._out_axes)]
+    return [
+        torch.cat([hand_over(env[key]) for env in envs], dim=axis)
+        for key, axis in zip(keys, module._out_axes)
+    ]
 
 
 def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -371,6 +387,7 @@ class _Run:
     # (stage, micro-batch) -> (detached inputs, outputs or None when checkpointed)
     saved: dict[tuple[int, int], tuple[list[Any], dict[str, Any] | None]] = field(default_factory=dict)
     input_requires_grad: list[bool] = field(default_factory=list)
+    stats: StepStats = field(default_factory=StepStats)
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -382,6 +399,7 @@ class _PipelineFunction(torch.autograd.Function):
         run.input_requires_grad = [t.requires_grad for t in inputs]
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
+        module.stats = run.stats = StepStats.start(len(stages), n_mb)
         placeholders = set(module._pl_inputs)
         grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
 
@@ -437,13 +455,16 @@ class _PipelineFunction(torch.autograd.Function):
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
                 wait_for(genv)
                 args, outs = run.saved.pop((stage.index, i))
-                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params)
+                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
                 if outputs and (arg_slots or params):
-                    grads = torch.autograd.grad(
-                        outputs,
-                        [args[n] for n in arg_slots] + [args[n] for n, _ in params],
-                        seeds,
-                        allow_unused=True,
+                    grads = owned_grads(
+                        stage,
+                        torch.autograd.grad(
+                            outputs,
+                            [args[n] for n in arg_slots] + [args[n] for n, _ in params],
+                            seeds,
+                            allow_unused=True,
+                        ),
                     )
                     add_input_grads(genv, stage, arg_slots, grads[: len(arg_slots)])
                     acc, mine = param_grads[stage.index], owned[stage.index]
@@ -459,12 +480,12 @@ class _PipelineFunction(torch.autograd.Function):
         done.reverse()
         for genv in done:
             wait_for(genv)
-        synchronize(stages)  # parameter gradients were made on the workers' streams
+        join_streams(stages)  # parameter gradients were made on the workers' streams: events, no host wait
         # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
         placeholders = module._pl_inputs
         input_grads: list[Any] = []
         for name, axis, needs in zip(placeholders, module._in_axes, run.input_requires_grad):
-            parts = [genv.get(name) for genv in done]
+            parts = [hand_over(genv.get(name)) for genv in done]  # made on the workers' streams
             if not needs or all(p is None for p in parts):
                 input_grads.append(None)
             elif axis is None:
@@ -473,4 +494,8 @@ class _PipelineFunction(torch.autograd.Function):
                 input_grads.append(torch.cat(parts, dim=axis))
         # Parameter gradients: summed over stages (a parameter several stages read).
         by_param = per_parameter(stages, param_grads, owned)
-        return (None, *input_grads, *[by_param[id(p)][1] if id(p) in by_param else None for p in run.params])
+        return (
+            None,
+            *input_grads,
+            *[hand_over(by_param[id(p)][1]) if id(p) in by_param else None for p in run.params],
+        )

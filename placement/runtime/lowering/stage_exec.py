@@ -28,6 +28,7 @@ import torch.fx as fx
 from placement.runtime.schedule import split_batch
 
 __all__ = [
+    "StepStats",
     "TorchStage",
     "accumulate",
     "accumulate_owned",
@@ -36,13 +37,18 @@ __all__ = [
     "call_stage",
     "detached",
     "forward_for_backward",
+    "input_slots",
     "keeps_activations",
     "microbatch_envs",
+    "owned_grads",
     "per_parameter",
     "stage_args",
     "signal",
     "stage_name",
-    "synchronize",
+    "hand_over",
+    "join_streams",
+    "stage_stream",
+    "static_grads",
     "trainable_params",
     "wait_for",
     "worker_context",
@@ -62,6 +68,42 @@ class TorchStage:
     consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
     call: Any = None  # a TracedStage of ``module``: traces it for inference (see traced.py)
     part: int = 0  # the stage of ``partition(model)`` it runs (``index`` skips stages with no code)
+    stream: Any = None  # its CUDA stream, made once and kept across calls (GPU stages only)
+
+
+def stage_stream(stage: TorchStage) -> Any:
+    """``stage``'s own CUDA stream, made on first use and kept: every call of the pipeline
+    queues the stage's work on the same stream, so the caching allocator reuses its blocks."""
+    if stage.stream is None:
+        stage.stream = torch.cuda.Stream(stage.device)
+    return stage.stream
+
+
+@dataclass
+class StepStats:
+    """What the pipeline did in its last step (a forward and its backward, or a ``train_step``).
+
+    Attributes:
+        microbatches: micro-batches the step ran.
+        recomputed: per stage, the forwards it ran again in backward because checkpointing
+            dropped their activations (``checkpoint=``); :attr:`total_recomputed` sums them.
+        deferred: groups of weight gradients ``train_step`` computed apart from their
+            backward (``defer_weights=``).
+    """
+
+    microbatches: int = 0
+    recomputed: list[int] = field(default_factory=list)
+    deferred: int = 0
+
+    @classmethod
+    def start(cls, stages: int, microbatches: int) -> StepStats:
+        """Zeroed counts for a step of ``microbatches`` through ``stages`` stages."""
+        return cls(microbatches, [0] * stages)
+
+    @property
+    def total_recomputed(self) -> int:
+        """Stage forwards recomputed in the step, all stages together."""
+        return sum(self.recomputed)
 
 
 def stage_name(stage: TorchStage) -> str:
@@ -78,14 +120,20 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     it, ordinary tensors."""
 
     @contextlib.contextmanager
-    def enter(j: int) -> Iterator[None]:
-        device = stages[min(j, len(stages) - 1)].device
+    def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
-            if device.type == "cuda":
-                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-                    yield
-            else:
+            with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
                 yield
+
+    def enter(j: int) -> contextlib.AbstractContextManager[Any]:
+        # Entered around every call of a stage run on the caller's thread: on the CPU, the
+        # grad mode's own context manager (none when it is already on), not a generator.
+        stage = stages[min(j, len(stages) - 1)]
+        if stage.device.type == "cuda":
+            return on_gpu(stage)
+        if not grad:
+            return torch.inference_mode()
+        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
 
     return enter
 
@@ -105,16 +153,33 @@ def signal(env: dict[str, Any], device: torch.device) -> None:
         env["__event__"] = event
 
 
-def synchronize(stages: Sequence[TorchStage]) -> None:
-    """Wait for every GPU the stages run on: work the workers queued on their own streams is
-    done before the caller's stream reads its results (gradients handed to ``.grad``)."""
-    for device in {s.device for s in stages if s.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+def join_streams(stages: Sequence[TorchStage]) -> None:
+    """Make the caller's stream wait for the work the stages queued on their own streams (an
+    event per stage stream; the host never waits): what the caller reads next (outputs,
+    gradients handed to ``.grad``) is ordered after it on the GPU."""
+    for stage in stages:
+        if stage.device.type == "cuda" and stage.stream is not None:
+            event = torch.cuda.Event()
+            event.record(stage.stream)
+            torch.cuda.current_stream(stage.device).wait_event(event)
 
 
-def call_stage(stage: TorchStage, args: list[Any]) -> dict[str, Any]:
-    """Run ``stage`` on ``args``: its outputs by environment key."""
-    result = stage.call(*args)
+def hand_over(tensor: Any) -> Any:
+    """Mark a CUDA ``tensor`` made on another stream as used by the current one
+    (``record_stream``), so the caching allocator does not reuse its memory while this
+    stream's queued work may still read it; other values pass through."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor
+
+
+def call_stage(stage: TorchStage, args: list[Any], *, immediate: bool = False) -> dict[str, Any]:
+    """Run ``stage`` on ``args``: its outputs by environment key. ``immediate``: the outputs'
+    backward follows at once (a graphed stage then replays forward and backward together,
+    see :mod:`placement.runtime.lowering.stage_graphs`)."""
+    result = (
+        stage.call.immediate(*args) if immediate and hasattr(stage.call, "immediate") else stage.call(*args)
+    )
     return {key: result if index is None else result[index] for key, index in stage.outs}
 
 
@@ -137,6 +202,8 @@ def detached(value: Any, requires_grad: bool) -> Any:
     ``requires_grad`` and it is floating point (non-tensors pass through)."""
     if isinstance(value, torch.Tensor):
         leaf = value.detach()
+        if leaf.is_cuda:  # made on another stage's (or the caller's) stream
+            hand_over(leaf)
         if requires_grad and leaf.is_floating_point():
             leaf.requires_grad_(True)
         return leaf
@@ -150,7 +217,11 @@ def stage_args(
     ``tracked``, each input cut from the graph that made it (:func:`detached`), a leaf that
     requires grad where ``tracked(key)``."""
     if tracked is None:
-        return [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
+        args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
+        if stage.device.type == "cuda":
+            for arg in args:
+                hand_over(arg)
+        return args
     return [stage.consts[a] if a in stage.consts else detached(env[a], tracked(a)) for a in stage.args]
 
 
@@ -182,25 +253,45 @@ def backward_operands(
     outs: dict[str, Any] | None,
     genv: dict[str, Any],
     params: Sequence[tuple[int, str]],
+    stats: StepStats | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
     ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
-    ``outs`` None (checkpointed) recomputes the stage first."""
+    ``outs`` None (checkpointed) recomputes the stage first (counted in ``stats``)."""
     if outs is None:
         with torch.enable_grad():
-            outs = call_stage(stage, args)
+            outs = call_stage(stage, args, immediate=True)
+        if stats is not None:
+            stats.recomputed[stage.index] += 1
     pairs = [
         (outs[k], genv[k])
         for k, _ in stage.outs
         if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
     ]
+    return [o for o, _ in pairs], [g for _, g in pairs], input_slots(args, params)
+
+
+def static_grads(stage: TorchStage) -> bool:
+    """Whether ``stage``'s gradients come out of buffers its next backward overwrites (a
+    CUDA-graphed stage): callers clone them, and compute weight gradients with the inputs'."""
+    return bool(getattr(stage.call, "static_grads", False))
+
+
+def owned_grads(stage: TorchStage, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``grads`` from ``stage``'s backward, cloned where they live in static buffers."""
+    if not static_grads(stage):
+        return list(grads)
+    return [g.clone() if g is not None else None for g in grads]
+
+
+def input_slots(args: Sequence[Any], params: Sequence[tuple[int, str]]) -> list[int]:
+    """The slots of a stage's ``args`` that take a gradient and are not among ``params``."""
     param_slots = {n for n, _ in params}
-    slots = [
+    return [
         n
         for n, a in enumerate(args)
         if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
     ]
-    return [o for o, _ in pairs], [g for _, g in pairs], slots
 
 
 def add_input_grads(

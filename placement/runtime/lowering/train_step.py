@@ -32,7 +32,7 @@ def train_step(
     loss_fn: LossFn,
     targets: Sequence[Any] = (),
     reduction: str = "mean",
-    defer_weights: bool = True,
+    defer_weights: bool | str = "auto",
     max_in_flight: int | None = None,
 ) -> torch.Tensor:
     """One training step of ``module`` on ``inputs``: adds the gradients of ``loss_fn`` to
