@@ -256,6 +256,8 @@ def _names_used(node: onnx.NodeProto) -> Iterator[str]:
 
 def _stage_devices(proto: onnx.ModelProto) -> dict[str, str]:
     """Node name -> device from ONNX multi-device fields (for files made elsewhere)."""
+    if "configuration" not in proto.DESCRIPTOR.fields_by_name:  # onnx < 1.18 reads no such fields
+        return {}
     configs = {c.name: list(c.device) for c in proto.configuration}
     result: dict[str, str] = {}
     for node in proto.graph.node:

@@ -68,7 +68,15 @@ from placement.graph.sizes import format_bytes
 if TYPE_CHECKING:
     from placement.graph.model import Model
 
-__all__ = ["to_proto", "save", "CONFIGURATION_NAME", "MAX_IR_VERSION", "TWO_GB", "DATA_CHECK_KEY"]
+__all__ = [
+    "to_proto",
+    "save",
+    "CONFIGURATION_NAME",
+    "MAX_IR_VERSION",
+    "MULTI_DEVICE_FIELDS",
+    "TWO_GB",
+    "DATA_CHECK_KEY",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,9 @@ CONFIGURATION_NAME = "placement"
 MAX_IR_VERSION = 13
 #: The IR version that introduced multi-device fields.
 _MULTI_DEVICE_IR_VERSION = 11
+#: Whether the installed onnx has them (onnx 1.18 and newer): without them the placement is
+#: saved in node metadata only, at an IR version that onnx reads.
+MULTI_DEVICE_FIELDS = "configuration" in onnx.ModelProto.DESCRIPTOR.fields_by_name
 #: Protobuf's hard limit; larger models must use external data.
 TWO_GB = 2**31
 
@@ -101,6 +112,9 @@ def _proto_of(ir_model: ir.Model) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(ir_model)
     _drop_initializer_value_info(proto.graph)
     _constants_as_tensors(proto.graph)
+    if not MULTI_DEVICE_FIELDS:
+        proto.ir_version = min(proto.ir_version, MAX_IR_VERSION, onnx.IR_VERSION)
+        return proto
     proto.ir_version = min(max(proto.ir_version, _MULTI_DEVICE_IR_VERSION), MAX_IR_VERSION)
     devices = sorted({Device.parse(n.metadata_props.get(DEVICE_KEY, "cuda:0")) for n in ir_model.graph})
     del proto.configuration[:]

@@ -131,11 +131,14 @@ def _export(
                 ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
-            causes.append(f"dynamo exporter: {_cause(err)}")
+            causes.append(f"dynamo exporter: {_cause(err)}{_version_hint(err)}")
             if exporter == "dynamo":
                 raise ExportError(f"torch.onnx.export failed on {name}: {causes[0]}; {_HINT}") from err
             log.warning(
-                "the dynamo exporter failed on %s (%s); trying the TorchScript exporter", name, _cause(err)
+                "the dynamo exporter failed on %s (%s%s); trying the TorchScript exporter",
+                name,
+                _cause(err),
+                _version_hint(err),
             )
     if ir_model is None:
         try:
@@ -172,6 +175,27 @@ def _cause(err: BaseException) -> str:
         if text:
             return f"{type(candidate).__name__}: {text.splitlines()[0]}"
     return type(err).__name__
+
+
+def _version_hint(err: BaseException) -> str:
+    """Where the exporter failed importing onnxscript (a release too old for this torch): what to do.
+
+    Example:
+        >>> "pip install -U onnxscript" in _version_hint(ModuleNotFoundError(name="onnxscript._x"))
+        True
+    """
+    inner: BaseException | None = err
+    while inner is not None and not isinstance(inner, ImportError):
+        inner = inner.__cause__ or inner.__context__
+    if inner is None or not (inner.name or "").startswith("onnxscript"):
+        return ""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = f"onnxscript {version('onnxscript')}, torch {version('torch')}"
+    except PackageNotFoundError:
+        have = "onnxscript missing"
+    return f" ({have}: this torch's exporter needs a newer onnxscript: pip install -U onnxscript)"
 
 
 def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any) -> Any:

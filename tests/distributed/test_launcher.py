@@ -231,3 +231,61 @@ def test_after_a_rank_failure_torchrun_stops_the_others_within_its_shutdown_time
     with bounded_stop():
         LocalElasticAgent._stop_workers(agent, None)  # type: ignore[arg-type]
     assert agent.timeout == 3
+
+
+class _Context:
+    """A process context as torchrun's agent holds it: ``close(death_sig, timeout=30)``."""
+
+    def close(self, death_sig=None, timeout=30):
+        self.closed = (death_sig, timeout)
+
+
+class _OldAgent:
+    """torchrun's agent where ``_shutdown`` takes no timeout and closes its context after 30 s
+    (torch 2.11 and older): the launcher's timeout must bound it all the same."""
+
+    def __init__(self):
+        self._pcontext = _Context()
+
+    def _stop_workers(self, worker_group):
+        self._shutdown()
+
+    def _shutdown(self, death_sig=signal.SIGTERM):
+        if self._pcontext:
+            self._pcontext.close(death_sig)
+
+
+def test_bounded_stop_bounds_an_agent_whose_shutdown_takes_no_timeout():
+    from placement.distributed.torchrun import bounded_stop
+
+    agent = _OldAgent()
+    with bounded_stop(3, agent_class=_OldAgent):
+        agent._stop_workers(None)
+        assert agent._pcontext.closed == (signal.SIGTERM, 3)
+        agent._shutdown(signal.SIGINT)  # the agent's own path on a signal
+        assert agent._pcontext.closed == (signal.SIGINT, 3)
+    assert "close" not in vars(agent._pcontext)
+    agent._stop_workers(None)  # outside: the class is as it was
+    assert agent._pcontext.closed == (signal.SIGTERM, 30)
+
+
+def test_the_shutdown_flag_goes_to_torchrun_only_where_it_has_it(monkeypatch):
+    """Detected from the installed torchrun's parser, not from torch's version."""
+    from placement.distributed import torchrun
+
+    assert {"--nproc-per-node", "--rdzv-endpoint"} <= torchrun.torchrun_flags()  # the real parser's
+    seen = {}
+
+    @contextlib.contextmanager
+    def record(timeout=None, **_):
+        seen["timeout"] = timeout
+        yield
+
+    monkeypatch.setattr(torchrun, "bounded_stop", record)
+    monkeypatch.setattr("torch.distributed.run.main", lambda args: seen.setdefault("args", args))
+    argv = ["--nproc-per-node=1", "--shutdown-timeout=3", "-m", "placement.launch", "m.onnx"]
+    for flags, passed, timeout in [({"--shutdown-timeout"}, argv, None), (set(), argv[:1] + argv[2:], 3.0)]:
+        seen.clear()
+        monkeypatch.setattr(torchrun, "torchrun_flags", lambda flags=flags: frozenset(flags))
+        assert torchrun.main(argv) == 0
+        assert seen == {"timeout": timeout, "args": passed}

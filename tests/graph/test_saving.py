@@ -12,6 +12,7 @@ import pytest
 
 import placement as pl
 from placement.graph import to_proto
+from placement.graph.saving import MULTI_DEVICE_FIELDS
 from tests.conftest import MODEL_NAMES
 from tests.graph.builders import mlp_graph
 
@@ -97,6 +98,7 @@ def test_save_load_save_roundtrip_with_several_devices(name, exported, tmp_path)
     assert any(op.scope for op in loaded.ops)
 
 
+@pytest.mark.skipif(not MULTI_DEVICE_FIELDS, reason=f"onnx {onnx.__version__} has no multi-device fields")
 def test_multi_device_fields_are_written_and_read(tmp_path):
     model = mlp_graph(2)
     model.set_device("relu1", "cuda:1")
@@ -111,6 +113,26 @@ def test_multi_device_fields_are_written_and_read(tmp_path):
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
     assert pl.load(proto).device_of("relu1") == pl.Device("cuda", 1)
+
+
+def test_without_multi_device_fields_the_metadata_carries_the_placement(monkeypatch, tmp_path):
+    """onnx < 1.18 has no multi-device fields and reads IR versions up to its own only."""
+    from placement.graph import saving
+
+    monkeypatch.setattr(saving, "MULTI_DEVICE_FIELDS", False)
+    model = mlp_graph(2)
+    model.set_device("relu1", "cuda:1")
+    pl.inject_cross_device_copies(model)
+    proto = to_proto(model)
+    assert proto.ir_version <= min(onnx.IR_VERSION, saving.MAX_IR_VERSION)
+    if MULTI_DEVICE_FIELDS:  # this onnx has the fields: they stay empty
+        assert not any(n.device_configurations for n in proto.graph.node) and not proto.configuration
+    onnx.checker.check_model(proto)
+    model.save(tmp_path / "m.onnx")
+    loaded = pl.load(tmp_path / "m.onnx")
+    assert {op.name: op.device for op in loaded.ops} == {op.name: op.device for op in model.ops}
+    x = {"x": np.ones((2, 4), np.float32)}
+    np.testing.assert_allclose(pl.run(loaded, x)[0], pl.run(model, x)[0], rtol=1e-6)
 
 
 def test_load_accepts_proto_ir_model_and_model():

@@ -121,6 +121,27 @@ def test_dynamo_failure_falls_back_to_the_torchscript_exporter(caplog):
     assert exporter_of(saved) == "torchscript"
 
 
+def test_an_onnxscript_too_old_for_torch_is_named_with_the_fix(monkeypatch, caplog):
+    """torch 2.11's exporter imports onnxscript._framework_apis.torch_2_11 (onnxscript >= 0.6): with an
+    older onnxscript every model fell back to TorchScript with an opaque ModuleNotFoundError."""
+    from placement.graph import torch_import
+
+    def old_onnxscript(*args, **kwargs):
+        missing = "onnxscript._framework_apis.torch_9_99"
+        raise ModuleNotFoundError(f"No module named '{missing}'", name=missing)
+
+    monkeypatch.setattr(torch_import, "_export_dynamo", old_onnxscript)
+    net, x = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), torch.randn(2, 4)
+    with caplog.at_level("WARNING", logger="placement"):
+        model = pl.from_torch(net, (x,))
+    assert torch_import.exporter_of(model) == "torchscript"
+    (warning,) = [r.getMessage() for r in caplog.records if "dynamo exporter failed" in r.getMessage()]
+    assert "torch_9_99" in warning and "pip install -U onnxscript" in warning and "torch " in warning
+    with pytest.raises(pl.ExportError, match="needs a newer onnxscript"):
+        pl.from_torch(net, (x,), exporter="dynamo")
+    assert torch_import._version_hint(RuntimeError("data-dependent")) == ""
+
+
 def test_both_exporters_failing_is_one_error_quoting_both():
     class Both(torch.nn.Module):
         def forward(self, x):

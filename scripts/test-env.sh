@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The tests on one of CI's other environments (.ci/envs/NAME.txt): another Python, torch,
+# transformers, onnx, onnxscript, onnx-ir, onnxruntime than the pinned .venv.
+#
+#   bash scripts/test-env.sh gpu-image                      # the version-sensitive tests
+#   bash scripts/test-env.sh newest --all                   # the whole suite
+#   bash scripts/test-env.sh newest tests/external -x       # these tests (extra arguments go to pytest)
+#   bash scripts/test-env.sh newest LANG=C OMP_NUM_THREADS=1 --all   # with these settings for the run
+#
+# Creates .venv-NAME from scratch when it is missing (the Python named by the file's
+# `# python: X.Y` line: $PYTHON, else pythonX.Y on PATH, else pyenv's), installs `-e .[test]` under
+# the file's constraints (again whenever pyproject.toml or the file is newer than the install), prints
+# the versions it got, then runs pytest on 2 workers. PLACEMENT_ENV_UNPINNED=1 installs without the
+# file's pins (the newest releases of the day) into .venv-NAME-unpinned.
+# A machine-wide pip configuration (constraints capping torch) is bypassed: the env's file decides.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: scripts/test-env.sh NAME [VAR=value ...] [--all | pytest arguments]}
+shift
+pins=.ci/envs/$name.txt
+[ -f "$pins" ] || { echo "test-env: no $pins (envs: $(ls .ci/envs | sed 's/\.txt$//' | xargs))" >&2; exit 2; }
+
+# VAR=value arguments: settings for the run (a locale, a thread count)
+settings=()
+while [ $# -gt 0 ] && [[ $1 =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
+    settings+=("$1")
+    shift
+done
+
+version=$(sed -n 's/^# python: *\([0-9.]*\).*/\1/p' "$pins" | head -1)
+[ -n "$version" ] || { echo "test-env: $pins has no '# python: X.Y' line" >&2; exit 2; }
+venv=.venv-$name
+constraint=(-c "$pins")
+if [ -n "${PLACEMENT_ENV_UNPINNED:-}" ]; then
+    venv=$venv-unpinned
+    constraint=()
+fi
+export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
+
+start=$SECONDS
+if [ ! -x "$venv/bin/python" ]; then
+    py=${PYTHON:-}
+    if [ -z "$py" ]; then
+        # pythonX.Y on PATH (one that runs: a pyenv shim may not), else pyenv's own
+        for candidate in "$(command -v "python$version" || true)" \
+            "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/python"$version"; do
+            if [ -z "$py" ] && [ -x "$candidate" ] && "$candidate" -c '' 2>/dev/null; then
+                py=$candidate
+            fi
+        done
+    fi
+    [ -n "$py" ] || { echo "test-env: no python$version (set PYTHON=/path/to/python$version)" >&2; exit 2; }
+    "$py" -m venv "$venv"
+fi
+stamp=$venv/.placement-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$pins" -nt "$stamp" ]; then
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -e ".[test]"
+    touch "$stamp"
+fi
+install_s=$((SECONDS - start))
+
+"$venv/bin/python" - "$name" "$install_s" <<'PY'
+import importlib.metadata as md
+import platform
+import sys
+
+name, seconds = sys.argv[1], sys.argv[2]
+dists = ["torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime-gpu", "onnxruntime"]
+got = []
+for dist in dists:
+    try:
+        got.append(f"{dist} {md.version(dist)}")
+    except md.PackageNotFoundError:
+        pass
+print(f"test-env {name}: python {platform.python_version()}, " + ", ".join(got) + f" (set up in {seconds} s)")
+PY
+
+# the tests that depend on versions: export, HF models, launch and distributed, lowering and runtime
+# basics, the README's and docs' examples, the conformance lists
+default=(
+    tests/distributed tests/cli tests/external tests/conformance tests/models tests/gpu
+    tests/graph/test_torch_import.py tests/graph/test_export_rules.py tests/graph/test_session.py
+    tests/runtime/ort tests/runtime/test_torch_lower.py tests/runtime/test_torch_ops.py
+    tests/runtime/test_torch_train_step.py tests/runtime/test_torch_quantized.py
+    tests/runtime/test_torch_reentrant.py tests/runtime/test_calibrate.py tests/runtime/test_streaming.py
+    tests/planning/test_experts.py tests/planning/test_profile.py
+    tests/test_readme.py tests/test_docs_onnx_files.py tests/test_demo.py tests/test_ci_envs.py
+    placement/distributed placement/graph
+)
+args=()
+paths=0
+for arg in "$@"; do
+    if [ "$arg" = --all ]; then
+        paths=1
+        continue
+    fi
+    [[ $arg != -* && -e ${arg%%::*} ]] && paths=1
+    args+=("$arg")
+done
+[ "$paths" = 1 ] || args=("${default[@]}" ${args[@]+"${args[@]}"})
+[ ${#settings[@]} -eq 0 ] || echo "test-env $name: with ${settings[*]}"
+exec env ${settings[@]+"${settings[@]}"} "$venv/bin/python" -m pytest -q -n 2 --dist loadgroup \
+    ${args[@]+"${args[@]}"}

@@ -1,0 +1,85 @@
+"""CI's environments (constraints.txt and .ci/envs/*.txt) against what pyproject.toml declares: every
+pin is admitted, and every declared lower bound of a version-sensitive dependency is one CI tests."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ENVS = sorted((ROOT / ".ci" / "envs").glob("*.txt"))
+# the dependencies whose APIs the package and its tests use version by version
+SENSITIVE = ["torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime-gpu"]
+LINUX = {"platform_system": "Linux", "platform_machine": "x86_64"}
+
+
+def _declared() -> dict[str, SpecifierSet]:
+    """Each requirement (dependencies and the test extra) that applies on Linux x86-64, by name."""
+    project = PYPROJECT["project"]
+    found: dict[str, SpecifierSet] = {}
+    for line in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(LINUX):
+            found[canonicalize_name(req.name)] = req.specifier
+    return found
+
+
+def _pins(path: Path) -> tuple[str | None, dict[str, Version]]:
+    """(the ``# python: X.Y`` line's version, ``name==version`` pins by name) of a constraints file."""
+    text = path.read_text()
+    python = re.search(r"^# python: *([0-9.]+)", text, re.M)
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"{path.name}: {line} is not an exact pin"
+            pins[canonicalize_name(req.name)] = Version(spec.version)
+    return (python.group(1) if python else None), pins
+
+
+def _lower(spec: SpecifierSet) -> Version | None:
+    bounds = [Version(s.version) for s in spec if s.operator in (">=", "==", "~=")]
+    return max(bounds) if bounds else None
+
+
+def test_there_are_the_envs_ci_runs():
+    assert {p.stem for p in ENVS} >= {"gpu-image", "newest"}
+
+
+@pytest.mark.parametrize("path", [ROOT / "constraints.txt", *ENVS], ids=lambda p: p.name)
+def test_every_pin_is_admitted_by_pyproject(path):
+    declared = _declared()
+    python, pins = _pins(path)
+    if path.parent.name == "envs":
+        assert python, f"{path.name} names no Python ('# python: X.Y')"
+        assert Version(python) in SpecifierSet(PYPROJECT["project"]["requires-python"]), path.name
+        assert set(SENSITIVE) <= set(pins), f"{path.name} leaves {set(SENSITIVE) - set(pins)} to chance"
+    for name, version in pins.items():
+        if name in declared:
+            assert version in declared[name], f"{path.name}: {name} {version} is outside {declared[name]}"
+
+
+def test_declared_lower_bounds_are_versions_ci_tests():
+    """A lower bound nobody runs is a guess: each one must be the lowest version some CI env pins."""
+    declared = _declared()
+    lowest: dict[str, Version] = {}
+    for path in [ROOT / "constraints.txt", *ENVS]:
+        for name, version in _pins(path)[1].items():
+            lowest[name] = min(version, lowest.get(name, version))
+    for name in SENSITIVE:
+        assert _lower(declared[name]) == lowest[name], (name, str(declared[name]), str(lowest[name]))
+    pythons = [Version(_pins(p)[0] or "0") for p in ENVS]
+    pinned = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/test.sh" in pinned
+    declared_python = _lower(SpecifierSet(PYPROJECT["project"]["requires-python"]))
+    assert declared_python is not None and declared_python <= min(pythons)
