@@ -240,8 +240,8 @@ def section_call(*, trials: int, repeats: int, block: int) -> dict[str, Any]:
 
     def build() -> dict[str, Callable[[], Any]]:
         return {
-            "two": functools.partial(pl.Runner(two, device_map=SHARED).run, feeds),
-            "four": functools.partial(pl.Runner(four, device_map=on_one).run, feeds),
+            "two": functools.partial(pl.Runner(two, device_map=SHARED, fold=False).run, feeds),
+            "four": functools.partial(pl.Runner(four, device_map=on_one, fold=False).run, feeds),
         }
 
     row = _pairs(build, trials=trials, repeats=repeats, block=block)
@@ -268,8 +268,10 @@ def _pipeline_model(name: str, *, trials: int, repeats: int, block: int) -> list
 
     def build_ort() -> dict[str, Callable[[], Any]]:
         return {
-            "unpipelined": functools.partial(pl.Runner(placed, device_map=SHARED).run, feeds),
-            "chunks4": functools.partial(pl.Runner(placed, device_map=SHARED, chunks=4).run, feeds),
+            "unpipelined": functools.partial(pl.Runner(placed, device_map=SHARED, fold=False).run, feeds),
+            "chunks4": functools.partial(
+                pl.Runner(placed, device_map=SHARED, chunks=4, fold=False).run, feeds
+            ),
         }
 
     row = _pairs(build_ort, trials=trials, repeats=repeats, block=block)
@@ -451,8 +453,8 @@ def validate_cpu(
     rows = []
     for k in chunks:
         micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
-        timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1), micro)
-        runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1)
+        timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1, fold=False), micro)
+        runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1, fold=False)
         stages: list[list[float]] = []
         runs: list[float] = []
         for r in range(repeats + 2):

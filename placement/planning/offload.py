@@ -342,6 +342,50 @@ def _choose(
     return best[2], best[0], best[1]
 
 
+def _search(
+    layers: list[Layer],
+    budgets: tuple[int | None, int | None],
+    activations: Activations,
+    workspace_bytes: int,
+    to_gpu: Link,
+    to_host: Link,
+) -> tuple[int, list[str], int]:
+    """(predicted ns, modes, window depth) of the plan :func:`plan_offload` takes."""
+    # for each window depth, the spread guess and a local search (placement.planning.offload_search)
+    # from it, the all-host plan and repaired all-resident/all-streamed plans; the fastest fit wins,
+    # interleaved plans first among equally fast ones
+    found: list[tuple[int, list[str], int]] = []
+    for depth in (1, 2, 3, 4):
+
+        def guess(d: int = depth) -> tuple[list[str], int]:
+            modes, t, _ = _choose(layers, budgets, activations, workspace_bytes, to_gpu, to_host, depths=(d,))
+            return modes, t
+
+        try:
+            found.append((*guess()[::-1], depth))
+        except InfeasiblePlacementError:
+            pass
+        try:
+            modes, predicted = search_modes(
+                layers,
+                budgets,
+                lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
+                lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
+                heuristic=guess,
+            )
+        except InfeasiblePlacementError:
+            if depth == 4 and not found:
+                raise
+            continue
+        found.append((predicted, modes, depth))
+    fastest = min(t for t, _, _ in found)
+    predicted, modes, depth = min(
+        (f for f in found if f[0] <= fastest * (1 + TIE)),
+        key=lambda f: (_neighbours_streamed(f[1]), f[0], -f[2]),
+    )
+    return predicted, modes, depth
+
+
 def _feeds(model: Model, sample_inputs: Any) -> dict[str, Any] | None:
     """Graph input name -> array of the sample inputs (None when there are none)."""
     if sample_inputs is None:
@@ -479,38 +523,7 @@ def plan_offload(
         workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
     else:
         workspace_bytes = parse_bytes(workspace)
-    # for each window depth, the spread guess and a local search (placement.planning.offload_search)
-    # from it, the all-host plan and repaired all-resident/all-streamed plans; the fastest fit wins,
-    # interleaved plans first among equally fast ones
-    found: list[tuple[int, list[str], int]] = []
-    for depth in (1, 2, 3, 4):
-
-        def guess(d: int = depth) -> tuple[list[str], int]:
-            modes, t, _ = _choose(layers, budgets, activations, workspace_bytes, to_gpu, to_host, depths=(d,))
-            return modes, t
-
-        try:
-            found.append((*guess()[::-1], depth))
-        except InfeasiblePlacementError:
-            pass
-        try:
-            modes, predicted = search_modes(
-                layers,
-                budgets,
-                lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
-                lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
-                heuristic=guess,
-            )
-        except InfeasiblePlacementError:
-            if depth == 4 and not found:
-                raise
-            continue
-        found.append((predicted, modes, depth))
-    fastest = min(t for t, _, _ in found)
-    predicted, modes, depth = min(
-        (f for f in found if f[0] <= fastest * (1 + TIE)),
-        key=lambda f: (_neighbours_streamed(f[1]), f[0], -f[2]),
-    )
+    predicted, modes, depth = _search(layers, budgets, activations, workspace_bytes, to_gpu, to_host)
     gpu_bytes, host_bytes, window = _memory(layers, modes, activations, workspace_bytes, depth)
     peak_activations = activations(modes)
     plan = OffloadPlan(

@@ -118,7 +118,7 @@ def test_placement_without_copies_runs_as_if_injected(exported, name):
     state, n_ops = model.device_state(), len(model.ops)
     with pytest.raises(pl.VerificationError):
         pl.verify(model)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     _check(name, runner.run(args))
     moves = [step for step in runner.program.steps if isinstance(step, TransferStep)]
     assert moves and all(step.kind == "alias" for step in moves)  # emulated devices share values
@@ -185,7 +185,7 @@ def test_outputs_on_several_devices_outlive_the_runner():
     model = b.build()
     pl.inject_cross_device_copies(model)
     feed = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     outputs = [runner.run({"x": feed}) for _ in range(3)]
     del runner
     churn()
@@ -202,7 +202,7 @@ def test_outputs_on_several_devices_outlive_the_runner():
 def test_runner_reuses_sessions_and_outputs_are_not_overwritten(exported):
     model, net, (x,) = exported("mlp")
     place_shift(model, 2)
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     first = runner.run([x])[0]
     kept = first.copy()
     x2 = torch.randn_like(x)
@@ -263,7 +263,7 @@ def test_missing_gpu_in_an_explicit_map_is_an_error(exported):
 def test_replacement_rebuilds_only_changed_stages(exported):
     model, net, args = exported("gpt")
     place_shift(model, 3)  # stages on cuda:0, cuda:1, cuda:2
-    runner = pl.Runner(model, device_map="cpu")
+    runner = pl.Runner(model, device_map="cpu", fold=False)
     assert [str(s.device) for s in runner.stages] == ["cuda:0", "cuda:1", "cuda:2"]
     before = {s.index: s.fingerprint for s in runner.stages}
     _check("gpt", runner.run(args))
@@ -286,7 +286,7 @@ def test_replacement_rebuilds_only_changed_stages(exported):
 def test_replacement_with_stale_copies_and_explicit_update(exported):
     model, net, args = exported("mlp")
     place_shift(model, 2)
-    runner = pl.Runner(model, device_map="cpu", auto_update=False)
+    runner = pl.Runner(model, device_map="cpu", fold=False, auto_update=False)
     last = [op for op in model.ops if not op.is_copy][-1]
     model.set_device(last.name, 2)  # copies are now stale: no copy into cuda:2
     (out,) = runner.run(args)  # no auto update: still the old placement, still right
