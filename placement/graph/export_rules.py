@@ -11,7 +11,9 @@ Two small tables, each entry one known gap between a library's default and what
   ``Slice`` of the expert-sorted rows, one ``Gather`` of the expert's weight and one
   ``MatMul`` per expert, joined by a ``Concat``. Each expert's ops carry the scope
   ``<experts module>.<expert index>``, so experts of one layer can be placed apart
-  (``pl.assign_modules(model, {"...mlp.experts.3": 1})``).
+  (``pl.assign_modules(model, {"...mlp.experts.3": 1})``). Their routers count tokens per
+  expert with ``aten.histc``, which some torch releases' exporters lack: it becomes a
+  one-hot count (:func:`histc`).
 * :data:`EXPORTABLE_SETTINGS`: module settings whose value cannot be exported, and the
   exportable value used instead, per exporter (``experts_implementation="eager"``
   stops ``torch.export`` on a data-dependent guard; the dynamo exporter gets
@@ -44,6 +46,7 @@ __all__ = [
     "Setting",
     "exportable_settings",
     "grouped_mm",
+    "histc",
     "translation_table",
 ]
 
@@ -94,6 +97,38 @@ def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_d
     return result
 
 
+def histc(values: Any, bins: int = 100, min: float = 0.0, max: float = 0.0) -> Any:  # noqa: A002
+    """ONNX translation of ``aten.histc``: counts of ``values`` in ``bins`` equal bins over ``[min, max]``.
+
+    Mixture-of-experts routers count the tokens per expert with it (``torch.histc(ids, bins=E,
+    min=0, max=E - 1)``); some torch releases' exporters have no function for it. As in torch,
+    values outside ``[min, max]`` are not counted, ``max`` falls in the last bin, and ``min ==
+    max`` takes the data's range (widened by 1 on both sides when that is empty too). Called by
+    the exporter with onnxscript values, not by users.
+    """
+    from onnxscript.onnx_opset import opset18 as op
+
+    if not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"histc: the number of bins must be a static positive integer, got {bins!r}")
+    flat = op.Cast(op.Reshape(values, op.Constant(value_ints=[-1])), to=1)  # FLOAT
+    if min == max:
+        low, high = op.ReduceMin(flat, keepdims=0), op.ReduceMax(flat, keepdims=0)
+        empty = op.Cast(op.Equal(low, high), to=1)
+        low, high = op.Sub(low, empty), op.Add(high, empty)
+    else:
+        low, high = op.Constant(value_float=float(min)), op.Constant(value_float=float(max))
+    scaled = op.Div(op.Mul(op.Sub(flat, low), op.Constant(value_float=float(bins))), op.Sub(high, low))
+    index = op.Min(op.Cast(op.Floor(scaled), to=7), op.Constant(value_int=bins - 1))  # INT64
+    inside = op.And(op.GreaterOrEqual(flat, low), op.LessOrEqual(flat, high))
+    edges = op.Range(op.Constant(value_int=0), op.Constant(value_int=bins), op.Constant(value_int=1))
+    hits = op.And(
+        op.Equal(op.Unsqueeze(index, op.Constant(value_ints=[1])), edges),
+        op.Unsqueeze(inside, op.Constant(value_ints=[1])),
+    )
+    counts = op.ReduceSum(op.Cast(hits, to=1), op.Constant(value_ints=[0]), keepdims=0)
+    return op.CastLike(counts, values)
+
+
 def _tag(value: Any, group: int) -> Any:
     """Mark the node producing ``value`` as part of expert ``group``."""
     producer = getattr(value, "producer", None)
@@ -123,6 +158,7 @@ def _onnx_dtype(dtype: Any) -> int:
 
 #: Custom op (``"namespace::name"``, its default overload) -> ONNX translation.
 TRANSLATIONS: dict[str, Callable[..., Any]] = {
+    "aten::histc": histc,
     "aten::_grouped_mm": grouped_mm,
     "transformers::grouped_mm_fallback": grouped_mm,
 }

@@ -173,3 +173,19 @@ def test_other_grouped_matmul_modes_are_refused_not_mistranslated() -> None:
     b = torch.randn(2, 16, 16, dtype=torch.bfloat16)
     with pytest.raises(pl.ExportError, match="grouped_mm: only"):
         pl.from_torch(Batched(), (a, b), exporter="dynamo")
+
+
+@pytest.mark.parametrize("low,high", [(0.0, 3.0), (0.0, 0.0), (1.0, 2.0)])
+def test_histc_exports_and_counts_like_torch(low, high):
+    """``aten.histc`` (the experts' token counts) exports through its translation whatever the
+    exporter's own library has; ORT counts as torch does, the range's ends and the data's range
+    (``min == max``) included."""
+
+    class Count(torch.nn.Module):
+        def forward(self, ids):
+            return torch.histc(ids.float(), bins=4, min=low, max=high)
+
+    ids = torch.tensor([[0, 3, 3, 1], [2, 2, 3, 0]])
+    model = pl.from_torch(Count(), (ids,))
+    (got,) = pl.run(model, [ids.numpy()], device_map="cpu")
+    np.testing.assert_array_equal(got, Count()(ids).numpy())
