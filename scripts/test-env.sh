@@ -77,11 +77,12 @@ print(f"test-env {name}: python {platform.python_version()}, " + ", ".join(got) 
 PY
 
 # the tests that depend on versions and pass in every environment CI proves: export and saving
-# (tests/graph), launch and distributed, the command line, the zoo, mixture-of-experts exports, the
-# README's examples, the demo.
+# (tests/graph), launch and distributed, the command line, the zoo, Hugging Face models and their
+# mixture-of-experts exports, the README's examples, the demo.
 # `--all` runs the whole suite (docs/testing.md lists what still differs between environments).
 default=(
     tests/test_ci_envs.py tests/graph tests/distributed tests/cli tests/models tests/external/test_moe.py
+    tests/external/test_transformers.py
     tests/test_readme.py tests/test_demo.py
 )
 args=()
