@@ -446,6 +446,8 @@ def validate_cpu(
     pipelined run (``Runner(chunks=k)``, one thread per stage) are measured in alternation,
     round by round, so load on the machine hits both; the prediction from the stage times'
     medians (times ``k``: whole-batch times) is compared with the run's median."""
+    from benchmarks.gpu_predict import _rounds  # gpu_predict imports this module's helpers lazily
+
     net, args = model_and_inputs("tiny-gpt" if size == "tiny" else "gpt", batch=8)
     model = export(net, args, dynamic=True)
     placed = pl.place_evenly(model.copy(), 2)
@@ -455,17 +457,8 @@ def validate_cpu(
         micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
         timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1, fold=False), micro)
         runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1, fold=False)
-        stages: list[list[float]] = []
-        runs: list[float] = []
-        for r in range(repeats + 2):
-            spent = timer.round()
-            start = time.perf_counter()
-            runner.run(feeds)
-            if r >= 2:
-                runs.append(time.perf_counter() - start)
-                stages.append(spent)
-        times = [t * k for t in timer.by_device([statistics.median(column) for column in zip(*stages)])]
-        measured = statistics.median(runs)
+        stage_times, measured = _rounds(runner, timer, feeds, repeats)
+        times = [t * k for t in stage_times]
         (p,) = pl.predict(placed, stage_times=times, links=None, chunks=k)
         rows.append({"chunks": k, "stage_ms": [round(t * 1e3, 3) for t in times],
                      "predicted_ms": round(p.step_s * 1e3, 3), "measured_ms": round(measured * 1e3, 3),

@@ -356,13 +356,14 @@ def _search(
     # interleaved plans first among equally fast ones
     found: list[tuple[int, list[str], int]] = []
     for depth in (1, 2, 3, 4):
-
-        def guess(d: int = depth) -> tuple[list[str], int]:
-            modes, t, _ = _choose(layers, budgets, activations, workspace_bytes, to_gpu, to_host, depths=(d,))
-            return modes, t
-
+        # the spread guess: a candidate itself, and the first start of the search
+        guess: tuple[list[str], int] | None = None
         try:
-            found.append((*guess()[::-1], depth))
+            spread, t, _ = _choose(
+                layers, budgets, activations, workspace_bytes, to_gpu, to_host, depths=(depth,)
+            )
+            guess = (spread, t)
+            found.append((t, spread, depth))
         except InfeasiblePlacementError:
             pass
         try:
@@ -371,7 +372,7 @@ def _search(
                 budgets,
                 lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
                 lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
-                heuristic=guess,
+                heuristic=None if guess is None else (lambda g=guess: g),
             )
         except InfeasiblePlacementError:
             if depth == 4 and not found:
