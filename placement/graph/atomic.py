@@ -3,7 +3,7 @@
 A save writes under a temporary ``.placement-save-<pid>-<start>-...`` folder beside
 its target and renames into place; a save killed half-way (``kill -9``) leaves that
 folder behind, and the next save into the folder removes it once its owner is gone.
-SIGTERM during a save cleans up as SIGINT does.
+SIGTERM during a save cleans up as SIGINT does (:mod:`placement.graph.save_guard`).
 
 Example:
     >>> import os, tempfile
@@ -20,16 +20,13 @@ import logging
 import os
 import re
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from placement.errors import ModelSaveError
+from placement.graph.save_guard import deferred, guarded
 
 __all__ = ["write_atomic", "write_file", "clean_stale_temporaries"]
 
@@ -124,44 +121,6 @@ def clean_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived during a save: unwind (removing temporaries), then end as SIGTERM would."""
-
-
-@contextlib.contextmanager
-def _sigterm_cleans_up() -> Iterator[None]:
-    """While a save runs in the main thread, SIGTERM unwinds it like SIGINT does, then the
-    process ends by SIGTERM as it would have (a handler the program set is left alone)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.getsignal(signal.SIGTERM)
-    except (ValueError, OSError):
-        previous = None
-    if previous is not signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    except _Terminated:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise
-    finally:
-        if signal.getsignal(signal.SIGTERM) is handler:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _die_by_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def write_atomic(
     path: str | os.PathLike[str], data: bytes, *, what: str = "file", follow_symlinks: bool = False
 ) -> None:
@@ -188,18 +147,23 @@ def write_atomic(
         if not stat.S_ISREG(info.st_mode):
             raise OSError(f"{str(path)!r} exists and is not a regular file; refusing to replace it")
         mode = stat.S_IMODE(info.st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with guarded():
+        tmp = None
+        try:
+            with deferred():  # the temporary exists only once its name is held here
+                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+            with deferred():
+                os.replace(tmp, target)
+                tmp = None
+        finally:
+            if tmp is not None:
+                with deferred(), contextlib.suppress(OSError):
+                    os.unlink(tmp)
     log.debug("wrote %s %s (%d bytes)", what, target, len(data))
 
 

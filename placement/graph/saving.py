@@ -40,9 +40,7 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,17 +50,11 @@ import onnx
 import onnx_ir as ir
 
 from placement.errors import ModelSaveError
-from placement.graph.atomic import (
-    _die_by_sigterm,
-    _save_target,
-    _sigterm_cleans_up,
-    _temporary_prefix,
-    _Terminated,
-    clean_stale_temporaries,
-)
+from placement.graph.atomic import _save_target, _temporary_prefix, clean_stale_temporaries
 from placement.graph.device import Device
 from placement.graph.dims import dynamic_negative_dims
 from placement.graph.nodes import DEVICE_KEY
+from placement.graph.save_guard import deferred, drop_temporary, guarded, make_temporary
 from placement.graph.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -242,11 +234,8 @@ def save(
         >>> open(os.path.join(folder, "victim.txt")).read(), os.path.islink(os.path.join(folder, "m.onnx"))
         ('keep', False)
     """
-    try:
+    with guarded():  # installed before the temporary folder exists, restored after it is gone
         _save(model, path, external_data=external_data, follow_symlinks=follow_symlinks)
-    except _Terminated:
-        _die_by_sigterm()
-        raise
 
 
 def _save(
@@ -274,58 +263,59 @@ def _save(
     tensors = _weight_slots(clone)
     weight_bytes = sum(_nbytes(get()) for get, _ in tensors)
     use_external = weight_bytes >= TWO_GB - 2**24 if external_data is None else external_data
-    try:
-        tmpdir = tempfile.mkdtemp(prefix=_temporary_prefix(), dir=folder)
-    except OSError as err:
-        raise ModelSaveError(f"cannot save to {str(path)!r}: {err}") from err
     data_name = None
     stale: list[Path] = []
     repoint: dict[int, ir.ExternalTensor] = {}
     moved_data: Path | None = None
+    try:  # registered before it exists: a SIGTERM from here on removes it (save_guard)
+        tmpdir = make_temporary(folder, _temporary_prefix())
+    except OSError as err:
+        raise ModelSaveError(f"cannot save to {str(path)!r}: {err}") from err
     try:
-        with _sigterm_cleans_up():
-            tmp_model = Path(tmpdir) / target.name
-            if use_external:
-                tag = secrets.token_hex(8)
-                data_name = f"{target.name}.{tag}.data"
-                big = [(get, put) for get, put in tensors if _nbytes(get()) >= _EXTERNAL_THRESHOLD]
-                header = ir.Tensor(np.frombuffer(_header(tag), dtype=np.uint8), name="placement.header")
-                written = ir.external_data.convert_tensors_to_external(
-                    [header, *(get() for get, _ in big)], tmpdir, data_name, alignment=4096
-                )
-                for (get, put), ext in zip(big, written[1:]):
-                    repoint[id(get())] = ext
-                    put(ext)
-                clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
-            else:  # one self-contained file: weights still on disk are read into the proto
-                for get, put in tensors:
-                    tensor = get()
-                    if isinstance(tensor, ir.ExternalTensor):
-                        put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
-            dynamic_negative_dims(clone)  # as a Model built on the clone would: the same proto
-            for node in clone.graph:
-                node.metadata_props.setdefault(DEVICE_KEY, "cuda:0")
-            proto = _proto_of(clone)
-            with open(tmp_model, "wb") as f:
-                f.write(proto.SerializeToString())
-            del proto
-            if mode is not None:
-                os.chmod(tmp_model, mode)
-            stale = _our_data_files(folder, target.name)
+        tmp_model = tmpdir / target.name
+        if use_external:
+            tag = secrets.token_hex(8)
+            data_name = f"{target.name}.{tag}.data"
+            big = [(get, put) for get, put in tensors if _nbytes(get()) >= _EXTERNAL_THRESHOLD]
+            header = ir.Tensor(np.frombuffer(_header(tag), dtype=np.uint8), name="placement.header")
+            written = ir.external_data.convert_tensors_to_external(
+                [header, *(get() for get, _ in big)], tmpdir, data_name, alignment=4096
+            )
+            for (get, put), ext in zip(big, written[1:]):
+                repoint[id(get())] = ext
+                put(ext)
+            clone.metadata_props[DATA_CHECK_KEY] = f"{data_name}:{tag}"
+        else:  # one self-contained file: weights still on disk are read into the proto
+            for get, put in tensors:
+                tensor = get()
+                if isinstance(tensor, ir.ExternalTensor):
+                    put(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name))
+        dynamic_negative_dims(clone)  # as a Model built on the clone would: the same proto
+        for node in clone.graph:
+            node.metadata_props.setdefault(DEVICE_KEY, "cuda:0")
+        proto = _proto_of(clone)
+        with open(tmp_model, "wb") as f:
+            f.write(proto.SerializeToString())
+        del proto
+        if mode is not None:
+            os.chmod(tmp_model, mode)
+        stale = _our_data_files(folder, target.name)
+        with deferred():  # the renames happen whole, whenever a SIGTERM lands
             if data_name is not None:
                 if mode is not None:
-                    os.chmod(Path(tmpdir) / data_name, mode)
+                    os.chmod(tmpdir / data_name, mode)
                 moved_data = folder / data_name
-                os.replace(Path(tmpdir) / data_name, moved_data)
+                os.replace(tmpdir / data_name, moved_data)
             os.replace(tmp_model, target)  # the switch: from here on the new pair is the model
             moved_data = None
     except (OSError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as err:
         raise ModelSaveError(f"failed to save {str(path)!r}: {err}") from err
     finally:
-        if moved_data is not None and os.path.lexists(Path(tmpdir) / target.name):  # before the switch
-            with contextlib.suppress(OSError):
-                moved_data.unlink()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        with deferred():  # the clean-up runs whole; a SIGTERM meanwhile is raised after it
+            if moved_data is not None and os.path.lexists(tmpdir / target.name):  # before the switch
+                with contextlib.suppress(OSError):
+                    moved_data.unlink()
+            drop_temporary(tmpdir)
     _retire_data_files(model, [f for f in stale if f.name != data_name], folder, repoint)
     log.info(
         "saved %s (%d ops, %s of weights%s)",

@@ -4,6 +4,7 @@ killed saves leave nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
-from placement.graph import atomic, loading
+from placement.graph import atomic, loading, save_guard
 from placement.graph.atomic import write_atomic
 from placement.graph.saving import DATA_CHECK_KEY
 from tests.graph.builders import mlp_graph
@@ -381,34 +382,147 @@ def test_next_save_removes_temporaries_of_dead_saves_only(tmp_path):
     assert atomic.clean_stale_temporaries(tmp_path) == []
 
 
-def test_sigterm_during_a_save_removes_its_temporary_folder(tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import sys
-        import numpy as np, onnx_ir as ir
-        from tests.graph.builders import mlp_graph
-        model = mlp_graph(width=16)
-        big = ir.tensor(np.random.default_rng(0).standard_normal((2048, 4096)).astype(np.float32), name="big")
-        model.graph.initializers["fc0.weight"].const_value = big
-        print("ready", flush=True)
-        while True:
-            model.save({str(tmp_path / "m.onnx")!r}, external_data=True)
-        """
-    )
+#: Where a SIGTERM lands during a save: the guard's named points (placement.graph.save_guard),
+#: and two calls the earlier code left unguarded (the folder made before the handler was
+#: installed; the handler restored before the folder was removed).
+SIGTERM_POINTS = (
+    "installing",
+    "installed",
+    "creating",
+    "created",
+    "dropping",
+    "dropped",
+    "restoring",
+    "restored",
+    "call:mkdir",
+    "call:rmtree",
+)
+
+_SIGTERM_SCRIPT = """
+import json, os, shutil, signal, sys, threading
+from pathlib import Path
+import numpy as np
+import onnx_ir as ir
+import placement as pl
+from placement.graph import save_guard
+from tests.graph.builders import mlp_graph
+
+base, points = Path(sys.argv[1]), sys.argv[2:]
+old, new = mlp_graph(width=16), mlp_graph(width=16)
+weight = new.graph.initializers["fc0.weight"]
+weight.const_value = ir.tensor(weight.const_value.numpy() * 2, name="fc0.weight")
+real_mkdir, real_rmtree = os.mkdir, shutil.rmtree
+
+def first(model):
+    return model.graph.initializers["fc0.weight"].const_value.numpy()
+
+def term():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def arm(point, folder):
+    if point == "thread":  # a save in another thread is in flight when the main one is hit
+        started = threading.Event()
+        def hook(at):
+            if threading.current_thread() is threading.main_thread():
+                if at == "created":
+                    threading.Thread(target=new.save, args=(folder / "other.onnx",), daemon=True).start()
+                    started.wait(30)
+                    term()
+            elif at == "created":
+                started.set()
+                threading.Event().wait()  # never finishes
+        save_guard._hook = hook
+    elif point == "call:mkdir":
+        def mkdir(path, *args, **kwargs):
+            real_mkdir(path, *args, **kwargs)
+            if ".placement-save-" in str(path):
+                term()
+        os.mkdir = mkdir
+    elif point == "call:rmtree":
+        def rmtree(path, *args, **kwargs):
+            if ".placement-save-" in str(path):
+                term()
+            real_rmtree(path, *args, **kwargs)
+        shutil.rmtree = rmtree
+    else:
+        save_guard._hook = lambda at: term() if at == point else None
+
+results = {}
+for point in points:
+    folder = base / point.replace(":", "-")
+    folder.mkdir()
+    old.save(folder / "m.onnx", external_data=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            arm(point, folder)
+            new.save(folder / "m.onnx", external_data=True)
+        finally:
+            os._exit(3)  # the save finished (or failed) and SIGTERM did not end the process
+    _, status = os.waitpid(pid, 0)
+    left = sorted(p.name for p in folder.iterdir() if p.name.startswith(".placement-save-"))
+    got = pl.load(folder / "m.onnx")
+    which = [k for k, m in (("old", old), ("new", new)) if np.array_equal(first(got), first(m))]
+    signalled = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
+    results[point] = [signalled, left, which]
+print(json.dumps(results))
+"""
+
+
+def test_sigterm_at_every_point_of_a_save_leaves_no_temporary_folder(tmp_path):
+    """A SIGTERM delivered at each point of a save (hooks, no sleeping): the process ends by
+    SIGTERM, no ``.placement-save-*`` folder stays (also of a save in flight in another thread),
+    and the target is a whole model, the old or the new one. One interpreter, one fork per point."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    points = [*SIGTERM_POINTS, "thread"]
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_SCRIPT, str(tmp_path), *points],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for point in points:
+        signalled, left, which = results[point]
+        assert (point, signalled, left) == (point, signal.SIGTERM, []), done.stderr[-2000:]
+        assert len(which) == 1, (point, which)
+    assert results["installing"][2] == ["old"] and results["restored"][2] == ["new"]
+    assert not list(tmp_path.glob("*/.placement-save-*"))
+
+
+def test_save_guard_installs_only_over_the_default_action_and_restores_it(tmp_path):
+    """Main thread with SIGTERM's default action: the guard's handler is in place during the
+    save and the default is back after it; a handler of the program is left alone, and a save
+    in another thread installs nothing."""
+    model = mlp_graph(width=16)
+    seen: list[tuple[str, object]] = []
+    save_guard._hook = lambda at: seen.append((at, signal.getsignal(signal.SIGTERM)))
+    mine = lambda *_: None  # noqa: E731
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 30
-        while not list(tmp_path.glob(".placement-save-*")):  # wait until a save is under way
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == -signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        model.save(tmp_path / "a.onnx")
+        handlers = dict(seen)
+        assert handlers["installing"] is signal.SIG_DFL and handlers["restored"] is signal.SIG_DFL
+        assert handlers["created"] is handlers["dropped"] is save_guard._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        seen.clear()
+        signal.signal(signal.SIGTERM, mine)
+        model.save(tmp_path / "b.onnx")
+        assert {at for at, _ in seen} == {"creating", "created", "dropping", "dropped"}
+        assert all(handler is mine for _, handler in seen) and signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        seen.clear()
+        worker = threading.Thread(target=model.save, args=(tmp_path / "c.onnx",))
+        worker.start()
+        worker.join()
+        assert [at for at, _ in seen] == ["creating", "created", "dropping", "dropped"]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not list(tmp_path.glob(".placement-save-*"))
+        save_guard._hook = None
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx", "b.onnx", "c.onnx"]
 
 
 # --- 11. nodes out of topological order are sorted on load ---------------------------------
