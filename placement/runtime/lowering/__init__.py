@@ -11,7 +11,8 @@ names the ``fx.Node.meta`` keys the lowering writes, ``traced`` runs a stage as 
 traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``,
 ``cuda_graphs`` replays the lowered module's GPU segments as CUDA graphs
 (``to_torch(cuda_graphs=True)``), ``outputs`` hands a call's outputs back on its first
-tensor input's device (``to_torch(outputs_on=...)``).
+tensor input's device (``to_torch(outputs_on=...)``), ``pickled`` is the lowered module's
+class, which keeps those hooks and the input check through ``torch.save``/``torch.load``.
 Imports: the layers below ``placement.runtime`` and its ``device_map``,
 ``stages`` and ``pipeline`` modules.
 """

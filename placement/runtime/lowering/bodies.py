@@ -139,9 +139,12 @@ class BodyLowering(Lowering):
         return module
 
 
-def graph_module(root: torch.nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
-    """The ``GraphModule`` of ``graph``, without dead code (e.g. transposes absorbed by fused linears)."""
-    module = fx.GraphModule(root, graph, class_name=name)
+def graph_module(
+    root: torch.nn.Module, graph: fx.Graph, name: str, *, cls: type[fx.GraphModule] = fx.GraphModule
+) -> fx.GraphModule:
+    """The ``GraphModule`` (of class ``cls``) of ``graph``, without dead code (e.g. transposes
+    absorbed by fused linears)."""
+    module = cls(root, graph, class_name=name)
     if module.graph.eliminate_dead_code():  # needs the owning module to see call_module nodes
         module.recompile()
     module.graph.lint()

@@ -96,20 +96,10 @@ from placement.runtime.lowering.bodies import Lowering, graph_module
 from placement.runtime.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.runtime.lowering.opset import upgraded
 from placement.runtime.lowering.outputs import check_outputs_on, install_outputs_on
+from placement.runtime.lowering.pickled import FORWARD_HOOKS, PRESERVED, PlacedGraphModule
 from placement.runtime.lowering.stream_release import insert_releases
 from placement.runtime.lowering.streaming import pin_streamed
 from placement.runtime.lowering.values import Val, attr_python, identifier, to_torch_tensor
-
-#: ``GraphModule.meta`` key whose attributes ``copy.deepcopy`` restores.
-_PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
-
-#: ``nn.Module``'s dictionaries of forward hooks (those this torch has are kept on deepcopy).
-_FORWARD_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-)
 
 __all__ = ["to_torch", "check_supported"]
 
@@ -223,9 +213,10 @@ def to_torch(
         return install_outputs_on(cuda_graph_module(module), outputs_on)
     install_outputs_on(module, outputs_on)
     # copy.deepcopy rebuilds a GraphModule without its forward hooks (the input check, the
-    # outputs' move): keep them, and the choice, among the attributes it restores.
-    kept = {key: module.__dict__[key] for key in _FORWARD_HOOKS if key in module.__dict__}
-    module.meta.setdefault(_PRESERVED, {}).update(kept, outputs_on=outputs_on)
+    # outputs' move): keep them, and the choice, among the attributes it restores (a pickle
+    # keeps them by PlacedGraphModule.__reduce__).
+    kept = {key: module.__dict__[key] for key in FORWARD_HOOKS if key in module.__dict__}
+    module.meta.setdefault(PRESERVED, {}).update(kept, outputs_on=outputs_on)
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),
@@ -306,7 +297,7 @@ class _ModelLowering(Lowering):
             self._lower(node)
         self.current_op = None
         self._outputs()
-        module = graph_module(self.root, self.graph, "PlacedModule")
+        module = graph_module(self.root, self.graph, "PlacedModule", cls=PlacedGraphModule)
         if self.streamer is not None:
             paths = [self.paths[name] for name in self.streamed_sources]
             pin_streamed(module, sorted(set(paths)))
@@ -325,7 +316,7 @@ class _ModelLowering(Lowering):
         }
         for name, value in extras.items():
             setattr(module, name, value)
-        module.meta.setdefault(_PRESERVED, {}).update(extras)  # survive copy.deepcopy
+        module.meta.setdefault(PRESERVED, {}).update(extras)  # survive copy.deepcopy
         return module
 
     def _inputs(self) -> None:
