@@ -13,6 +13,21 @@ its last use there; a blob that leaves the device, or is a graph output, stays u
 the end of the stage that produced it (stages are the maximal same-device runs of
 ops in graph order, the unit the runtimes execute). Parameters are counted apart.
 
+Load-time values (:func:`placement.analysis.dependence.load_time_values`: what ops make
+from parameters and constants alone, such as the ``Transpose`` of a weight an exporter
+puts before a ``MatMul``, or a ``Constant``) are weight preprocessing, not per-batch
+activations: ONNX Runtime folds them into constants when it creates a session, and the
+torch lowering absorbs a weight's transpose into its linear. They count as parameter
+memory of the device whose per-step ops read them, and the ops that make them hold
+nothing (:meth:`GraphInfo.segment_param_bytes`, :meth:`GraphInfo.part_param_bytes`):
+such a device holds the parameters its ops read, plus, for the load-time values they read
+(grouped by the parameters they are made from), the larger of those values (what ONNX
+Runtime keeps once it has folded them) and their parameters (what the torch lowering
+keeps). So a transposed weight counts once, as its weight, where it is used; a slice of
+a buffer counts as the whole buffer; a tied weight read directly and through its
+transpose on one device counts twice, as ONNX Runtime holds it. Activation peaks and
+per-step copies leave load-time values out.
+
 Example:
     >>> import placement as pl
     >>> from placement.models import mlp
@@ -25,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import onnx_ir as ir
 
@@ -56,6 +71,14 @@ class GraphInfo:
         blob_bytes, blob_producer (-1 for graph inputs), blob_consumers (sorted
         positions), blob_is_output: per blob id.
         param_bytes, param_names: per parameter id.
+        blob_fixed: per blob, whether it is a load-time value (made from parameters and
+            constants alone); step_bytes: its bytes per step (0 for load-time values).
+        op_fixed: per position, whether the op only makes load-time values (weight
+            preprocessing, folded into its readers).
+        held_params, held_fixed: per position, the parameters and the load-time blobs an
+            op that runs every step reads (both empty for ``op_fixed`` ops).
+        blob_sources, blob_group: per load-time blob, the parameters it is made from, and
+            its group (load-time values made from shared parameters share one).
     """
 
     def __init__(self, model: Model) -> None:
@@ -144,9 +167,14 @@ class GraphInfo:
                 else:
                     self.blob_bytes[b] = int(math.ceil(size))
         fixed = {id(v) for v in load_time_values(graph)}
+        self.blob_fixed: list[bool] = [id(value) in fixed for value in self.blob_values]
         self.step_bytes: list[int] = [
-            0 if id(value) in fixed else size for size, value in zip(self.blob_bytes, self.blob_values)
+            0 if is_fixed else size for size, is_fixed in zip(self.blob_bytes, self.blob_fixed)
         ]
+        self.op_fixed: list[bool] = [
+            bool(outs) and all(self.blob_fixed[b] for b in outs) for outs in self.op_outputs
+        ]
+        self._fold_load_time_values()
         if self.unknown_size:
             log.info(
                 "%d blobs have no static shape and count as 0 bytes (first: %r)",
@@ -154,24 +182,74 @@ class GraphInfo:
                 self.unknown_size[0],
             )
 
+    def _fold_load_time_values(self) -> None:
+        """``held_params``, ``held_fixed`` and ``blob_sources``: what each per-step op holds
+        (see the module docstring)."""
+        self.blob_sources: list[list[int]] = [[] for _ in self.blob_bytes]
+        self.held_params: list[list[int]] = []
+        self.held_fixed: list[list[int]] = []
+        for pos, (params, acts) in enumerate(zip(self.op_params, self.op_inputs)):
+            if self.op_fixed[pos]:
+                made_from = list(params)
+                for b in acts:
+                    made_from += [k for k in self.blob_sources[b] if k not in made_from]
+                for b in self.op_outputs[pos]:
+                    self.blob_sources[b] = made_from
+                self.held_params.append([])
+                self.held_fixed.append([])
+            else:
+                self.held_params.append(params)
+                self.held_fixed.append([b for b in acts if self.blob_fixed[b]])
+        # load-time values made from shared parameters are compared with them as one group
+        root = list(range(len(self.param_bytes)))
+
+        def find(k: int) -> int:
+            while root[k] != k:
+                root[k] = root[root[k]]
+                k = root[k]
+            return k
+
+        for made_from in self.blob_sources:
+            for k in made_from[1:]:
+                root[find(k)] = find(made_from[0])
+        self.blob_group: list[int] = [
+            find(made_from[0]) if made_from else -1 - b for b, made_from in enumerate(self.blob_sources)
+        ]
+
+    def _held_bytes(self, positions: Iterable[int]) -> int:
+        """Parameter memory of a device running the ops at ``positions`` (module docstring):
+        the parameters they read, plus, per group of load-time values made from the same
+        parameters, the larger of the values they read and those parameters (not read
+        directly)."""
+        direct: set[int] = set()
+        fixed: set[int] = set()
+        for pos in positions:
+            direct.update(self.held_params[pos])
+            fixed.update(self.held_fixed[pos])
+        folded: dict[int, int] = {}
+        sources: dict[int, set[int]] = {}
+        for b in fixed:
+            group = self.blob_group[b]
+            folded[group] = folded.get(group, 0) + self.blob_bytes[b]
+            sources.setdefault(group, set()).update(self.blob_sources[b])
+        held = sum(self.param_bytes[k] for k in direct)
+        for group, size in folded.items():
+            held += max(size, sum(self.param_bytes[k] for k in sources[group] - direct))
+        return held
+
     def __len__(self) -> int:
         return len(self.nodes)
 
     # -- memory of one contiguous segment -------------------------------------------
 
     def segment_param_bytes(self, i: int, j: int) -> int:
-        """Bytes of the distinct parameters read by ops ``i..j-1`` (shared ones count once)."""
-        seen: set[int] = set()
-        total = 0
-        for pos in range(i, j):
-            for k in self.op_params[pos]:
-                if k not in seen:
-                    seen.add(k)
-                    total += self.param_bytes[k]
-        return total
+        """Parameter bytes of a device that runs ops ``i..j-1`` (shared parameters count once;
+        load-time values as the module docstring says)."""
+        return self._held_bytes(range(i, j))
 
     def segment_peak_activation(self, i: int, j: int) -> int:
-        """Peak live activation bytes of a device that runs exactly ops ``i..j-1``."""
+        """Peak live activation bytes of a device that runs exactly ops ``i..j-1`` (load-time
+        values left out)."""
         if j <= i:
             return 0
         diff = [0] * (j - i + 1)
@@ -180,13 +258,13 @@ class GraphInfo:
             for b in self.op_inputs[pos]:
                 if self.blob_producer[b] < i and b not in received:
                     received.add(b)
-                    size = self.blob_bytes[b]
+                    size = self.step_bytes[b]
                     if size:
                         end = _last_before(self.blob_consumers[b], j)
                         diff[0] += size
                         diff[end - i + 1] -= size
             for b in self.op_outputs[pos]:
-                size = self.blob_bytes[b]
+                size = self.step_bytes[b]
                 if not size:
                     continue
                 consumers = self.blob_consumers[b]
@@ -234,8 +312,12 @@ class GraphInfo:
 
     # -- memory of an arbitrary placement --------------------------------------------
 
-    def peak_activations(self, part: Sequence[int], num_parts: int) -> list[int]:
-        """Peak live activation bytes per part for an arbitrary assignment ``part[pos]``."""
+    def peak_activations(
+        self, part: Sequence[int], num_parts: int, *, per_step: Collection[int] = ()
+    ) -> list[int]:
+        """Peak live activation bytes per part for an arbitrary assignment ``part[pos]`` (load-time
+        values left out, except the blob ids in ``per_step``: made every step after all, say
+        from a weight streamed in every step)."""
         n = len(self.nodes)
         run_start = [0] * n
         run_end = [0] * n
@@ -244,7 +326,9 @@ class GraphInfo:
         for pos in range(n - 1, -1, -1):
             run_end[pos] = run_end[pos + 1] if pos < n - 1 and part[pos + 1] == part[pos] else pos
         diffs = [[0] * (n + 1) for _ in range(num_parts)]
-        for b, size in enumerate(self.blob_bytes):
+        for b, size in enumerate(self.step_bytes):
+            if b in per_step:
+                size = self.blob_bytes[b]
             if not size:
                 continue
             producer = self.blob_producer[b]
@@ -267,15 +351,12 @@ class GraphInfo:
         return [_max_prefix(d) for d in diffs]
 
     def part_param_bytes(self, part: Sequence[int], num_parts: int) -> list[int]:
-        """Parameter bytes per part; a parameter read on several parts counts on each."""
-        seen: list[set[int]] = [set() for _ in range(num_parts)]
-        totals = [0] * num_parts
+        """Parameter bytes per part, as :meth:`segment_param_bytes` counts them; a parameter
+        read on several parts counts on each."""
+        positions: list[list[int]] = [[] for _ in range(num_parts)]
         for pos, p in enumerate(part):
-            for k in self.op_params[pos]:
-                if k not in seen[p]:
-                    seen[p].add(k)
-                    totals[p] += self.param_bytes[k]
-        return totals
+            positions[p].append(pos)
+        return [self._held_bytes(found) for found in positions]
 
     def transfers(self, part: Sequence[int], num_parts: int) -> tuple[list[int], list[int]]:
         """Per-step bytes sent and received per part: one copy per (blob, reading part).

@@ -60,7 +60,8 @@ def gpu_activations(info: GraphInfo, layers: Sequence[Layer]) -> Callable[[Seque
     The GPU runs the ops of resident and streamed layers; activations copied in from a
     host layer count from the start of the GPU run that reads them (as
     :meth:`GraphInfo.peak_activations` counts a part's inputs). Memoised per
-    host/GPU split.
+    host/GPU/streamed split. Load-time values made from a weight that streams (a streamed weight's
+    transpose) are made on the GPU every step: they count as activations of streamed layers.
 
     Example:
         >>> import placement as pl
@@ -75,16 +76,28 @@ def gpu_activations(info: GraphInfo, layers: Sequence[Layer]) -> Callable[[Seque
         >>> peak(["host"] * len(layers)), peak(["resident"] * len(layers)) == whole
         (0, True)
     """
-    cache: dict[tuple[bool, ...], int] = {}
+    cache: dict[tuple[tuple[bool, bool], ...], int] = {}
+    # load-time values made from a weight that streams are made every step, on the GPU
+    made_from: list[set[int]] = []
+    for layer in layers:
+        streamable = layer.streamable
+        made_from.append(
+            {
+                b
+                for b, sources in enumerate(info.blob_sources)
+                if info.blob_fixed[b] and any(info.param_names[k] in streamable for k in sources)
+            }
+        )
 
     def peak(modes: Sequence[str]) -> int:
-        key = tuple(mode == "host" for mode in modes)
+        key = tuple((mode == "host", mode == "streamed") for mode in modes)
         if key not in cache:
-            if all(key):
+            if all(host for host, _ in key):
                 cache[key] = 0
             else:
-                part = [int(host) for layer, host in zip(layers, key) for _ in range(layer.start, layer.end)]
-                cache[key] = info.peak_activations(part, 2)[0]
+                part = [int(h) for layer, (h, _) in zip(layers, key) for _ in range(layer.start, layer.end)]
+                per_step = set().union(*(blobs for blobs, (_, streamed) in zip(made_from, key) if streamed))
+                cache[key] = info.peak_activations(part, 2, per_step=per_step)[0]
         return cache[key]
 
     return peak

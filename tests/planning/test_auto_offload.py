@@ -125,22 +125,35 @@ def test_80mib_plans_without_error_and_says_why_the_gpu_computes_nothing(big):
     modes = plan.offload["modes"]
     assert plan.fits and plan.devices[0].memory <= 80 * 2**20
     assert all(mode == "host" for name, mode in modes.items() if name.startswith("blocks."))
-    # no block fits (48.1 MiB of weights + 80 MiB of activations): the plan names the smallest
-    assert "blocks.0, needs 128.1 MiB" in plan.offload["note"], plan.offload
+    # nothing fits: the plan names the smallest layer, the head (its logits 64 MiB at 8 x 256)
+    assert (
+        "lm_head, needs 104.0 MiB there (32.0 MiB of weights + 72.0 MiB of activations)"
+        in plan.offload["note"]
+    ), plan.offload
     assert "over its budget of 80.0 MiB" in str(plan)
     assert plan.bottleneck <= _host_only_ns(model) * 1.001
     _same_modes(run_model, plan)
     _assert_runs_equal(run_model, net, idx)
 
 
-def test_4mib_holds_no_small_gpt_block_and_the_plan_says_so(small):
-    """A d=256 block needs 3.0 MiB of weights + 1.2 MiB of activations (its weights' transposes,
-    computed at load time, among them): under 4 MiB the host computes everything."""
+def test_3mib_holds_no_small_gpt_block_and_the_plan_says_so(small):
+    """A d=256 block needs 3.0 MiB of weights + 288 KiB of activations (its weights' transposes,
+    computed at load time, are weights, not activations): under 3.3 MiB the host computes
+    everything."""
     _, model = small
-    plan = pl.auto_place(model, max_memory={0: "4MiB", "cpu": "1GiB"}, cost="flops", throughput=RATES)
-    assert plan.fits and plan.devices[0].memory <= 4 * 2**20
+    plan = pl.auto_place(model, max_memory={0: "3MiB", "cpu": "1GiB"}, cost="flops", throughput=RATES)
+    assert plan.fits and plan.devices[0].memory <= 3 * 2**20
     assert all(mode == "host" for name, mode in plan.offload["modes"].items() if name.startswith("blocks."))
-    assert "needs 4.2 MiB there (3.0 MiB of weights + 1.2 MiB of activations)" in plan.offload["note"]
+    assert "needs 3.3 MiB there (3.0 MiB of weights + 288.0 KiB of activations)" in plan.offload["note"]
+
+
+def test_3_5mib_holds_a_small_gpt_block(small):
+    """3.5 MiB holds a block (with its weights' transposes counted as activations it did not)."""
+    _, model = small
+    plan = pl.auto_place(model, max_memory={0: "3.5MiB", "cpu": "1GiB"}, cost="flops", throughput=RATES)
+    modes = plan.offload["modes"]
+    assert plan.fits and plan.devices[0].memory <= 3.5 * 2**20 and "note" not in plan.offload
+    assert sum(mode == "resident" for name, mode in modes.items() if name.startswith("blocks.")) == 1, modes
 
 
 def test_5mib_runs_a_small_gpt_block_on_the_gpu(small):

@@ -70,3 +70,27 @@ def test_gpu_activations_count_only_the_gpus_ops(exported):
     assert 0 < peak(one_block) <= peak(everything)
     head_on_host = ["host" if name == "lm_head" else "resident" for name in names]
     assert peak(head_on_host) <= peak(everything)
+
+
+def test_a_streamed_weights_transpose_counts_as_an_activation_of_its_layer(exported):
+    """Resident: the exporter's transpose of a weight is folded at load time (not an activation).
+    Streamed: the weight arrives every step, so its transpose is made every step on the GPU."""
+    model, _, _ = exported("gpt")
+    info = GraphInfo(model)
+    zeros = [0] * len(info)
+    layers = layers_of(model, info, zeros, zeros)
+    peak = gpu_activations(info, layers)
+    names = [layer.name for layer in layers]
+    block = layers[names.index("blocks.0")]
+    transposed = [
+        b
+        for pos in range(block.start, block.end)
+        if info.nodes[pos].op_type == "Transpose" and info.op_fixed[pos]
+        for b in info.op_outputs[pos]
+    ]
+    assert transposed and all(info.step_bytes[b] == 0 for b in transposed)
+    resident = ["resident" if name == "blocks.0" else "host" for name in names]
+    streamed = ["streamed" if name == "blocks.0" else "host" for name in names]
+    assert peak(streamed) > peak(resident)
+    assert peak(streamed) - peak(resident) <= sum(info.blob_bytes[b] for b in transposed)
+    assert peak(streamed) >= max(info.blob_bytes[b] for b in transposed)
