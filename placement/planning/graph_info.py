@@ -223,16 +223,20 @@ class GraphInfo:
         directly)."""
         direct: set[int] = set()
         fixed: set[int] = set()
+        held_params, held_fixed = self.held_params, self.held_fixed
         for pos in positions:
-            direct.update(self.held_params[pos])
-            fixed.update(self.held_fixed[pos])
+            direct.update(held_params[pos])
+            if held_fixed[pos]:
+                fixed.update(held_fixed[pos])
+        held = sum(map(self.param_bytes.__getitem__, direct))
+        if not fixed:
+            return held
         folded: dict[int, int] = {}
         sources: dict[int, set[int]] = {}
         for b in fixed:
             group = self.blob_group[b]
             folded[group] = folded.get(group, 0) + self.blob_bytes[b]
             sources.setdefault(group, set()).update(self.blob_sources[b])
-        held = sum(self.param_bytes[k] for k in direct)
         for group, size in folded.items():
             held += max(size, sum(self.param_bytes[k] for k in sources[group] - direct))
         return held
