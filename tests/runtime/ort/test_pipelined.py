@@ -84,6 +84,9 @@ def test_stream_last_stage_runs_on_the_consumer(exported):
     for (got,) in rest:
         np.testing.assert_array_equal(got, expected)
         assert got.flags.owndata
+    stopped = runner.stream(iter([[x.numpy()]] * 100))
+    np.testing.assert_array_equal(next(stopped)[0], expected)
+    stopped.close()  # the autouse fixture checks that its worker is gone
 
 
 def test_stream_stage_error_names_stage_and_batch():
