@@ -288,3 +288,24 @@ def test_stream_inline_last_runs_on_the_consumer_and_errors_name_the_stage(faili
     with pytest.raises(pl.PipelineError, match=rf"stage {failing} \(s{failing}\) failed on micro-batch 5"):
         list(gen)
     assert where and all(where)  # the autouse fixture checks no worker is left
+
+
+def test_stream_inline_last_overlaps_the_first_stage():
+    """The consumer's last stage on a micro-batch runs while the first stage's worker runs the next
+    one (the pipeline keeps its overlap with the last stage inline and refills in bursts)."""
+    second_started = threading.Event()
+    overlapped = []
+
+    def first(i, x):
+        if i == 1:
+            second_started.set()
+        return x
+
+    def last(i, x):
+        if i == 0:  # waits (a bounded time) for the worker to start micro-batch 1 meanwhile
+            overlapped.append(second_started.wait(timeout=10))
+        return x
+
+    out = list(stream_microbatches([first, last], iter(range(6)), window=2, inline_last=True))
+    assert out == list(range(6))
+    assert overlapped == [True]
