@@ -13,7 +13,9 @@ counted as if the stages' calls ran one after another (their Python holds one lo
 (``per_mb_us`` beside it is the same without dividing by ``N``: what each micro-batch
 adds to the step; ``fixed_cpu_us`` the same in process CPU time, all threads, which a
 loaded machine inflates less than the wall time: a thread hand-off waits for a core.)
-``pl.predict`` takes it as ``fixed_cost_s``. Contenders:
+``pl.predict`` takes it as ``fixed_cost_s``. For the ORT contenders ``waits_per_mb_stage``
+(column ``waits``) counts the schedule's blocking queue waits per micro-batch per stage in the
+16-micro-batch calls: each is a thread hand-off, which waits for a core. Contenders:
 
 * ``ort run``: ``Runner(chunks=16).run`` against ``Runner().run``;
 * ``ort stream``: ``Runner.stream`` over the 16 micro-batches against ``Runner().run`` of
@@ -40,9 +42,11 @@ import argparse
 import functools
 import inspect
 import json
+import queue
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +60,7 @@ import torch  # noqa: E402
 import placement as pl  # noqa: E402
 from benchmarks.runtime import _environment  # noqa: E402
 
-__all__ = ["main", "measure", "runner_options", "tiny_linear"]
+__all__ = ["main", "measure", "ort_waits", "runner_options", "tiny_linear"]
 
 RESULTS = _ROOT / "benchmarks" / "results" / "pipeline_fixed_cost.json"
 CHUNKS = 16
@@ -102,6 +106,33 @@ def _ort_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict[s
         "ort run": {"k1": functools.partial(whole.run, feeds), "k16": functools.partial(piped.run, feeds)},
         "ort stream": {"k1": functools.partial(whole.run, feeds), "k16": stream},
     }
+
+
+class _CountingQueue(queue.SimpleQueue):
+    """A ``SimpleQueue`` that counts the ``get`` s that find it empty: a thread that waits (a hand-off)."""
+
+    waits = 0
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self.empty():
+            _CountingQueue.waits += 1
+        return super().get(block, timeout)
+
+
+def ort_waits(fn: Callable[[], Any], stages: int, calls: int = 5) -> float:
+    """Blocking waits of the schedule's threads per micro-batch per stage in ``fn`` (an ORT
+    contender's 16-micro-batch call): its queues counted while ``fn`` runs ``calls`` times."""
+    from placement.runtime.schedule import workers
+
+    original = workers.queue
+    workers.queue = types.SimpleNamespace(SimpleQueue=_CountingQueue)  # type: ignore[assignment]
+    try:
+        _CountingQueue.waits = 0
+        for _ in range(calls):
+            fn()
+        return _CountingQueue.waits / calls / CHUNKS / stages
+    finally:
+        workers.queue = original
 
 
 def _torch_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict[str, dict[str, Callable]]:
@@ -175,6 +206,7 @@ def measure(
             "fixed_us": round(extra / stages * 1e6, 2),
             "fixed_cpu_us": round((cpu16 - cpu1) / CHUNKS / stages * 1e6, 2),
             "recompute": "except_last" in name and stages > 1,
+            "waits_per_mb_stage": round(ort_waits(fns["k16"], stages), 3) if name.startswith("ort") else None,
         })  # fmt: skip
     return rows
 
@@ -192,13 +224,19 @@ def _table(rows: Sequence[dict[str, Any]], title: str) -> Any:
         "per mb us",
         "per mb per stage us",
         "CPU us",
+        "waits",
     ):
         table.add_column(column)
     for row in rows:
         what = row["contender"] + (" (recompute)" if row["recompute"] else "")
         figures = (row["k1_ms"], row["k16_ms"], row["per_mb_us"], row["fixed_us"], row["fixed_cpu_us"])
+        waits = "-" if row.get("waits_per_mb_stage") is None else f"{row['waits_per_mb_stage']:.2f}"
         table.add_row(
-            row["device"], str(row["stages"]), what, *(f"{v:.3f}" if v < 10 else f"{v:.1f}" for v in figures)
+            row["device"],
+            str(row["stages"]),
+            what,
+            *(f"{v:.3f}" if v < 10 else f"{v:.1f}" for v in figures),
+            waits,
         )
     return table
 

@@ -242,3 +242,70 @@ def test_constants_become_tensors_for_symbolic_shape_inference():
     assert [n.attribute[0].name for n in model.graph.node[:2]] == ["value", "value"]
     assert values[0].tolist() == [-1, 2, 2] and values[0].dtype == np.int64
     assert values[1].shape == () and values[1].dtype == np.float32 and float(values[1]) == 0.5
+
+
+def test_stream_refills_a_full_window_in_bursts():
+    """A full window drains to half before the next payloads go in, all together: the first
+    worker is woken once per burst, and never more than ``window`` are in flight."""
+    pulled = consumed = 0
+    gaps = []
+
+    def source():
+        nonlocal pulled
+        for n in range(12):
+            pulled += 1
+            gaps.append(pulled - consumed)
+            yield n
+
+    for value in stream_microbatches([lambda i, x: x + 1, lambda i, x: 2 * x], source(), window=4):
+        assert value == 2 * (consumed + 1)
+        consumed += 1
+    assert consumed == 12
+    assert gaps == [1, 2, 3, 4] + [3, 4] * 4
+
+
+@pytest.mark.parametrize("failing", [0, 2])
+def test_stream_inline_last_runs_on_the_consumer_and_errors_name_the_stage(failing):
+    consumer = threading.get_ident()
+    where = []
+
+    def stage(j):
+        def fn(i, x):
+            if j == 2:
+                where.append(threading.get_ident() == consumer)
+            if j == failing and i == 5:
+                raise ValueError("boom")
+            return x
+
+        return fn
+
+    names = ["s0", "s1", "s2"]
+    gen = stream_microbatches(
+        [stage(j) for j in range(3)], iter(range(8)), window=2, names=names, inline_last=True
+    )
+    assert [next(gen) for _ in range(3)] == [0, 1, 2]  # window 2: micro-batch 5 not read yet
+    assert sum(t.name.startswith("placement-pipeline") for t in threading.enumerate()) == 2
+    with pytest.raises(pl.PipelineError, match=rf"stage {failing} \(s{failing}\) failed on micro-batch 5"):
+        list(gen)
+    assert where and all(where)  # the autouse fixture checks no worker is left
+
+
+def test_stream_inline_last_overlaps_the_first_stage():
+    """The consumer's last stage on a micro-batch runs while the first stage's worker runs the next
+    one (the pipeline keeps its overlap with the last stage inline and refills in bursts)."""
+    second_started = threading.Event()
+    overlapped = []
+
+    def first(i, x):
+        if i == 1:
+            second_started.set()
+        return x
+
+    def last(i, x):
+        if i == 0:  # waits (a bounded time) for the worker to start micro-batch 1 meanwhile
+            overlapped.append(second_started.wait(timeout=10))
+        return x
+
+    out = list(stream_microbatches([first, last], iter(range(6)), window=2, inline_last=True))
+    assert out == list(range(6))
+    assert overlapped == [True]

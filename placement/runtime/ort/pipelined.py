@@ -32,7 +32,7 @@ from placement.runtime.schedule import (
     stream_microbatches,
 )
 
-__all__ = ["ort_run_pipelined", "ort_stream", "ort_value_type"]
+__all__ = ["WINDOW_PER_STAGE", "ort_run_pipelined", "ort_stream", "ort_value_type"]
 
 
 def _ort_stages(
@@ -169,50 +169,61 @@ def _as_ortvalue_or_numpy(value: Any) -> Any:
     return ortvalue_from_torch(value) if hasattr(value, "__dlpack__") else value
 
 
+#: Batches in flight per stage that :func:`ort_stream` allows by default (times ``chunks``).
+WINDOW_PER_STAGE = 4
+
+
 def ort_stream(
     runner: Any, batches: Iterable[Any], *, window: int | None = None, outputs: str = "numpy"
 ) -> Iterator[list[Any]]:
-    """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`)."""
-    chunks = runner.chunks
-    joined_on_device = chunks > 1 and outputs != "numpy"
-    fns, names = _ort_stages(runner, "torch" if joined_on_device else outputs)
-    if chunks > 1:
-        axes = runner._pipeline_axes()
-        in_axes = [axes.inputs[name] for name in runner.input_names]
-        out_axes = [axes.outputs[name] for name in runner.output_names]
-    window = window or 2 * len(fns) * chunks
+    """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`).
 
-    def payloads() -> Iterator[Any]:
+    The stages are the pipelined run's (on the CPU, the native stage calls of
+    :func:`_native_stages`), the last on the consumer's thread (one thread and one
+    hand-off per micro-batch fewer). ``window`` counts batches; by default
+    :data:`WINDOW_PER_STAGE` per stage: a worker that runs ahead of the consumer
+    seldom waits for it, and on a CPU every wait is a thread hand-off."""
+    chunks = runner.chunks
+    if chunks == 1:
+        fns, names = _ort_stages(runner, outputs)
+        window = window or WINDOW_PER_STAGE * len(fns)
+        payloads = (normalize_inputs(batch, runner._specs, device_values=True) for batch in batches)
+        return stream_microbatches(fns, payloads, window=window, names=names, inline_last=True)
+    return _stream_chunked(runner, batches, window, outputs)
+
+
+def _stream_chunked(
+    runner: Any, batches: Iterable[Any], window: int | None, outputs: str
+) -> Iterator[list[Any]]:
+    """:func:`ort_stream` with ``chunks > 1``: each batch split in micro-batches (consecutive
+    in the stream), their outputs joined on the way out (numpy: from host views, one copy)."""
+    chunks = runner.chunks
+    on_device = outputs != "numpy"
+    fns, names = _ort_stages(runner, "torch" if on_device else outputs, views=True)
+    axes = runner._pipeline_axes()
+    in_axes = [axes.inputs[name] for name in runner.input_names]
+    out_axes = [axes.outputs[name] for name in runner.output_names]
+    window = (window or WINDOW_PER_STAGE * len(fns)) * chunks
+
+    sizes: list[int] = []  # micro-batches per batch (fewer than ``chunks`` for a short batch)
+
+    def parts() -> Iterator[Any]:
         for batch in batches:
             arrays = normalize_inputs(batch, runner._specs, device_values=True)
-            if chunks == 1:
-                yield [arrays]
-            else:
-                arrays = [_as_torch(a) for a in arrays]  # device values split where they are
-                yield [[contiguous(a) for a in part] for part in split_batch(arrays, in_axes, chunks)]
+            arrays = [_as_torch(a) for a in arrays]  # device values split where they are
+            split = split_batch(arrays, in_axes, chunks)
+            sizes.append(len(split))
+            yield from ([contiguous(a) for a in part] for part in split)
 
-    def flat() -> Iterator[Any]:
-        for parts in payloads():
-            yield from ((len(parts), part) for part in parts)
-
-    # Micro-batches of one batch are consecutive in the stream; regroup them on the way out.
     pending: list[Any] = []
-    sizes: list[int] = []
-
-    def tagged() -> Iterator[Any]:
-        for count, part in flat():
-            sizes.append(count)
-            yield part
-
-    for result in stream_microbatches(fns, tagged(), window=window, names=names):
+    for result in stream_microbatches(fns, parts(), window=window, names=names, inline_last=True):
         pending.append(result)
-        if len(pending) == sizes[0]:
-            del sizes[: len(pending)]
-            if chunks == 1:
-                yield pending[0]
-            else:
-                joined = concat_batch(pending, out_axes)
-                if outputs == "ortvalue":
-                    joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
-                yield joined
-            pending = []
+        if len(pending) < sizes[0]:
+            continue
+        del sizes[0]
+        pieces = [views for views, _ in pending] if isinstance(pending[0], tuple) else pending
+        joined = concat_batch(pieces, out_axes)
+        pending = []
+        if outputs == "ortvalue":
+            joined = [to_output(_as_ortvalue_or_numpy(v), outputs) for v in joined]
+        yield joined

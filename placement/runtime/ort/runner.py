@@ -371,9 +371,10 @@ class Runner:
         Each batch goes through the stages as one micro-batch (or ``chunks``
         of them), one worker thread per stage, so stage ``j`` runs batch ``n``
         while stage ``j + 1`` runs batch ``n - 1``. At most ``window`` batches
-        are in flight (default: two per stage): the next batch is read from
+        are in flight (default: four per stage): the next batch is read from
         ``batches`` only after an output was taken (back-pressure). Stopping
-        the iteration early stops the workers.
+        the iteration early stops the workers. The last stage runs on the
+        consumer's thread, as the consumer takes each output.
 
         Args:
             batches: an iterable of inputs, each as :meth:`run` takes them (device values too).

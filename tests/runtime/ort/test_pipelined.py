@@ -63,3 +63,41 @@ def test_stream_bad_batch_raises_input_error(exported):
     assert next(outputs)[0].shape == (4, 8)
     with pytest.raises(pl.InputError, match="'input'"):
         next(outputs)
+
+
+def test_stream_last_stage_runs_on_the_consumer(exported):
+    """``Runner.stream`` runs the last stage in the consumer's thread (one worker thread fewer
+    than stages) and its outputs equal one whole session's; a stopped stream leaves no worker."""
+    import threading
+
+    model, _, (x,) = exported("mlp")
+    model.set_device(model.ops[-1].name, 1)
+    expected = pl.Runner(model, device_map="cpu", fold=True).run([x.numpy()])[0]
+    runner = pl.Runner(model, device_map="cpu", fold=False, threads_per_stage=1)
+    assert len(runner.stages) == 2
+    outs = runner.stream([[x.numpy()]] * 6, window=2)
+    np.testing.assert_allclose(next(outs)[0], expected, atol=ATOL)
+    workers = [t for t in threading.enumerate() if t.name.startswith("placement-pipeline")]
+    assert len(workers) == 1
+    rest = list(outs)
+    assert len(rest) == 5
+    for (got,) in rest:
+        np.testing.assert_array_equal(got, expected)
+        assert got.flags.owndata
+    stopped = runner.stream(iter([[x.numpy()]] * 100))
+    np.testing.assert_array_equal(next(stopped)[0], expected)
+    stopped.close()  # the autouse fixture checks that its worker is gone
+
+
+def test_stream_stage_error_names_stage_and_batch():
+    model, _, (idx,) = _placed("gpt")
+    bad = idx.clone()
+    bad[0, 0] = 10_000  # out of the vocabulary: the embedding Gather (stage 0) fails on batch 2
+    runner = pl.Runner(model, device_map="cpu")
+    outputs = runner.stream([idx, idx, bad, idx])
+    with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 2") as info:
+        list(outputs)
+    assert (info.value.stage, info.value.microbatch) == (0, 2)
+    chunked = pl.Runner(model, device_map="cpu", chunks=2)
+    with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 4"):
+        list(chunked.stream([idx, idx, bad]))  # batch 2's first micro-batch is the stream's 5th
