@@ -352,7 +352,7 @@ def _search(
 ) -> tuple[int, list[str], int]:
     """(predicted ns, modes, window depth) of the plan :func:`plan_offload` takes."""
     # for each window depth, the spread guess and a local search (placement.planning.offload_search)
-    # from it, the all-host plan and repaired all-resident/all-streamed plans; the fastest fit wins,
+    # from it, the other starts there and the best plan of the depths before; the fastest fit wins,
     # interleaved plans first among equally fast ones
     found: list[tuple[int, list[str], int]] = []
     for depth in (1, 2, 3, 4):
@@ -373,6 +373,8 @@ def _search(
                 lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
                 lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
                 heuristic=None if guess is None else (lambda g=guess: g),
+                starts=[min(found)[1]] if found else (),  # the best plan of the depths before
+                floor=lambda m, d=depth: _memory(layers, m, 0, workspace_bytes, d),
             )
         except InfeasiblePlacementError:
             if depth == 4 and not found:
