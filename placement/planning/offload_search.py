@@ -9,18 +9,25 @@ choice hold up when the GPU budget is tight:
   peak over the resident and streamed layers' ops, activations copied in included), not
   the whole model's: a plan whose large-activation layers (the logits of an LM head) run
   on the host needs less GPU memory, and an all-host plan needs none;
-* :func:`search_modes`: from every starting plan that fits (the spread guess, every
-  layer on the host, and greedy repairs of the all-resident and the all-streamed plans:
-  layers go to the host, the one freeing the most GPU memory first, until the plan
-  fits), a local search
-  changes one layer's mode at a time, taking the change that shortens the simulated
-  forward most and keeps both budgets, until none does; the fastest result wins;
+* :func:`search_modes`: from every starting plan that fits (:func:`starting_plans`: the
+  spread guess, every layer on the host, greedy repairs of the all-resident and the
+  all-streamed plans, a greedy fill by time saved per weight byte, and the caller's, such
+  as the best plan of another window depth), a local search changes one layer's mode at a
+  time, taking the change that shortens the simulated forward most and keeps both budgets;
+  when none does, it swaps two layers (one towards the GPU, one away); when none does
+  either, it *ejects* a GPU layer to the host and refills the memory it frees (a large layer
+  traded for several smaller ones, several changes away through slower plans); until
+  nothing is faster; the fastest result wins;
 * :func:`infeasible_message`: when no plan fits, the error names both budgets and the
   smallest thing that does not fit (the weights on the host, the smallest layer on
   the GPU).
 
 Everything here works on callables (``memory(modes)``, ``time(modes)``), so it knows
-nothing of how memory and time are modelled.
+nothing of how memory and time are modelled. The cost model is not separable per layer (a
+host layer's copies depend on its neighbours' modes, a streamed layer's stall on the copies
+and window ``depth`` layers back, the GPU's activation peak on the whole split), so no exact
+knapsack applies; on the six layers of the tiny GPT the search finds the best plan that an
+exhaustive enumeration finds, at every budget tested.
 
 Example:
     >>> from placement.planning.offload import Layer

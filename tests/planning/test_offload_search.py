@@ -176,8 +176,8 @@ def test_the_search_is_at_least_as_good_as_every_start_on_small_gpt(small_gpt_ex
 def test_12mib_finds_a_plan_as_fast_as_the_one_before_the_memory_model_changed(small_gpt_export):
     """The 4-layer d=256 GPT under 12 MiB at window depth 2 (``benchmarks/offload_plans.py``): the plan
     found before load-time transposes counted as weights (blocks 1-3 and ln_f resident, the rest on
-    the host) still fits; one-layer changes from the starts stop in a slower plan (0.432 ms against
-    0.407 ms); the search must do at least as well as that plan, by the same cost model."""
+    the host) still fits, but one-layer changes from the starts stopped in a slower plan (by 5 to 10 %);
+    the search must do at least as well as that plan, by the same cost model."""
     _, path = small_gpt_export
     layers, memory, time, spread = _planning(pl.load(path))
     names = [layer.name for layer in layers]
