@@ -57,6 +57,10 @@ __all__ = ["gpu_activations", "search_modes", "starting_plans", "infeasible_mess
 log = logging.getLogger(__name__)
 
 _MODES = ("resident", "streamed", "host")
+#: GPU layers an ejection tries (the largest first), and the distinct local optima of the starts
+#: it runs from (the fastest first): they bound the search's cost on models with many layers.
+EJECTIONS = 4
+EJECTING_ENDS = 3
 #: How much GPU memory a mode takes, least first.
 _RANK = {"host": 0, "streamed": 1, "resident": 2}
 Memory = Callable[[Sequence[str]], tuple[int, int, int]]
@@ -202,11 +206,12 @@ def _eject(
 ) -> tuple[list[str], int] | None:
     """The fastest plan made by sending one GPU layer to the host and refilling the GPU memory it
     frees (:func:`_fill`) that is faster than ``best`` (None: there is none). Reaches the plans
-    several changes away that trade one large layer for several smaller ones (a knapsack's move)."""
+    several changes away that trade one large layer for several smaller ones (a knapsack's move).
+    Only the :data:`EJECTIONS` GPU layers with the most weight bytes are tried (each try is a refill)."""
     found: tuple[list[str], int] | None = None
-    for k, mode in enumerate(current):
-        if mode == "host":
-            continue
+    on_gpu = [k for k, mode in enumerate(current) if mode != "host"]
+    on_gpu.sort(key=lambda k: -_weight_bytes(layers[k], current[k]))
+    for k in on_gpu[:EJECTIONS]:
         trial = list(current)
         trial[k] = "host"
         if not fits(trial):
@@ -400,7 +405,9 @@ def search_modes(
         modes, t = _improve(layers, start, memory, fits, time, eject=False)
         log.debug("offload search: from %s, %.3f ms", name, t / 1e6)
         ends.setdefault(tuple(modes), name)
-    results = [_improve(layers, list(modes), memory, fits, time)[::-1] for modes in ends]
+    ranked = sorted(ends, key=time)
+    results = [_improve(layers, list(modes), memory, fits, time)[::-1] for modes in ranked[:EJECTING_ENDS]]
+    results += [(time(modes), list(modes)) for modes in ranked[EJECTING_ENDS:]]
     if not results:
         raise InfeasiblePlacementError(infeasible_message(layers, budgets, memory))
     t, modes = min(results, key=lambda r: r[0])
