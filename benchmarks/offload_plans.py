@@ -44,7 +44,7 @@ from placement.graph.sizes import format_bytes, parse_bytes  # noqa: E402
 from placement.models.gpt import GPT, GPTConfig  # noqa: E402
 from placement.planning.graph_info import GraphInfo  # noqa: E402
 from placement.planning.link_model import resolve_links  # noqa: E402
-from placement.planning.offload import _choose, _memory, layers_of, simulate  # noqa: E402
+from placement.planning.offload import _choose, _memory, _memory_floor, layers_of, simulate  # noqa: E402
 from placement.planning.offload_search import gpu_activations, search_modes  # noqa: E402
 from placement.planning.speeds import DEFAULT_FLOPS  # noqa: E402
 
@@ -79,6 +79,7 @@ def _plans(
     budgets = (budget, None)
     acts = gpu_activations(info, layers)
     whole = info.segment_peak_activation(0, len(info))
+    peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]
 
     def time_of(modes: list[str]) -> int:
         return simulate(layers, modes, link, link, depth=DEPTH)
@@ -92,7 +93,7 @@ def _plans(
             lambda m: _memory(layers, m, acts, 0, DEPTH),
             time_of,
             heuristic=lambda: _choose(layers, budgets, acts, 0, link, link, depths=(DEPTH,))[:2],
-            floor=lambda m: _memory(layers, m, 0, 0, DEPTH),
+            floor=_memory_floor(layers, peaks, 0, DEPTH),
         )
     except InfeasiblePlacementError:
         out["search"] = None

@@ -389,8 +389,8 @@ def search_modes(
             :class:`~placement.errors.InfeasiblePlacementError` from it only drops it.
         starts: more plans to start from (the best of another window depth); those that do
             not fit are dropped.
-        floor: a cheap lower bound of ``memory`` (the weights without the activations): plans
-            over a budget by it alone are rejected without calling ``memory``.
+        floor: a cheap lower bound of ``memory`` (the weights and a lower bound of the
+            activations): plans over a budget by it alone are rejected without calling ``memory``.
 
     Raises:
         InfeasiblePlacementError: no starting plan fits; the message is

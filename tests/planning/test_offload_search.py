@@ -8,7 +8,7 @@ import pytest
 
 import placement as pl
 from placement.planning.graph_info import GraphInfo
-from placement.planning.offload import MODES, Layer, _choose, layers_of, simulate
+from placement.planning.offload import MODES, Layer, _choose, _memory_floor, layers_of, simulate
 from placement.planning.offload import _memory as _offload_memory
 from placement.planning.offload_search import (
     gpu_activations,
@@ -188,3 +188,21 @@ def test_12mib_finds_a_plan_as_fast_as_the_one_before_the_memory_model_changed(s
     modes, t = search_modes(layers, budgets, memory, time, heuristic=spread(budgets))
     assert memory(modes)[0] <= budgets[0]
     assert t == time(modes) <= time(before)
+
+
+def test_the_memory_floor_never_exceeds_the_memory(exported):
+    """The search rejects a plan by its floor (weights, window, the largest GPU layer's own peak)
+    without computing its GPU activation peak: a floor above the true memory would lose plans."""
+    model, _, _ = exported("gpt")
+    info = GraphInfo(model)
+    layers, memory, _, _ = _planning(model)
+    peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]
+    floor = _memory_floor(layers, peaks, 0, 2)
+    tight = 0
+    for modes in itertools.product(MODES, repeat=len(layers)):
+        if any(m == "streamed" and not layer.weights for m, layer in zip(modes, layers)):
+            continue
+        low, true = floor(modes), memory(modes)
+        assert low[0] <= true[0] and low[1:] == true[1:], modes
+        tight += low[0] == true[0]
+    assert tight > 0
