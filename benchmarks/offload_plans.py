@@ -6,15 +6,17 @@ GPU compute stream, copy stream, host layers with their activation copies) with 
 device speeds (``--gpu-flops``, ``--host-flops``; defaults: the stated defaults of
 ``placement.planning.speeds``) and host -> GPU link (PCIe, 20 GB/s):
 
-* **search**: what ``pl.auto_place(max_memory={0: budget, "cpu": ...})`` plans: the GPU
-  holds the activations of the ops it runs; a local search over layer modes starts from
-  the spread guess, from every layer on the host and from a repaired all-resident plan;
+* **search**: what ``pl.auto_place(max_memory={0: budget, "cpu": ...})`` plans at one window
+  depth: the GPU holds the activations of the ops it runs; a local search over layer modes
+  (single changes, swaps, ejections) starts from the spread guess, every layer on the host,
+  repaired all-resident and all-streamed plans and a greedy fill by time per weight byte;
 * **spread only**: the spread guess alone (``plan_offload``'s first candidates) with the
   whole model's activation peak counted on the GPU whatever runs there;
 * **all host**: every layer computed on the host.
 
-Columns: layers on the GPU (resident + streamed), the predicted forward (ms), and each
-plan's time as a multiple of the search's (side by side, one run). "-" where a plan does not
+Columns: the search's own wall time (ms, this machine), and per contender the layers on the GPU
+(resident + streamed), the predicted forward (ms), and its time as a multiple of the search's
+(side by side, one run). "-" where a plan does not
 fit the budget. Everything is predicted; on a GPU, ``benchmarks/offload.py`` times plans.
 
 Usage::
@@ -42,7 +44,7 @@ from placement.graph.sizes import format_bytes, parse_bytes  # noqa: E402
 from placement.models.gpt import GPT, GPTConfig  # noqa: E402
 from placement.planning.graph_info import GraphInfo  # noqa: E402
 from placement.planning.link_model import resolve_links  # noqa: E402
-from placement.planning.offload import _choose, _memory, layers_of, simulate  # noqa: E402
+from placement.planning.offload import _choose, _memory, _memory_floor, layers_of, simulate  # noqa: E402
 from placement.planning.offload_search import gpu_activations, search_modes  # noqa: E402
 from placement.planning.speeds import DEFAULT_FLOPS  # noqa: E402
 
@@ -64,7 +66,10 @@ MODELS = {
 }
 
 
-def _plans(model: pl.Model, budget: int, rates: dict[str, float]) -> dict[str, tuple[list[str], int] | None]:
+def _plans(
+    model: pl.Model, budget: int, rates: dict[str, float]
+) -> tuple[dict[str, tuple[list[str], int] | None], float]:
+    """Each contender's plan (None: it does not fit) and the seconds the search took."""
     info = GraphInfo(model)
     flops = pl.profile(model, time=False).costs("flops")
     gpu_ns = [round(f / rates["cuda"] * 1e9) for f in flops]
@@ -74,11 +79,13 @@ def _plans(model: pl.Model, budget: int, rates: dict[str, float]) -> dict[str, t
     budgets = (budget, None)
     acts = gpu_activations(info, layers)
     whole = info.segment_peak_activation(0, len(info))
+    peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]
 
     def time_of(modes: list[str]) -> int:
         return simulate(layers, modes, link, link, depth=DEPTH)
 
     out: dict[str, tuple[list[str], int] | None] = {}
+    start = time.perf_counter()
     try:
         out["search"] = search_modes(
             layers,
@@ -86,9 +93,11 @@ def _plans(model: pl.Model, budget: int, rates: dict[str, float]) -> dict[str, t
             lambda m: _memory(layers, m, acts, 0, DEPTH),
             time_of,
             heuristic=lambda: _choose(layers, budgets, acts, 0, link, link, depths=(DEPTH,))[:2],
+            floor=_memory_floor(layers, peaks, 0, DEPTH),
         )
     except InfeasiblePlacementError:
         out["search"] = None
+    seconds = time.perf_counter() - start
     try:
         modes = _choose(layers, budgets, whole, 0, link, link, depths=(DEPTH,))[0]
         out["spread only"] = (modes, time_of(modes))
@@ -96,7 +105,7 @@ def _plans(model: pl.Model, budget: int, rates: dict[str, float]) -> dict[str, t
         out["spread only"] = None
     every = ["host"] * len(layers)
     out["all host"] = (every, time_of(every))
-    return out
+    return out, seconds
 
 
 def run(names: list[str], rates: dict[str, float]) -> list[list[str]]:
@@ -114,9 +123,9 @@ def run(names: list[str], rates: dict[str, float]) -> list[list[str]]:
             flush=True,
         )
         for budget in budgets:
-            plans = _plans(model, parse_bytes(budget), rates)
+            plans, seconds = _plans(model, parse_bytes(budget), rates)
             best = plans["search"][1] if plans["search"] else None
-            row = [name, budget]
+            row = [name, budget, f"{seconds * 1e3:.0f}"]
             for key in ("search", "spread only", "all host"):
                 plan = plans[key]
                 if plan is None:
@@ -138,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     rates = {"cuda": options.gpu_flops, "cpu": options.host_flops}
     rows = run(options.models, rates)
-    header = ["model", "GPU budget"]
+    header = ["model", "GPU budget", "search: planning ms"]
     for key in ("search", "spread only", "all host"):
         header += [f"{key}: GPU layers", f"{key}: ms", f"{key}: x search"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -265,6 +265,20 @@ def _memory(
     return sum(resident.values()) + window + activations + workspace, sum(hosted.values()), window
 
 
+def _memory_floor(
+    layers: Sequence[Layer], layer_peaks: Sequence[int], workspace: int, depth: int
+) -> Callable[[Sequence[str]], tuple[int, int, int]]:
+    """A cheap lower bound of :func:`_memory` (the search's ``floor``): the weights and window, and
+    for the activations the largest of the GPU layers' own peaks (``layer_peaks``:
+    :meth:`GraphInfo.segment_peak_activation` of each layer; the GPU's peak over its ops holds each)."""
+
+    def floor(modes: Sequence[str]) -> tuple[int, int, int]:
+        peak = max((p for p, mode in zip(layer_peaks, modes) if mode != "host"), default=0)
+        return _memory(layers, modes, peak, workspace, depth)
+
+    return floor
+
+
 def _neighbours_streamed(modes: Sequence[str]) -> int:
     """How many pairs of neighbouring layers both stream (a streamed copy hides only behind the
     compute in front of it: among plans predicted equally fast, the interleaved one is preferred)."""
@@ -349,10 +363,12 @@ def _search(
     workspace_bytes: int,
     to_gpu: Link,
     to_host: Link,
+    layer_peaks: Sequence[int],
 ) -> tuple[int, list[str], int]:
-    """(predicted ns, modes, window depth) of the plan :func:`plan_offload` takes."""
+    """(predicted ns, modes, window depth) of the plan :func:`plan_offload` takes (``layer_peaks``:
+    see :func:`_memory_floor`)."""
     # for each window depth, the spread guess and a local search (placement.planning.offload_search)
-    # from it, the all-host plan and repaired all-resident/all-streamed plans; the fastest fit wins,
+    # from it, the other starts there and the best plan of the depths before; the fastest fit wins,
     # interleaved plans first among equally fast ones
     found: list[tuple[int, list[str], int]] = []
     for depth in (1, 2, 3, 4):
@@ -373,6 +389,8 @@ def _search(
                 lambda m, d=depth: _memory(layers, m, activations, workspace_bytes, d),
                 lambda m, d=depth: simulate(layers, m, to_gpu, to_host, depth=d),
                 heuristic=None if guess is None else (lambda g=guess: g),
+                starts=[min(found)[1]] if found else (),  # the best plan of the depths before
+                floor=_memory_floor(layers, layer_peaks, workspace_bytes, depth),
             )
         except InfeasiblePlacementError:
             if depth == 4 and not found:
@@ -524,7 +542,8 @@ def plan_offload(
         workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
     else:
         workspace_bytes = parse_bytes(workspace)
-    predicted, modes, depth = _search(layers, budgets, activations, workspace_bytes, to_gpu, to_host)
+    peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]
+    predicted, modes, depth = _search(layers, budgets, activations, workspace_bytes, to_gpu, to_host, peaks)
     gpu_bytes, host_bytes, window = _memory(layers, modes, activations, workspace_bytes, depth)
     peak_activations = activations(modes)
     plan = OffloadPlan(

@@ -6,7 +6,9 @@ For every op (copies excluded) :func:`profile` records
   Runtime's own profiler (``SessionOptions.enable_profiling``) on one plain CPU
   session of the whole model with graph optimisations off (so every ONNX node is
   timed under its own name) and one intra-op thread (stable, proportional timings);
-* ``output_bytes``: bytes of the blobs it produces (static shapes from the exporter);
+* ``output_bytes``: bytes of the blobs it produces every step (static shapes from the
+  exporter); a load-time value (made from parameters and constants alone, such as an
+  exporter's weight transpose) is parameter memory, as :class:`GraphInfo` counts it, not output;
 * ``param_bytes``: bytes of the parameters (initializers) it is the *first* consumer
   of, so that the per-op values add up to the model's parameter bytes;
 * ``flops``: an analytic count from the per-op-type rule table
@@ -175,7 +177,7 @@ class OpProfile:
         name: op name.
         op_type: ONNX op type.
         time_s: median measured forward time in seconds (None if not measured).
-        output_bytes: bytes of the blobs it produces.
+        output_bytes: bytes of the blobs it produces every step (load-time values count 0).
         param_bytes: bytes of the parameters it is the first reader of.
         flops: analytic FLOPs.
     """
@@ -524,7 +526,7 @@ def profile(
             name=name,
             op_type=node.op_type,
             time_s=times.get(name, 0.0) if time else None,
-            output_bytes=sum(info.blob_bytes[b] for b in info.op_outputs[pos]),
+            output_bytes=sum(info.step_bytes[b] for b in info.op_outputs[pos]),
             param_bytes=owned[pos],
             flops=op_flops(node, shapes),
         )

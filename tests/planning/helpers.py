@@ -11,6 +11,10 @@ import torch
 
 import placement as pl
 from placement.graph.nodes import SCOPE_KEY
+from placement.models.gpt import GPTConfig
+
+#: The 4-layer d=256 GPT-2 (20 MiB of weights) of ``benchmarks/offload_plans.py``'s ``small`` rows.
+SMALL_GPT = GPTConfig(vocab_size=8192, block_size=32, n_layer=4, n_head=4, d_model=256)
 
 
 def run_placed(model: pl.Model, args: tuple) -> list[np.ndarray]:

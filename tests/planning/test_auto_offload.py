@@ -17,10 +17,11 @@ import placement as pl
 from placement.models.gpt import GPT, GPTConfig
 from placement.planning.graph_info import GraphInfo
 from placement.planning.offload import layers_of
+from tests.planning.helpers import SMALL_GPT
 
 RATES = {"cuda": 50e12, "cpu": 0.5e12}  # FLOP/s: the stated defaults, given so that plans are reproducible
 BIG = GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=16, d_model=1024)
-SMALL = GPTConfig(vocab_size=8192, block_size=32, n_layer=4, n_head=4, d_model=256)
+SMALL = SMALL_GPT
 
 
 def _export(config: GPTConfig, shape: tuple[int, int]) -> tuple[torch.nn.Module, pl.Model]:
@@ -43,18 +44,10 @@ def big(tmp_path_factory):
     return path, net, short, idx
 
 
-@pytest.fixture(scope="module")
-def small_export(tmp_path_factory):
-    net, model = _export(SMALL, (1, 32))
-    path = tmp_path_factory.mktemp("gpt4") / "gpt4.onnx"
-    model.save(path)
-    return net, path
-
-
 @pytest.fixture
-def small(small_export):
+def small(small_gpt_export):
     """The 4-layer d=256 GPT (20 MiB of weights) at 1 x 32 tokens: the network and a fresh graph."""
-    net, path = small_export
+    net, path = small_gpt_export
     return net, pl.load(path)
 
 

@@ -90,6 +90,23 @@ def test_conv_and_matmul_flops(exported):
     assert prof.ops[c_attn.name].output_bytes == 2 * 8 * 96 * 4
 
 
+def test_a_load_time_transpose_is_parameter_memory_not_output(exported):
+    """The exporter's transpose of a weight is computed once at load time: like GraphInfo, the
+    profile counts it with the parameters (0 output bytes), so ``balance_by_size`` does not weigh
+    a weight twice; the per-step outputs are counted as before."""
+    model, _, _ = exported("gpt")
+    info = GraphInfo(model)
+    prof = pl.profile(model, time=False)
+    fixed = [pos for pos in range(len(info)) if info.op_fixed[pos] and info.nodes[pos].op_type == "Transpose"]
+    assert fixed and all(sum(info.blob_bytes[b] for b in info.op_outputs[pos]) > 0 for pos in fixed)
+    assert all(prof.ops[info.names[pos]].output_bytes == 0 for pos in fixed)
+    per_step = [pos for pos in range(len(info)) if not info.op_fixed[pos]]
+    for pos in per_step:
+        assert prof.ops[info.names[pos]].output_bytes == sum(info.step_bytes[b] for b in info.op_outputs[pos])
+    assert prof.total_output_bytes == sum(info.step_bytes[b] for outs in info.op_outputs for b in outs)
+    assert sum(p.param_bytes for p in prof.ops.values()) == sum(p.nbytes for p in model.parameters.values())
+
+
 def test_flops_of_a_dynamic_batch_count_the_sample_batch():
     """A model exported with a dynamic batch (as pipelining needs) has symbolic shapes; its
     FLOPs count for the sample inputs' batch (one example without them), not as zero, so
