@@ -89,7 +89,13 @@ from placement.runtime.lowering.stage_exec import (
     write_grads,
 )
 from placement.runtime.lowering.step_loss import REDUCTIONS, LossFn, check_reduction, scalar_loss, step_loss
-from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
+from placement.runtime.lowering.weight_grads import (
+    DEFER_MIN_MACS,
+    DeferredWeights,
+    activation_rows,
+    backward_inputs,
+    defer_pays,
+)
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
 
 __all__ = [
@@ -194,34 +200,6 @@ class _Shared:
             accumulate_microbatch(self.param_grads[stage], self.owned[stage], grads)
             del self.unfinished[key]
             self.flushed[stage] += 1
-
-
-#: Least multiply-adds (rows x parameter elements) of a stage's weight gradients for one
-#: micro-batch at which ``defer_weights="auto"`` computes them apart from the input gradients.
-#: Splitting a backward costs a graph walk, hooks and one autograd call per weight group
-#: (tens of microseconds of Python); below about a million multiply-adds (a few tens of
-#: microseconds of compute on one core) the split costs more than the time it frees.
-DEFER_MIN_MACS = 1 << 20
-
-
-def defer_pays(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
-    """Whether deferring the weight gradients of a backward with these ``inputs`` (activations)
-    and ``params`` pays: rows (an input's elements over its last axis) x parameter elements
-    reach :data:`DEFER_MIN_MACS`.
-
-    Example:
-        >>> import torch
-        >>> defer_pays([torch.zeros(4, 8)], [torch.zeros(8, 8)])
-        False
-        >>> defer_pays([torch.zeros(8, 128, 512)], [torch.zeros(512, 512)])
-        True
-    """
-    return _rows(inputs) * sum(p.numel() for p in params) >= DEFER_MIN_MACS
-
-
-def _rows(inputs: Sequence[torch.Tensor]) -> int:
-    """The most rows (elements over the last axis) of the activations ``inputs``."""
-    return max((t.numel() // max(1, t.shape[-1]) for t in inputs if t.dim() > 0), default=1)
 
 
 def pipelined_train_step(
@@ -419,7 +397,7 @@ class _StageLoop:
 
     def _defer_pays(self, inputs: Sequence[torch.Tensor]) -> bool:
         """:func:`defer_pays` for this stage's parameters (their size counted once)."""
-        return _rows(inputs) * self._param_elements >= DEFER_MIN_MACS
+        return activation_rows(inputs) * self._param_elements >= DEFER_MIN_MACS
 
     def run(self) -> None:
         """The stage's loop on a thread of its own: run what is ready, else wait for a message."""
