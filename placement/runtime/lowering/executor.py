@@ -17,7 +17,7 @@ forward, its GPipe backward and ``train_step`` (1F1B):
   on its own CUDA stream, ordered by events, so the stages overlap on the device.
   On the CPU the stages then run one after another, without hand-offs.
 * ``"auto"`` (the default): ``"threads"`` when at least two stages compute on
-  the host and the biggest of them does at least :data:`THREADS_MIN_MACS`
+  the host and the biggest of them does at least :data:`THREADS_MIN_MACS` (2**25)
   multiply-adds per micro-batch (rows x parameter elements, as
   :func:`~placement.runtime.lowering.one_f_one_b.defer_pays` counts them), on a
   machine with more than one core; ``"inline"`` otherwise (GPU stages, tiny CPU stages).
@@ -62,14 +62,16 @@ __all__ = [
 EXECUTORS = ("auto", "threads", "inline")
 
 #: Least multiply-adds (rows x parameter elements) of one micro-batch through one host
-#: stage at which ``executor="auto"`` runs the stages on threads of their own. A
-#: thread hand-off with two busy threads costs each tiny op 10-50 us and each
-#: micro-batch per stage a few hundred microseconds of waking and switching on a
-#: small CPU; the forward and backward of 2**22 multiply-adds (three times that in
-#: flops, a few milliseconds on one core) is what it takes to leave that a small
-#: share. ``benchmarks/pipeline_fixed_cost.py --crossover`` measures where threads
-#: start to pay on the machine at hand.
-THREADS_MIN_MACS = 1 << 22
+#: stage at which ``executor="auto"`` runs the stages on threads of their own. Each
+#: micro-batch a thread hands on, and each tiny op while two threads are busy, waits for a
+#: core to wake the other thread: microseconds on an idle machine, milliseconds on a busy
+#: one. ``benchmarks/pipeline_fixed_cost.py --crossover`` on a 2-core CPU under heavy load
+#: (load average 15) still found threads slower at 3.4e7 multiply-adds per micro-batch per
+#: stage (1F1B, ``Linear(1024, 1024)`` on 16 rows: 0.63x); the bench-size GPT and ResNet
+#: stages of ``benchmarks/pipeline.py`` (about 1e9) gain from threads. Picking one thread
+#: where threads would have paid costs at most their speed-up (about 2x on 2 stages);
+#: picking threads where they do not can cost far more, so the bar sits high: 2**25.
+THREADS_MIN_MACS = 1 << 25
 
 
 def check_executor(executor: str) -> str:
