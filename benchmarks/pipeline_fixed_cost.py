@@ -24,7 +24,9 @@ loaded machine inflates less than the wall time: a thread hand-off waits for a c
   the row says ``recompute``), against the same step on ``to_torch()`` (one stage after
   another, no micro-batches). These run with ``executor="auto"`` (tiny stages: every stage
   on the caller's thread); the rows marked ``executor=threads`` run the same steps with a
-  thread per stage.
+  thread per stage. ``torch eager loop (floor)`` runs the 16 micro-batches' forward, loss
+  and backward one after another on ``to_torch()`` without any schedule: what torch itself
+  pays per micro-batch, a floor for the torch rows that a loaded machine inflates alike.
 
 ``--crossover`` measures instead where a thread per stage starts to pay for a 1F1B step on
 the CPU: two stages of two ``Linear(d, d)`` layers each, a batch of 256 in 16 micro-batches,
@@ -126,7 +128,14 @@ def _torch_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict
         module.zero_grad(set_to_none=True)
         sync()
 
-    rows = {}
+    def eager_loop(module: Any) -> None:  # what torch itself pays per micro-batch: no schedule
+        for part in x.chunk(CHUNKS):
+            (_loss(module(part)) / CHUNKS).backward()
+        module.zero_grad(set_to_none=True)
+        sync()
+
+    rows = {"torch eager loop (floor)": {"k1": functools.partial(one_f_one_b, plain),
+                                         "k16": functools.partial(eager_loop, plain)}}  # fmt: skip
     for checkpoint, executor in (("never", "auto"), ("never", "threads"), ("except_last", "auto")):
         piped = pl.to_torch(
             model, device_map=device_map, chunks=CHUNKS, checkpoint=checkpoint, executor=executor
