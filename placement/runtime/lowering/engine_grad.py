@@ -9,8 +9,9 @@ The pipeline's gradients are the next stage's input gradients, made for exactly
 these outputs, so :func:`engine_grad` checks only what it relies on (each
 gradient is a plain tensor of its output's shape, dtype and device) and calls the
 engine as ``torch.autograd.grad`` does (``torch.autograd.graph._engine_run_backward``,
-detected when the module is imported); anything else, or a torch without that
-function, goes through ``torch.autograd.grad`` itself. The engine call is the
+detected when the module is imported); anything else, a torch without that
+function, or a ``torch.autograd.grad`` replaced by a wrapper since (a profiler, a
+test double) goes through ``torch.autograd.grad`` itself. The engine call is the
 same, so the gradients are the same bit for bit.
 
 Example:
@@ -32,6 +33,7 @@ __all__ = ["engine_grad"]
 
 _graph = getattr(torch.autograd, "graph", None)
 _RUN = getattr(_graph, "_engine_run_backward", None)  # what torch.autograd.grad calls (torch >= 2.2)
+_GRAD = torch.autograd.grad
 
 
 def engine_grad(
@@ -45,6 +47,7 @@ def engine_grad(
     (see the module docstring): the gradients of ``inputs``, None for those not reached."""
     if (
         _RUN is None
+        or torch.autograd.grad is not _GRAD  # wrapped (a profiler, a test double): go through it
         or not _well_formed(outputs, grad_outputs)
         or _HAS_TORCH_FUNCTION((*outputs, *inputs, *grad_outputs))
     ):

@@ -5,10 +5,12 @@
 :func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
 uses; ``torch.fx.passes.split_module``, see :mod:`.stage_split`) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
-and runs them through the stages on the workers of
-:mod:`placement.runtime.schedule` (one thread per stage, fill-drain schedule),
-so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
-micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
+and runs them through the stages in the fill-drain schedule: on the workers of
+:mod:`placement.runtime.schedule` (one thread per stage), so stage ``j``
+computes micro-batch ``i`` while stage ``j + 1`` computes micro-batch ``i - 1``,
+or all on the caller's thread in the same order (``executor=``, see
+:mod:`placement.runtime.lowering.executor`: GPU stages and tiny CPU stages run
+inline by default). On GPUs each stage runs on its own CUDA stream, and a
 stage waits (an event) only for the micro-batch it reads. On the CPU, once a
 micro-batch shape recurs (more than ``chunks`` calls), a stage runs as a
 TorchScript trace of its code (:mod:`placement.runtime.lowering.traced`): no
