@@ -76,14 +76,14 @@ StageTimes = Union[Sequence[float], Mapping[int, Sequence[float]]]
 #: stages one thread runs them all). Medians over 2, 4 and 8 stages of ``Linear(8, 8)``
 #: layers (near-zero compute, 16 micro-batches of 4 rows against the batch unsplit, one
 #: intra-op thread, each logical device emulated on the CPU) from
-#: ``benchmarks/pipeline.py --fixed-cost`` on a 2-core x86 CPU shared with other work
-#: (load average 7-12): the process CPU time, which is the wall time where the process has
-#: the cores it uses (the loaded machine's wall times were 1-3 times higher). Torch's figure
-#: is mostly torch's own cost per op of tiny ops (the same micro-batches run eagerly, with no
-#: schedule, cost 80-240 us of it). :func:`predict` uses them when ``fixed_cost_s`` is not
+#: ``benchmarks/pipeline.py --fixed-cost`` on a 2-core x86 CPU: ORT's on a machine shared with
+#: other work (load average 12), torch's on an idle one (load average 1); the process CPU
+#: time, which is the wall time where the process has the cores it uses. Torch's figure is
+#: mostly torch's own cost per op of tiny ops (the same micro-batches run eagerly, with no
+#: schedule, cost 70-230 us of it). :func:`predict` uses them when ``fixed_cost_s`` is not
 #: given; a GPU machine's own figure (``benchmarks/results/pipeline_fixed_cost.json``,
 #: ``summary``) is better there.
-FIXED_COST_S = {"ort": 50e-6, "torch": 340e-6}
+FIXED_COST_S = {"ort": 50e-6, "torch": 240e-6}
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,13 @@ EXECUTORS = ("auto", "threads", "inline")
 #: stage at which ``executor="auto"`` runs the stages on threads of their own. Each
 #: micro-batch a thread hands on, and each tiny op while two threads are busy, waits for a
 #: core to wake the other thread: microseconds on an idle machine, milliseconds on a busy
-#: one. ``benchmarks/pipeline_fixed_cost.py --crossover`` on a 2-core CPU under heavy load
-#: (load average 15) still found threads slower at 3.4e7 multiply-adds per micro-batch per
-#: stage (1F1B, ``Linear(1024, 1024)`` on 16 rows: 0.63x); the bench-size GPT and ResNet
-#: stages of ``benchmarks/pipeline.py`` (about 1e9) gain from threads. Picking one thread
-#: where threads would have paid costs at most their speed-up (about 2x on 2 stages);
-#: picking threads where they do not can cost far more, so the bar sits high: 2**25.
+#: one. ``benchmarks/pipeline_fixed_cost.py --crossover`` (1F1B, two stages of
+#: ``Linear(d, d)``, 16 rows per micro-batch) on an idle 2-core CPU: threads 0.76x at 2.1e6,
+#: 1.19x at 8.4e6, 1.68x at 3.4e7 multiply-adds per micro-batch per stage; under load
+#: (load average 15) still 0.63x at 3.4e7. The bench-size GPT and ResNet stages of
+#: ``benchmarks/pipeline.py`` (about 1e9) gain from threads. Picking one thread where threads
+#: would have paid costs at most their speed-up (under 2x on 2 stages); picking threads where
+#: they do not can cost far more, so the bar sits high: 2**25.
 THREADS_MIN_MACS = 1 << 25
 
 
