@@ -24,16 +24,25 @@ loaded machine inflates less than the wall time: a thread hand-off waits for a c
   (``loss(module(x)).backward()`` on it), each with ``checkpoint="never"`` and
   ``"except_last"`` (every stage but the last recomputes its forward during the backward:
   the row says ``recompute``), against the same step on ``to_torch()`` (one stage after
-  another, no micro-batches).
+  another, no micro-batches). These run with ``executor="auto"`` (tiny stages: every stage
+  on the caller's thread); the rows marked ``executor=threads`` run the same steps with a
+  thread per stage. ``torch eager loop (floor)`` runs the 16 micro-batches' forward, loss
+  and backward one after another on ``to_torch()`` without any schedule: what torch itself
+  pays per micro-batch, a floor for the torch rows that a loaded machine inflates alike.
 
-On the CPU each logical device is emulated; on a GPU every stage runs on ``cuda:0``, kept
-apart (``Runner(fold=False)`` where the Runner has that option). Writes
-``benchmarks/results/pipeline_fixed_cost.json``; the CPU figures are in docs/pipelining.md.
+``--crossover`` measures instead where a thread per stage starts to pay for a 1F1B step on
+the CPU: two stages of two ``Linear(d, d)`` layers each, a batch of 256 in 16 micro-batches,
+for widths ``d`` from 64 to 1024, ``executor="inline"`` against ``"threads"`` (alternating
+blocks; re-run under tcmalloc where installed, as ``benchmarks/pipeline.py`` runs), with the
+multiply-adds per micro-batch per stage that ``executor="auto"`` compares with
+``placement.runtime.lowering.executor.THREADS_MIN_MACS`` and its choice.
+Writes ``benchmarks/results/pipeline_fixed_cost_crossover.json``.
 
 Usage::
 
     python benchmarks/pipeline.py --fixed-cost              # CPU, and the GPU when there is one
     python benchmarks/pipeline_fixed_cost.py --stages 2 --repeats 10 --device cpu
+    python benchmarks/pipeline_fixed_cost.py --crossover --repeats 10
 """
 
 from __future__ import annotations
@@ -150,15 +159,86 @@ def _torch_contenders(model: pl.Model, x: torch.Tensor, device_map: Any) -> dict
         module.zero_grad(set_to_none=True)
         sync()
 
-    rows = {}
-    for checkpoint in ("never", "except_last"):
-        piped = pl.to_torch(model, device_map=device_map, chunks=CHUNKS, checkpoint=checkpoint)
+    def eager_loop(module: Any) -> None:  # what torch itself pays per micro-batch: no schedule
+        for part in x.chunk(CHUNKS):
+            (_loss(module(part)) / CHUNKS).backward()
+        module.zero_grad(set_to_none=True)
+        sync()
+
+    rows = {"torch eager loop (floor)": {"k1": functools.partial(one_f_one_b, plain),
+                                         "k16": functools.partial(eager_loop, plain)}}  # fmt: skip
+    for checkpoint, executor in (("never", "auto"), ("never", "threads"), ("except_last", "auto")):
+        piped = pl.to_torch(
+            model, device_map=device_map, chunks=CHUNKS, checkpoint=checkpoint, executor=executor
+        )
+        suffix = "" if executor == "auto" else f" executor={executor}"
         for name, step in (("1f1b", one_f_one_b), ("gpipe", gpipe)):
-            rows[f"torch {name} checkpoint={checkpoint}"] = {
+            rows[f"torch {name} checkpoint={checkpoint}{suffix}"] = {
                 "k1": functools.partial(step, plain),
                 "k16": functools.partial(step, piped),
             }
     return rows
+
+
+def crossover(
+    widths: Sequence[int] = (64, 128, 256, 512, 1024), *, repeats: int = 10
+) -> list[dict[str, Any]]:
+    """Per width: a 1F1B step's milliseconds with ``executor="inline"`` and ``"threads"`` (two
+    stages of two ``Linear(d, d)``, a batch of 256 in 16 micro-batches; see the module docstring)."""
+    from placement.runtime.lowering.executor import THREADS_MIN_MACS, stage_executor
+
+    rows = []
+    for width in widths:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+        x = torch.randn(256, width)
+        model = pl.place_evenly(pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)), 2)
+        modules = {
+            ex: pl.to_torch(model, device_map="cpu", chunks=CHUNKS, executor=ex)
+            for ex in ("inline", "threads")
+        }
+
+        def step(module: Any, x: torch.Tensor = x) -> None:
+            pl.train_step(module, x, loss_fn=_loss)
+            module.zero_grad(set_to_none=True)
+
+        times = _alternate(
+            {ex: functools.partial(step, m) for ex, m in modules.items()}, repeats, warmup=3, block=2
+        )
+        inline, threads = (statistics.median(times["wall"][ex]) for ex in ("inline", "threads"))
+        stages = modules["inline"]._pl_stages
+        macs = max(sum(v.numel() for v in s.consts.values()) for s in stages) * (256 // CHUNKS)
+        rows.append({
+            "width": width,
+            "macs_per_mb_stage": macs,
+            "inline_ms": round(inline * 1e3, 3),
+            "threads_ms": round(threads * 1e3, 3),
+            "threads_speedup": round(inline / threads, 3),
+            "auto": stage_executor("auto", stages, [x], CHUNKS),
+            "threshold": THREADS_MIN_MACS,
+        })  # fmt: skip
+    return rows
+
+
+def _crossover_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in (
+        "width",
+        "MACs per mb per stage",
+        "inline ms",
+        "threads ms",
+        "threads speed-up",
+        "auto picks",
+    ):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            str(row["width"]), f"{row['macs_per_mb_stage']:.2e}", f"{row['inline_ms']:.2f}",
+            f"{row['threads_ms']:.2f}", f"{row['threads_speedup']:.2f}x", row["auto"],
+        )  # fmt: skip
+    return table
 
 
 def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, *, warmup: int, block: int) -> dict[str, Any]:
@@ -266,8 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="calls per contender (alternating blocks)")
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--crossover", action="store_true", help="where a thread per stage pays (1F1B, CPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.crossover:
+        return _main_crossover(args.repeats, args.out, list(sys.argv[1:] if argv is None else argv))
     devices = ["cpu"] if args.device in ("auto", "cpu") else []
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         devices.append("cuda")
@@ -284,6 +367,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(result["summary"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _main_crossover(repeats: int, out: Path, argv: list[str]) -> int:
+    from rich.console import Console
+
+    from benchmarks.pipeline import _allocator
+
+    # tcmalloc (else jemalloc) where installed, as benchmarks/pipeline.py runs: under glibc each
+    # worker thread's malloc arena is unmapped and faulted in again every step
+    allocator = _allocator("auto", ["--fixed-cost", *[a for a in argv if a != "--fixed-cost"]])
+    env = _environment()
+    rows = crossover(repeats=repeats)
+    load = f"load {env['load_average'][0]:.1f} on {env['cpu_count']} cores"
+    what = "1F1B on 2 CPU stages: one thread for all stages against a thread per stage"
+    title = f"{what} ({allocator}; {load}; medians)"
+    Console(width=180).print(_crossover_table(rows, title))
+    path = out.with_name(out.stem + "_crossover.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"environment": env, "allocator": allocator, "repeats": repeats, "rows": rows}
+    path.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

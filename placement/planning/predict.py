@@ -72,16 +72,18 @@ StageTimes = Union[Sequence[float], Mapping[int, Sequence[float]]]
 
 #: The pipeline schedule's fixed cost per micro-batch per stage, in seconds, by runtime:
 #: ``"ort"`` (``Runner(chunks=k).run``) and ``"torch"`` (``train_step`` on
-#: ``to_torch(chunks=k)``, 1F1B, ``checkpoint="never"``). Medians over 2, 4 and 8 stages of
-#: ``Linear(8, 8)`` layers (near-zero compute, 16 micro-batches of 4 rows against the batch
-#: unsplit, one thread per stage, each logical device emulated on the CPU) from
-#: ``benchmarks/pipeline.py --fixed-cost`` on a 2-core x86 CPU shared with other work (load
-#: average 12): the process CPU time, which is the wall time where each stage has a core
-#: (the loaded machine's wall time was the same for ORT, 2-4 times higher for torch, whose
-#: hand-offs between threads waited for a core). :func:`predict` uses them when
-#: ``fixed_cost_s`` is not given; a GPU machine's own figure
-#: (``benchmarks/results/pipeline_fixed_cost.json``, ``summary``) is better there.
-FIXED_COST_S = {"ort": 50e-6, "torch": 690e-6}
+#: ``to_torch(chunks=k)``, 1F1B, ``checkpoint="never"``, ``executor="auto"``: on these tiny
+#: stages one thread runs them all). Medians over 2, 4 and 8 stages of ``Linear(8, 8)``
+#: layers (near-zero compute, 16 micro-batches of 4 rows against the batch unsplit, one
+#: intra-op thread, each logical device emulated on the CPU) from
+#: ``benchmarks/pipeline.py --fixed-cost`` on a 2-core x86 CPU: ORT's on a machine shared with
+#: other work (load average 12), torch's on an idle one (load average 1); the process CPU
+#: time, which is the wall time where the process has the cores it uses. Torch's figure is
+#: mostly torch's own cost per op of tiny ops (the same micro-batches run eagerly, with no
+#: schedule, cost 70-230 us of it). :func:`predict` uses them when ``fixed_cost_s`` is not
+#: given; a GPU machine's own figure (``benchmarks/results/pipeline_fixed_cost.json``,
+#: ``summary``) is better there.
+FIXED_COST_S = {"ort": 50e-6, "torch": 240e-6}
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,8 @@ def test_train_step_on_cuda(where):
 @pytest.mark.parametrize(("where", "inline"), [("shared GPU", True), ("GPU then CPU", False)])
 def test_backward_runs_inline_exactly_on_the_engines_gpu_thread(monkeypatch, where, inline):
     """Output on the GPU: the engine calls the pipelined backward on its GPU thread, which runs
-    every stage itself. Output on the CPU: the caller's thread, and the stages on the workers."""
+    every stage itself. Output on the CPU: the caller's thread, and the stages on the workers
+    (``executor="threads"``: the inline executor would call ``run_in_order`` everywhere)."""
     calls: list[bool] = []
     real = pipelined.run_in_order
 
@@ -136,6 +137,6 @@ def test_backward_runs_inline_exactly_on_the_engines_gpu_thread(monkeypatch, whe
 
     monkeypatch.setattr(pipelined, "run_in_order", spy)
     model, _, args = _placed("mlp")
-    piped = pl.to_torch(model.copy(), device_map=MAPS[where], chunks=2)
+    piped = pl.to_torch(model.copy(), device_map=MAPS[where], chunks=2, executor="threads")
     finishes_within(DEADLINE_S, lambda: _loss(piped(*args)).backward())
     assert calls == ([True] if inline else [])

@@ -25,7 +25,8 @@ def test_fixed_cost_benchmark_smoke(tmp_path, capsys):
     rows = {row["contender"]: row for row in result["rows"]}
     assert set(rows) == {
         "ort run", "ort stream", "torch 1f1b checkpoint=never", "torch gpipe checkpoint=never",
-        "torch 1f1b checkpoint=except_last", "torch gpipe checkpoint=except_last",
+        "torch 1f1b checkpoint=never executor=threads", "torch gpipe checkpoint=never executor=threads",
+        "torch 1f1b checkpoint=except_last", "torch gpipe checkpoint=except_last", "torch eager loop (floor)",
     }  # fmt: skip
     for name, row in rows.items():
         assert row["stages"] == 2 and row["k1_ms"] > 0 and row["k16_ms"] > 0
@@ -41,3 +42,24 @@ def test_fixed_cost_benchmark_smoke(tmp_path, capsys):
     assert set(result["summary"]["cpu"]) == {"ort_us", "ort_cpu_us", "torch_us", "torch_cpu_us"}
     printed = capsys.readouterr().out
     assert "fixed cost of the pipeline schedule" in printed and "(recompute)" in printed
+
+
+def test_crossover_rows_say_what_auto_picks(monkeypatch):
+    """Two small widths, two calls each: the figures and auto's choice per width."""
+    from benchmarks import pipeline_fixed_cost
+    from placement.runtime.lowering.executor import THREADS_MIN_MACS
+
+    monkeypatch.setattr(pipeline_fixed_cost, "_alternate", _two_calls(pipeline_fixed_cost._alternate))
+    rows = pipeline_fixed_cost.crossover((8, 16), repeats=1)
+    assert [r["width"] for r in rows] == [8, 16]
+    for row in rows:
+        assert row["macs_per_mb_stage"] == (256 // 16) * 2 * (row["width"] ** 2 + row["width"])
+        assert row["auto"] == "inline" and row["threshold"] == THREADS_MIN_MACS
+        assert row["inline_ms"] > 0 and row["threads_ms"] > 0
+
+
+def _two_calls(alternate):
+    def fewer(fns, repeats, *, warmup, block):
+        return alternate(fns, repeats, warmup=1, block=1)
+
+    return fewer

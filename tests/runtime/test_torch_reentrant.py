@@ -164,11 +164,13 @@ def test_autograd_grad_on_a_device_thread(device):
     assert set(ran_on) == {thread.ident}
 
 
-def test_train_step_leaves_the_device_thread_free(device):
-    """``train_step`` is called from the user's thread: its workers' autograd work may go to the
-    device thread, which nothing blocks."""
+@pytest.mark.parametrize("executor", ["inline", "threads"])
+def test_train_step_leaves_the_device_thread_free(device, executor):
+    """``train_step`` is called from the user's thread: its autograd work (on the workers, or
+    on that thread inline) may go to the device thread, which nothing blocks."""
     thread, ran_on = device.thread, device.ran_on
     module, net, x = _pipelined()
+    module.executor = executor
     want = _reference(net, x)
     module.zero_grad(set_to_none=True)
     module.train_step(x, loss_fn=lambda out: out.square().mean())
@@ -181,6 +183,7 @@ def test_waiting_on_workers_from_the_device_thread_is_the_deadlock(device, monke
     (the design before), their autograd work waits for the blocked thread."""
     thread = device.thread
     module, _, x = _pipelined()
+    module.executor = "threads"  # the hazard is waiting on worker threads
     monkeypatch.setattr(pipelined, "on_engine_thread", lambda: False)
     device.wait_s = 1.0  # the workers give up instead of waiting forever
 

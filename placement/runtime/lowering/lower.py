@@ -93,6 +93,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike, resolve_device_map
 from placement.runtime.lowering.bodies import Lowering, graph_module
+from placement.runtime.lowering.executor import check_executor
 from placement.runtime.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.runtime.lowering.opset import upgraded
 from placement.runtime.lowering.outputs import check_outputs_on, install_outputs_on
@@ -115,6 +116,7 @@ def to_torch(
     batch_axes: Mapping[str, int | None] | None = None,
     cuda_graphs: bool = False,
     outputs_on: str = "input",
+    executor: str = "auto",
 ) -> torch.nn.Module:
     """Lower a (placed) model to a ``torch.fx.GraphModule``.
 
@@ -152,6 +154,12 @@ def to_torch(
             trip. The move is inside autograd (gradients flow back through it), and a
             pipelined module's ``train_step`` hands ``loss_fn`` the outputs there too;
             see :mod:`placement.runtime.lowering.outputs`.
+        executor: with ``chunks > 1``, who runs the stages: ``"threads"`` (a worker
+            thread per stage), ``"inline"`` (the caller's thread runs every stage in the
+            schedule's order; on GPUs each still on its own stream) or ``"auto"`` (the
+            default: inline for GPU stages and for host stages too small to pay for
+            thread hand-offs); see :mod:`placement.runtime.lowering.executor`. Same
+            outputs and gradients bit for bit.
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -183,6 +191,7 @@ def to_torch(
     if not isinstance(model, Model):
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
     check_outputs_on(outputs_on)
+    check_executor(executor)
     model, problems = upgraded(model, device=_logical_devices(model)[0])
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
@@ -205,6 +214,7 @@ def to_torch(
             checkpoint=checkpoint,
             batch_axes=batch_axes,
             cuda_graphs=cuda_graphs,
+            executor=executor,
         )
         return install_outputs_on(pipelined, outputs_on)
     if cuda_graphs:

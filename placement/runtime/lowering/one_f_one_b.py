@@ -61,24 +61,24 @@ from typing import Any
 import torch
 
 from placement.errors import InputError
+from placement.runtime.lowering.engine_grad import engine_grad
+from placement.runtime.lowering.executor import stage_executor
 from placement.runtime.lowering.outputs import move_outputs
 from placement.runtime.lowering.stage_exec import (
     StepStats,
     TorchStage,
     accumulate,
-    accumulate_owned,
+    accumulate_microbatch,
     add_input_grads,
     backward_operands,
     call_stage,
     detached,
     forward_for_backward,
-    hand_over,
     input_slots,
     join_streams,
     keeps_activations,
     microbatch_envs,
     owned_grads,
-    per_parameter,
     signal,
     stage_args,
     stage_name,
@@ -86,8 +86,16 @@ from placement.runtime.lowering.stage_exec import (
     trainable_params,
     wait_for,
     worker_context,
+    write_grads,
 )
-from placement.runtime.lowering.weight_grads import DeferredWeights, backward_inputs
+from placement.runtime.lowering.step_loss import REDUCTIONS, LossFn, check_reduction, scalar_loss, step_loss
+from placement.runtime.lowering.weight_grads import (
+    DEFER_MIN_MACS,
+    DeferredWeights,
+    activation_rows,
+    backward_inputs,
+    defer_pays,
+)
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
 
 __all__ = [
@@ -99,12 +107,7 @@ __all__ = [
     "scalar_loss",
 ]
 
-#: How micro-batch losses combine into the step's loss.
-REDUCTIONS = ("mean", "sum")
-
 _STOP = object()
-
-LossFn = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -135,6 +138,8 @@ class _Shared:
     params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
     stats: StepStats
     tracked: Callable[[str], bool] = field(default=lambda key: True)  # env keys that take gradients
+    inline: bool = False  # one thread runs every stage: nobody to wake
+    loops: list[Any] = field(default_factory=list)  # inline: the stage loops, handed messages directly
     failed: threading.Event = field(default_factory=threading.Event)
     failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
     losses: list[torch.Tensor | None] = field(default_factory=list)
@@ -158,9 +163,18 @@ class _Shared:
         self.failed.set()
         self.wake(_STOP)
 
+    def post(self, j: int, message: tuple[str, int, Any]) -> None:
+        """Hand stage ``j`` a forward (``"F"``) or backward (``"B"``) micro-batch."""
+        if self.inline:
+            self.loops[j].file(message)
+        else:
+            self.inboxes[j].put(message)
+
     def wake(self, message: Any = None, *, exclude: int = -1) -> None:
         """Tell every worker but ``exclude`` that something changed (new weight gradients,
         the end, a failure)."""
+        if self.inline:
+            return
         for j, inbox in enumerate(self.inboxes):
             if j != exclude:
                 inbox.put(("W", -1, None) if message is None else message)
@@ -182,52 +196,10 @@ class _Shared:
             key = (stage, self.flushed[stage])
             if key not in self.results or self.unfinished[key] != 0:
                 return
-            for p, g in self.results.pop(key):
-                accumulate_owned(self.param_grads[stage], self.owned[stage], self.params[stage][p][1], g)
+            grads = [(self.params[stage][p][1], g) for p, g in self.results.pop(key)]
+            accumulate_microbatch(self.param_grads[stage], self.owned[stage], grads)
             del self.unfinished[key]
             self.flushed[stage] += 1
-
-
-#: Least multiply-adds (rows x parameter elements) of a stage's weight gradients for one
-#: micro-batch at which ``defer_weights="auto"`` computes them apart from the input gradients.
-#: Splitting a backward costs a graph walk, hooks and one autograd call per weight group
-#: (tens of microseconds of Python); below about a million multiply-adds (a few tens of
-#: microseconds of compute on one core) the split costs more than the time it frees.
-DEFER_MIN_MACS = 1 << 20
-
-
-def defer_pays(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
-    """Whether deferring the weight gradients of a backward with these ``inputs`` (activations)
-    and ``params`` pays: rows (an input's elements over its last axis) x parameter elements
-    reach :data:`DEFER_MIN_MACS`.
-
-    Example:
-        >>> import torch
-        >>> defer_pays([torch.zeros(4, 8)], [torch.zeros(8, 8)])
-        False
-        >>> defer_pays([torch.zeros(8, 128, 512)], [torch.zeros(512, 512)])
-        True
-    """
-    return _rows(inputs) * sum(p.numel() for p in params) >= DEFER_MIN_MACS
-
-
-def _rows(inputs: Sequence[torch.Tensor]) -> int:
-    """The most rows (elements over the last axis) of the activations ``inputs``."""
-    return max((t.numel() // max(1, t.shape[-1]) for t in inputs if t.dim() > 0), default=1)
-
-
-def check_reduction(reduction: str) -> None:
-    """Raise ``ValueError`` unless ``reduction`` is one of :data:`REDUCTIONS`."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-
-
-def scalar_loss(loss: Any) -> torch.Tensor:
-    """``loss_fn``'s result, checked to be a one-element tensor."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TypeError(f"loss_fn must return a scalar tensor, got {got}")
-    return loss
 
 
 def pipelined_train_step(
@@ -246,6 +218,7 @@ def pipelined_train_step(
     max_in_flight: int | None = None,
     outputs_device: torch.device | None = None,
     stats: StepStats | None = None,
+    executor: str = "auto",
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
 
@@ -274,6 +247,9 @@ def pipelined_train_step(
         outputs_device: the device ``loss_fn`` gets the outputs on (moved there inside
             autograd; :func:`.outputs.move_outputs`); None: the last stage's.
         stats: where to count what the step did (recomputed forwards); a new one if None.
+        executor: ``"threads"`` (a worker thread per stage), ``"inline"`` (this thread
+            runs every stage, each its next ready task in turn) or ``"auto"``; see
+            :mod:`placement.runtime.lowering.executor`. Same gradients either way.
 
     Returns:
         The mini-batch's loss (detached).
@@ -301,6 +277,7 @@ def pipelined_train_step(
     bounds = microbatch_bounds(size, chunks)
     stats = stats if stats is not None else StepStats()
     stats.microbatches, stats.recomputed, stats.deferred = len(envs), [0] * len(stages), 0
+    stats.executor = stage_executor(executor, stages, inputs, chunks)
     shared = _Shared(
         stages=stages,
         input_keys=set(input_keys),
@@ -322,35 +299,73 @@ def pipelined_train_step(
         flushed=[0] * len(stages),
         param_grads=[{} for _ in stages],
         owned=[set() for _ in stages],
+        inline=stats.executor == "inline",
     )
-    threads = [
-        threading.Thread(target=_run_loop, args=(shared, j), name=f"placement-train-stage-{j}", daemon=True)
-        for j in range(len(stages) - 1)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        _run_loop(shared, len(stages) - 1)  # the last stage on the caller's thread
-    except BaseException as err:  # noqa: BLE001 - (KeyboardInterrupt) stop the workers first
-        shared.fail(len(stages) - 1, -1, err)
-        raise
-    finally:
-        for thread in threads:
-            thread.join()
+    if shared.inline:
+        _run_inline(shared)
+    else:
+        _run_threads(shared)
     join_streams(stages)  # the caller's stream waits for the workers' (no host synchronisation)
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
         raise stage_error(stage, stage_name(stages[stage]), microbatch, err) from err
     if shared.flushed != [len(envs)] * len(stages):  # pragma: no cover - a bug, not an input error
         raise RuntimeError(f"train_step lost gradients: flushed {shared.flushed} of {len(envs)}")
-    _write_grads(stages, shared.param_grads, shared.owned)
-    losses = [loss for loss in shared.losses if loss is not None]
-    return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+    write_grads(stages, shared.param_grads, shared.owned)
+    return step_loss(shared.losses, shared.weights)
+
+
+def _run_threads(shared: _Shared) -> None:
+    """Every stage's loop on a thread of its own, the last one on this thread."""
+    last = len(shared.stages) - 1
+    threads = [
+        threading.Thread(target=_run_loop, args=(shared, j), name=f"placement-train-stage-{j}", daemon=True)
+        for j in range(last)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        _run_loop(shared, last)  # the last stage on the caller's thread
+    except BaseException as err:  # noqa: BLE001 - (KeyboardInterrupt) stop the workers first
+        shared.fail(last, -1, err)
+        raise
+    finally:
+        for thread in threads:
+            thread.join()
 
 
 def _run_loop(shared: _Shared, j: int) -> None:
     with worker_context(shared.stages, True)(j):
         _StageLoop(shared, j).run()
+
+
+def _run_inline(shared: _Shared) -> None:
+    """Every stage's loop on this thread: round after round, each stage (first to last) runs
+    its next ready task, until a round finds nothing to run. A GPU stage runs inside its
+    context (its device and stream), so it queues its kernels on its own stream as its worker
+    would; CPU stages need only grad mode, set once."""
+    context = worker_context(shared.stages, True)
+    shared.loops = loops = [_StageLoop(shared, j) for j in range(len(shared.stages))]
+    on_gpu = [s.device.type == "cuda" for s in shared.stages]
+    loop = loops[0]
+    try:
+        with torch.enable_grad():
+            while True:
+                progressed = False
+                for loop in loops:
+                    if on_gpu[loop.j]:
+                        with context(loop.j):
+                            progressed = loop.step() or progressed
+                    else:
+                        progressed = loop.step() or progressed
+                if not progressed:
+                    break
+    except BaseException as err:  # noqa: BLE001 - re-raised in the caller, naming the stage
+        shared.fail(*loop.current, err)
+        return
+    waiting = [loop.j for loop in loops if not loop.finished()]
+    if waiting:  # pragma: no cover - a bug, not an input error
+        raise RuntimeError(f"train_step stalled: stages {waiting} wait for work that never comes")
 
 
 class _StageLoop:
@@ -367,6 +382,7 @@ class _StageLoop:
         self.backward_ready: dict[int, dict[str, Any]] = {}
         self.saved: dict[int, tuple[list[Any], dict[str, Any] | None]] = {}
         self.current = (j, 0)  # the (stage, micro-batch) being worked on, named in errors
+        self.next_f = self.next_b = 0  # the next micro-batch to run forward / backward
         self._param_elements = sum(self.stage.consts[key].numel() for _, key in shared.params[j])
         self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
 
@@ -381,41 +397,60 @@ class _StageLoop:
 
     def _defer_pays(self, inputs: Sequence[torch.Tensor]) -> bool:
         """:func:`defer_pays` for this stage's parameters (their size counted once)."""
-        return _rows(inputs) * self._param_elements >= DEFER_MIN_MACS
+        return activation_rows(inputs) * self._param_elements >= DEFER_MIN_MACS
 
     def run(self) -> None:
+        """The stage's loop on a thread of its own: run what is ready, else wait for a message."""
         shared, inbox = self.shared, self.shared.inboxes[self.j]
-        next_f = next_b = 0
         try:
             while not shared.failed.is_set():
-                while True:  # file what has arrived, without waiting
-                    try:
-                        message = inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if message is _STOP:
-                        return
-                    self._file(message)
-                if next_b in self.backward_ready:
-                    self.current = (self.j, next_b)
-                    self._backward(next_b, self.backward_ready.pop(next_b))
-                    next_b += 1
-                elif next_f < self.k and next_f in self.forward_ready and next_f - next_b < shared.limit:
-                    self.current = (self.j, next_f)
-                    self._forward(next_f)
-                    next_f += 1
-                    next_b += self.last  # the last stage's backward ran with its forward
-                elif not self._weights():
-                    if next_b == self.k and self._done():
+                if self.drain():
+                    return
+                if not self.step():
+                    if self.finished():
                         return
                     message = inbox.get()
                     if message is _STOP:
                         return
-                    self._file(message)
+                    self.file(message)
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller, naming the stage
             shared.fail(*self.current, err)
 
-    def _file(self, message: tuple[str, int, Any]) -> None:
+    def drain(self) -> bool:
+        """File the messages that have arrived, without waiting; ``True`` when told to stop."""
+        inbox = self.shared.inboxes[self.j]
+        while not inbox.empty():
+            message = inbox.get_nowait()
+            if message is _STOP:
+                return True
+            self.file(message)
+        return self.shared.failed.is_set()
+
+    def step(self) -> bool:
+        """Run one ready task (a backward first, else a forward within the in-flight bound,
+        else a group of deferred weight gradients); ``False`` when none is ready."""
+        if self.next_b in self.backward_ready:
+            self.current = (self.j, self.next_b)
+            self._backward(self.next_b, self.backward_ready.pop(self.next_b))
+            self.next_b += 1
+        elif (
+            self.next_f < self.k
+            and self.next_f in self.forward_ready
+            and self.next_f - self.next_b < self.shared.limit
+        ):
+            self.current = (self.j, self.next_f)
+            self._forward(self.next_f)
+            self.next_f += 1
+            self.next_b += self.last  # the last stage's backward ran with its forward
+        else:
+            return self._weights()
+        return True
+
+    def finished(self) -> bool:
+        """Every backward of this stage ran, and no weight gradients it may run are left or to come."""
+        return self.next_b == self.k and self._done()
+
+    def file(self, message: tuple[str, int, Any]) -> None:
         kind, i, env = message
         if kind == "F":
             self.forward_ready[i] = env
@@ -450,7 +485,7 @@ class _StageLoop:
         self.saved[i] = (args, saved)
         env.update(outs)
         signal(env, stage.device)
-        shared.inboxes[self.j + 1].put(("F", i, env))
+        shared.post(self.j + 1, ("F", i, env))
 
     def _loss(
         self, i: int, env: dict[str, Any], outs: dict[str, Any]
@@ -472,8 +507,10 @@ class _StageLoop:
             loss = scalar_loss(
                 shared.loss_fn(values[0] if len(values) == 1 else tuple(values), *shared.targets[i])
             )
-        shared.losses[i] = loss.detach().reshape(()) * shared.weights[i]
-        return (loss.reshape(()) if loss.requires_grad else None), leaves
+        shared.losses[i] = loss.detach()  # weighted and summed once, at the end of the step
+        if not loss.requires_grad:
+            return None, leaves
+        return (loss if loss.dim() == 0 else loss.reshape(())), leaves
 
     def _backward(
         self,
@@ -507,7 +544,7 @@ class _StageLoop:
             if defer and arg_values and params and not static_grads(stage):
                 arg_grads, now, later = backward_inputs(outputs, seeds, arg_values, param_values)
             else:
-                grads = torch.autograd.grad(outputs, arg_values + param_values, seeds, allow_unused=True)
+                grads = engine_grad(outputs, arg_values + param_values, seeds)
                 grads = owned_grads(stage, grads)
                 arg_grads, now = list(grads[: len(arg_values)]), list(grads[len(arg_values) :])
             add_input_grads(genv, stage, arg_slots, arg_grads[: len(arg_slots)])
@@ -516,7 +553,7 @@ class _StageLoop:
                     accumulate(genv, key, g)
         signal(genv, stage.device)
         if self.j > 0:
-            shared.inboxes[self.j - 1].put(("B", i, genv))
+            shared.post(self.j - 1, ("B", i, genv))
         groups = len(later) if later is not None else 0
         with shared.lock:
             if later is not None and groups:
@@ -547,18 +584,3 @@ class _StageLoop:
         with shared.lock:
             shared.finish(pending.stage, pending.microbatch, grads, -1)
         return True
-
-
-def _write_grads(
-    stages: list[TorchStage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
-) -> None:
-    """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
-
-    A gradient that is one autograd result, not an accumulator made here, is copied before
-    it becomes a ``.grad`` (autograd may share it)."""
-    for param, g, fresh in per_parameter(stages, param_grads, owned).values():
-        g = hand_over(g.to(param.device))  # made on a worker's stream, read on the caller's
-        if param.grad is None:
-            param.grad = g if fresh else g.clone()
-        else:
-            param.grad.add_(g)

@@ -5,10 +5,12 @@
 :func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
 uses; ``torch.fx.passes.split_module``, see :mod:`.stage_split`) and wraps them in a
 :class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
-and runs them through the stages on the workers of
-:mod:`placement.runtime.schedule` (one thread per stage, fill-drain schedule),
-so stage ``j`` computes micro-batch ``i`` while stage ``j + 1`` computes
-micro-batch ``i - 1``. On GPUs each stage runs on its own CUDA stream, and a
+and runs them through the stages in the fill-drain schedule: on the workers of
+:mod:`placement.runtime.schedule` (one thread per stage), so stage ``j``
+computes micro-batch ``i`` while stage ``j + 1`` computes micro-batch ``i - 1``,
+or all on the caller's thread in the same order (``executor=``, see
+:mod:`placement.runtime.lowering.executor`: GPU stages and tiny CPU stages run
+inline by default). On GPUs each stage runs on its own CUDA stream, and a
 stage waits (an event) only for the micro-batch it reads. On the CPU, once a
 micro-batch shape recurs (more than ``chunks`` calls), a stage runs as a
 TorchScript trace of its code (:mod:`placement.runtime.lowering.traced`): no
@@ -78,6 +80,8 @@ import torch.fx as fx
 
 from placement.errors import LoweringError
 from placement.graph.model import Model
+from placement.runtime.lowering.engine_grad import engine_grad
+from placement.runtime.lowering.executor import check_executor, stage_executor
 from placement.runtime.lowering.one_f_one_b import pipelined_train_step
 from placement.runtime.lowering.outputs import first_tensor_device
 from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
@@ -85,7 +89,7 @@ from placement.runtime.lowering.stage_exec import (
     StepStats,
     TorchStage,
     accumulate,
-    accumulate_owned,
+    accumulate_microbatch,
     add_input_grads,
     backward_operands,
     call_stage,
@@ -132,10 +136,13 @@ def pipeline_module(
     checkpoint: str = "except_last",
     batch_axes: Mapping[str, int | None] | None = None,
     cuda_graphs: bool = False,
+    executor: str = "auto",
 ) -> PipelinedModule:
     """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``);
-    ``cuda_graphs``: its GPU stages replay CUDA graphs (:mod:`.stage_graphs`)."""
+    ``cuda_graphs``: its GPU stages replay CUDA graphs (:mod:`.stage_graphs`); ``executor``:
+    who runs the stages (:mod:`.executor`)."""
     check_chunks(chunks)
+    check_executor(executor)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     axes = _batch_axes(model, batch_axes)
@@ -143,6 +150,7 @@ def pipeline_module(
     pipelined = PipelinedModule(
         module, stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
     )
+    pipelined.executor = executor
     if cuda_graphs:
         graph_stages(pipelined._pl_stages)
     return pipelined
@@ -156,8 +164,10 @@ class PipelinedModule(torch.nn.Module):
     """A lowered placed model whose forward and backward are pipelined over micro-batches.
 
     Built by ``pl.to_torch(model, chunks=k)``; see the module docstring.
-    Attributes: ``chunks``, ``checkpoint``, ``outputs_on``, ``stages`` (the per-stage
-    ``GraphModule`` s, in order), ``batch_axes``, and the plain lowering's
+    Attributes: ``chunks``, ``checkpoint``, ``executor`` (``"auto"``, ``"threads"`` or
+    ``"inline"``: who runs the stages, see :mod:`.executor`; may be changed between calls),
+    ``outputs_on``, ``stages`` (the per-stage ``GraphModule`` s, in order), ``batch_axes``,
+    ``stats`` (what the last step did, :class:`.stage_exec.StepStats`), and the plain lowering's
     ``input_names``, ``output_names``, ``device_map``, ``initializer_paths``.
     """
 
@@ -186,6 +196,7 @@ class PipelinedModule(torch.nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.outputs_on = "last"  # where outputs come back; to_torch sets it (see .outputs)
+        self.executor = "auto"  # who runs the stages (see .executor)
         self.batch_axes = axes
         self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
         self._in_axes = [axes.inputs[name] for name in self.input_names]
@@ -237,7 +248,7 @@ class PipelinedModule(torch.nn.Module):
             tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in inputs]
             outputs = _PipelineFunction.apply(_Run(self, len(tensors), params), *tensors, *params)
         else:
-            outputs = _forward_only(self, inputs)
+            outputs = _forward_only(self, inputs, self._executor(inputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def train_step(
@@ -285,7 +296,12 @@ class PipelinedModule(torch.nn.Module):
             max_in_flight=max_in_flight,
             outputs_device=first_tensor_device(inputs) if on_input else None,
             stats=self.stats,
+            executor=self.executor,
         )
+
+    def _executor(self, inputs: Sequence[Any]) -> str:
+        """``"threads"`` or ``"inline"`` for a call on ``inputs`` (``executor`` resolved)."""
+        return stage_executor(self.executor, self._pl_stages, inputs, self.chunks)
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
         names = self._placeholders
@@ -305,6 +321,30 @@ class PipelinedModule(torch.nn.Module):
 # --- running ----------------------------------------------------------------------------------
 
 
+def _run_stages(
+    stages: list[TorchStage],
+    make: Callable[[TorchStage], Any],
+    payloads: list[Any],
+    *,
+    grad: bool,
+    executor: str,
+) -> list[Any]:
+    """Run ``payloads`` through ``stages`` (in the order given) in the fill-drain order: on
+    the stage workers (``executor="threads"``), or on this thread (``"inline"``: stage
+    ``j`` of micro-batch ``t - j`` at tick ``t``, inside the stage's grad mode and, on a GPU,
+    its device and stream, so its kernels queue on its own stream as on its worker).
+    Results in the order of ``payloads``."""
+    if executor == "inline":
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            payloads,
+            context=worker_context(stages, grad),
+        )
+    with _workers(stages, make, grad=grad) as w:
+        return w.map(payloads)
+
+
 def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
     """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
     each: grad mode and CUDA stream per worker. The last stage runs on the caller's thread,
@@ -319,11 +359,14 @@ def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, gra
 
 
 def _backward_schedule(
-    stages: list[TorchStage], make: Callable[[TorchStage], Any], genvs: list[dict[str, Any]]
+    stages: list[TorchStage],
+    make: Callable[[TorchStage], Any],
+    genvs: list[dict[str, Any]],
+    executor: str,
 ) -> list[dict[str, Any]]:
     """Run the micro-batches' gradient environments, last first, through ``stages`` (in
-    backward order): on the workers, or on this thread when it is an autograd engine
-    thread, which must never wait on threads that call into autograd
+    backward order): as ``executor`` says (:func:`_run_stages`), or on this thread when it
+    is an autograd engine thread, which must never wait on threads that call into autograd
     (:mod:`placement.runtime.lowering.reentrant`). Results last micro-batch first."""
     order = list(reversed(range(len(genvs))))
     if on_engine_thread():
@@ -339,6 +382,14 @@ def _backward_schedule(
             [genvs[i] for i in order],
             ids=order,
             context=context,
+        )
+    if executor == "inline":
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            [genvs[i] for i in order],
+            ids=order,
+            context=worker_context(stages, True),
         )
     with _workers(stages, make, grad=True) as w:
         for i in order:
@@ -356,7 +407,7 @@ def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Ten
     ]
 
 
-def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
+def _forward_only(module: PipelinedModule, inputs: Sequence[Any], executor: str) -> list[torch.Tensor]:
     stages: list[TorchStage] = module._pl_stages
 
     def make(stage: TorchStage) -> Any:
@@ -369,11 +420,8 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any]) -> list[torch.
         return fn
 
     envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
-    with _workers(stages, make, grad=False) as w:
-        for i, env in enumerate(envs):
-            w.submit(i, env)
-        done = [w.result() for _ in envs]
-    return _join(module, done)
+    module.stats = StepStats.start(len(stages), len(envs), executor)
+    return _join(module, _run_stages(stages, make, envs, grad=False, executor=executor))
 
 
 @dataclass
@@ -399,7 +447,8 @@ class _PipelineFunction(torch.autograd.Function):
         run.input_requires_grad = [t.requires_grad for t in inputs]
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
-        module.stats = run.stats = StepStats.start(len(stages), n_mb)
+        executor = module._executor(inputs)
+        module.stats = run.stats = StepStats.start(len(stages), n_mb, executor)
         placeholders = set(module._pl_inputs)
         grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
 
@@ -421,10 +470,7 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        with _workers(stages, make, grad=True) as w:
-            for i, env in enumerate(envs):
-                w.submit(i, env)
-            run.envs = [w.result() for _ in envs]
+        run.envs = _run_stages(stages, make, envs, grad=True, executor=executor)
         outputs = [t.detach() for t in _join(module, run.envs)]
         ctx.run = run
         for out in outputs:
@@ -459,24 +505,17 @@ class _PipelineFunction(torch.autograd.Function):
                 if outputs and (arg_slots or params):
                     grads = owned_grads(
                         stage,
-                        torch.autograd.grad(
-                            outputs,
-                            [args[n] for n in arg_slots] + [args[n] for n, _ in params],
-                            seeds,
-                            allow_unused=True,
-                        ),
+                        engine_grad(outputs, [args[n] for n in arg_slots + [n for n, _ in params]], seeds),
                     )
                     add_input_grads(genv, stage, arg_slots, grads[: len(arg_slots)])
-                    acc, mine = param_grads[stage.index], owned[stage.index]
-                    for (_, key), g in zip(params, grads[len(arg_slots) :]):
-                        if g is not None:
-                            accumulate_owned(acc, mine, key, g)
+                    pairs = [(k, g) for (_, k), g in zip(params, grads[len(arg_slots) :]) if g is not None]
+                    accumulate_microbatch(param_grads[stage.index], owned[stage.index], pairs)
                 signal(genv, stage.device)
                 return genv
 
             return fn
 
-        done = _backward_schedule(list(reversed(stages)), make, genvs)
+        done = _backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor)
         done.reverse()
         for genv in done:
             wait_for(genv)

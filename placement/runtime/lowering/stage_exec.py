@@ -32,6 +32,7 @@ __all__ = [
     "TorchStage",
     "accumulate",
     "accumulate_owned",
+    "accumulate_microbatch",
     "add_input_grads",
     "backward_operands",
     "call_stage",
@@ -52,6 +53,7 @@ __all__ = [
     "trainable_params",
     "wait_for",
     "worker_context",
+    "write_grads",
 ]
 
 
@@ -89,16 +91,19 @@ class StepStats:
             dropped their activations (``checkpoint=``); :attr:`total_recomputed` sums them.
         deferred: groups of weight gradients ``train_step`` computed apart from their
             backward (``defer_weights=``).
+        executor: who ran the stages: ``"threads"`` (a thread per stage) or ``"inline"``
+            (the caller's thread); see :mod:`placement.runtime.lowering.executor`.
     """
 
     microbatches: int = 0
     recomputed: list[int] = field(default_factory=list)
     deferred: int = 0
+    executor: str = ""
 
     @classmethod
-    def start(cls, stages: int, microbatches: int) -> StepStats:
+    def start(cls, stages: int, microbatches: int, executor: str = "") -> StepStats:
         """Zeroed counts for a step of ``microbatches`` through ``stages`` stages."""
-        return cls(microbatches, [0] * stages)
+        return cls(microbatches, [0] * stages, 0, executor)
 
     @property
     def total_recomputed(self) -> int:
@@ -338,3 +343,51 @@ def accumulate_owned(acc: dict[str, torch.Tensor], owned: set[str], key: str, gr
     else:
         acc[key] = total + grad
         owned.add(key)
+
+
+def accumulate_microbatch(
+    acc: dict[str, torch.Tensor], owned: set[str], grads: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """One micro-batch's parameter gradients (``(key, gradient)``, each key once) added to the
+    sums in ``acc``, as :func:`accumulate_owned` adds each, but with one ``_foreach_add_``
+    for the accumulators already made here instead of an ``add_`` per parameter (the same
+    additions, so the same sums bit for bit).
+
+    Example:
+        >>> import torch
+        >>> acc, owned = {}, set()
+        >>> for g in (torch.ones(2), torch.ones(2), torch.ones(2)):
+        ...     accumulate_microbatch(acc, owned, [("w", g)])
+        >>> acc["w"].tolist(), owned
+        ([3.0, 3.0], {'w'})
+    """
+    inplace_keys, inplace_grads = [], []
+    for key, grad in grads:
+        if key in owned:
+            inplace_keys.append(key)
+            inplace_grads.append(grad)
+        else:
+            accumulate_owned(acc, owned, key, grad)
+    if len(inplace_keys) > 1 and len(set(inplace_keys)) == len(inplace_keys) and _FOREACH_ADD is not None:
+        _FOREACH_ADD([acc[key] for key in inplace_keys], inplace_grads)
+    else:
+        for key, grad in zip(inplace_keys, inplace_grads):
+            acc[key].add_(grad)
+
+
+_FOREACH_ADD = getattr(torch, "_foreach_add_", None)  # a fused list add where torch has one
+
+
+def write_grads(
+    stages: list[TorchStage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
+) -> None:
+    """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
+
+    A gradient that is one autograd result, not an accumulator made here, is copied before
+    it becomes a ``.grad`` (autograd may share it)."""
+    for param, g, fresh in per_parameter(stages, param_grads, owned).values():
+        g = hand_over(g.to(param.device))  # made on a worker's stream, read on the caller's
+        if param.grad is None:
+            param.grad = g if fresh else g.clone()
+        else:
+            param.grad.add_(g)

@@ -53,7 +53,35 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["DeferredWeights", "backward_inputs"]
+__all__ = ["DEFER_MIN_MACS", "DeferredWeights", "backward_inputs", "defer_pays", "activation_rows"]
+
+
+#: Least multiply-adds (rows x parameter elements) of a stage's weight gradients for one
+#: micro-batch at which ``defer_weights="auto"`` computes them apart from the input gradients.
+#: Splitting a backward costs a graph walk, hooks and one autograd call per weight group
+#: (tens of microseconds of Python); below about a million multiply-adds (a few tens of
+#: microseconds of compute on one core) the split costs more than the time it frees.
+DEFER_MIN_MACS = 1 << 20
+
+
+def defer_pays(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether deferring the weight gradients of a backward with these ``inputs`` (activations)
+    and ``params`` pays: rows (an input's elements over its last axis) x parameter elements
+    reach :data:`DEFER_MIN_MACS`.
+
+    Example:
+        >>> import torch
+        >>> defer_pays([torch.zeros(4, 8)], [torch.zeros(8, 8)])
+        False
+        >>> defer_pays([torch.zeros(8, 128, 512)], [torch.zeros(512, 512)])
+        True
+    """
+    return activation_rows(inputs) * sum(p.numel() for p in params) >= DEFER_MIN_MACS
+
+
+def activation_rows(inputs: Sequence[torch.Tensor]) -> int:
+    """The most rows (elements over the last axis) of the activations ``inputs``."""
+    return max((t.numel() // max(1, t.shape[-1]) for t in inputs if t.dim() > 0), default=1)
 
 
 @dataclass
