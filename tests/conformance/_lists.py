@@ -58,7 +58,7 @@ def parse_line(line: str) -> tuple[str, str | None, str]:
     if head.endswith("]") and "[" in head:
         head, _, condition = head[:-1].partition("[")
         head, condition = head.strip(), condition.strip()
-        holds(condition)  # a malformed condition fails loudly where the list is read
+        _requirements(condition)  # a malformed condition fails loudly where the list is read
     return head, condition, reason.strip()
 
 
