@@ -83,3 +83,15 @@ def test_declared_lower_bounds_are_versions_ci_tests():
     assert "scripts/test.sh" in pinned
     declared_python = _lower(SpecifierSet(PYPROJECT["project"]["requires-python"]))
     assert declared_python is not None and declared_python <= min(pythons)
+
+
+def test_ci_runs_the_whole_suite_where_users_do():
+    """The GPU image's users run the whole suite, so CI runs it there (``--all``); the other envs
+    run the version-sensitive set, which holds the conformance suite (its lists carry version
+    conditions that only a run in that env proves)."""
+    run = (ROOT / ".ci" / "run").read_text()
+    assert '[ "$name" = gpu-image ] && scope=(--all)' in run
+    script = (ROOT / "scripts" / "test-env.sh").read_text()
+    default = script.split("\ndefault=(", 1)[1].split("\n)", 1)[0].split()
+    assert "tests/conformance" in default
+    assert all((ROOT / path).exists() for path in default if not path.startswith(("-", "#")))

@@ -13,13 +13,17 @@ empty optional). :func:`check` runs one and compares with :func:`compare`, which
 follows ``onnx.backend.test.runner.Runner.assert_similar_outputs``.
 
 Expected failures live next to the test modules in ``xfail_<runtime>.txt``, one
-``case_name: reason`` a line (``#`` comments allowed). Test modules mark them
-strict xfail, so a case that starts passing fails the run until it is removed.
-Regenerate a list (it only shrinks unless ``--grow`` is given; reasons already
-written are kept)::
+``case_name: reason`` a line, or ``case_name [onnx<1.18]: reason`` for an entry that
+holds only where its version condition does (:mod:`tests.conformance._lists`; ``#``
+comments allowed). Test modules mark the entries that hold strict xfail, so a case that
+starts passing fails the run until it is removed. Regenerate a list (it only shrinks
+unless ``--grow`` is given; reasons already written are kept); in another environment
+than the pinned one, ``--where`` names what sets it apart, and its differences are
+written as conditions::
 
     .venv/bin/python -m tests.conformance._cases ort placed_last placed_alternate
     .venv/bin/python -m tests.conformance._cases --grow torch   # also add new failures
+    .venv-gpu-image/bin/python -m tests.conformance._cases --grow --where 'onnx<1.18' ort
 
 Runtimes defined here: ``ort`` (one plain ``InferenceSession``), ``placed_last``
 (``pl.run``, the model on logical devices 0 and 1 with the last op moved to 1,
@@ -34,6 +38,7 @@ import argparse
 import contextlib
 import fcntl
 import functools
+import importlib
 import os
 import pickle
 import sys
@@ -46,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests.conformance import _lists
 
 HERE = Path(__file__).resolve().parent
 
@@ -103,10 +110,34 @@ def _is_tensor(value: Any) -> bool:
 
 
 def as_array(value: Any) -> Any:
-    """A ``TensorProto`` value as a numpy array (``ml_dtypes`` for float8 / int4); others unchanged."""
+    """A ``TensorProto`` value as a numpy array (``ml_dtypes`` for bfloat16, float8 and int4);
+    others unchanged."""
     from onnx import TensorProto, numpy_helper
 
-    return numpy_helper.to_array(value) if isinstance(value, TensorProto) else value
+    if isinstance(value, TensorProto):
+        return _ml_typed(numpy_helper.to_array(value), value.data_type)
+    return value
+
+
+def _ml_typed(array: Any, data_type: int) -> Any:
+    """``array`` as the ``ml_dtypes`` type of ONNX's ``data_type`` when it holds that type's
+    bits under another numpy type: older onnx releases give bfloat16 as ``uint16`` and float8
+    as their own one-field ``uint8`` types, newer ones ``ml_dtypes``; one representation here."""
+    from onnx import TensorProto
+
+    name = {
+        TensorProto.BFLOAT16: "bfloat16",
+        TensorProto.FLOAT8E4M3FN: "float8_e4m3fn",
+        TensorProto.FLOAT8E4M3FNUZ: "float8_e4m3fnuz",
+        TensorProto.FLOAT8E5M2: "float8_e5m2",
+        TensorProto.FLOAT8E5M2FNUZ: "float8_e5m2fnuz",
+    }.get(data_type)
+    if name is None or not isinstance(array, np.ndarray) or array.dtype.name == name:
+        return array
+    import ml_dtypes
+
+    target = np.dtype(getattr(ml_dtypes, name))
+    return array.view(target) if array.dtype.itemsize == target.itemsize else array
 
 
 # --- the suite --------------------------------------------------------------------------
@@ -120,7 +151,7 @@ def _cache_path() -> Path:
         return Path(env)
     return (
         Path(tempfile.gettempdir())
-        / f"placement-conformance-v2-onnx{onnx.__version__}-py{sys.version_info[1]}.pkl"
+        / f"placement-conformance-v3-onnx{onnx.__version__}-py{sys.version_info[1]}.pkl"
     )
 
 
@@ -148,26 +179,29 @@ def _generate() -> dict[str, Case]:
         graph_inputs = [v.name for v in model.graph.input]
         init_names = {t.name for t in model.graph.initializer}
         graph_inputs = [n for n in graph_inputs if n not in init_names]
+        types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+        output_names = [v.name for v in model.graph.output]
         cases[tc.name] = Case(
             name=tc.name,
             model_bytes=model.SerializeToString(),
             input_names=tuple(graph_inputs[: len(inputs)]),
-            output_names=tuple(v.name for v in model.graph.output),
-            inputs=tuple(_as_arrays(v) for v in inputs),
-            outputs=tuple(_as_arrays(v) for v in outputs),
+            output_names=tuple(output_names),
+            inputs=tuple(_as_arrays(v, types.get(n, 0)) for v, n in zip(inputs, graph_inputs)),
+            outputs=tuple(_as_arrays(v, types.get(n, 0)) for v, n in zip(outputs, output_names)),
             rtol=float(tc.rtol),
             atol=float(tc.atol),
         )
     return cases
 
 
-def _as_arrays(value: Any) -> Any:
-    """Numpy scalars as 0-d arrays (as the suite's .pb files hold them), inside sequences too."""
+def _as_arrays(value: Any, data_type: int) -> Any:
+    """Numpy scalars as 0-d arrays (as the suite's .pb files hold them), inside sequences too;
+    arrays of the graph's declared ``data_type`` (a tensor's element type) as :func:`_ml_typed`."""
     if isinstance(value, np.generic):
-        return np.asarray(value)
+        value = np.asarray(value)
     if isinstance(value, list):
-        return [_as_arrays(v) for v in value]
-    return value
+        return [_as_arrays(v, 0) for v in value]
+    return _ml_typed(value, data_type)
 
 
 @functools.cache
@@ -397,100 +431,39 @@ def _reason(err: BaseException) -> str:
     return f"{prefix}: {text}"[:200].rstrip()
 
 
-# --- expected-failure lists -------------------------------------------------------------
+# --- expected-failure lists (tests/conformance/_lists.py: conditions per environment) ----
 
-
-def xfail_path(runtime_name: str) -> Path:
-    """Where the expected failures of ``runtime_name`` are listed."""
-    return HERE / f"xfail_{runtime_name}.txt"
+xfail_path = _lists.xfail_path
+MACHINE_DEPENDENT = _lists.MACHINE_DEPENDENT
 
 
 def expected_failures(runtime_name: str) -> dict[str, str]:
-    """``case name -> reason`` from ``xfail_<runtime>.txt`` (empty when there is none)."""
-    path = xfail_path(runtime_name)
-    if not path.exists():
-        return {}
-    found: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, _, reason = line.partition(":")
-        found[name.strip()] = reason.strip()
-    return found
-
-
-def write_expected_failures(runtime_name: str, failures: dict[str, str], header: str) -> None:
-    """Write ``xfail_<runtime>.txt`` sorted by name, with ``header`` as ``#`` comments."""
-    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
-    lines += [f"{name}: {failures[name]}" for name in sorted(failures)]
-    xfail_path(runtime_name).write_text("\n".join(lines) + "\n")
-
-
-@functools.cache
-def ort_default_locale() -> bool:
-    """Whether ONNX Runtime's ``StringNormalizer`` can build its default locale here.
-
-    With a case change and no ``locale`` attribute it constructs the C++ locale
-    ``en_US.UTF-8`` (on Linux) by name, which exists only where that locale is
-    installed (``locale -a``); ``LANG`` and ``LC_ALL`` do not matter. Asked of ONNX
-    Runtime itself: a one-op model, one session.
-    """
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action="LOWER")
-    graph = helper.make_graph(
-        [node],
-        "locale_probe",
-        [helper.make_tensor_value_info("x", TensorProto.STRING, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.STRING, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 10)], ir_version=7)
-    options = _session_options()
-    options.log_severity_level = 4  # the failure is the answer, not an error to log
-    try:
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 - ORT raises its own Fail type
-        return False
-    return True
-
-
-#: Listed failures that depend on the machine, not on the runtime: a fragment of their
-#: reason -> (whether this machine has what they need, what that is). Where it has it, the
-#: case runs as an ordinary test (it must pass); elsewhere it stays a strict xfail.
-#: Regenerating a list keeps these entries, passing or not.
-MACHINE_DEPENDENT: dict[str, tuple[Callable[[], bool], str]] = {
-    "StringNormalizer::Locale": (ort_default_locale, "the en_US.UTF-8 locale installed"),
-}
-
-
-def _needs(reason: str) -> tuple[Callable[[], bool], str] | None:
-    return next((need for fragment, need in MACHINE_DEPENDENT.items() if fragment in reason), None)
+    """``case -> reason`` of the listed entries that hold in this environment (their version
+    condition holds) for cases the installed onnx generates."""
+    present = cases()
+    return {n: why for n, why in _lists.applicable(runtime_name).items() if n in present}
 
 
 def expected_failures_here(runtime_name: str) -> dict[str, str]:
     """:func:`expected_failures` less the machine-dependent ones this machine lets pass."""
-    listed = expected_failures(runtime_name)
-    return {name: why for name, why in listed.items() if (need := _needs(why)) is None or not need[0]()}
+    present = cases()
+    return {n: why for n, why in _lists.expected_here(runtime_name).items() if n in present}
 
 
 def params(runtime_name: str) -> list[Any]:
-    """``pytest.param`` per case, strict xfail (with its reason) where listed and expected to
-    fail on this machine (see :data:`MACHINE_DEPENDENT`)."""
+    """``pytest.param`` per case, strict xfail (with its reason) where an entry holds in this
+    environment and the case is expected to fail on this machine (see :data:`MACHINE_DEPENDENT`)."""
     import pytest
 
-    listed = expected_failures(runtime_name)
     here = expected_failures_here(runtime_name)
     names = case_names()
-    unknown = sorted(set(listed) - set(names))
     out = [
         pytest.param(name, marks=pytest.mark.xfail(reason=here[name], strict=True), id=name)
         if name in here
         else pytest.param(name, id=name)
         for name in names
     ]
-    for name in unknown:  # a listed case the suite no longer has fails the run, so the list stays honest
+    for name in _lists.stale(runtime_name, set(names)):  # fails the run: the list stays honest
         out.append(pytest.param(name, id=name))
     return out
 
@@ -506,10 +479,51 @@ def failures(runtime_name: str, names: list[str] | None = None) -> dict[str, str
     return result
 
 
-_HEADER = """Expected failures of the {runtime} runtime on ONNX's node test suite (onnx {onnx}).
-One `case: reason` a line; the test module runs these as strict xfail.
-Regenerate (only removes cases that now pass; --grow also adds new failures):
+_HEADER = """Expected failures of the {runtime} runtime on ONNX's node test suite.
+suite: onnx {onnx}
+One `case: reason` a line, `case [condition]: reason` where it holds only in some environments
+(tests/conformance/_lists.py); the test module runs those that hold as strict xfail.
+Regenerate (only removes cases that now pass; --grow also adds new failures; in another
+environment --where names it, e.g. --where 'onnx<1.18'):
     .venv/bin/python -m tests.conformance._cases {runtime}"""
+
+
+def _regenerate(name: str, now: dict[str, str], grow: bool, where: str | None) -> dict[str, _lists.Entry]:
+    """The new entries of ``name``'s list from this environment's failures ``now``.
+
+    Without ``where`` (the environment the list is reviewed in): applicable entries that
+    pass are dropped, ``grow`` adds new failures unconditionally. With ``where`` (a
+    requirement that holds here, such as ``onnx<1.18``): unconditional entries that pass
+    here get the complement condition, entries made for ``where`` that pass are dropped,
+    and ``grow`` adds new failures under ``where``. Entries for cases not generated here,
+    or whose condition does not hold here, are kept as they are; contradictions are printed.
+    """
+    old = _lists.entries(name)
+    keep: dict[str, _lists.Entry] = {}
+    present = cases()
+    for case, entry in old.items():
+        failing = case in now
+        if case not in present or _lists.needs(entry.reason) is not None:
+            keep[case] = entry  # another suite's case, or passes or fails by machine
+        elif not _lists.holds(entry.condition):
+            keep[case] = entry
+            if failing and where is not None and entry.condition == _lists.complement(where):
+                keep[case] = _lists.Entry(entry.reason)  # fails on both sides: everywhere
+            elif failing:
+                print(f"{name}: {case} fails here, outside its condition [{entry.condition}]: review")
+        elif failing:
+            keep[case] = entry
+        elif where is not None and entry.condition is None:
+            keep[case] = _lists.Entry(entry.reason, _lists.complement(where))
+        elif where is not None and entry.condition != where:
+            keep[case] = entry
+            print(f"{name}: {case} passes here, inside its condition [{entry.condition}]: review")
+    new = sorted(set(now) - set(keep))
+    if grow:
+        keep.update({case: _lists.Entry(now[case], where) for case in new})
+    elif new:
+        print(f"{name}: {len(new)} failing cases are not listed (run with --grow to add): {new[:10]}")
+    return keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,30 +534,34 @@ def main(argv: list[str] | None = None) -> int:
         "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, torch)"
     )
     parser.add_argument("--grow", action="store_true", help="also add cases that fail now (review them)")
+    parser.add_argument(
+        "--where", help="this environment, as a requirement that holds here and not where the list "
+        "was reviewed (e.g. 'onnx<1.18'): its differences get version conditions"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     import onnx
 
+    if args.where is not None and not _lists.holds(args.where):
+        parser.error(f"--where {args.where!r} does not hold here")
     for name in args.runtimes:
         start = time.perf_counter()
+        if name == "torch":  # the test module's runtime: outputs and a backward pass
+            importlib.import_module("tests.conformance.test_torch")
         runtime(name)
         now = failures(name)
-        old = expected_failures(name)
-        if args.grow or not xfail_path(name).exists():
-            keep = {n: old.get(n, r) for n, r in now.items()}
-        else:
-            keep = {n: r for n, r in old.items() if n in now}
-            new = sorted(set(now) - set(old))
-            if new:
-                print(f"{name}: {len(new)} failing cases are not listed (run with --grow to add): {new[:10]}")
-        keep.update({n: r for n, r in old.items() if _needs(r) is not None})  # pass or fail by machine
-        write_expected_failures(name, keep, _HEADER.format(runtime=name, onnx=onnx.__version__))
+        old = _lists.entries(name)
+        keep = _regenerate(name, now, args.grow or not old, args.where)
+        suite = _lists.suite_release(name) if args.where else None
+        _lists.write(name, keep, _HEADER.format(runtime=name, onnx=suite or onnx.__version__))
         total = len(cases())
         print(
             f"{name}: {total - len(now)}/{total} pass; {len(keep)} listed "
-            f"({len(old) - len(set(old) & set(keep))} removed) in {time.perf_counter() - start:.1f} s"
+            f"({len(set(old) - set(keep))} removed) in {time.perf_counter() - start:.1f} s"
         )
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # run as the package's module, where the test modules register
+    from tests.conformance import _cases
+
+    raise SystemExit(_cases.main())
