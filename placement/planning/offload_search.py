@@ -200,7 +200,6 @@ def _eject(
     layers: Sequence[Layer],
     current: Sequence[str],
     best: int,
-    memory: Memory,
     fits: Callable[[Sequence[str]], bool],
     time: Time,
 ) -> tuple[list[str], int] | None:
@@ -226,7 +225,6 @@ def _eject(
 def _improve(
     layers: Sequence[Layer],
     modes: list[str],
-    memory: Memory,
     fits: Callable[[Sequence[str]], bool],
     time: Time,
     eject: bool = True,
@@ -240,7 +238,7 @@ def _improve(
         if step is None:
             step = _best_move(layers, current, best, fits, time, True)
         if step is None and eject:
-            step = _eject(layers, current, best, memory, fits, time)
+            step = _eject(layers, current, best, fits, time)
         if step is None:
             break
         current, best = step
@@ -402,11 +400,11 @@ def search_modes(
     # per GPU layer) from each distinct plan they end in
     ends: dict[tuple[str, ...], str] = {}
     for name, start in _starts(layers, memory, fits, time, heuristic, starts).items():
-        modes, t = _improve(layers, start, memory, fits, time, eject=False)
+        modes, t = _improve(layers, start, fits, time, eject=False)
         log.debug("offload search: from %s, %.3f ms", name, t / 1e6)
         ends.setdefault(tuple(modes), name)
     ranked = sorted(ends, key=time)
-    results = [_improve(layers, list(modes), memory, fits, time)[::-1] for modes in ranked[:EJECTING_ENDS]]
+    results = [_improve(layers, list(modes), fits, time)[::-1] for modes in ranked[:EJECTING_ENDS]]
     results += [(time(modes), list(modes)) for modes in ranked[EJECTING_ENDS:]]
     if not results:
         raise InfeasiblePlacementError(infeasible_message(layers, budgets, memory))
