@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from placement.errors import InputError
 from placement.runtime.lowering.stage_exec import TorchStage
 
 __all__ = [
@@ -79,14 +80,14 @@ def check_executor(executor: str) -> str:
     """``executor`` checked: one of :data:`EXECUTORS`.
 
     Raises:
-        ValueError: anything else.
+        InputError: anything else (a :class:`~placement.errors.PlacementError` and a ``ValueError``).
 
     Example:
         >>> check_executor("threads")
         'threads'
     """
     if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+        raise InputError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     return executor
 
 
