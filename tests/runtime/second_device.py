@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
 import torch
 
 NAME = "emu"
@@ -107,3 +108,9 @@ def emu_device() -> torch.device | None:
     except (RuntimeError, AttributeError, TypeError) as err:  # pragma: no cover - torch without it
         emu_device.error = err  # type: ignore[attr-defined]
         return None
+
+
+#: Skips a test where :func:`emu_device` cannot register the backend, saying why.
+needs_emu = pytest.mark.skipif(
+    emu_device() is None, reason="this torch cannot register a Python device backend (PrivateUse1)"
+)

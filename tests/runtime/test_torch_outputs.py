@@ -17,13 +17,9 @@ import torch
 import placement as pl
 from placement.models import mlp
 from placement.runtime.lowering import outputs as outputs_module
-from tests.runtime.second_device import emu_device
+from tests.runtime.second_device import emu_device, needs_emu
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-needs_emu = pytest.mark.skipif(
-    emu_device() is None, reason="this torch cannot register a Python device backend (PrivateUse1)"
-)
 
 
 @functools.cache
