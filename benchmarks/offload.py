@@ -172,7 +172,7 @@ def _all_on_gpu(net: torch.nn.Module, inputs: dict[int, torch.Tensor], gpu: str,
 
 def _plan(path: Path, net: torch.nn.Module, inputs: dict[int, torch.Tensor], args: Any, ref: dict) -> Any:
     """The offload plan for the throughput batch, with the link and workspace measured on a GPU."""
-    from placement.runtime.lowering.streaming import measure_workspace
+    from placement.runtime.torch.streaming import measure_workspace
 
     cuda = torch.cuda.is_available()
     _, seq, batches, _ = SIZES[args.size]
@@ -202,7 +202,7 @@ def _placement(
 ) -> dict[str, Any]:
     """The plan lowered to torch: outputs (against all-on-device, fp32, and unstreamed), times,
     overlap, peak memory against the budget. On the CPU the copies run on the emulated engine."""
-    from placement.runtime.lowering.copy_emulation import EmulatedCopyEngine
+    from placement.runtime.torch.copy_emulation import EmulatedCopyEngine
 
     cuda = torch.cuda.is_available()
     gpu = "cuda:0" if cuda else "cpu"

@@ -27,7 +27,7 @@ all), and throughput is compared:
   (no grad) >= 1.6, and a training step (forward + backward of a squared-output
   loss, ``checkpoint="never"``) >= 1.5, the step taken with
   ``module.train_step(x, loss_fn=loss)`` (the loss per micro-batch: 1F1B with deferred
-  weight gradients, :mod:`placement.runtime.lowering.one_f_one_b`); the same step as
+  weight gradients, :mod:`placement.runtime.torch.one_f_one_b`); the same step as
   ``loss(module(x)).backward()`` (GPipe: the loss waits for the whole forward) is
   timed beside it. Both give the eager step's gradients. torchgpipe's ``GPipe`` on the same
   model as an ``nn.Sequential`` (balance taken from our torch plan, devices

@@ -35,7 +35,7 @@ the CPU: two stages of two ``Linear(d, d)`` layers each, a batch of 256 in 16 mi
 for widths ``d`` from 64 to 1024, ``executor="inline"`` against ``"threads"`` (alternating
 blocks; re-run under tcmalloc where installed, as ``benchmarks/pipeline.py`` runs), with the
 multiply-adds per micro-batch per stage that ``executor="auto"`` compares with
-``placement.runtime.lowering.executor.THREADS_MIN_MACS`` and its choice.
+``placement.runtime.torch.executor.THREADS_MIN_MACS`` and its choice.
 Writes ``benchmarks/results/pipeline_fixed_cost_crossover.json``.
 
 Usage::
@@ -185,7 +185,7 @@ def crossover(
 ) -> list[dict[str, Any]]:
     """Per width: a 1F1B step's milliseconds with ``executor="inline"`` and ``"threads"`` (two
     stages of two ``Linear(d, d)``, a batch of 256 in 16 micro-batches; see the module docstring)."""
-    from placement.runtime.lowering.executor import THREADS_MIN_MACS, stage_executor
+    from placement.runtime.torch.executor import THREADS_MIN_MACS, stage_executor
 
     rows = []
     for width in widths:

@@ -44,7 +44,7 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from placement import models  # noqa: E402
-from placement.runtime.lowering import to_torch  # noqa: E402
+from placement.runtime.torch import to_torch  # noqa: E402
 
 __all__ = ["measure", "main"]
 

@@ -74,8 +74,8 @@ if TYPE_CHECKING:
     from placement.report.draw import draw
     from placement.report.html import write_report
     from placement.runtime.calibrate import Calibration, calibrate
-    from placement.runtime.lowering import to_torch, train_step
     from placement.runtime.ort import Runner, run
+    from placement.runtime.torch import to_torch, train_step
 
 __version__ = "0.1.0"
 
@@ -116,8 +116,8 @@ _LAZY = {
     "run": "placement.runtime.ort",
     "calibrate": "placement.runtime.calibrate",
     "Calibration": "placement.runtime.calibrate",
-    "to_torch": "placement.runtime.lowering",
-    "train_step": "placement.runtime.lowering",
+    "to_torch": "placement.runtime.torch",
+    "train_step": "placement.runtime.torch",
 }
 
 __all__ = [

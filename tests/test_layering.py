@@ -25,6 +25,7 @@ LAYERS = [
     "analysis",
     "passes",
     "planning",
+    "lowering",
     "runtime",
     "distributed",
     "report",
@@ -125,6 +126,23 @@ def test_imports_point_down_only() -> None:
             if rank[other] > rank[layer]:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports pointing up the layer list:\n" + "\n".join(upward)
+
+
+# The two runtimes sit side by side: neither imports the other (what they share is in runtime/).
+SIDE_BY_SIDE = ("placement.runtime.ort", "placement.runtime.torch")
+
+
+def test_runtimes_side_by_side() -> None:
+    modules = _modules()
+    crossing = []
+    for module, path in sorted(modules.items()):
+        for own, other in (SIDE_BY_SIDE, SIDE_BY_SIDE[::-1]):
+            if module == own or module.startswith(own + "."):
+                for name in _imports(module, path):
+                    target = _known(name, modules) or ""
+                    if target == other or target.startswith(other + "."):
+                        crossing.append(f"{module} -> {target}")
+    assert not crossing, "one runtime imports the other:\n" + "\n".join(crossing)
 
 
 def _unit(module: str, modules: dict[str, Path]) -> str:

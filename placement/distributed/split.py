@@ -278,7 +278,7 @@ def _tokenize_shape_reads(source: fx.Graph) -> tuple[fx.Graph, set[fx.Node]]:
     with the value and crosses ranks in its place; the view and everything computed from
     it are recomputed on every rank that reads them. Returns the copy and its views.
     """
-    from placement.runtime.lowering.ops.shape import shape, size
+    from placement.lowering.ops.shape import shape, size
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

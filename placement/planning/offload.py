@@ -90,7 +90,7 @@ class OffloadPlan:
         modes: layer name -> ``"resident"``, ``"streamed"`` or ``"host"``.
         window: bytes of the device window holding the streamed weights in use and copied
             ahead (``depth`` of the largest streamed layer, plus its largest weight for the
-            ring's wrap; :class:`~placement.runtime.lowering.streaming.WeightStreamer`).
+            ring's wrap; :class:`~placement.runtime.torch.streaming.WeightStreamer`).
         gpu_bytes: resident weights (shared ones included) + the window + peak activations
             at the planned batch + the workspace margin.
         host_bytes: weights living on the host.

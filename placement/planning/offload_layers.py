@@ -44,7 +44,7 @@ from placement.planning.profile import Shapes
 __all__ = ["ALIGN", "Layer", "layers_of", "layer_key", "size_activations"]
 
 #: Bytes each streamed weight's region of the device window is aligned to (the runtime's
-#: :class:`~placement.runtime.lowering.streaming.WeightStreamer` lays the window out so).
+#: :class:`~placement.runtime.torch.streaming.WeightStreamer` lays the window out so).
 ALIGN = 512
 
 

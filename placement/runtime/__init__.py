@@ -14,14 +14,14 @@ Shared by both runtimes:
   and ``OrtValue`` s; device values kept on their device through DLPack).
 - :mod:`~placement.runtime.calibrate`: ``calibrate``, plans re-balanced on the measured
   times of their stages: ONNX Runtime stage sessions, or (``runtime="torch"``) the lowered
-  torch stages of :mod:`~placement.runtime.lowering.timing`.
+  torch stages of :mod:`~placement.runtime.torch.timing`.
 
 The runtimes:
 
 - :mod:`~placement.runtime.ort`: the ONNX Runtime executor, ``Runner``/``run``, one session
   per stage (its runner, compiled program, pipelined runs, sessions, blocked-layout
   boundaries, and ``measure_links``, which times its copies between devices).
-- :mod:`~placement.runtime.lowering` (``lower`` and the ``ops`` rule package): ``to_torch``,
+- :mod:`~placement.runtime.torch` (``lower`` and the ``ops`` rule package): ``to_torch``,
   the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
 
 May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from placement.runtime.calibrate import Calibration, calibrate
 from placement.runtime.device_map import PhysicalDevice, resolve_device_map
-from placement.runtime.lowering import to_torch
 from placement.runtime.ort import Runner, RunnerStats, run
 from placement.runtime.stages import Partition, Stage, partition, split_stages
+from placement.runtime.torch import to_torch
 
 __all__ = [
     "Calibration",

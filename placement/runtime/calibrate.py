@@ -27,7 +27,7 @@ its edges. :func:`calibrate` closes the loop on the real thing:
 ``runtime="torch"`` runs the same loop for ``pl.to_torch(model, chunks=k)``: the
 plan is ``auto_place(runtime="torch")`` (ops timed one by one), and step 2 times
 the lowered stages as the pipeline runs them
-(:class:`placement.runtime.lowering.timing.LoweredStages`: the ``torch.fx``
+(:class:`placement.runtime.torch.timing.LoweredStages`: the ``torch.fx``
 submodules of the pipeline's cut, warmed up into their TorchScript traces, with
 ``torch.set_num_threads(threads)`` while timing), forward alone or, with
 ``training=True``, forward and backward. Op-by-op ONNX Runtime times are a
@@ -75,7 +75,7 @@ from placement.planning.profile import _normalise_inputs, make_sample_inputs, pr
 from placement.runtime.device_map import DeviceMapLike
 
 if TYPE_CHECKING:
-    from placement.runtime.lowering.timing import LoweredStages
+    from placement.runtime.torch.timing import LoweredStages
 
 __all__ = ["Calibration", "Trial", "calibrate"]
 
@@ -248,7 +248,7 @@ def _calibrate(
         trial = Trial(plan, [d.cost / 1e9 for d in plan.devices])
         timer: _StageTimer | LoweredStages
         if runtime == "torch":
-            from placement.runtime.lowering.timing import LoweredStages
+            from placement.runtime.torch.timing import LoweredStages
 
             timer = LoweredStages(model, order, feeds, device_map=device_map, training=training)
         else:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering import pipelined
 from placement.runtime.precision import FP32_TOLERANCE, torch_uses_tf32
+from placement.runtime.torch import pipelined
 from tests.conftest import MODEL_NAMES
 from tests.gpu import finishes_within, needs_torch_cuda
 

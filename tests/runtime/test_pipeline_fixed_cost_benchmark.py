@@ -47,7 +47,7 @@ def test_fixed_cost_benchmark_smoke(tmp_path, capsys):
 def test_crossover_rows_say_what_auto_picks(monkeypatch):
     """Two small widths, two calls each: the figures and auto's choice per width."""
     from benchmarks import pipeline_fixed_cost
-    from placement.runtime.lowering.executor import THREADS_MIN_MACS
+    from placement.runtime.torch.executor import THREADS_MIN_MACS
 
     monkeypatch.setattr(pipeline_fixed_cost, "_alternate", _two_calls(pipeline_fixed_cost._alternate))
     rows = pipeline_fixed_cost.crossover((8, 16), repeats=1)

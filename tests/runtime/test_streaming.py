@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering.copy_emulation import EmulatedCopyEngine
-from placement.runtime.lowering.streaming import ALIGN, WeightStreamer
 from placement.runtime.ort.steps import TransferStep
+from placement.runtime.torch.copy_emulation import EmulatedCopyEngine
+from placement.runtime.torch.streaming import ALIGN, WeightStreamer
 
 ATOL = 1e-5
 
@@ -231,7 +231,7 @@ def test_streamed_plan_stays_within_the_gpu_budget(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
     from placement.models.synthetic import write_matmul_chain
-    from placement.runtime.lowering.streaming import free_workspaces, measure_workspace
+    from placement.runtime.torch.streaming import free_workspaces, measure_workspace
 
     path = tmp_path / "chain.onnx"
     write_matmul_chain(path, layers=12, width=1024, batch=8)
@@ -287,7 +287,7 @@ def test_ort_streams_weights_on_a_gpu(exported):
 
 def test_pipelined_stages_with_streamed_weights_are_not_traced(exported):
     """A trace would freeze a prefetched weight: stages reading streamed weights stay fx."""
-    from placement.runtime.lowering.meta import UNTRACEABLE_META
+    from placement.lowering.meta import UNTRACEABLE_META
 
     model, _, _, _ = _streamed_gpt(exported)
     module = pl.to_torch(model, device_map={"cuda:0": "cpu", "cpu": "cpu"})

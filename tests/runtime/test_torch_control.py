@@ -23,7 +23,7 @@ from onnx.reference import ReferenceEvaluator
 
 import placement as pl
 from placement.errors import LoweringError
-from placement.runtime.lowering.ops import control
+from placement.lowering.ops import control
 
 F, I64, B = T.FLOAT, T.INT64, T.BOOL
 
@@ -385,7 +385,7 @@ def test_a_random_op_inside_an_inlined_branch_keeps_its_stage_untraced() -> None
             [h.make_tensor("c", B, [], [True])],
         )
     )
-    from placement.runtime.lowering.stage_split import nondeterministic_ops
+    from placement.runtime.torch.stage_split import nondeterministic_ops
 
     assert nondeterministic_ops(model) == {"branch"}
     model.set_device("relu", 1)

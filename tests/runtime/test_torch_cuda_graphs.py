@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering.cuda_graphs import segments
+from placement.runtime.torch.cuda_graphs import segments
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def test_segments_follow_the_physical_devices():
 
 
 def test_the_split_module_computes_the_forward():
-    from placement.runtime.lowering.cuda_graphs import CUDAGraphModule
+    from placement.runtime.torch.cuda_graphs import CUDAGraphModule
 
     model, net, args = _placed("gpt")
     module = pl.to_torch(model, device_map="cpu")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering import one_f_one_b, pipelined
-from placement.runtime.lowering.executor import THREADS_MIN_MACS, choose_executor, input_rows
+from placement.runtime.torch import one_f_one_b, pipelined
+from placement.runtime.torch.executor import THREADS_MIN_MACS, choose_executor, input_rows
 from tests.runtime.helpers import no_thread_leak, placed_zoo  # noqa: F401 (an autouse fixture)
 
 EXECUTORS = ("threads", "inline")

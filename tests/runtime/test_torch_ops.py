@@ -21,8 +21,8 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import placement as pl
-from placement.runtime.lowering import to_torch
-from placement.runtime.lowering.ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
+from placement.lowering.ops import DEFAULT_RULE, RULES, get_rule, torch_dtype
+from placement.runtime.torch import to_torch
 
 OPSET = 21
 RNG = np.random.default_rng(0)

@@ -16,7 +16,7 @@ import torch
 
 import placement as pl
 from placement.models import mlp
-from placement.runtime.lowering import outputs as outputs_module
+from placement.runtime.torch import outputs as outputs_module
 from tests.runtime.second_device import emu_device, needs_emu
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

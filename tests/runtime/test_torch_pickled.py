@@ -13,7 +13,7 @@ import torch
 
 import placement as pl
 from placement.models import mlp
-from placement.runtime.lowering.pickled import PlacedGraphModule
+from placement.runtime.torch.pickled import PlacedGraphModule
 from tests.runtime.second_device import emu_device, needs_emu
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -1,4 +1,4 @@
-"""Integer-quantized ops (placement.runtime.lowering.ops.quantized) against ONNX Runtime.
+"""Integer-quantized ops (placement.lowering.ops.quantized) against ONNX Runtime.
 
 Each op is checked on a graph made with ``onnx.helper`` against one ORT session, exactly
 for integer outputs (rounding half to even and saturation included: inputs are chosen to
@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
 from placement import models
-from placement.runtime.lowering.ops import RULES, get_rule
+from placement.lowering.ops import RULES, get_rule
 
 RNG = np.random.default_rng(0)
 NP_TO_ONNX = {

@@ -1,4 +1,4 @@
-"""RNN, GRU and LSTM lowering rules (placement.runtime.lowering.ops.recurrent).
+"""RNN, GRU and LSTM lowering rules (placement.lowering.ops.recurrent).
 
 Each op is checked against ONNX Runtime over random attribute combinations
 (activations with alpha/beta, clip, sequence lengths, peepholes, input_forget,
@@ -25,7 +25,7 @@ from onnx.reference import ReferenceEvaluator
 
 import placement as pl
 from placement.analysis.costs import op_flops
-from placement.runtime.lowering.ops import RULES, recurrent
+from placement.lowering.ops import RULES, recurrent
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 ACTIVATIONS_PER_DIRECTION = {"RNN": 1, "GRU": 2, "LSTM": 3}

@@ -26,8 +26,8 @@ import torch
 import placement as pl
 from placement.errors import PipelineError
 from placement.models import mlp
-from placement.runtime.lowering import pipelined
-from placement.runtime.lowering.reentrant import on_engine_thread, run_in_order
+from placement.runtime.torch import pipelined
+from placement.runtime.torch.reentrant import on_engine_thread, run_in_order
 
 WAIT_S = 60.0  # far more than any run here takes; only a deadlock reaches it
 

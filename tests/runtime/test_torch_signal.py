@@ -1,4 +1,4 @@
-"""Signal ops (placement.runtime.lowering.ops.signal), Resize and dilated pooling against ONNX Runtime.
+"""Signal ops (placement.lowering.ops.signal), Resize and dilated pooling against ONNX Runtime.
 
 A spectrogram front end and an FNet-style token mixer (``DFT`` over two axes), made with
 ``onnx.helper``, are placed on two logical devices and run with ``pl.run`` and
@@ -18,8 +18,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import placement as pl
-from placement.runtime.lowering.ops.pooling import average_pool
-from placement.runtime.lowering.ops.sampling import resize
+from placement.lowering.ops.pooling import average_pool
+from placement.lowering.ops.sampling import resize
 
 RNG = np.random.default_rng(0)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import placement as pl
-from placement.runtime.lowering.stage_graphs import GraphedStageCall, graph_stages
+from placement.runtime.torch.stage_graphs import GraphedStageCall, graph_stages
 from tests.runtime.helpers import no_thread_leak  # noqa: F401 (an autouse fixture)
 
 

@@ -1,4 +1,4 @@
-"""Tests for ``placement.runtime.lowering.timing``: the lowered stages, each run alone."""
+"""Tests for ``placement.runtime.torch.timing``: the lowered stages, each run alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.planning.profile import make_sample_inputs
 from placement.runtime.calibrate import per_part
-from placement.runtime.lowering.timing import LoweredStages
+from placement.runtime.torch.timing import LoweredStages
 
 DEVICES = [Device.parse("cuda:0"), Device.parse("cuda:1")]
 

@@ -1,4 +1,4 @@
-"""Pipeline stages as per-signature TorchScript traces (placement.runtime.lowering.traced)."""
+"""Pipeline stages as per-signature TorchScript traces (placement.runtime.torch.traced)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from placement.runtime.lowering.traced import TracedStage
+from placement.runtime.torch.traced import TracedStage
 
 
 class _Fn(torch.nn.Module):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import placement as pl
-from placement.runtime.lowering.train_step import train_step
+from placement.runtime.torch.train_step import train_step
 from tests.conftest import MODEL_NAMES
 
 
@@ -104,7 +104,7 @@ def test_three_stages_and_bounded_activations(max_in_flight):
 def test_auto_defers_only_weight_gradients_big_enough_to_pay():
     """``defer_weights="auto"`` (the default) leaves a tiny stage's weight gradients in its
     backward and defers those of a stage whose micro-batch makes them big."""
-    from placement.runtime.lowering.one_f_one_b import DEFER_MIN_MACS, defer_pays
+    from placement.runtime.torch.one_f_one_b import DEFER_MIN_MACS, defer_pays
 
     torch.manual_seed(0)
     width = 256

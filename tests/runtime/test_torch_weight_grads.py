@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from placement.runtime.lowering.weight_grads import backward_inputs
+from placement.runtime.torch.weight_grads import backward_inputs
 
 
 def _split_equals_full(fn, inputs, params):

@@ -1,0 +1,540 @@
+"""GPipe on the placed graph: the lowered module cut into per-stage submodules, run over micro-batches.
+
+``pl.to_torch(model, chunks=k)`` lowers the model as usual, cuts the
+``GraphModule`` into one submodule per stage (the stages of
+:func:`placement.runtime.stages.partition`, the same cut the ONNX Runtime executor
+uses; ``torch.fx.passes.split_module``, see :mod:`.stage_split`) and wraps them in a
+:class:`PipelinedModule`. Its forward splits the batch into ``k`` micro-batches
+and runs them through the stages in the fill-drain schedule: on the workers of
+:mod:`placement.runtime.schedule` (one thread per stage), so stage ``j``
+computes micro-batch ``i`` while stage ``j + 1`` computes micro-batch ``i - 1``,
+or all on the caller's thread in the same order (``executor=``, see
+:mod:`placement.runtime.torch.executor`: GPU stages and tiny CPU stages run
+inline by default). On GPUs each stage runs on its own CUDA stream, and a
+stage waits (an event) only for the micro-batch it reads. On the CPU, once a
+micro-batch shape recurs (more than ``chunks`` calls), a stage runs as a
+TorchScript trace of its code (:mod:`placement.runtime.torch.traced`): no
+Python per op, and the two workers do not take turns on the GIL
+(``module.trace_stages = False`` switches it off).
+
+Training: when gradients are needed, the whole pipeline is one autograd
+function. Each (stage, micro-batch) keeps its own small autograd graph on
+detached inputs; backward runs the stages in reverse on the same workers
+(stage ``j`` back-propagates micro-batch ``i`` while stage ``j - 1`` does
+micro-batch ``i + 1``), with ``torch.autograd.grad`` per stage, and returns the
+gradients of the inputs and of every parameter (summed over micro-batches and,
+for a parameter several stages read such as a tied embedding, over stages).
+So ``loss.backward()`` and ``torch.autograd.grad`` both work and give the
+unsplit module's gradients. When the autograd engine calls that backward on one
+of its per-device threads (a GPU output: the engine runs GPU backward work on a
+thread per device), the backward never waits there for workers that would need
+that same thread: it runs each stage's ``torch.autograd.grad`` itself, in the
+schedule's order (a reentrant backward; see
+:mod:`placement.runtime.torch.reentrant`). ``checkpoint`` chooses which micro-batches drop
+their activations after forward and recompute them in backward: ``"always"``,
+``"except_last"`` (GPipe's default: the last micro-batch is needed first in
+backward) or ``"never"``.
+
+That is GPipe: the caller's loss exists only after every micro-batch's forward.
+Given the loss function, ``module.train_step(x, loss_fn=..., targets=(y,))``
+takes the whole step faster with the same gradients: each micro-batch's loss is
+computed and back-propagated as soon as its forward ends (1F1B), and weight
+gradients are deferred to fill idle time (:mod:`placement.runtime.torch.one_f_one_b`).
+
+BatchNorm: the placed graph comes from an eval-mode export, and the lowering
+runs ``BatchNormalization`` with its running statistics (inference semantics)
+whatever ``module.training`` says. Normalisation therefore does not depend on
+how the batch is split, and pipelined outputs and gradients equal the unsplit
+ones exactly; no deferred batch statistics are needed. (Training BatchNorm
+statistics through a placed graph would need a training-mode export.)
+
+Parameters are shared with the lowered module, under the same attribute paths
+(``state_dict`` keys and ``initializer_paths`` are the plain lowering's), so an
+optimizer over ``module.parameters()`` trains them and
+``model.update_parameters(module)`` writes them back into the placed graph.
+
+Example:
+    >>> import torch
+    >>> import placement as pl
+    >>> from placement.models import mlp
+    >>> net, (x,) = mlp.build("tiny")
+    >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    >>> model.set_device(model.ops[-1].name, 1)
+    >>> module = pl.to_torch(model, device_map="cpu", chunks=2)
+    >>> len(module.stages)
+    2
+    >>> torch.allclose(module(x), net(x), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from placement.errors import LoweringError
+from placement.graph.model import Model
+from placement.runtime.schedule import (
+    CHECKPOINT_MODES,
+    BatchAxes,
+    StageWorkers,
+    batch_axes,
+    check_chunks,
+    split_batch,
+)
+from placement.runtime.torch.engine_grad import engine_grad
+from placement.runtime.torch.executor import check_executor, stage_executor
+from placement.runtime.torch.one_f_one_b import pipelined_train_step
+from placement.runtime.torch.outputs import first_tensor_device
+from placement.runtime.torch.reentrant import on_engine_thread, run_in_order
+from placement.runtime.torch.stage_exec import (
+    StepStats,
+    TorchStage,
+    accumulate,
+    accumulate_microbatch,
+    add_input_grads,
+    backward_operands,
+    call_stage,
+    forward_for_backward,
+    hand_over,
+    join_streams,
+    keeps_activations,
+    microbatch_envs,
+    owned_grads,
+    per_parameter,
+    signal,
+    stage_args,
+    stage_name,
+    trainable_params,
+    wait_for,
+    worker_context,
+)
+from placement.runtime.torch.stage_graphs import graph_stages
+from placement.runtime.torch.stage_split import (
+    nondeterministic_ops,
+    split_stages,
+    stage_of_ops,
+    traced_stage,
+)
+
+__all__ = ["PipelinedModule", "pipeline_module"]
+
+log = logging.getLogger(__name__)
+
+
+def pipeline_module(
+    model: Model,
+    module: fx.GraphModule,
+    *,
+    chunks: int,
+    checkpoint: str = "except_last",
+    batch_axes: Mapping[str, int | None] | None = None,
+    cuda_graphs: bool = False,
+    executor: str = "auto",
+) -> PipelinedModule:
+    """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``);
+    ``cuda_graphs``: its GPU stages replay CUDA graphs (:mod:`.stage_graphs`); ``executor``:
+    who runs the stages (:mod:`.executor`)."""
+    check_chunks(chunks)
+    check_executor(executor)
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    axes = _batch_axes(model, batch_axes)
+    untraceable = nondeterministic_ops(model)
+    pipelined = PipelinedModule(
+        module, stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
+    )
+    pipelined.executor = executor
+    if cuda_graphs:
+        graph_stages(pipelined._pl_stages)
+    return pipelined
+
+
+def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> BatchAxes:
+    return batch_axes(model, overrides=overrides)
+
+
+class PipelinedModule(torch.nn.Module):
+    """A lowered placed model whose forward and backward are pipelined over micro-batches.
+
+    Built by ``pl.to_torch(model, chunks=k)``; see the module docstring.
+    Attributes: ``chunks``, ``checkpoint``, ``executor`` (``"auto"``, ``"threads"`` or
+    ``"inline"``: who runs the stages, see :mod:`.executor`; may be changed between calls),
+    ``outputs_on``, ``stages`` (the per-stage ``GraphModule`` s, in order), ``batch_axes``,
+    ``stats`` (what the last step did, :class:`.stage_exec.StepStats`), and the plain lowering's
+    ``input_names``, ``output_names``, ``device_map``, ``initializer_paths``.
+    """
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        stage_of_op: Mapping[str, int],
+        *,
+        chunks: int,
+        checkpoint: str,
+        axes: BatchAxes,
+        untraceable: Collection[str] = (),
+    ) -> None:
+        super().__init__()
+        # The lowered module's parameters and buffers, under the same paths.
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, param in module._parameters.items():
+            self.register_parameter(name, param)
+        for name, buf in module._buffers.items():
+            self.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
+        self.input_names: list[str] = list(module.input_names)
+        self.output_names: list[str] = list(module.output_names)
+        self.device_map: dict[str, str] = dict(module.device_map)
+        self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.outputs_on = "last"  # where outputs come back; to_torch sets it (see .outputs)
+        self.executor = "auto"  # who runs the stages (see .executor)
+        self.batch_axes = axes
+        self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
+        self._in_axes = [axes.inputs[name] for name in self.input_names]
+        self._out_axes = [axes.outputs[name] for name in self.output_names]
+        stages, env_inputs, outputs = split_stages(module, stage_of_op)
+        for stage in stages:
+            stage.call = traced_stage(stage, warmup=chunks, untraceable=untraceable)
+        self._pl_inputs = env_inputs
+        object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
+        self._pl_outputs = outputs
+        #: what the last step did: micro-batches, stage forwards recomputed (``checkpoint``)
+        self.stats = StepStats.start(len(stages), 0)
+        log.info(
+            "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
+        )
+
+    @property
+    def trace_stages(self) -> bool:
+        """Whether the stages run as per-signature TorchScript traces (default ``True``).
+
+        See :mod:`placement.runtime.torch.traced`: a stage input signature (shapes,
+        grad mode) seen in more than ``chunks`` calls is traced once and then runs without
+        Python (and without the GIL), forward and, through autograd, backward; stages whose
+        code depends on input values run untraced. Outputs and gradients are the same.
+        """
+        return all(s.call.enabled for s in self._pl_stages)
+
+    @trace_stages.setter
+    def trace_stages(self, value: bool) -> None:
+        for s in self._pl_stages:
+            s.call.enabled = bool(value)
+
+    @property
+    def stages(self) -> list[fx.GraphModule]:
+        """The per-stage submodules, in execution order."""
+        return [s.module for s in self._pl_stages]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the inputs (positionally in ``input_names`` order, or by keyword) through the pipeline."""
+        inputs = self._bind(args, kwargs)
+        if len(self._out_axes) != len(self._pl_outputs):
+            raise LoweringError("the pipelined module's outputs do not match the model's")
+        params = [p for p in self.parameters() if p.requires_grad]
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        )
+        if needs_grad:
+            tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in inputs]
+            outputs = _PipelineFunction.apply(_Run(self, len(tensors), params), *tensors, *params)
+        else:
+            outputs = _forward_only(self, inputs, self._executor(inputs))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def train_step(
+        self,
+        *args: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        targets: Sequence[Any] = (),
+        reduction: str = "mean",
+        defer_weights: bool | str = "auto",
+        max_in_flight: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward of one mini-batch, the loss computed per micro-batch (1F1B with
+        deferred weight gradients); adds the gradients to ``.grad`` and returns the loss.
+
+        The faster way to train through the pipeline than ``loss_fn(module(x), y).backward()``
+        (GPipe); same gradients. See :mod:`placement.runtime.torch.one_f_one_b`.
+
+        Example:
+            >>> import torch
+            >>> import placement as pl
+            >>> from placement.models import mlp
+            >>> net, (x,) = mlp.build("tiny")
+            >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+            >>> model.set_device(model.ops[-1].name, 1)
+            >>> module = pl.to_torch(model, device_map="cpu", chunks=2)
+            >>> loss = module.train_step(x, loss_fn=lambda out: out.square().mean())
+            >>> loss.shape, all(p.grad is not None for p in module.parameters())
+            (torch.Size([]), True)
+        """
+        inputs = self._bind(args, kwargs)
+        on_input = getattr(self, "outputs_on", "last") == "input"
+        return pipelined_train_step(
+            self._pl_stages,
+            inputs,
+            input_keys=self._pl_inputs,
+            input_axes=self._in_axes,
+            output_keys=self._pl_outputs,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            loss_fn=loss_fn,
+            targets=targets,
+            reduction=reduction,
+            defer_weights=defer_weights,
+            max_in_flight=max_in_flight,
+            outputs_device=first_tensor_device(inputs) if on_input else None,
+            stats=self.stats,
+            executor=self.executor,
+        )
+
+    def _executor(self, inputs: Sequence[Any]) -> str:
+        """``"threads"`` or ``"inline"`` for a call on ``inputs`` (``executor`` resolved)."""
+        return stage_executor(self.executor, self._pl_stages, inputs, self.chunks)
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        names = self._placeholders
+        if len(args) > len(names):
+            raise TypeError(f"expected at most {len(names)} inputs ({', '.join(names)}), got {len(args)}")
+        values: list[Any] = list(args) + [None] * (len(names) - len(args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"unexpected input {key!r}; the inputs are: {', '.join(names)}")
+            values[names.index(key)] = value
+        missing = [n for n, v in zip(names, values) if v is None]
+        if missing:
+            raise TypeError(f"missing input(s): {', '.join(missing)}")
+        return values
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def _run_stages(
+    stages: list[TorchStage],
+    make: Callable[[TorchStage], Any],
+    payloads: list[Any],
+    *,
+    grad: bool,
+    executor: str,
+) -> list[Any]:
+    """Run ``payloads`` through ``stages`` (in the order given) in the fill-drain order: on
+    the stage workers (``executor="threads"``), or on this thread (``"inline"``: stage
+    ``j`` of micro-batch ``t - j`` at tick ``t``, inside the stage's grad mode and, on a GPU,
+    its device and stream, so its kernels queue on its own stream as on its worker).
+    Results in the order of ``payloads``."""
+    if executor == "inline":
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            payloads,
+            context=worker_context(stages, grad),
+        )
+    with _workers(stages, make, grad=grad) as w:
+        return w.map(payloads)
+
+
+def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
+    """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
+    each: grad mode and CUDA stream per worker. The last stage runs on the caller's thread,
+    which waits for its results anyway: one thread and one hand-off per micro-batch fewer (on a
+    GPU it queues its kernels on its own stream there, as its worker would)."""
+    return StageWorkers(
+        [make(s) for s in stages],
+        [stage_name(s) for s in stages],
+        context=worker_context(stages, grad),
+        inline_last=True,
+    )
+
+
+def _backward_schedule(
+    stages: list[TorchStage],
+    make: Callable[[TorchStage], Any],
+    genvs: list[dict[str, Any]],
+    executor: str,
+) -> list[dict[str, Any]]:
+    """Run the micro-batches' gradient environments, last first, through ``stages`` (in
+    backward order): as ``executor`` says (:func:`_run_stages`), or on this thread when it
+    is an autograd engine thread, which must never wait on threads that call into autograd
+    (:mod:`placement.runtime.torch.reentrant`). Results last micro-batch first."""
+    order = list(reversed(range(len(genvs))))
+    if on_engine_thread():
+        log.debug("pipelined backward on an autograd engine thread: %d stages run inline", len(stages))
+        devices = [s.device for s in stages]
+
+        def context(j: int) -> Any:
+            return torch.cuda.device(devices[j]) if devices[j].type == "cuda" else contextlib.nullcontext()
+
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            [genvs[i] for i in order],
+            ids=order,
+            context=context,
+        )
+    if executor == "inline":
+        return run_in_order(
+            [make(s) for s in stages],
+            [stage_name(s) for s in stages],
+            [genvs[i] for i in order],
+            ids=order,
+            context=worker_context(stages, True),
+        )
+    with _workers(stages, make, grad=True) as w:
+        for i in order:
+            w.submit(i, genvs[i])
+        return [w.result() for _ in order]
+
+
+def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
+    for env in envs:
+        wait_for(env)  # the caller's stream waits for the last stage's work on each micro-batch
+    keys = module._pl_outputs
+    return [
+        torch.cat([hand_over(env[key]) for env in envs], dim=axis)
+        for key, axis in zip(keys, module._out_axes)
+    ]
+
+
+def _forward_only(module: PipelinedModule, inputs: Sequence[Any], executor: str) -> list[torch.Tensor]:
+    stages: list[TorchStage] = module._pl_stages
+
+    def make(stage: TorchStage) -> Any:
+        def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
+            wait_for(env)
+            env.update(call_stage(stage, stage_args(stage, env)))
+            signal(env, stage.device)
+            return env
+
+        return fn
+
+    envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
+    module.stats = StepStats.start(len(stages), len(envs), executor)
+    return _join(module, _run_stages(stages, make, envs, grad=False, executor=executor))
+
+
+@dataclass
+class _Run:
+    """What one training forward leaves for its backward."""
+
+    module: PipelinedModule
+    n_inputs: int
+    params: list[torch.nn.Parameter]
+    envs: list[dict[str, Any]] = field(default_factory=list)
+    # (stage, micro-batch) -> (detached inputs, outputs or None when checkpointed)
+    saved: dict[tuple[int, int], tuple[list[Any], dict[str, Any] | None]] = field(default_factory=dict)
+    input_requires_grad: list[bool] = field(default_factory=list)
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: _Run, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        module = run.module
+        stages: list[TorchStage] = module._pl_stages
+        inputs = list(tensors[: run.n_inputs])
+        run.input_requires_grad = [t.requires_grad for t in inputs]
+        envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
+        n_mb = len(envs)
+        executor = module._executor(inputs)
+        module.stats = run.stats = StepStats.start(len(stages), n_mb, executor)
+        placeholders = set(module._pl_inputs)
+        grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
+
+        def tracked(key: str) -> bool:
+            # Graph inputs need grad when the caller's do; every other value between
+            # stages is tracked (it depends on parameters).
+            return key in grad_inputs or key not in placeholders
+
+        def make(stage: TorchStage) -> Any:
+            def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
+                wait_for(env)
+                args = stage_args(stage, env, tracked)
+                keep = keeps_activations(module.checkpoint, i, n_mb)
+                outs, saved = forward_for_backward(stage, args, keep)
+                run.saved[(stage.index, i)] = (args, saved)
+                env.update(outs)
+                signal(env, stage.device)
+                return env
+
+            return fn
+
+        run.envs = _run_stages(stages, make, envs, grad=True, executor=executor)
+        outputs = [t.detach() for t in _join(module, run.envs)]
+        ctx.run = run
+        for out in outputs:
+            if not out.is_floating_point():
+                ctx.mark_non_differentiable(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        run: _Run = ctx.run
+        ctx.run = None
+        module = run.module
+        stages: list[TorchStage] = module._pl_stages
+        n_mb = len(run.envs)
+        out_keys = module._pl_outputs
+        genvs: list[dict[str, Any]] = [{} for _ in range(n_mb)]
+        for key, axis, g in zip(out_keys, module._out_axes, grad_outputs):
+            if g is None:
+                continue
+            for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
+                accumulate(genv, key, part)
+        param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
+        owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
+
+        def make(stage: TorchStage) -> Any:
+            params = trainable_params(stage)
+
+            def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
+                wait_for(genv)
+                args, outs = run.saved.pop((stage.index, i))
+                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
+                if outputs and (arg_slots or params):
+                    grads = owned_grads(
+                        stage,
+                        engine_grad(outputs, [args[n] for n in arg_slots + [n for n, _ in params]], seeds),
+                    )
+                    add_input_grads(genv, stage, arg_slots, grads[: len(arg_slots)])
+                    pairs = [(k, g) for (_, k), g in zip(params, grads[len(arg_slots) :]) if g is not None]
+                    accumulate_microbatch(param_grads[stage.index], owned[stage.index], pairs)
+                signal(genv, stage.device)
+                return genv
+
+            return fn
+
+        done = _backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor)
+        done.reverse()
+        for genv in done:
+            wait_for(genv)
+        join_streams(stages)  # parameter gradients were made on the workers' streams: events, no host wait
+        # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
+        placeholders = module._pl_inputs
+        input_grads: list[Any] = []
+        for name, axis, needs in zip(placeholders, module._in_axes, run.input_requires_grad):
+            parts = [hand_over(genv.get(name)) for genv in done]  # made on the workers' streams
+            if not needs or all(p is None for p in parts):
+                input_grads.append(None)
+            elif axis is None:
+                input_grads.append(sum(p for p in parts if p is not None))
+            else:
+                input_grads.append(torch.cat(parts, dim=axis))
+        # Parameter gradients: summed over stages (a parameter several stages read).
+        by_param = per_parameter(stages, param_grads, owned)
+        return (
+            None,
+            *input_grads,
+            *[hand_over(by_param[id(p)][1]) if id(p) in by_param else None for p in run.params],
+        )

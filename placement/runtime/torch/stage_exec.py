@@ -1,0 +1,393 @@
+"""Running one stage of a pipelined torch module: what the GPipe forward/backward and 1F1B share.
+
+A :class:`TorchStage` is one fx submodule of the split lowered module, with the
+environment keys it reads and defines. Micro-batches travel between stages as
+*environments* (``dict`` of key -> value); on a GPU each carries a CUDA event
+(:func:`signal`, :func:`wait_for`) so a worker's stream waits only for the work
+its inputs came from. Gradients travel the same way back.
+
+Example:
+    >>> import torch
+    >>> env = microbatch_envs(["x"], [0], 2, [torch.arange(4.0)])
+    >>> [e["x"].tolist() for e in env]
+    [[0.0, 1.0], [2.0, 3.0]]
+    >>> detached(env[0]["x"], True).requires_grad
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from placement.runtime.schedule import split_batch
+
+__all__ = [
+    "StepStats",
+    "TorchStage",
+    "accumulate",
+    "accumulate_owned",
+    "accumulate_microbatch",
+    "add_input_grads",
+    "backward_operands",
+    "call_stage",
+    "detached",
+    "forward_for_backward",
+    "input_slots",
+    "keeps_activations",
+    "microbatch_envs",
+    "owned_grads",
+    "per_parameter",
+    "stage_args",
+    "signal",
+    "stage_name",
+    "hand_over",
+    "join_streams",
+    "stage_stream",
+    "static_grads",
+    "trainable_params",
+    "wait_for",
+    "worker_context",
+    "write_grads",
+]
+
+
+@dataclass
+class TorchStage:
+    """One stage of the split lowered torch module: its fx submodule, what it reads and what it
+    defines (ONNX Runtime's stage, a session per device, is :class:`placement.runtime.stages.Stage`)."""
+
+    index: int
+    module: fx.GraphModule
+    args: list[str]  # env keys it reads, in call order
+    outs: list[tuple[str, int | None]]  # env key -> index into its result (None: the result itself)
+    device: torch.device
+    consts: dict[str, Any] = field(default_factory=dict)  # args that are module attributes (parameters)
+    call: Any = None  # a TracedStage of ``module``: traces it for inference (see traced.py)
+    part: int = 0  # the stage of ``partition(model)`` it runs (``index`` skips stages with no code)
+    stream: Any = None  # its CUDA stream, made once and kept across calls (GPU stages only)
+
+
+def stage_stream(stage: TorchStage) -> Any:
+    """``stage``'s own CUDA stream, made on first use and kept: every call of the pipeline
+    queues the stage's work on the same stream, so the caching allocator reuses its blocks."""
+    if stage.stream is None:
+        stage.stream = torch.cuda.Stream(stage.device)
+    return stage.stream
+
+
+@dataclass
+class StepStats:
+    """What the pipeline did in its last step (a forward and its backward, or a ``train_step``).
+
+    Attributes:
+        microbatches: micro-batches the step ran.
+        recomputed: per stage, the forwards it ran again in backward because checkpointing
+            dropped their activations (``checkpoint=``); :attr:`total_recomputed` sums them.
+        deferred: groups of weight gradients ``train_step`` computed apart from their
+            backward (``defer_weights=``).
+        executor: who ran the stages: ``"threads"`` (a thread per stage) or ``"inline"``
+            (the caller's thread); see :mod:`placement.runtime.torch.executor`.
+    """
+
+    microbatches: int = 0
+    recomputed: list[int] = field(default_factory=list)
+    deferred: int = 0
+    executor: str = ""
+
+    @classmethod
+    def start(cls, stages: int, microbatches: int, executor: str = "") -> StepStats:
+        """Zeroed counts for a step of ``microbatches`` through ``stages`` stages."""
+        return cls(microbatches, [0] * stages, 0, executor)
+
+    @property
+    def total_recomputed(self) -> int:
+        """Stage forwards recomputed in the step, all stages together."""
+        return sum(self.recomputed)
+
+
+def stage_name(stage: TorchStage) -> str:
+    """How errors and threads name a stage."""
+    return f"stage {stage.index} on {stage.device}"
+
+
+def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]:
+    """Per worker: the grad mode, and on a GPU the stage's own CUDA stream.
+
+    Without grad the workers run in ``torch.inference_mode()``: no version counters or
+    view tracking on the values between stages (1-3% of a bench GPT stage on the CPU).
+    Those values never leave the pipeline: the caller gets outputs concatenated outside
+    it, ordinary tensors."""
+
+    @contextlib.contextmanager
+    def on_gpu(stage: TorchStage) -> Iterator[None]:
+        with torch.set_grad_enabled(True) if grad else torch.inference_mode():
+            with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
+                yield
+
+    def enter(j: int) -> contextlib.AbstractContextManager[Any]:
+        # Entered around every call of a stage run on the caller's thread: on the CPU, the
+        # grad mode's own context manager (none when it is already on), not a generator.
+        stage = stages[min(j, len(stages) - 1)]
+        if stage.device.type == "cuda":
+            return on_gpu(stage)
+        if not grad:
+            return torch.inference_mode()
+        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+
+    return enter
+
+
+def wait_for(env: dict[str, Any]) -> None:
+    """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
+    event = env.pop("__event__", None)
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def signal(env: dict[str, Any], device: torch.device) -> None:
+    """Record, in ``env``, an event after the work this worker queued so far (GPUs only)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        env["__event__"] = event
+
+
+def join_streams(stages: Sequence[TorchStage]) -> None:
+    """Make the caller's stream wait for the work the stages queued on their own streams (an
+    event per stage stream; the host never waits): what the caller reads next (outputs,
+    gradients handed to ``.grad``) is ordered after it on the GPU."""
+    for stage in stages:
+        if stage.device.type == "cuda" and stage.stream is not None:
+            event = torch.cuda.Event()
+            event.record(stage.stream)
+            torch.cuda.current_stream(stage.device).wait_event(event)
+
+
+def hand_over(tensor: Any) -> Any:
+    """Mark a CUDA ``tensor`` made on another stream as used by the current one
+    (``record_stream``), so the caching allocator does not reuse its memory while this
+    stream's queued work may still read it; other values pass through."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor
+
+
+def call_stage(stage: TorchStage, args: list[Any], *, immediate: bool = False) -> dict[str, Any]:
+    """Run ``stage`` on ``args``: its outputs by environment key. ``immediate``: the outputs'
+    backward follows at once (a graphed stage then replays forward and backward together,
+    see :mod:`placement.runtime.torch.stage_graphs`)."""
+    result = (
+        stage.call.immediate(*args) if immediate and hasattr(stage.call, "immediate") else stage.call(*args)
+    )
+    return {key: result if index is None else result[index] for key, index in stage.outs}
+
+
+def microbatch_envs(
+    placeholders: Sequence[str], axes: Sequence[int | None], chunks: int, inputs: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """The graph inputs cut into ``chunks`` micro-batches along ``axes``, one environment each."""
+    parts = split_batch(list(inputs), axes, chunks)
+    envs = []
+    for part in parts:
+        env = dict(zip(placeholders, part))
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in part):
+            signal(env, next(t.device for t in part if isinstance(t, torch.Tensor) and t.is_cuda))
+        envs.append(env)
+    return envs
+
+
+def detached(value: Any, requires_grad: bool) -> Any:
+    """A stage's input: ``value`` cut from the graph that made it, a leaf that requires grad when
+    ``requires_grad`` and it is floating point (non-tensors pass through)."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        if leaf.is_cuda:  # made on another stage's (or the caller's) stream
+            hand_over(leaf)
+        if requires_grad and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        return leaf
+    return value
+
+
+def stage_args(
+    stage: TorchStage, env: dict[str, Any], tracked: Callable[[str], bool] | None = None
+) -> list[Any]:
+    """``stage``'s call arguments: its parameters, and its inputs read from ``env``; with
+    ``tracked``, each input cut from the graph that made it (:func:`detached`), a leaf that
+    requires grad where ``tracked(key)``."""
+    if tracked is None:
+        args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
+        if stage.device.type == "cuda":
+            for arg in args:
+                hand_over(arg)
+        return args
+    return [stage.consts[a] if a in stage.consts else detached(env[a], tracked(a)) for a in stage.args]
+
+
+def trainable_params(stage: TorchStage) -> list[tuple[int, str]]:
+    """``stage``'s parameters that take a gradient: (argument slot, key)."""
+    consts = stage.consts
+    return [(n, key) for n, key in enumerate(stage.args) if key in consts and consts[key].requires_grad]
+
+
+def keeps_activations(checkpoint: str, microbatch: int, count: int) -> bool:
+    """Whether micro-batch ``microbatch`` of ``count`` keeps its activations for backward under
+    ``checkpoint`` (else it drops them and recomputes them there)."""
+    return checkpoint == "never" or (checkpoint == "except_last" and microbatch == count - 1)
+
+
+def forward_for_backward(
+    stage: TorchStage, args: list[Any], keep: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
+    with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
+    with torch.enable_grad() if keep else torch.no_grad():
+        outs = call_stage(stage, args)
+    return outs, outs if keep else None
+
+
+def backward_operands(
+    stage: TorchStage,
+    args: list[Any],
+    outs: dict[str, Any] | None,
+    genv: dict[str, Any],
+    params: Sequence[tuple[int, str]],
+    stats: StepStats | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
+    ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
+    ``outs`` None (checkpointed) recomputes the stage first (counted in ``stats``)."""
+    if outs is None:
+        with torch.enable_grad():
+            outs = call_stage(stage, args, immediate=True)
+        if stats is not None:
+            stats.recomputed[stage.index] += 1
+    pairs = [
+        (outs[k], genv[k])
+        for k, _ in stage.outs
+        if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
+    ]
+    return [o for o, _ in pairs], [g for _, g in pairs], input_slots(args, params)
+
+
+def static_grads(stage: TorchStage) -> bool:
+    """Whether ``stage``'s gradients come out of buffers its next backward overwrites (a
+    CUDA-graphed stage): callers clone them, and compute weight gradients with the inputs'."""
+    return bool(getattr(stage.call, "static_grads", False))
+
+
+def owned_grads(stage: TorchStage, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``grads`` from ``stage``'s backward, cloned where they live in static buffers."""
+    if not static_grads(stage):
+        return list(grads)
+    return [g.clone() if g is not None else None for g in grads]
+
+
+def input_slots(args: Sequence[Any], params: Sequence[tuple[int, str]]) -> list[int]:
+    """The slots of a stage's ``args`` that take a gradient and are not among ``params``."""
+    param_slots = {n for n, _ in params}
+    return [
+        n
+        for n, a in enumerate(args)
+        if n not in param_slots and isinstance(a, torch.Tensor) and a.requires_grad
+    ]
+
+
+def add_input_grads(
+    genv: dict[str, Any], stage: TorchStage, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """Add the gradients of ``stage``'s inputs in ``slots`` to ``genv``, under the inputs' keys."""
+    for n, g in zip(slots, grads):
+        if g is not None:
+            accumulate(genv, stage.args[n], g)
+
+
+def per_parameter(
+    stages: Sequence[TorchStage], param_grads: Sequence[dict[str, torch.Tensor]], owned: Sequence[set[str]]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Each parameter's gradient summed over the stages that read it (a tied weight), by
+    ``id(parameter)``: (parameter, gradient, whether the gradient is an accumulator made here
+    rather than a tensor autograd handed out)."""
+    total: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+    for stage, grads, mine in zip(stages, param_grads, owned):
+        for key, g in grads.items():
+            param = stage.consts[key]
+            if id(param) in total:
+                total[id(param)] = (param, total[id(param)][1] + g.to(param.device), True)
+            else:
+                total[id(param)] = (param, g, key in mine)
+    return total
+
+
+def accumulate(env: dict[str, Any], key: str, grad: torch.Tensor) -> None:
+    env[key] = grad if key not in env else env[key] + grad
+
+
+def accumulate_owned(acc: dict[str, torch.Tensor], owned: set[str], key: str, grad: torch.Tensor) -> None:
+    """Sum a parameter's gradient over micro-batches, allocating one accumulator, not one per micro-batch.
+
+    The first gradient is kept as it is (autograd may hand out a tensor it shares);
+    the second makes a new accumulator, which later ones are added to in place.
+    """
+    total = acc.get(key)
+    if total is None:
+        acc[key] = grad
+    elif key in owned:
+        total.add_(grad)
+    else:
+        acc[key] = total + grad
+        owned.add(key)
+
+
+def accumulate_microbatch(
+    acc: dict[str, torch.Tensor], owned: set[str], grads: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """One micro-batch's parameter gradients (``(key, gradient)``, each key once) added to the
+    sums in ``acc``, as :func:`accumulate_owned` adds each, but with one ``_foreach_add_``
+    for the accumulators already made here instead of an ``add_`` per parameter (the same
+    additions, so the same sums bit for bit).
+
+    Example:
+        >>> import torch
+        >>> acc, owned = {}, set()
+        >>> for g in (torch.ones(2), torch.ones(2), torch.ones(2)):
+        ...     accumulate_microbatch(acc, owned, [("w", g)])
+        >>> acc["w"].tolist(), owned
+        ([3.0, 3.0], {'w'})
+    """
+    inplace_keys, inplace_grads = [], []
+    for key, grad in grads:
+        if key in owned:
+            inplace_keys.append(key)
+            inplace_grads.append(grad)
+        else:
+            accumulate_owned(acc, owned, key, grad)
+    if len(inplace_keys) > 1 and len(set(inplace_keys)) == len(inplace_keys) and _FOREACH_ADD is not None:
+        _FOREACH_ADD([acc[key] for key in inplace_keys], inplace_grads)
+    else:
+        for key, grad in zip(inplace_keys, inplace_grads):
+            acc[key].add_(grad)
+
+
+_FOREACH_ADD = getattr(torch, "_foreach_add_", None)  # a fused list add where torch has one
+
+
+def write_grads(
+    stages: list[TorchStage], param_grads: list[dict[str, torch.Tensor]], owned: list[set[str]]
+) -> None:
+    """Add each stage's parameter gradients to ``.grad`` (summed over the stages sharing a parameter).
+
+    A gradient that is one autograd result, not an accumulator made here, is copied before
+    it becomes a ``.grad`` (autograd may share it)."""
+    for param, g, fresh in per_parameter(stages, param_grads, owned).values():
+        g = hand_over(g.to(param.device))  # made on a worker's stream, read on the caller's
+        if param.grad is None:
+            param.grad = g if fresh else g.clone()
+        else:
+            param.grad.add_(g)
