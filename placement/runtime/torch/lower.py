@@ -363,13 +363,14 @@ class _ModelLowering(Lowering):
     def _initializers(self) -> None:
         params = self.model.parameters
         state = _state_initializers(self.model)
+        streamed = self.model.streamed
         for name, value in self.model.graph.initializers.items():
             tensor = value.const_value
             if tensor is None:
                 raise LoweringError(f"initializer {name!r} has no data")
             data = to_torch_tensor(tensor)
             trainable = data.is_floating_point() and data.dim() >= 1 and name not in state
-            if trainable:
+            if trainable or name in streamed:  # a streamed integer weight: a frozen parameter
                 home = params[name].device if name in params else self.default_device
                 self.values[name] = Val(name, device=home)
                 self.pending_params[name] = data
