@@ -41,7 +41,13 @@ from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, STREAM_WINDOW_KEY, STREAMED_KEY, node_scope, streamed_homes
 from placement.graph.sizes import parse_bytes
 
-__all__ = ["stream_parameters", "StreamResult", "streamable_parameters", "is_streamable", "WEIGHT_INTEGER_TYPES"]
+__all__ = [
+    "stream_parameters",
+    "StreamResult",
+    "streamable_parameters",
+    "is_streamable",
+    "WEIGHT_INTEGER_TYPES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +91,9 @@ def is_streamable(value: ir.Value) -> bool:
 
 def streamable_parameters(model: Model, name: str) -> list[str]:
     """The parameters ``name`` stands for: itself when it is a parameter, else the weights
-    (:func:`is_streamable`: floating point or quantized integers, at least one dimension) read by the op ``name`` or by the ops of module scope
-    ``name`` (``"blocks.3"``: ``blocks.3`` and everything under it), in graph order.
+    (:func:`is_streamable`: floating point or quantized integers, at least one dimension) read
+    by the op ``name`` or by the ops of module scope ``name`` (``"blocks.3"``: ``blocks.3`` and
+    everything under it), in graph order.
 
     Raises:
         UnknownBlobError: ``name`` is no parameter, op or module scope of the model.
