@@ -166,7 +166,7 @@ def build_program(
     )
     if folds:
         fold_model(model, folds)
-    segments = split_streamed(model)  # each session fed at most the streamed window
+    segments = split_streamed(model, device_map)  # each session fed at most the streamed window
     part = split_stages(model)
     restore_devices(part, segments)
     runs = folded_devices(folds)
