@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from placement.graph.model import Model
 from placement.graph.nodes import node_scope
+from placement.passes.streaming import is_streamable
 from placement.planning.graph_info import GraphInfo
 from placement.planning.profile import Shapes
 
@@ -204,5 +205,5 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
 
 
 def _is_weight(model: Model, name: str) -> bool:
-    value = model.graph.initializers[name].const_value
-    return value is not None and value.dtype.is_floating_point() and len(value.shape) >= 1
+    """A weight the plan counts and may stream: floating point or quantized integers (int8...)."""
+    return is_streamable(model.graph.initializers[name])
