@@ -125,8 +125,9 @@ class Runner:
             whole to every micro-batch), replacing the detection from the
             graph's symbolic batch dimension for the names listed.
         threads_per_stage: intra-op threads of each stage session when
-            pipelining (``chunks > 1`` or :meth:`stream`); default: the CPU
-            cores divided among the stages. ``threads`` wins when given.
+            pipelining (``chunks > 1``, and every :meth:`stream`, which pipelines
+            whatever ``chunks`` is); default: the CPU cores divided among the
+            stages. ``threads`` wins when given.
         auto_update: check for re-placement before every run (cheap: one pass
             over the ops' device labels). With False, call :meth:`update` yourself.
         keep_sessions: keep the sessions of stages that a re-placement made
@@ -530,17 +531,20 @@ class Runner:
         )
 
     def _pipelined_program(self) -> Program:
-        """The program pipelined runs walk (:mod:`placement.runtime.ort.pipelined`): the
-        runner's own, except where its devices fold on the CPU only for sequential runs
-        (see :mod:`placement.runtime.ort.fold`): then one that keeps those stages apart,
-        built on first use and kept until the next re-placement."""
+        """The program pipelined runs and every stream walk: the runner's own if built the same
+        (``chunks > 1``, one stage, or equal folds and thread budgets), else one whose stages stay
+        apart where they fold on the CPU only when sequential (:mod:`placement.runtime.ort.fold`)
+        and divide the cores (``threads_per_stage``), built once per placement."""
         program = self._program
         assert program is not None and self._base is not None
         if self.chunks > 1:
             return program
         options = self._build_options(True)
         folds = fold_groups(self._device_map, fold=self.fold, pipelined=True, emulating=options.emulating)
-        if folds == self.folds:
+        n_stages = len(program.partition.stages)
+        sequential = self._build_options(False).session_threads(n_stages)
+        same_threads = n_stages == 1 or options.session_threads(n_stages) == sequential
+        if folds == self.folds and same_threads:
             return program
         with self._lock:
             if self._piped is None or self._piped[0] is not program:
