@@ -38,11 +38,16 @@ from placement.graph.export_rules import EXPERT_KEY, exportable_settings, transl
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
 
-__all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
+__all__ = ["CONSTANTS_KEY", "EXPORTER_KEY", "exporter_constants", "exporter_of", "from_torch"]
 
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
 EXPORTER_KEY = "placement.exporter"
+#: Model metadata key listing (as a JSON array) the initializers the exporter made
+#: that are not the module's state: the zero bias of a ``bias=False`` convolution,
+#: folded constants (``val_6``), lifted tensor constants. Runtimes treat them as
+#: constants, never as trainable parameters.
+CONSTANTS_KEY = "placement.constants"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -106,6 +111,7 @@ def from_torch(
     ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
+    _mark_exporter_constants(ir_model, module)
     from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
@@ -161,6 +167,46 @@ def exporter_of(model: Model) -> str | None:
         'dynamo'
     """
     return model.ir_model.metadata_props.get(EXPORTER_KEY)
+
+
+def exporter_constants(model: Any) -> frozenset[str]:
+    """Initializers the exporter made (not the module's parameters or buffers).
+
+    ``model`` is a :class:`~placement.graph.model.Model` or an ``onnx_ir.Model``;
+    models not imported by :func:`from_torch` have none.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Conv2d(3, 4, 3, bias=False)
+        >>> model = pl.from_torch(net, (torch.randn(1, 3, 8, 8),))
+        >>> [name for name in model.parameters if name not in exporter_constants(model)]
+        ['weight']
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    text = ir_model.metadata_props.get(CONSTANTS_KEY)
+    if not text:
+        return frozenset()
+    try:
+        names = json.loads(text)
+    except ValueError:
+        log.warning("ignoring a malformed %s annotation", CONSTANTS_KEY)
+        return frozenset()
+    return frozenset(str(n) for n in names) if isinstance(names, list) else frozenset()
+
+
+def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
+    """Record the initializers that are not ``module``'s state (see :data:`CONSTANTS_KEY`)."""
+    import json
+
+    state = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    made = sorted(name for name in ir_model.graph.initializers if name not in state)
+    if made:
+        ir_model.metadata_props[CONSTANTS_KEY] = json.dumps(made)
+        log.debug("exporter-made constants (not trainable): %s", ", ".join(made))
 
 
 def _cause(err: BaseException) -> str:

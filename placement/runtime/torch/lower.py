@@ -91,6 +91,7 @@ import torch.fx as fx
 from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
+from placement.graph.torch_import import exporter_constants
 from placement.lowering.bodies import Lowering, graph_module
 from placement.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.lowering.opset import upgraded
@@ -386,9 +387,11 @@ class _ModelLowering(Lowering):
 
 
 def _state_initializers(model: Model) -> set[str]:
-    """Initializers fed to a rule's ``buffer_inputs`` (e.g. BatchNorm running stats)."""
+    """Initializers that are never trainable: those fed to a rule's ``buffer_inputs`` (e.g.
+    BatchNorm running stats) and the exporter's own constants (a ``bias=False`` conv's zero
+    bias, see :func:`placement.graph.torch_import.exporter_constants`)."""
     inits = model.graph.initializers
-    found: set[str] = set()
+    found: set[str] = set(exporter_constants(model)) & set(inits)
     for node in model.graph:
         positions = get_rule(node.op_type, node.domain).buffer_inputs
         for i in positions:

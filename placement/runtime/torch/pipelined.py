@@ -99,8 +99,10 @@ from placement.runtime.torch.stage_exec import (
     accumulate,
     accumulate_microbatch,
     add_input_grads,
+    autocast_like,
     backward_operands,
     call_stage,
+    caller_autocast,
     forward_for_backward,
     hand_over,
     join_streams,
@@ -436,6 +438,7 @@ class _Run:
     saved: dict[tuple[int, int], tuple[list[Any], dict[str, Any] | None]] = field(default_factory=dict)
     input_requires_grad: list[bool] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
+    casts: tuple[Any, ...] = ()  # the forward's autocast state: checkpointed stages recompute under it
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -445,6 +448,7 @@ class _PipelineFunction(torch.autograd.Function):
         stages: list[TorchStage] = module._pl_stages
         inputs = list(tensors[: run.n_inputs])
         run.input_requires_grad = [t.requires_grad for t in inputs]
+        run.casts = caller_autocast()
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
         executor = module._executor(inputs)
@@ -501,7 +505,8 @@ class _PipelineFunction(torch.autograd.Function):
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
                 wait_for(genv)
                 args, outs = run.saved.pop((stage.index, i))
-                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
+                with autocast_like(run.casts):
+                    outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
                 if outputs and (arg_slots or params):
                     grads = owned_grads(
                         stage,

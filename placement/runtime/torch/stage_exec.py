@@ -30,6 +30,9 @@ from placement.runtime.schedule import split_batch
 __all__ = [
     "StepStats",
     "TorchStage",
+    "autocast_like",
+    "autocast_matches",
+    "caller_autocast",
     "accumulate",
     "accumulate_owned",
     "accumulate_microbatch",
@@ -124,11 +127,19 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     Those values never leave the pipeline: the caller gets outputs concatenated outside
     it, ordinary tensors."""
 
+    casts = caller_autocast()
+
     @contextlib.contextmanager
     def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
             with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
-                yield
+                with autocast_like(casts):
+                    yield
+
+    @contextlib.contextmanager
+    def on_host(mode: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        with mode, autocast_like(casts):
+            yield
 
     def enter(j: int) -> contextlib.AbstractContextManager[Any]:
         # Entered around every call of a stage run on the caller's thread: on the CPU, the
@@ -136,11 +147,56 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
         stage = stages[min(j, len(stages) - 1)]
         if stage.device.type == "cuda":
             return on_gpu(stage)
+        mode: contextlib.AbstractContextManager[Any]
         if not grad:
-            return torch.inference_mode()
-        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+            mode = torch.inference_mode()
+        else:
+            mode = contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+        return on_host(mode) if casts and not autocast_matches(casts) else mode
 
     return enter
+
+
+#: Device types whose autocast state a worker takes over from the caller.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """This thread's autocast state: per device type with autocast on, (type, dtype, cache).
+
+    Autocast is thread-local: a worker thread starts with it off, so a stage run there
+    would compute in full precision what the caller's thread computes in bf16. Workers
+    enter :func:`autocast_like` with the state captured on the caller's thread.
+
+    Example:
+        >>> import torch
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     caller_autocast()
+        (('cpu', torch.bfloat16, True),)
+        >>> caller_autocast()
+        ()
+    """
+    found = []
+    for device_type in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            found.append((device_type, dtype, torch.is_autocast_cache_enabled()))
+    return tuple(found)
+
+
+def autocast_matches(casts: Sequence[tuple[str, torch.dtype, bool]]) -> bool:
+    """Whether this thread already runs under the autocast state ``casts``."""
+    return all(torch.is_autocast_enabled(t) and torch.get_autocast_dtype(t) == dtype for t, dtype, _ in casts)
+
+
+@contextlib.contextmanager
+def autocast_like(casts: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
+    """Enter the autocast state ``casts`` (from :func:`caller_autocast`) where it is not on yet."""
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype, cache in casts:
+            if not autocast_matches([(device_type, dtype, cache)]):
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def wait_for(env: dict[str, Any]) -> None:
