@@ -38,7 +38,16 @@ from placement.graph.export_rules import EXPERT_KEY, exportable_settings, transl
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
 
-__all__ = ["CONSTANTS_KEY", "EXPORTER_KEY", "exporter_constants", "exporter_of", "from_torch"]
+__all__ = [
+    "CONSTANTS_KEY",
+    "EXPORTER_KEY",
+    "MODE_MODULES_KEY",
+    "TRAINING_KEY",
+    "exporter_constants",
+    "exporter_of",
+    "from_torch",
+    "mode_modules",
+]
 
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
@@ -48,6 +57,14 @@ EXPORTER_KEY = "placement.exporter"
 #: folded constants (``val_6``), lifted tensor constants. Runtimes treat them as
 #: constants, never as trainable parameters.
 CONSTANTS_KEY = "placement.constants"
+#: Model metadata key set to ``"1"`` on a model exported for training
+#: (``from_torch(..., training=True)``): its Dropout and BatchNormalization ops follow the
+#: lowered module's train/eval mode (:mod:`placement.lowering.ops.training`).
+TRAINING_KEY = "placement.training"
+#: Model metadata key listing (JSON) the module's layer types that behave differently in
+#: training (Dropout, BatchNorm), recorded by an eval-mode export so that training the
+#: lowered module can warn that they run in eval mode.
+MODE_MODULES_KEY = "placement.mode_modules"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -69,11 +86,16 @@ def from_torch(
     device: DeviceLike = 0,
     dynamic_shapes: Any = None,
     exporter: str = "auto",
+    training: bool = False,
 ) -> Model:
     """Export ``module`` to an operator graph with every op on ``device``.
 
     The module is exported in eval mode (its training flags are restored
-    afterwards, so the module is unchanged). Initializers keep the module's
+    afterwards, so the module is unchanged), or with ``training=True`` in train
+    mode: its Dropout ops are kept and its BatchNorm ops stand for batch
+    statistics, so the module ``pl.to_torch`` lowers from it follows
+    ``module.train()``/``module.eval()`` (see :mod:`placement.lowering.ops.training`).
+    The ONNX Runtime path runs such a model in inference mode. Initializers keep the module's
     parameter names (a parameter shared by two modules, like a tied LM head,
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
@@ -93,6 +115,7 @@ def from_torch(
             ``"dynamo"`` or ``"torchscript"``. The TorchScript exporter *traces*:
             data-dependent branches are fixed to the path the example inputs take
             (its warnings are logged).
+        training: export in train mode (see above).
 
     Raises:
         ExportError: the exporter failed (with ``"auto"``: both did; the message
@@ -108,10 +131,11 @@ def from_torch(
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     name = type(module).__name__
-    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
+    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name, bool(training))
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
     _mark_exporter_constants(ir_model, module)
+    _mark_mode(ir_model, module, bool(training))
     from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
@@ -126,6 +150,7 @@ def _export(
     dynamic_shapes: Any,
     exporter: str,
     name: str,
+    training: bool = False,
 ) -> tuple[Any, str]:
     """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
@@ -134,7 +159,7 @@ def _export(
     if exporter in ("auto", "dynamo"):
         try:
             with exportable_settings(module, "dynamo"):
-                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes, training)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
             causes.append(f"dynamo exporter: {_cause(err)}{_version_hint(err)}")
@@ -149,7 +174,7 @@ def _export(
     if ir_model is None:
         try:
             with exportable_settings(module, "torchscript"):
-                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes, training)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
             causes.append(f"TorchScript exporter: {_cause(err)}")
@@ -209,6 +234,43 @@ def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
         log.debug("exporter-made constants (not trainable): %s", ", ".join(made))
 
 
+_MODE_LAYERS = re.compile(r"Dropout|BatchNorm|SyncBatchNorm")
+
+
+def mode_modules(model: Any) -> list[str]:
+    """The layer types of the exported module that behave differently in training (recorded by
+    an eval-mode export: they run in eval mode in the lowered module).
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),)))
+        ['Dropout']
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),), training=True))
+        []
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    try:
+        names = json.loads(ir_model.metadata_props.get(MODE_MODULES_KEY) or "[]")
+    except ValueError:
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
+    import json
+
+    if training:
+        ir_model.metadata_props[TRAINING_KEY] = "1"
+        return
+    layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
+    if layers:
+        ir_model.metadata_props[MODE_MODULES_KEY] = json.dumps(layers)
+
+
 def _cause(err: BaseException) -> str:
     """The most specific first line of an exporter error (the innermost cause)."""
     inner = err
@@ -244,10 +306,12 @@ def _version_hint(err: BaseException) -> str:
     return f" ({have}: this torch's exporter needs a newer onnxscript: pip install -U onnxscript)"
 
 
-def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any) -> Any:
+def _export_dynamo(
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
+) -> Any:
     import torch
 
-    with _eval_mode(module), _quiet_exporter():
+    with _eval_mode(module, training=training), _quiet_exporter():
         program = torch.onnx.export(
             module,
             args,
@@ -270,7 +334,7 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
 
 
 def _export_torchscript(
-    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
 ) -> Any:
     """The TorchScript exporter: parameters keep their names (no constant folding, no
     initializers as inputs), inputs are named after ``forward``'s parameters and op
@@ -299,7 +363,7 @@ def _export_torchscript(
             type(module).__name__,
         )
     buffer = io.BytesIO()
-    with _eval_mode(module), _quiet_exporter(keep_warnings=True) as caught:
+    with _eval_mode(module, training=training), _quiet_exporter(keep_warnings=True) as caught:
         torch.onnx.export(
             module,
             args,
@@ -311,6 +375,7 @@ def _export_torchscript(
             do_constant_folding=False,
             keep_initializers_as_inputs=False,
             opset_version=18,
+            training=torch.onnx.TrainingMode.PRESERVE if training else torch.onnx.TrainingMode.EVAL,
         )
     for message in dict.fromkeys(
         str(w.message).splitlines()[0] for w in caught if "Trace" in w.category.__name__
@@ -401,9 +466,10 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
 
 
 @contextlib.contextmanager
-def _eval_mode(module: Any) -> Iterator[None]:
+def _eval_mode(module: Any, *, training: bool = False) -> Iterator[None]:
+    """The module in eval mode (train mode with ``training``), its flags restored after."""
     flags = [(m, m.training) for m in module.modules()]
-    module.eval()
+    module.train(training)
     try:
         yield
     finally:

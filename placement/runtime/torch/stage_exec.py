@@ -25,7 +25,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from placement.lowering.ops.training import ModeBatchNorm, ModeDropout, replaying
 from placement.runtime.schedule import split_batch
+
+#: The lowering's train/eval-mode modules (see :mod:`placement.lowering.ops.training`).
+MODE_MODULES = (ModeBatchNorm, ModeDropout)
 
 __all__ = [
     "StepStats",
@@ -303,9 +307,31 @@ def forward_for_backward(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
     with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
+    if not keep and _mode_dependent(stage):  # recomputed later: with the same Dropout masks
+        seed = int(torch.randint(0, 2**62, ()).item())
+        with torch.no_grad(), replaying(seed, recompute=False):
+            outs = call_stage(stage, args)
+        return outs, {_SEED: seed}
     with torch.enable_grad() if keep else torch.no_grad():
         outs = call_stage(stage, args)
     return outs, outs if keep else None
+
+
+_SEED = "__placement_replay_seed__"
+
+
+def _mode_dependent(stage: TorchStage) -> bool:
+    """Whether ``stage`` holds a train/eval-mode op of a training export (Dropout draws
+    masks, BatchNorm updates running buffers): its recomputation must replay, not redo."""
+    found = getattr(stage, "_mode_dependent", None)
+    if found is None:
+        module = stage.module
+        found = any(
+            node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), MODE_MODULES)
+            for node in module.graph.nodes
+        )
+        stage._mode_dependent = found  # type: ignore[attr-defined]
+    return found
 
 
 def backward_operands(
@@ -319,8 +345,10 @@ def backward_operands(
     """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
     ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
     ``outs`` None (checkpointed) recomputes the stage first (counted in ``stats``)."""
-    if outs is None:
-        with torch.enable_grad():
+    if outs is None or _SEED in outs:
+        seed = None if outs is None else outs[_SEED]
+        replay = contextlib.nullcontext() if seed is None else replaying(seed, recompute=True)
+        with torch.enable_grad(), replay:
             outs = call_stage(stage, args, immediate=True)
         if stats is not None:
             stats.recomputed[stage.index] += 1
