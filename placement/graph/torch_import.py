@@ -37,6 +37,7 @@ from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
+from placement.graph.output_names import rename_outputs, structure_names
 
 __all__ = [
     "CONSTANTS_KEY",
@@ -87,6 +88,7 @@ def from_torch(
     dynamic_shapes: Any = None,
     exporter: str = "auto",
     training: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> Model:
     """Export ``module`` to an operator graph with every op on ``device``.
 
@@ -116,10 +118,15 @@ def from_torch(
             data-dependent branches are fixed to the path the example inputs take
             (its warnings are logged).
         training: export in train mode (see above).
+        output_names: names for the graph outputs, in order. By default a module that
+            returns a dict or a Hugging Face ``ModelOutput`` names them by its keys
+            (``last_hidden_state``, ``pooler_output``, ``logits``; nested parts joined by
+            dots) and other outputs keep the exporter's names.
 
     Raises:
         ExportError: the exporter failed (with ``"auto"``: both did; the message
-            quotes both causes) and says what to try.
+            quotes both causes) and says what to try; ``output_names`` of the wrong
+            count, repeated, or already naming another blob.
     """
     import torch
 
@@ -136,6 +143,8 @@ def from_torch(
     ir_model.metadata_props[EXPORTER_KEY] = used
     _mark_exporter_constants(ir_model, module)
     _mark_mode(ir_model, module, bool(training))
+    if output_names is not None:
+        rename_outputs(ir_model, [str(n) for n in output_names], required=True)
     from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
@@ -323,14 +332,32 @@ def _export_dynamo(
             verbose=False,
         )
     ir_model = program.model
+    names = structure_names(getattr(getattr(program, "exported_program", None), "call_spec", None))
+    if names is not None:
+        rename_outputs(ir_model, names, required=False)
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        scope = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+        scope = _without_artefacts(scope_from_torch_name_scopes(scopes) or "") if scopes else ""
         expert = node.metadata_props.get(EXPERT_KEY)
         if expert is not None:  # one expert's ops of a grouped matmul (export_rules.grouped_mm)
             scope = f"{scope}.{expert}" if scope else expert
         node.metadata_props[SCOPE_KEY] = scope
     return ir_model
+
+
+#: Module-path parts the exporter makes up for ops no module produced (torch.export's
+#: metadata hook marks them with this placeholder module).
+_ARTEFACT_SCOPES = frozenset({"_empty_nn_module_stack_from_metadata_hook"})
+
+
+def _without_artefacts(scope: str) -> str:
+    """``scope`` without the exporter's placeholder module names.
+
+    Example:
+        >>> _without_artefacts("_empty_nn_module_stack_from_metadata_hook"), _without_artefacts("enc.0")
+        ('', 'enc.0')
+    """
+    return ".".join(p for p in scope.split(".") if p not in _ARTEFACT_SCOPES) if scope else scope
 
 
 def _export_torchscript(

@@ -45,10 +45,15 @@ class EvalModeWarning:
         if self.warned or not module.training or not torch.is_grad_enabled():
             return
         self.warned = True
+        effects = []
+        if any("Dropout" in layer for layer in self.layers):
+            effects.append("no dropout")
+        if any("BatchNorm" in layer for layer in self.layers):
+            effects.append("BatchNorm on running statistics that never update")
         message = (
             f"training a module exported in eval mode: its {', '.join(self.layers)} layers run as in "
-            "eval mode (no dropout, BatchNorm on running statistics that never update); export with "
-            "pl.from_torch(..., training=True) for real training mode"
+            f"eval mode ({', '.join(effects)}); export with pl.from_torch(..., training=True) for "
+            "real training mode, or call module.eval() (or torch.no_grad()) for inference"
         )
         log.warning("%s", message)
         warnings.warn(message, UserWarning, stacklevel=3)
