@@ -441,7 +441,7 @@ def pin_arena(params: Sequence[torch.Tensor], *, pin: bool = True) -> torch.Tens
         >>> params[0].tolist()
         [1.0, 1.0, 1.0]
     """
-    sizes = [_aligned(p.numel() * p.element_size()) for p in params]
+    sizes = [aligned(p.numel() * p.element_size()) for p in params]
     arena = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     offset = 0
     for param, size in zip(params, sizes):
