@@ -91,6 +91,7 @@ import torch.fx as fx
 from placement.errors import CUDAGraphError, LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
+from placement.graph.torch_import import exporter_constants, mode_modules
 from placement.lowering.bodies import Lowering, graph_module
 from placement.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.lowering.opset import upgraded
@@ -101,6 +102,7 @@ from placement.runtime.torch.outputs import check_outputs_on, install_outputs_on
 from placement.runtime.torch.pickled import FORWARD_HOOKS, PRESERVED, PlacedGraphModule
 from placement.runtime.torch.stream_release import insert_readers, insert_releases
 from placement.runtime.torch.streaming import WeightStreamer, pin_streamed
+from placement.runtime.torch.train_mode import install_mode_warning
 
 __all__ = ["to_torch", "check_supported"]
 
@@ -212,6 +214,7 @@ def to_torch(
         specs = input_specs(model.graph)
         keywords = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"][: len(specs)]
         install_input_check(module, specs, keywords)
+    layers = mode_modules(model)
     if chunks != 1:
         from placement.runtime.torch.pipelined import pipeline_module
 
@@ -224,17 +227,20 @@ def to_torch(
             cuda_graphs=cuda_graphs,
             executor=executor,
         )
-        return install_outputs_on(pipelined, outputs_on)
+        return install_mode_warning(install_outputs_on(pipelined, outputs_on), layers)
     if cuda_graphs:
         from placement.runtime.torch.cuda_graphs import cuda_graph_module
 
-        return install_outputs_on(cuda_graph_module(module), outputs_on)
+        return install_mode_warning(install_outputs_on(cuda_graph_module(module), outputs_on), layers)
     install_outputs_on(module, outputs_on)
+    install_mode_warning(module, layers)
     # copy.deepcopy rebuilds a GraphModule without its forward hooks (the input check, the
     # outputs' move): keep them, and the choice, among the attributes it restores (a pickle
     # keeps them by PlacedGraphModule.__reduce__).
     kept = {key: module.__dict__[key] for key in FORWARD_HOOKS if key in module.__dict__}
-    module.meta.setdefault(PRESERVED, {}).update(kept, outputs_on=outputs_on)
+    module.meta.setdefault(PRESERVED, {}).update(
+        kept, outputs_on=outputs_on, mode_warning=module.mode_warning
+    )
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),
@@ -396,9 +402,11 @@ class _ModelLowering(Lowering):
 
 
 def _state_initializers(model: Model) -> set[str]:
-    """Initializers fed to a rule's ``buffer_inputs`` (e.g. BatchNorm running stats)."""
+    """Initializers that are never trainable: those fed to a rule's ``buffer_inputs`` (e.g.
+    BatchNorm running stats) and the exporter's own constants (a ``bias=False`` conv's zero
+    bias, see :func:`placement.graph.torch_import.exporter_constants`)."""
     inits = model.graph.initializers
-    found: set[str] = set()
+    found: set[str] = set(exporter_constants(model)) & set(inits)
     for node in model.graph:
         positions = get_rule(node.op_type, node.domain).buffer_inputs
         for i in positions:

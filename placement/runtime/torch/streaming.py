@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from placement.lowering.emit import STREAMER_NAME
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import ALIGN, aligned
 from placement.runtime.torch.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
 __all__ = [
@@ -80,10 +80,6 @@ log = logging.getLogger(__name__)
 #: region's last reader; ``skip_keep``: a fresh copy is not ``record_stream``-ed on the compute
 #: stream; ``skip_window_keep``: the window is not ``record_stream``-ed on the copy stream.
 HAZARDS = ("skip_wait", "skip_release", "skip_keep", "skip_window_keep")
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
 
 
 @dataclass
@@ -183,7 +179,7 @@ class WeightStreamer(torch.nn.Module):
         """Bytes of each device's window (unset: twice the largest weight)."""
         if self._window is not None:
             return self._window
-        return 2 * _aligned(max(self.sizes, default=0))
+        return 2 * aligned(max(self.sizes, default=0))
 
     @property
     def timing(self) -> bool:
@@ -357,7 +353,7 @@ class WeightStreamer(torch.nn.Module):
             ends: dict[torch.device, int] = {}
             offsets: list[int | None] = []
             for device, size in zip(self.devices, self.sizes):
-                size = _aligned(size)
+                size = aligned(size)
                 if size > self.window:
                     offsets.append(None)
                     log.warning("a streamed weight of %d bytes exceeds the window (%d)", size, self.window)
@@ -380,7 +376,7 @@ class WeightStreamer(torch.nn.Module):
         if start is None:
             return None
         device = self.devices[index]
-        end = start + _aligned(self.sizes[index])
+        end = start + aligned(self.sizes[index])
         regions = self._regions.setdefault(device, [])
         overlapping = [s for s in regions if s.start < end and start < s.end]
         if self._unsafe != "skip_release" and any(s.state != "done" for s in overlapping):
@@ -445,7 +441,7 @@ def pin_arena(params: Sequence[torch.Tensor], *, pin: bool = True) -> torch.Tens
         >>> params[0].tolist()
         [1.0, 1.0, 1.0]
     """
-    sizes = [_aligned(p.numel() * p.element_size()) for p in params]
+    sizes = [aligned(p.numel() * p.element_size()) for p in params]
     arena = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     offset = 0
     for param, size in zip(params, sizes):
