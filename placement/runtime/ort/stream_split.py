@@ -43,7 +43,7 @@ import onnx_ir as ir
 from placement.graph.device import MAX_DEVICE_INDEX, Device
 from placement.graph.model import Model
 from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, set_node_device, stream_window
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import aligned
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.stages import Partition
 
@@ -52,17 +52,13 @@ __all__ = ["split_streamed", "restore_devices", "streamed_window"]
 log = logging.getLogger(__name__)
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
-
-
 def streamed_window(model: Model) -> int:
     """The window streamed weights are fed through: the recorded one, else twice the
     largest streamed weight (the torch streamer's default)."""
     window = stream_window(model.ir_model)
     if window is not None:
         return window
-    sizes = [_aligned(_nbytes(model, name)) for name in model.streamed]
+    sizes = [aligned(_nbytes(model, name)) for name in model.streamed]
     return 2 * max(sizes, default=0)
 
 
@@ -91,7 +87,7 @@ def split_streamed(model: Model, device_map: Mapping[Device, PhysicalDevice]) ->
     for node in model.graph:
         if is_copy_node(node) and node.metadata_props.get(COPY_KEY) == "streamed":
             source = node.inputs[0]
-            copies[node.outputs[0]] = _aligned(_nbytes(model, source.name or "")) if source else 0
+            copies[node.outputs[0]] = aligned(_nbytes(model, source.name or "")) if source else 0
             copy_nodes[node.outputs[0]] = node
     devices = set()
     for node in copy_nodes.values():
