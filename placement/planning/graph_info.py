@@ -160,15 +160,7 @@ class GraphInfo:
             for producer, consumers in zip(self.blob_producer, self.blob_consumers)
         ]
         if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
-            self.unknown_size = []
-            for b, value in enumerate(self.blob_values):
-                if self.blob_bytes[b]:
-                    continue
-                size = value_nbytes(value, self.dims)
-                if size is None:
-                    self.unknown_size.append(value.name or "")
-                else:
-                    self.blob_bytes[b] = int(math.ceil(size))
+            self._resize()
         fixed = {id(v) for v in load_time_values(graph)}
         self.blob_fixed: list[bool] = [id(value) in fixed for value in self.blob_values]
         self.step_bytes: list[int] = [
@@ -184,6 +176,18 @@ class GraphInfo:
                 len(self.unknown_size),
                 self.unknown_size[0],
             )
+
+    def _resize(self) -> None:
+        """Size the blobs still unsized (after shape inference annotated more of them)."""
+        self.unknown_size = []
+        for b, value in enumerate(self.blob_values):
+            if self.blob_bytes[b]:
+                continue
+            size = value_nbytes(value, self.dims)
+            if size is None:
+                self.unknown_size.append(value.name or "")
+            else:
+                self.blob_bytes[b] = int(math.ceil(size))
 
     def _fold_load_time_values(self) -> None:
         """``held_params``, ``held_fixed`` and ``blob_sources``: what each per-step op holds
