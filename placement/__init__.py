@@ -210,4 +210,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names, the subpackages and the module's dunders: not the tools this file
+    imports for itself (``importlib``, ``Any``, ``TYPE_CHECKING``, ``annotations``)."""
+    return sorted(set(__all__) | _SUBPACKAGES | {n for n in globals() if n.startswith("__")})

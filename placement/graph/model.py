@@ -164,7 +164,7 @@ def value_nbytes(value: ir.Value, dims: Mapping[str, int] | None = None) -> int 
     Example:
         >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", 4]))
         >>> value_nbytes(x), value_nbytes(x, {"batch": 8})
-        (None, 128)
+        (None, 128.0)
     """
     if value.const_value is not None:
         return int(value.const_value.nbytes)

@@ -54,7 +54,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
-from placement.planning.dims import planned_dims
+from placement.planning.dims import called_as, caller, planned_dims
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
 from placement.planning.offload_layers import Layer, aligned, layers_of
@@ -501,7 +501,8 @@ def plan_offload(
     rates = {**DEFAULT_THROUGHPUT, **(throughput or {})}
     feeds = _feeds(model, sample_inputs)
     bindings = planned_dims(model, sample_inputs=feeds, batch=batch)
-    prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
+    with called_as(caller() if caller() != "profile" else "plan_offload"):
+        prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
     info = GraphInfo(model, dims=bindings)
     flops = prof.costs("flops")
     if cost == "time":

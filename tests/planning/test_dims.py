@@ -123,3 +123,7 @@ def test_an_input_without_a_shape_names_the_function_called():
         pl.calibrate(_unshaped(), 2)
     with pytest.raises(pl.InputError, match="pass sample_inputs= to profile"):
         pl.profile(_unshaped())
+    with pytest.raises(pl.InputError, match="pass sample_inputs= to balance_by_time"):
+        pl.balance_by_time(_unshaped(), 2)
+    with pytest.raises(pl.InputError, match="pass sample_inputs= to plan_offload"):
+        pl.plan_offload(_unshaped(), {0: "1MiB", "cpu": "1GiB"})
