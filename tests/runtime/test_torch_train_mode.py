@@ -55,7 +55,7 @@ def _export(net: torch.nn.Module, x: torch.Tensor, *, split: bool = True) -> pl.
 
 
 def _running(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in module.state_dict().items() if "running" in k}
+    return {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
 
 
 def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
@@ -67,6 +67,7 @@ def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
     out = module(x)
     want = net(x)  # train mode: batch statistics, buffers updated
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert _running(module)["1.num_batches_tracked"].item() == 1
     for key, value in _running(module).items():
         assert not torch.equal(value, reference[key]), f"{key} never updated"
         torch.testing.assert_close(value, net.state_dict()[key], atol=1e-6, rtol=1e-5)
@@ -78,7 +79,9 @@ def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
     net.eval()
     torch.testing.assert_close(module(x), net(x), atol=1e-5, rtol=1e-5)
     written = model.update_parameters(module)
-    assert {k for k in written if "running" in k} == set(reference)
+    assert {k for k in written if "running" in k} == {k for k in reference if "running" in k}
+    assert sorted(module.state_dict()) == sorted(net.state_dict())
+    net.load_state_dict(module.state_dict(), strict=True)  # counters included
     placed = torch.from_numpy(pl.run(model, {"input": x.numpy()})[0])  # ORT: eval mode
     torch.testing.assert_close(placed, net(x), atol=1e-4, rtol=1e-4)
 
