@@ -124,7 +124,8 @@ class Emitter:
     def _register(self, path: str, tensor: torch.Tensor, *, parameter: bool) -> None:
         owner, leaf = self._owner(path)
         if parameter:
-            owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=True))
+            grad = tensor.is_floating_point() or tensor.is_complex()  # integers: frozen (int8 weights)
+            owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=grad))
         else:
             owner.register_buffer(leaf, tensor)
 
