@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,7 +92,8 @@ def test_dropout_is_live_in_train_mode_and_off_in_eval_mode():
     layers = [torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.25), torch.nn.Linear(64, 4)]
     net = torch.nn.Sequential(*layers)
     x = torch.randn(512, 16)
-    module = pl.to_torch(_export(net, x[:8], split=False), device_map="cpu")
+    model = _export(net, x[:8], split=False)
+    module = pl.to_torch(model, device_map="cpu")
     a, b = module(x), module(x)
     assert not torch.equal(a, b), "two train-mode forwards differ"
     net.eval()
@@ -101,6 +103,9 @@ def test_dropout_is_live_in_train_mode_and_off_in_eval_mode():
     module.eval()
     torch.testing.assert_close(module(x), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(module(x), module(x))
+    served = [pl.run(model, {"input": x.numpy()}, device_map="cpu")[0] for _ in range(2)]  # ORT: inference
+    np.testing.assert_array_equal(served[0], served[1])
+    np.testing.assert_allclose(served[0], want.detach().numpy(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
