@@ -41,6 +41,7 @@ from placement.graph.output_names import rename_outputs, structure_names
 
 __all__ = [
     "CONSTANTS_KEY",
+    "COUNTERS_KEY",
     "EXPORTER_KEY",
     "MODE_MODULES_KEY",
     "TRAINING_KEY",
@@ -53,10 +54,11 @@ __all__ = [
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
 EXPORTER_KEY = "placement.exporter"
-#: Model metadata key listing (as a JSON array) the initializers the exporter made
-#: that are not the module's state: the zero bias of a ``bias=False`` convolution,
-#: folded constants (``val_6``), lifted tensor constants. Runtimes treat them as
-#: constants, never as trainable parameters.
+#: Model metadata key listing (as a JSON array) the initializers that are not the
+#: module's ``state_dict``: what the exporter made (the zero bias of a ``bias=False``
+#: convolution, folded constants such as ``val_6``, lifted tensor constants) and the
+#: module's non-persistent buffers. Runtimes treat them as constants, never as trainable
+#: parameters, and leave them out of a lowered module's ``state_dict``.
 CONSTANTS_KEY = "placement.constants"
 #: Model metadata key set to ``"1"`` on a model exported for training
 #: (``from_torch(..., training=True)``): its Dropout and BatchNormalization ops follow the
@@ -66,6 +68,9 @@ TRAINING_KEY = "placement.training"
 #: training (Dropout, BatchNorm), recorded by an eval-mode export so that training the
 #: lowered module can warn that they run in eval mode.
 MODE_MODULES_KEY = "placement.mode_modules"
+#: Model metadata key of a training export: BatchNorm module path -> its ``num_batches_tracked``
+#: (JSON), so the lowered module keeps and counts that buffer under the module's name.
+COUNTERS_KEY = "placement.batch_counters"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -204,7 +209,7 @@ def exporter_of(model: Model) -> str | None:
 
 
 def exporter_constants(model: Any) -> frozenset[str]:
-    """Initializers the exporter made (not the module's parameters or buffers).
+    """Initializers that are not the module's state (see :data:`CONSTANTS_KEY`).
 
     ``model`` is a :class:`~placement.graph.model.Model` or an ``onnx_ir.Model``;
     models not imported by :func:`from_torch` have none.
@@ -232,11 +237,10 @@ def exporter_constants(model: Any) -> frozenset[str]:
 
 
 def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
-    """Record the initializers that are not ``module``'s state (see :data:`CONSTANTS_KEY`)."""
+    """Record the initializers that are not in ``module``'s state_dict (see :data:`CONSTANTS_KEY`)."""
     import json
 
-    state = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    state |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    state = set(module.state_dict(keep_vars=True))  # parameters and persistent buffers, tied ones too
     made = sorted(name for name in ir_model.graph.initializers if name not in state)
     if made:
         ir_model.metadata_props[CONSTANTS_KEY] = json.dumps(made)
@@ -272,8 +276,17 @@ def mode_modules(model: Any) -> list[str]:
 def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
     import json
 
+    import torch
+
     if training:
         ir_model.metadata_props[TRAINING_KEY] = "1"
+        counters = {
+            name: int(m.num_batches_tracked)
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor) and name
+        }
+        if counters:
+            ir_model.metadata_props[COUNTERS_KEY] = json.dumps(counters)
         return
     layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
     if layers:
