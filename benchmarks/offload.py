@@ -51,12 +51,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +65,12 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment, print_tables, write_results  # noqa: E402
 from placement.graph.sizes import format_bytes, parse_bytes  # noqa: E402
 from placement.models.gpt import GPT, GPTConfig  # noqa: E402
 
-RESULTS = _ROOT / "benchmarks" / "results" / "offload.json"
+RESULTS = RESULTS_DIR / "offload.json"
 #: size -> (config, sequence length, batches (throughput, latency), dtype)
 SIZES: dict[str, tuple[GPTConfig, int, tuple[int, int], torch.dtype]] = {
     "large": (
@@ -91,17 +91,8 @@ NO_GPU = "no CUDA GPU here: accelerate, peak GPU memory, overlap and the limit n
 
 def _median_time(fn: Any, repeats: int, *, cuda: bool) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    timings = alternate({"fn": fn}, repeats, warmup=1, sync=torch.cuda.synchronize if cuda else None)
+    return timings.medians()["fn"]
 
 
 def pinned_bandwidth(nbytes: int = 256 << 20) -> dict[str, float]:
@@ -353,11 +344,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         b: max(ref["time_s"][b], streamed_bytes / bandwidth["pinned"]) if bandwidth else None for b in batches
     }
     return {
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or 'unknown'})",
-        },
+        "environment": environment(
+            device=torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or 'unknown'})"
+        ),
         "size": args.size,
         "parameters": sum(p.numel() for p in net.parameters()),
         "weight_bytes": weight_bytes,
@@ -387,7 +376,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     batches = list(next(iter(result["rows"].values()))["time_s"])
@@ -428,7 +416,7 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_row(
             "transfer-bound limit", *(f"{limit[b] * 1e3:.1f}" for b in batches), "-", "-", "-", "-", "-", "-"
         )
-    Console(width=160).print(table)
+    print_tables(table, env=result["environment"], width=160)
     for note in result["notes"]:
         print(note)
 
@@ -437,9 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     result = run(args)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     placed = result["rows"]["placement"]
     if placed["budget_held"] is False:
         peak = format_bytes(placed["peak_gpu_reserved_bytes"])

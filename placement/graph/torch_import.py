@@ -35,6 +35,7 @@ from typing import Any
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
+from placement.graph.inference import infer_types
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
 from placement.graph.output_names import rename_outputs, structure_names
@@ -485,7 +486,7 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     session creation. ONNX shape inference then fills the shapes the exporter
     left out, so reports and planners know every blob's size.
     """
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
     from onnxscript.optimizer import fold_constants
 
     params = set(ir_model.graph.initializers)
@@ -498,11 +499,46 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fold_constants(ir_model, should_fold=should_fold)
+    _drop_malformed_zero_biases(ir_model)
     RemoveUnusedNodesPass()(ir_model)
     try:  # fill the shapes the exporter left out (sizes in reports, planners)
-        ShapeInferencePass()(ir_model)
+        infer_types(ir_model, strict=True)
     except Exception as err:  # inference is a convenience; never fail an import over it
         log.debug("ONNX shape inference failed: %s", err)
+
+
+def _drop_malformed_zero_biases(ir_model: Any) -> None:
+    """Drop the all-zero bias of a ``Conv`` whose bias is not the 1-D ``[C_out]`` ONNX needs.
+
+    onnxscript's ``aten_conv3d`` builds the zero bias of a bias-less ``Conv3d`` as
+    ``Expand(0, Concat(C_out, [2]))``, shape ``[C_out, 2]``; the exporter's optimizer removes
+    it in a default export, but ``from_torch`` exports without it, and ONNX Runtime refuses the
+    shape. A zero bias adds nothing, so the ``Conv`` loses it (the ops that built it are then
+    unused and removed). Any other bias, right or wrong, is left for the checks downstream.
+    """
+    import numpy as np
+
+    for graph in ir_model.graphs():
+        for node in graph:
+            if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+                continue
+            bias = node.inputs[2]
+            tensor = None if bias is None else _const_tensor(bias)
+            if tensor is None or len(tensor.shape) == 1:
+                continue
+            if not np.any(tensor.numpy()):
+                log.debug("%s: dropped its all-zero bias of shape %s", node.name, list(tensor.shape))
+                node.resize_inputs(2)
+
+
+def _const_tensor(value: Any) -> Any:
+    """The constant tensor of ``value`` (an initializer or a ``Constant``'s output), else ``None``."""
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor()
+    return None
 
 
 @contextlib.contextmanager
