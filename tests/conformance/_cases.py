@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.conformance._cases", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, torch)"
+        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, placed_folded, torch)"
     )
     parser.add_argument("--grow", action="store_true", help="also add cases that fail now (review them)")
     parser.add_argument(
