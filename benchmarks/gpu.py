@@ -57,7 +57,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
+try:  # the torch sections run without ONNX Runtime
+    import onnxruntime as ort
+except ImportError:  # pragma: no cover - an environment without it
+    ort = None
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
@@ -68,7 +71,6 @@ from benchmarks.gpu_setup import StageTimer, big_gpt, export, model_and_inputs  
 from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
 from benchmarks.harness import alternate, environment  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
-from placement.runtime.ort.sessions import cuda_provider_options, session_options  # noqa: E402
 
 __all__ = ["main", "validate_cpu", "stage_times"]
 
@@ -87,16 +89,59 @@ TARGETS = {
 }
 
 
-def has_gpu() -> bool:
-    """Whether torch sees a CUDA GPU and ONNX Runtime has its CUDA provider."""
+#: what each GPU section needs: "torch" (a CUDA GPU torch sees) or "ort" (that, and ONNX
+#: Runtime's CUDA provider really running a session)
+NEEDS = {"ort": "ort", "call": "ort", "pipeline": "ort", "graphs": "torch", "memory": "ort", "predict": "ort"}
+
+
+def torch_gpu() -> bool:
+    """Whether torch sees a CUDA GPU."""
     import torch
 
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def ort_gpu() -> str | None:
+    """None when a session asked for CUDA really runs on ONNX Runtime's CUDA provider, else why
+    not. ``get_available_providers()`` lists CUDA even where the provider cannot load (a
+    missing CUDA or cuDNN library): the session would then run on the CPU, and its timings
+    would be reported as a GPU's."""
+    if ort is None:
+        return "onnxruntime is not installed"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDA provider"
+    import onnx
+    from onnx import TensorProto, helper
+
+    from placement.runtime.ort.sessions import cuda_provider_error
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x], [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(proto)
+    try:
+        session = ort.InferenceSession(
+            proto.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+        )
+    except Exception as err:  # noqa: BLE001 - any failure means no CUDA session
+        return f"a CUDA session cannot be built: {err}"
+    got = session.get_providers()[0]
+    if got == "CUDAExecutionProvider":
+        return None
+    return f"a CUDA session runs on {got}: {cuda_provider_error()}"
+
+
+def has_gpu() -> bool:
+    """Whether torch sees a CUDA GPU and an ONNX Runtime session really runs on CUDA."""
+    return torch_gpu() and ort_gpu() is None
 
 
 def _single(proto: bytes) -> ort.InferenceSession:
     """One CUDA session of the unplaced model, with the options the stage sessions use."""
     from placement.runtime.device_map import PhysicalDevice
+    from placement.runtime.ort.sessions import cuda_provider_options, session_options
 
     physical = PhysicalDevice("cuda", 0)
     providers = [("CUDAExecutionProvider", cuda_provider_options(physical)), "CPUExecutionProvider"]
@@ -448,7 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_child:
         _memory_child(*args.memory_child)
         return 0
-    gpu = has_gpu()
     on_cpu = ("validate-cpu", "predict") if args.dry_run else ("validate-cpu",)
     if args.dry_run:
         sections = (
@@ -456,40 +500,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         sections = args.sections
-    if not gpu and any(s not in on_cpu for s in sections):
-        print("benchmarks/gpu.py: no CUDA GPU here (torch.cuda and onnxruntime's CUDAExecutionProvider); "
-              "the GPU sections are skipped. Run it on a GPU machine, or use --dry-run / "
-              "--sections validate-cpu on the CPU.", file=sys.stderr)  # fmt: skip
-        sections = [s for s in sections if s in on_cpu]
-        if not sections:
-            return 0
-    results: dict[str, Any] = {"environment": environment(), "targets": TARGETS}
+    missing = {"torch": None if torch_gpu() else "torch sees no CUDA GPU"}
+    if any(s not in on_cpu and NEEDS[s] == "ort" for s in sections):
+        missing["ort"] = missing["torch"] or ort_gpu()
+    skipped = [s for s in sections if s not in on_cpu and missing.get(NEEDS[s])]
+    for s in skipped:
+        print(f"benchmarks/gpu.py: section {s} skipped: {missing[NEEDS[s]]}", file=sys.stderr)
+    sections = [s for s in sections if s not in skipped]
+    if not sections:
+        return 0
+    results: dict[str, Any] = {"environment": environment(), "targets": TARGETS, "skipped": {
+        s: missing[NEEDS[s]] for s in skipped}}  # fmt: skip
     kw = {"trials": args.trials, "repeats": args.repeats, "block": args.block}
-    if "ort" in sections:
-        results["ort"] = section_ort(args.models, **kw)
-    if "call" in sections:
-        results["call"] = section_call(**kw)
-    if "pipeline" in sections:
-        results["pipeline"] = section_pipeline(
-            [m for m in ("gpt", "big") if m in args.models or m == "gpt"], **kw
-        )
-    if "graphs" in sections:
-        results["graphs"] = section_graphs(["tiny-gpt", "gpt"], **kw)
-    if "memory" in sections:
-        results["memory"] = section_memory([m for m in args.models if m != "hf-gpt2"])
-    if "predict" in sections:
-        results["predict"] = section_predict(repeats=3 if args.dry_run else max(5, args.repeats // 3),
-                                             dry_run=args.dry_run)  # fmt: skip
-    if "validate-cpu" in sections:
-        results["validate-cpu"] = validate_cpu(size="tiny" if args.dry_run else "bench",
-                                               repeats=3 if args.dry_run else args.repeats)  # fmt: skip
+    runs: dict[str, Callable[[], Any]] = {
+        "ort": lambda: section_ort(args.models, **kw),
+        "call": lambda: section_call(**kw),
+        "pipeline": lambda: section_pipeline([m for m in ("gpt", "big") if m in args.models or m == "gpt"],
+                                             **kw),
+        "graphs": lambda: section_graphs(["tiny-gpt", "gpt"], **kw),
+        "memory": lambda: section_memory([m for m in args.models if m != "hf-gpt2"]),
+        "predict": lambda: section_predict(repeats=3 if args.dry_run else max(5, args.repeats // 3),
+                                           dry_run=args.dry_run),
+        "validate-cpu": lambda: validate_cpu(size="tiny" if args.dry_run else "bench",
+                                             repeats=3 if args.dry_run else args.repeats),
+    }  # fmt: skip
+    for section in SECTIONS:
+        if section in sections:
+            results[section] = runs[section]()
+            if not args.dry_run:  # written as each section ends: a timeout keeps what was measured
+                _save(results, args.out)
     from rich.console import Console
 
     Console().print(_table(results))
-    if not args.dry_run:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 0
+
+
+def _save(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    partial.replace(out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ Runtimes defined here: ``ort`` (one plain ``InferenceSession``), ``placed_last``
 (``pl.run``, the model on logical devices 0 and 1 with the last op moved to 1,
 copies injected), ``placed_alternate`` (every other op moved to device 1, so
 copies sit on many edges), ``torch`` (``pl.to_torch`` on the CPU, forward only). Other
-runtimes can be added with :func:`register`.
+runtimes can be added with :func:`register`. ``placed_folded`` is ``placed_alternate`` with the
+runner's default ``fold``: the two logical devices share the CPU, so they run as one session.
 """
 
 from __future__ import annotations
@@ -330,12 +331,13 @@ def place(case: Case, how: str) -> Any:
     return model
 
 
-def run_placed(case: Case, how: str) -> list[Any]:
-    """``pl.run`` on :func:`place` (``how``), each logical device emulated on the CPU."""
+def run_placed(case: Case, how: str, fold: bool | None = False) -> list[Any]:
+    """``pl.run`` on :func:`place` (``how``), the logical devices on the CPU: each stage a session
+    of its own (``fold=False``), or, with ``fold=None`` (the runner's default), folded into one."""
     import placement as pl
 
     model = place(case, how)
-    runner = pl.Runner(model, threads=1, device_map="cpu", fold=False)  # the CPU's xfail lists; stages apart
+    runner = pl.Runner(model, threads=1, device_map="cpu", fold=fold)
     if not _numpy_lacks_an_output(case):
         return runner.run(ort_feeds(case))
     return from_ort_values(case, runner.run(ort_feeds(case), outputs="ortvalue"))
@@ -503,6 +505,7 @@ register("ort", run_ort)
 register("torch", run_torch)
 register("placed_last", functools.partial(run_placed, how="last"))
 register("placed_alternate", functools.partial(run_placed, how="alternate"))
+register("placed_folded", functools.partial(run_placed, how="alternate", fold=None))
 
 
 def check(case: Case, runtime_name: str) -> None:
@@ -642,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.conformance._cases", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, torch)"
+        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, placed_folded, torch)"
     )
     parser.add_argument("--grow", action="store_true", help="also add cases that fail now (review them)")
     parser.add_argument(

@@ -65,6 +65,8 @@ class BuildOptions:
             program the cores divided among its stages, else ONNX Runtime's choice).
         keep_layout: keep blocked layouts across CPU stages' convolution boundaries.
         precision: ``"fp32"`` or ``"tf32"`` (GPU stages).
+        allow_cpu_fallback: a GPU stage whose session falls back to the CPU runs there
+            (with a warning) instead of raising ``DeviceError``.
     """
 
     fold: bool | None = None
@@ -74,6 +76,7 @@ class BuildOptions:
     threads_per_stage: int | None = None
     keep_layout: bool = True
     precision: str = DEFAULT_PRECISION
+    allow_cpu_fallback: bool = False
 
     def session_threads(self, n_stages: int) -> int | None:
         """The intra-op threads of each session of a program with ``n_stages`` stages."""
@@ -113,6 +116,7 @@ class Built:
         reused: sessions taken from the cache.
         folds: logical device -> the device it was folded into.
         blocked_boundaries: blobs handed over in the blocked layout.
+        providers: stage index -> the execution provider its session really runs on.
     """
 
     program: Program
@@ -120,6 +124,7 @@ class Built:
     reused: int
     folds: dict[Device, Device]
     blocked_boundaries: list[str]
+    providers: dict[int, str] = field(default_factory=dict)
 
 
 def logical_devices(model: Model) -> list[Device]:
@@ -176,6 +181,8 @@ def build_program(
     layout = options.keep_layout and sum(not device_map[s.device].is_cuda for s in part.stages) > 1
     sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = {}
     execs: dict[int, StageExec] = {}
+    providers: dict[int, str] = {}
+    fell_back: dict[Device, PhysicalDevice] = {}  # GPU stages whose sessions run on the CPU
     built = reused = 0
     for stage in part.stages:
         if not stage.outputs:
@@ -192,16 +199,21 @@ def build_program(
                 threads=threads,
                 optimized_path=optimized_path(workdir, stage) if dump else None,
                 precision=options.precision,
+                allow_cpu_fallback=options.allow_cpu_fallback,
             )
             built += 1
         else:
             reused += 1
         sessions[key] = session
+        providers[stage.index] = session.get_providers()[0]
+        if physical.is_cuda and providers[stage.index] != "CUDAExecutionProvider":  # allowed fallback
+            physical = fell_back[stage.device] = PhysicalDevice("cpu")
         execs[stage.index] = StageExec(stage, physical, session)
     if keep:
         cache.sessions.update(sessions)
     else:
         cache.sessions = sessions  # sessions of stages that no longer exist are released
+    device_map = {**device_map, **fell_back}
     program = compile_program(model, part, execs, device_map)
     blobs: list[str] = []
     if options.keep_layout and sum(not ex.physical.is_cuda for ex in execs.values()) > 1:
@@ -216,7 +228,7 @@ def build_program(
         if plan.blobs:
             blobs = plan.blobs
             program = compile_program(model, part, execs, device_map)
-    return Built(program, built, reused, folds, blobs)
+    return Built(program, built, reused, folds, blobs, providers)
 
 
 def stale_copies(model: Model) -> bool:

@@ -44,7 +44,7 @@ import logging
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,7 @@ class RunnerStats:
             (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
             back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
             in another thread at the same time counts here too).
+        providers: stage index -> the execution provider its session really runs on.
     """
 
     sessions_built: int = 0
@@ -104,6 +105,7 @@ class RunnerStats:
     runs: int = 0
     transfers: int = 0
     host_copies: int = 0
+    providers: dict[int, str] = field(default_factory=dict)
 
 
 class Runner:
@@ -152,6 +154,8 @@ class Runner:
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
             cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
+        allow_cpu_fallback: a GPU stage whose session came back on the CPU (the CUDA provider did not
+            load) runs there, warning; by default ``DeviceError`` names the load error.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -187,6 +191,7 @@ class Runner:
         keep_layout: bool = True,
         precision: str = DEFAULT_PRECISION,
         fold: bool | None = None,
+        allow_cpu_fallback: bool = False,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -201,7 +206,7 @@ class Runner:
         self.blocked_boundaries: list[str] = []
         #: folds of the current program: logical device -> the device it runs as (see ``fold``)
         self.folds: dict[Device, Device] = {}
-        self.fold = fold
+        self.fold, self.allow_cpu_fallback = fold, allow_cpu_fallback
         self._cache = SessionCache()
         self._base: Model | None = None  # the private copy of the model the program was built from
         self._piped: tuple[Program, Program] | None = None  # (program, its pipelined form)
@@ -251,7 +256,8 @@ class Runner:
         return list(self._program.partition.stages)
 
     def summary(self) -> str:
-        """One line per stage: its logical device(s), the physical device, ops and boundary.
+        """One line per stage: its logical device(s), the physical device and the ONNX Runtime
+        provider its session really got, ops and boundary.
 
         Example:
             >>> import placement as pl
@@ -259,13 +265,15 @@ class Runner:
             >>> model = pl.from_torch(*mlp.build("tiny"))
             >>> model.set_device(model.ops[-1].name, 1)
             >>> print(Runner(model, device_map="cpu").summary())
-            stage 0: cuda:0+cuda:1 (folded) on cpu, 5 ops, inputs ['input'], outputs ['linear_2']
+            stage 0: cuda:0+cuda:1 (folded) on cpu (ORT CPU), 5 ops, inputs ['input'], outputs ['linear_2']
         """
         lines = []
         for stage in self.stages:
             logical = "+".join(map(str, stage.folded)) + " (folded)" if stage.folded else str(stage.device)
+            ep = self.stats.providers.get(stage.index, "no session").removesuffix("ExecutionProvider")
             lines.append(
-                f"stage {stage.index}: {logical} on {self._device_map[stage.device]}, {len(stage.ops)} ops, "
+                f"stage {stage.index}: {logical} on {self._device_map[stage.device]} (ORT {ep}), "
+                f"{len(stage.ops)} ops, "
                 f"inputs {list(stage.inputs)}, outputs {list(stage.outputs)}"
             )
         return "\n".join(lines)
@@ -506,6 +514,7 @@ class Runner:
         self._program = built.program
         self.folds = built.folds
         self.blocked_boundaries = built.blocked_boundaries
+        self.stats.providers = dict(built.providers)
         self.stats.transfers = built.program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -529,6 +538,7 @@ class Runner:
             threads_per_stage=self._threads_per_stage,
             keep_layout=self.keep_layout,
             precision=self.precision,
+            allow_cpu_fallback=self.allow_cpu_fallback,
         )
 
     def _pipelined_program(self) -> Program:
@@ -558,9 +568,8 @@ class Runner:
     # -- running -----------------------------------------------------------------------
 
     def _execute(self, arrays: list[Any], outputs: str = "numpy") -> list[Any]:
-        program = self._program
-        assert program is not None
-        return program.run(arrays, outputs)
+        assert self._program is not None
+        return self._program.run(arrays, outputs)
 
 
 def run(
@@ -571,15 +580,12 @@ def run(
     precision: str = DEFAULT_PRECISION,
     outputs: str = "numpy",
 ) -> list[Any]:
-    """Run a placed model once through per-stage ONNX Runtime sessions.
-
-    The one-shot form of :class:`Runner` (which builds its sessions once; use
-    it to run many times).
+    """Run a placed model once through per-stage ONNX Runtime sessions: the one-shot form
+    of :class:`Runner` (which builds its sessions once; use it to run many times).
 
     Args:
         model: a placed :class:`placement.Model` (not modified).
-        inputs: a dict by input name or a sequence in input order (numpy arrays
-            or torch tensors).
+        inputs: a dict by input name or a sequence in input order (numpy arrays, torch tensors).
         device_map: see :class:`Runner`.
         precision: ``"fp32"`` or ``"tf32"``; see :class:`Runner`.
         outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"`` (see :meth:`Runner.run`).
