@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from placement.errors import ExportError, InputError
 from placement.graph.device import Device, DeviceLike
+from placement.graph.kv_names import PAST, is_cache_input, is_cache_output, past_name, present_name
 from placement.graph.model import Model
 
 __all__ = [
@@ -56,50 +56,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-_PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 #: Symbolic dimension names of the exported graph's inputs and outputs.
 CACHE_DIMS = ("batch", "sequence", "past_sequence", "total_sequence")
-
-
-def past_name(layer: int, kind: str) -> str:
-    """``past_key_values.{layer}.{kind}`` (``kind``: ``"key"`` or ``"value"``).
-
-    Example:
-        >>> past_name(3, "value")
-        'past_key_values.3.value'
-    """
-    return f"past_key_values.{layer}.{kind}"
-
-
-def present_name(layer: int, kind: str) -> str:
-    """``present.{layer}.{kind}``.
-
-    Example:
-        >>> present_name(0, "key")
-        'present.0.key'
-    """
-    return f"present.{layer}.{kind}"
-
-
-def is_cache_input(name: str) -> bool:
-    """Whether a graph input name is a past KV cache tensor (``past_key_values.{i}.key/value``).
-
-    Example:
-        >>> is_cache_input("past_key_values.0.key"), is_cache_input("input_ids")
-        (True, False)
-    """
-    return _PAST.match(name) is not None
-
-
-def is_cache_output(name: str) -> bool:
-    """Whether a graph output name is a present KV cache tensor (``present.{i}.key/value``).
-
-    Example:
-        >>> is_cache_output("present.2.value"), is_cache_output("logits")
-        (True, False)
-    """
-    return _PRESENT.match(name) is not None
 
 
 @dataclass(frozen=True)
@@ -140,7 +98,7 @@ def kv_layers(model: Model) -> list[KVLayer]:
     inputs = {v.name: v for v in model.graph.inputs}
     outputs = {v.name for v in model.graph.outputs}
     found: list[KVLayer] = []
-    indices = sorted({int(m.group(1)) for name in inputs if (m := _PAST.match(name or ""))})
+    indices = sorted({int(m.group(1)) for name in inputs if (m := PAST.match(name or ""))})
     for i in indices:
         names = (past_name(i, "key"), past_name(i, "value"), present_name(i, "key"), present_name(i, "value"))
         if names[0] not in inputs or names[1] not in inputs or not {names[2], names[3]} <= outputs:
