@@ -27,6 +27,7 @@ LAYERS = [
     "planning",
     "lowering",
     "runtime",
+    "generation",
     "distributed",
     "report",
     "launch",
