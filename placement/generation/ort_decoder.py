@@ -257,12 +257,10 @@ class OrtDecoder:
             binding.bind_input(name, cache.device[0], cache.device[1], cache.dtype, shape, buffer.data_ptr())
             presents[cache.present] = cache
         device_type, device_id = ex.out_device
-        others = []
         for name in step.outputs:
             cache = presents.get(name) or caches.get(self._past_of.get(name, ""))
             if cache is None:
                 binding.bind_output(name, device_type, device_id)
-                others.append(name)
                 continue
             buffer = cache.buffers[1 - slot.current]
             shape = [batch, cache.heads, past + new_tokens, cache.dim]
@@ -273,11 +271,8 @@ class OrtDecoder:
             raise ex.error(err) from err
         finally:
             binding.clear_binding_inputs()
-        if others:
-            outputs = binding.get_outputs()
-            for value, name in zip(outputs, step.outputs):
-                if name in others:
-                    values[name] = value
+        # every output, a present too (a view of its buffer): a later stage may read it
+        values.update(zip(step.outputs, binding.get_outputs()))
         binding.clear_binding_outputs()
         for key in step.free:
             values.pop(key, None)
