@@ -89,8 +89,9 @@ class KVLayer:
         return 2 * batch * heads * length * dim * np.dtype(self.dtype).itemsize
 
 
-def kv_layers(model: Model) -> list[KVLayer]:
-    """The KV cache layers of ``model``'s graph, by layer index (empty: the graph has no cache).
+def kv_layers(model: Model | Any) -> list[KVLayer]:
+    """The KV cache layers of ``model``'s graph (a Model or an ``onnx_ir`` model), by layer
+    index (empty: the graph has no cache).
 
     A layer counts when all four names exist (``past_key_values.{i}.key/value`` inputs,
     ``present.{i}.key/value`` outputs).

@@ -194,6 +194,38 @@ def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str
     return result
 
 
+def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
+    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
+    present (where the cache lives); the bytes added.
+
+    Raises:
+        PlanError: a bad ``kv_cache`` or a model without a cache.
+    """
+    from placement.graph.causal_lm import kv_layers
+
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    if batch < 1 or length < 1:
+        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
+    layers = kv_layers(model)
+    if not layers:
+        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
+    outputs = {v.name: v for v in model.graph.outputs}
+    added = 0
+    for layer in layers:
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            position = info.position.get(producer.name or "") if producer is not None else None
+            if position is None:
+                raise PlanError(f"cache output {name!r} is not made by a planned op")
+            nbytes = layer.bytes_for(batch, length) // 2
+            info.add_state(position, nbytes)
+            added += nbytes
+    return added
+
+
 def auto_place(
     model: Model,
     devices: int | Sequence[DeviceLike] | None = None,
@@ -209,6 +241,7 @@ def auto_place(
     op_costs: Mapping[str, float] | None = None,
     offload: bool | None = None,
     throughput: Mapping[str, float] | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -322,6 +355,8 @@ def auto_place(
     )
     costs = prof.costs(cost)
     info = GraphInfo(model)
+    if kv_cache is not None:
+        add_kv_cache(info, model, kv_cache)
     if op_costs is not None:
         costs = _override_costs(info, costs, op_costs)
     allowed = constant_glue(info)
