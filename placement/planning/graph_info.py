@@ -98,10 +98,8 @@ class GraphInfo:
         self.blob_is_output: list[bool] = []
         blob_id: dict[int, int] = {}
         self.unknown_size: list[str] = []
-        #: per position, bytes the op holds across steps (KV caches; see ``add_state``)
-        self.state_bytes: list[int] = []
+        self.state_bytes: list[int] = []  # per position: bytes held across steps (``add_state``)
         self._state_prefix: list[int] | None = None
-
         self.blob_values: list[ir.Value] = []
 
         def new_blob(value: ir.Value, producer: int) -> int:
