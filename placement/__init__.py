@@ -191,8 +191,19 @@ __all__ += ["predict", "Prediction"]
 _LAZY.update(stream_parameters="placement.passes.streaming", plan_offload="placement.planning.offload")
 __all__ += ["stream_parameters", "plan_offload"]
 
+# generation: causal LMs with their KV cache, the decode loop over both runtimes
+_LAZY.update(
+    from_causal_lm="placement.graph.causal_lm",
+    generate="placement.generation",
+    Generator="placement.generation",
+)
+__all__ += ["from_causal_lm", "generate", "Generator"]
+
 _SUBPACKAGES = frozenset(
-    {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}
+    {
+        "analysis", "cli", "distributed", "errors", "generation", "graph",
+        "models", "passes", "planning", "report", "runtime",
+    }
 )
 
 

@@ -30,6 +30,7 @@ LAYERS = [
     "planning",
     "lowering",
     "runtime",
+    "generation",
     "distributed",
     "report",
     "launch",

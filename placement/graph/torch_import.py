@@ -108,9 +108,10 @@ def from_torch(
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
     A setting the exporter cannot handle (a Hugging Face mixture-of-experts model's
-    ``experts_implementation="eager"``) is switched to an exportable one for the
-    export, with a logged notice, and restored afterwards
-    (:mod:`placement.graph.export_rules`).
+    ``experts_implementation="eager"``, a causal LM's default ``use_cache=True``) is
+    switched to an exportable one for the export, with a logged notice, and restored
+    afterwards (:mod:`placement.graph.export_rules`). To export a causal LM *with* its
+    KV cache, use :func:`placement.graph.causal_lm.from_causal_lm`.
 
     Args:
         module: a ``torch.nn.Module``.
@@ -166,6 +167,7 @@ def _export(
     exporter: str,
     name: str,
     training: bool = False,
+    skip_settings: frozenset[str] = frozenset(),
 ) -> tuple[Any, str]:
     """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
@@ -173,7 +175,7 @@ def _export(
     used = ""
     if exporter in ("auto", "dynamo"):
         try:
-            with exportable_settings(module, "dynamo"):
+            with exportable_settings(module, "dynamo", skip=skip_settings):
                 ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes, training)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
@@ -188,7 +190,7 @@ def _export(
             )
     if ir_model is None:
         try:
-            with exportable_settings(module, "torchscript"):
+            with exportable_settings(module, "torchscript", skip=skip_settings):
                 ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes, training)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types

@@ -31,6 +31,7 @@ from onnx_ir.passes.common import CheckerPass
 
 from placement.errors import VerificationError
 from placement.graph.device import Device
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.model import Model
 from placement.graph.nodes import (
     COPY_KEY,
@@ -100,7 +101,11 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
     if output_device is not None:
         for value in graph.outputs:
             producer = value.producer()
-            if producer is not None and devices.get(id(value)) != output_device:
+            if (
+                producer is not None
+                and devices.get(id(value)) != output_device
+                and not is_cache_output(value.name)
+            ):
                 raise VerificationError(
                     f"op {producer.name!r} produces graph output {value.name!r} on "
                     f"{devices.get(id(value))}, not on the output device {output_device}"
@@ -138,7 +143,7 @@ def _source_device(
         return found
     found = home.get(id(value))
     if found is None:
-        is_input = value.is_graph_input() and value.name not in inits
+        is_input = value.is_graph_input() and value.name not in inits and not is_cache_input(value.name)
         found = input_device if (is_input and input_device is not None) else consumer_device
         home[id(value)] = found
     return found
