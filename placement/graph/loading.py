@@ -28,11 +28,11 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from placement.errors import ModelLoadError
-from placement.graph import ort_ops
 from placement.graph.device import Device, DeviceLike
 from placement.graph.external_data import _check_data_pairing, _check_external_data, _without_external_data
 from placement.graph.model import Model
 from placement.graph.nodes import DEVICE_KEY
+from placement.graph.ort_ops import checkable, has_ort_registry, ort_only_ops, session_decides
 from placement.graph.saving import DATA_CHECK_KEY, TWO_GB
 
 __all__ = ["load"]
@@ -170,7 +170,7 @@ def _from_proto(
         # The proto that was parsed is checked (never the file again: a concurrent save may
         # have replaced it); external data locations were checked by _check_external_data.
         # ORT's own ops are checked against ORT's schemas (placement.graph.ort_ops).
-        onnx.checker.check_model(ort_ops.checkable(_without_external_data(proto), origin=origin))
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin=origin))
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise ModelLoadError(f"{origin} is not valid ONNX (truncated or corrupt?): {first}") from err
@@ -185,8 +185,8 @@ def _from_proto(
         ir.external_data.set_base_dir(ir_model.graph, path.parent)
     ir_model.metadata_props.pop(DATA_CHECK_KEY, None)
     model = _from_ir(ir_model, device, stages)
-    if not ort_ops.has_ort_registry() and ort_ops.ort_only_ops(proto):
-        ort_ops.session_decides(model, origin=origin)
+    if not has_ort_registry() and ort_only_ops(proto):
+        session_decides(model, origin=origin)
     return model
 
 

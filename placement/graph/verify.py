@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - other onnx_ir releases
     _c_api_utils = None  # type: ignore[assignment]
 
 from placement.errors import ModelLoadError, VerificationError
-from placement.graph import ort_ops
 from placement.graph.device import Device
 from placement.graph.external_data import _without_external_data
 from placement.graph.model import Model
@@ -47,6 +46,7 @@ from placement.graph.nodes import (
     is_copy_node,
     node_reads,
 )
+from placement.graph.ort_ops import checkable
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -167,7 +167,7 @@ def run_onnx_checker(model: Model | ir.Model) -> None:
     ir_model = model.ir_model if isinstance(model, Model) else model
 
     def check(proto: onnx.ModelProto) -> None:
-        onnx.checker.check_model(ort_ops.checkable(_without_external_data(proto), origin="the model"))
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin="the model"))
 
     try:
         if _c_api_utils is not None and hasattr(_c_api_utils, "call_onnx_api"):
