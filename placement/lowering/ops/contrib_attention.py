@@ -8,11 +8,10 @@ KV caches, sliding-window cache buffers, packed batches...).
 GroupQueryAttention, per sequence ``b`` with ``T_b = seqlens_k[b] + 1`` tokens so far:
 the first prompt (``sequence_length == total_sequence_length``) starts at
 position 0; later steps append their ``S`` tokens at ``T_b - S``. With
-``do_rotary=1`` the queries and keys rotate at those positions first (ORT gives a
-padded position of the first prompt position 1). The present cache is
+``do_rotary=1`` the queries and keys rotate at those positions first. The present cache is
 ``max(total_sequence_length, past length)`` long: the first ``T_b - S`` past rows,
 then the new keys, then zeros. A query at position ``p`` attends to the keys at
-``0..p`` (``p - local_window_size .. p`` with a window).
+``0..p`` (the last ``local_window_size`` of them with a window).
 
 Example:
     >>> import torch
@@ -72,13 +71,12 @@ def _gqa_refusals(attrs: dict[str, Any]) -> str | None:
     return None
 
 
-def _gqa_positions(seqlens: Tensor, seq: int, total: int, first_prompt: bool) -> tuple[Tensor, Tensor]:
+def _gqa_positions(seqlens: Tensor, seq: int, first_prompt: bool) -> tuple[Tensor, Tensor]:
     """Per (batch, step) rotary positions, and per batch where the new tokens start."""
     steps = torch.arange(seq, device=seqlens.device).reshape(1, seq)
     lengths = seqlens.reshape(-1, 1) + 1
     if first_prompt:
-        positions = torch.where(steps < lengths, steps, torch.ones_like(steps))
-        return positions, torch.zeros_like(seqlens)
+        return steps.expand(lengths.shape[0], seq), torch.zeros_like(seqlens)
     start = lengths - seq
     return start + steps, start.reshape(-1)
 
@@ -157,7 +155,7 @@ def group_query_attention(
     total = int(_scalar(total_sequence_length))
     first_prompt = seq == total
     seqlens = seqlens_k.to(torch.int64).to(query.device).reshape(-1)
-    positions, start = _gqa_positions(seqlens, seq, total, first_prompt)
+    positions, start = _gqa_positions(seqlens, seq, first_prompt)
     if do_rotary:
         if cos_cache is None or sin_cache is None:
             raise LoweringError("GroupQueryAttention with do_rotary=1 needs cos_cache and sin_cache")
@@ -178,7 +176,7 @@ def group_query_attention(
     key_pos = torch.arange(length, device=query.device).reshape(1, 1, 1, length)
     allowed = key_pos <= query_pos
     if local_window_size > 0:
-        allowed = allowed & (key_pos >= query_pos - local_window_size)
+        allowed = allowed & (key_pos > query_pos - local_window_size)
     sink = head_sink if head_sink is not None else (torch.zeros(num_heads) if smooth_softmax else None)
     probs = _softmax(scores, allowed, sink.to(query.device) if sink is not None else None)
     out = (probs @ values).to(query.dtype).transpose(1, 2).reshape(batch, seq, -1)
