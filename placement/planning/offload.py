@@ -56,7 +56,7 @@ from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
-from placement.planning.offload_layers import ALIGN, Layer, layers_of, size_activations
+from placement.planning.offload_layers import Layer, aligned, layers_of, size_activations
 from placement.planning.offload_search import gpu_activations, search_modes
 from placement.planning.profile import profile, symbol_bindings
 from placement.planning.speeds import DEFAULT_FLOPS
@@ -229,17 +229,13 @@ def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, i
     return out
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
-
-
 def window_bytes(layers: Sequence[Layer], modes: Sequence[str], depth: int) -> int:
     """The device window the streamed layers need: ``depth`` of the largest streamed layer (each
     weight aligned as the runtime lays it out), plus the largest weight for the ring's wrap."""
-    per_layer = [sum(_aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
+    per_layer = [sum(aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
     if not per_layer:
         return 0
-    largest_weight = max(_aligned(size) for m in _streamed(layers, modes) for size in m.values())
+    largest_weight = max(aligned(size) for m in _streamed(layers, modes) for size in m.values())
     return min(depth, len(per_layer)) * max(per_layer) + largest_weight
 
 

@@ -41,11 +41,20 @@ from placement.graph.nodes import node_scope
 from placement.planning.graph_info import GraphInfo
 from placement.planning.profile import Shapes
 
-__all__ = ["ALIGN", "Layer", "layers_of", "layer_key", "size_activations"]
+__all__ = ["ALIGN", "aligned", "Layer", "layers_of", "layer_key", "size_activations"]
 
 #: Bytes each streamed weight's region of the device window is aligned to (the runtime's
 #: :class:`~placement.runtime.torch.streaming.WeightStreamer` lays the window out so).
 ALIGN = 512
+
+
+def aligned(size: int) -> int:
+    """``size`` rounded up to :data:`ALIGN` bytes: a streamed weight's region of the window.
+
+    >>> aligned(1), aligned(512), aligned(513)
+    (512, 512, 1024)
+    """
+    return -(-size // ALIGN) * ALIGN
 
 
 @dataclass

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from placement.lowering.emit import STREAMER_NAME
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import ALIGN, aligned
 from placement.runtime.torch.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
 __all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed", "measure_workspace", "free_workspaces"]
@@ -68,10 +68,6 @@ log = logging.getLogger(__name__)
 
 #: Test-only hazards (``streamer._unsafe``): drop one wait to prove the tests see it.
 HAZARDS = ("skip_wait", "skip_release")
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
 
 
 @dataclass
@@ -151,7 +147,7 @@ class WeightStreamer(torch.nn.Module):
         """Bytes of each device's window (unset: twice the largest weight)."""
         if self._window is not None:
             return self._window
-        return 2 * _aligned(max(self.sizes, default=0))
+        return 2 * aligned(max(self.sizes, default=0))
 
     @property
     def timing(self) -> bool:
@@ -256,7 +252,7 @@ class WeightStreamer(torch.nn.Module):
             ends: dict[torch.device, int] = {}
             offsets: list[int | None] = []
             for device, size in zip(self.devices, self.sizes):
-                size = _aligned(size)
+                size = aligned(size)
                 if size > self.window:
                     offsets.append(None)
                     log.warning("a streamed weight of %d bytes exceeds the window (%d)", size, self.window)
@@ -279,7 +275,7 @@ class WeightStreamer(torch.nn.Module):
         if start is None:
             return None
         device = self.devices[index]
-        end = start + _aligned(self.sizes[index])
+        end = start + aligned(self.sizes[index])
         regions = self._regions.setdefault(device, [])
         overlapping = [s for s in regions if s.start < end and start < s.end]
         if self._unsafe != "skip_release" and any(s.state != "done" for s in overlapping):
