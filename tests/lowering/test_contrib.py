@@ -123,11 +123,13 @@ def test_matmul_nbits_accuracy_level_4_quantizes_a_like_ort():
     packed, scales = _nbits_weights(n, k, 4, block)
     a = _f(4, k) * 3
     inputs = [("A", a), ("B", None), ("scales", None)]
-    model = _model("MatMulNBits", inputs, ["y"], initializers={"B": packed, "scales": scales}, K=k, N=n, bits=4,
-                   block_size=block, accuracy_level=4)  # fmt: skip
+    inits = {"B": packed, "scales": scales}
+    model = _model("MatMulNBits", inputs, ["y"], initializers=inits, K=k, N=n, bits=4, block_size=block,
+                   accuracy_level=4)  # fmt: skip
     want = _compare(model, {"A": a}, atol=1e-4)[0]
     rule = get_rule("MatMulNBits", MS).fn
-    plain = rule(torch.from_numpy(a), torch.from_numpy(packed), torch.from_numpy(scales), K=k, N=n, block_size=block)
+    weights = torch.from_numpy(packed), torch.from_numpy(scales)
+    plain = rule(torch.from_numpy(a), *weights, K=k, N=n, block_size=block)
     assert np.abs(plain.numpy() - want).max() > 1e-3  # so the emulation is what matches
 
 
