@@ -115,3 +115,21 @@ def test_placed_and_lowered_logits_equal_one_ort_session(name):
         total = feeds["attention_mask"].shape[1] + 1
         feeds = {"input_ids": next_ids, "attention_mask": np.ones((2, total), np.int64)}
         feeds |= {n.replace("present.", "past_key_values."): v for n, v in results.items() if n != "logits"}
+
+
+@pytest.mark.slow  # the planner profiles the file: about 20 s on 2 busy cores
+def test_planner_places_a_genai_file_and_it_still_generates_genais_tokens():
+    name = "llama_int4"
+    expected = _expected(name)
+    model = pl.load(GENAI / name / "model.onnx")
+    inputs, outputs = _names(model)
+    prompt = np.array([expected["prompt"]], dtype=np.int64)
+    sample = {"input_ids": prompt, "attention_mask": np.ones_like(prompt)}
+    sample |= {n: np.zeros((1, 2, 0, 16), np.float32) for n in inputs if n.startswith("past_key_values.")}
+    plan = pl.auto_place(model, devices=2, sample_inputs=sample)
+    plan.apply(model)
+    pl.inject_cross_device_copies(model)
+    pl.verify(model)
+    assert len(model.devices) == 2
+    tokens = _greedy(pl.Runner(model).run, inputs, outputs, expected["prompt"], len(expected["new_tokens"]))
+    assert tokens == expected["new_tokens"]
