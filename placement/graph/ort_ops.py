@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import onnx
@@ -92,6 +92,7 @@ def ort_schema(op_type: str, domain: str, opset: int) -> Any | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def _onnx_knows(op_type: str, domain: str, opset: int) -> bool:
     try:
         onnx.defs.get_schema(op_type, opset, domain)
@@ -110,6 +111,14 @@ def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 def _opsets(proto: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+
+
+def ort_only_node(node: Any, opsets: Mapping[str, int]) -> bool:
+    """Whether an ``onnx_ir`` node is one of ONNX Runtime's own ops (see :func:`ort_only_ops`)."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    if domain in _ORT_DOMAINS:
+        return True
+    return domain == "" and not _onnx_knows(node.op_type, "", opsets.get("", opsets.get("ai.onnx", 1)))
 
 
 def ort_only_ops(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
