@@ -1,4 +1,4 @@
-"""The inputs of ``placement run``: ``--input`` files, random inputs, ``--dim`` sizes.
+"""The inputs of ``placement run`` and the planner: ``--input`` files, random inputs, ``--dim`` sizes.
 
 Example:
     >>> from placement.cli.inputs import parse_dims
@@ -82,16 +82,34 @@ def read_inputs(
     wanted = dict(dims or {})
     arrays: dict[str, Any] = {}
     random_names: list[str] = []
-    for spec in specs or ():
-        name, sep, path = spec.partition("=")
-        if not sep:
-            if len(names) != 1:
-                raise pl.InputError(f"--input {spec!r}: name the input (NAME=FILE.npy); inputs are {names}")
-            name, path = names[0], spec
+    given: dict[str, str] = {}
+
+    def take(name: str, spec: str) -> None:
         if name not in names:
             raise pl.InputError(
                 f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})"
             )
+        if name in given:
+            raise pl.InputError(
+                f"input {name!r} is given twice: --input {given[name]!r} and --input {spec!r}"
+            )
+        given[name] = spec
+
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep and spec.lower().endswith(".npz"):
+            for name, array in _read_npz(spec).items():
+                take(name, spec)
+                arrays[name] = array
+            continue
+        if not sep:
+            if len(names) != 1:
+                raise pl.InputError(
+                    f"--input {spec!r}: name the input (NAME=FILE.npy), or give one .npz with every "
+                    f"input by name; inputs are {names}"
+                )
+            name, path = names[0], spec
+        take(name, spec)
         if path == "random":
             random_names.append(name)
             continue
@@ -100,7 +118,10 @@ def read_inputs(
         except (OSError, ValueError) as err:
             raise pl.InputError(f"cannot read input {name!r} from {path!r}: {err}") from err
         if not isinstance(arrays[name], np.ndarray):
-            raise pl.InputError(f"input file {path!r} holds several arrays; give one .npy per input")
+            raise pl.InputError(
+                f"--input {spec!r}: {path!r} holds several arrays; give a .npy per input "
+                "(NAME=FILE.npy), or the .npz alone (its arrays by input name)"
+            )
     if random_rest:
         random_names += [n for n in names if n not in arrays and n not in random_names]
     symbolic = {str(d) for n in random_names for d in (by_name[n].shape or ()) if not isinstance(d, int)}
@@ -114,6 +135,31 @@ def read_inputs(
     for name in random_names:
         arrays[name] = _random_input(model, by_name[name], rng, wanted, default_dim)
     return arrays
+
+
+def _read_npz(path: str) -> dict[str, Any]:
+    """The arrays of an ``.npz`` file by name (what ``placement run --output`` and ``np.savez`` write)."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise pl.InputError(f"cannot read inputs from {path!r}: {err}") from err
+
+
+def planner_inputs(args: Any, model: Any) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
+    """``(sample_inputs, batch)`` for the planner from ``--input`` and ``--dim``.
+
+    Inputs the ``--input`` files leave out are made at random at the ``--dim`` sizes (1
+    for a symbol ``--dim`` does not give); without ``--input`` the planner makes its own
+    and ``--dim`` is the batch it plans for.
+    """
+    dims = parse_dims(getattr(args, "dim", None)) or None
+    specs = getattr(args, "input", None)
+    if not specs:
+        return None, dims
+    return read_inputs(specs, model, random_rest=True, dims=dims, default_dim=1), dims
 
 
 def _random_input(model: Any, spec: Any, rng: Any, dims: dict[str, int], default_dim: int) -> Any:

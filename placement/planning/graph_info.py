@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -49,6 +49,7 @@ from placement.analysis.shapes import infer_shapes
 from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import is_copy_node, node_device
+from placement.planning.dims import planned_dims
 
 __all__ = ["GraphInfo", "peak_activation_bytes"]
 
@@ -81,8 +82,10 @@ class GraphInfo:
             its group (load-time values made from shared parameters share one).
     """
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, *, dims: Mapping[str, int] | None = None) -> None:
         graph = model.graph
+        #: the sizes symbolic dimensions count at (:func:`placement.planning.dims.planned_dims`)
+        self.dims: dict[str, int] = dict(dims) if dims is not None else planned_dims(model)
         self.nodes: list[ir.Node] = [n for n in graph if not is_copy_node(n)]
         self.names: list[str] = [n.name or "" for n in self.nodes]
         self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
@@ -105,7 +108,7 @@ class GraphInfo:
             blob_id[id(value)] = b
             self.blob_values.append(value)
             self.blob_names.append(value.name or "")
-            size = value_nbytes(value)
+            size = value_nbytes(value, self.dims)
             if size is None:
                 self.unknown_size.append(value.name or "")
             self.blob_bytes.append(int(math.ceil(size)) if size else 0)
@@ -157,15 +160,7 @@ class GraphInfo:
             for producer, consumers in zip(self.blob_producer, self.blob_consumers)
         ]
         if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
-            self.unknown_size = []
-            for b, value in enumerate(self.blob_values):
-                if self.blob_bytes[b]:
-                    continue
-                size = value_nbytes(value)
-                if size is None:
-                    self.unknown_size.append(value.name or "")
-                else:
-                    self.blob_bytes[b] = int(math.ceil(size))
+            self._size_unshaped()
         fixed = {id(v) for v in load_time_values(graph)}
         self.blob_fixed: list[bool] = [id(value) in fixed for value in self.blob_values]
         self.step_bytes: list[int] = [
@@ -181,6 +176,18 @@ class GraphInfo:
                 len(self.unknown_size),
                 self.unknown_size[0],
             )
+
+    def _size_unshaped(self) -> None:
+        """Size again the blobs that had no static shape, after shape inference annotated them."""
+        self.unknown_size = []
+        for b, value in enumerate(self.blob_values):
+            if self.blob_bytes[b]:
+                continue
+            size = value_nbytes(value, self.dims)
+            if size is None:
+                self.unknown_size.append(value.name or "")
+            else:
+                self.blob_bytes[b] = int(math.ceil(size))
 
     def _fold_load_time_values(self) -> None:
         """``held_params``, ``held_fixed`` and ``blob_sources``: what each per-step op holds
@@ -409,8 +416,10 @@ def _max_prefix(diff: list[int]) -> int:
     return best
 
 
-def peak_activation_bytes(model: Model) -> dict[Device, int]:
+def peak_activation_bytes(model: Model, *, dims: Mapping[str, int] | None = None) -> dict[Device, int]:
     """Liveness-based peak activation bytes per device for the model's current placement.
+
+    Symbolic dimensions count at ``dims`` (default: :func:`placement.planning.dims.planned_dims`).
 
     Example:
         >>> import placement as pl
@@ -421,7 +430,7 @@ def peak_activation_bytes(model: Model) -> dict[Device, int]:
         >>> list(peaks), peaks[pl.Device("cuda", 0)] > 0
         ([Device('cuda:0')], True)
     """
-    info = GraphInfo(model)
+    info = GraphInfo(model, dims=dims)
     devices = sorted({node_device(n) for n in info.nodes})
     index = {d: k for k, d in enumerate(devices)}
     part = [index[node_device(n)] for n in info.nodes]

@@ -54,14 +54,24 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
+from placement.planning.dims import planned_dims
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
-from placement.planning.offload_layers import Layer, aligned, layers_of, size_activations
+from placement.planning.offload_layers import Layer, aligned, layers_of
 from placement.planning.offload_search import gpu_activations, search_modes
-from placement.planning.profile import profile, symbol_bindings
+from placement.planning.profile import profile
 from placement.planning.speeds import DEFAULT_FLOPS
 
-__all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
+__all__ = [
+    "plan_offload",
+    "Layer",
+    "OffloadPlan",
+    "simulate",
+    "MODES",
+    "is_offload_budget",
+    "layers_of",
+    "default_workspace",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +79,40 @@ MODES = ("resident", "streamed", "host")
 #: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
 Activations = Union[int, Callable[[Sequence[str]], int]]
 
-#: The GPU workspace margin (``workspace=``): cuBLAS keeps up to 32 MiB per stream on
-#: recent GPUs, allocated through torch's caching allocator.
+#: The GPU workspace margin (``workspace=``) per stream that runs kernels: cuBLAS keeps up to
+#: 32 MiB per stream on Hopper (``CUBLAS_WORKSPACE_CONFIG``'s default there), allocated
+#: through torch's caching allocator.
 DEFAULT_WORKSPACE = 32 << 20
-#: The largest share of the GPU budget the default workspace margin takes.
+#: The share of a toy GPU budget (below twice :data:`DEFAULT_WORKSPACE`) the default margin takes.
 WORKSPACE_SHARE = 0.05
+
+
+def default_workspace(budget: int | None, *, streams: int = 1) -> int:
+    """The default ``workspace=`` of :func:`plan_offload`: :data:`DEFAULT_WORKSPACE` per stream
+    that runs kernels on the GPU (a plan runs one compute stream; its copy stream runs no
+    cuBLAS), as long as that leaves at least half of ``budget``; below that the budget is no
+    real GPU's (a test's, a toy's) and :data:`WORKSPACE_SHARE` of it is kept (logged).
+
+    Example:
+        >>> default_workspace(80 << 30) >> 20, default_workspace(100 << 20, streams=2) >> 20
+        (32, 50)
+        >>> default_workspace(100_000)
+        5000
+    """
+    want = DEFAULT_WORKSPACE * max(1, streams)
+    if budget is None:
+        return want
+    if budget >= 2 * DEFAULT_WORKSPACE:
+        return min(want, budget // 2)
+    share = int(budget * WORKSPACE_SHARE)
+    log.info(
+        "a GPU budget of %d bytes cannot keep cuBLAS's 32 MiB workspace: the margin is %d bytes "
+        "(pass workspace= for a real GPU, e.g. placement.runtime.torch.streaming.measure_workspace)",
+        budget,
+        share,
+    )
+    return share
+
 
 #: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
 #: lives in :mod:`placement.planning.speeds`.
@@ -410,19 +449,6 @@ def _feeds(model: Model, sample_inputs: Any) -> dict[str, Any] | None:
     return _normalise_inputs(model, sample_inputs)
 
 
-def _given(model: Model, feeds: Mapping[str, Any] | None) -> set[str]:
-    """The symbols that the sample inputs give a size."""
-    if not feeds:
-        return set()
-    return {
-        str(dim.value)
-        for value in model.graph.inputs
-        if value.shape is not None and (value.name or "") in feeds
-        for dim in value.shape
-        if not isinstance(dim, int) and dim.value is not None
-    }
-
-
 def plan_offload(
     model: Model,
     max_memory: Mapping[Any, int | float | str],
@@ -434,7 +460,7 @@ def plan_offload(
     op_times: Mapping[Any, Sequence[int] | Mapping[str, float]] | None = None,
     throughput: Mapping[str, float] | None = None,
     apply: bool = True,
-    batch: int | None = None,
+    batch: int | Mapping[str, int] | None = None,
     workspace: int | str | None = None,
 ) -> OffloadPlan:
     """Plan one GPU plus host memory: per layer resident, streamed or on the host (see the module doc).
@@ -456,11 +482,13 @@ def plan_offload(
         apply: place the model and mark its streamed parameters
             (:func:`placement.stream_parameters`, window included).
         batch: the batch the plan is made for: symbolic dimensions of the graph inputs that
-            ``sample_inputs`` do not give are bound to it (default 1), so the activations
-            counted in the GPU budget are those of that batch.
+            ``sample_inputs`` do not give are bound to it (an int), or as a mapping names
+            (``{"batch": 8, "seq": 128}``); default 1 (see :mod:`placement.planning.dims`),
+            so the activations counted in the GPU budget are those of that batch.
         workspace: bytes kept free on the GPU for the framework's workspace (cuBLAS's
-            workspace, the allocator's rounding); default :data:`DEFAULT_WORKSPACE`, capped at
-            :data:`WORKSPACE_SHARE` of the GPU budget for small budgets.
+            workspace, the allocator's rounding); default :func:`default_workspace`: cuBLAS's
+            32 MiB where the budget is at least 64 MiB (at most half of it), else
+            :data:`WORKSPACE_SHARE` of a toy budget.
 
     Raises:
         PlanError: the budget is not one GPU plus a host, or bad arguments.
@@ -504,16 +532,10 @@ def plan_offload(
     to_gpu = link_model.link(host, gpu) if link_model is not None else Link(1e18)  # None: copies are free
     to_host = link_model.link(gpu, host) if link_model is not None else to_gpu
     rates = {**DEFAULT_THROUGHPUT, **(throughput or {})}
-    if batch is not None and (not isinstance(batch, int) or batch < 1):
-        raise PlanError(f"plan_offload plans for a positive integer batch, not {batch!r}")
-    prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
-    info = GraphInfo(model)
     feeds = _feeds(model, sample_inputs)
-    bindings = {
-        k: (batch if batch is not None and k not in _given(model, feeds) else v)
-        for k, v in symbol_bindings(model, feeds).items()
-    }
-    size_activations(model, info, bindings)
+    bindings = planned_dims(model, sample_inputs=feeds, batch=batch)
+    prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
+    info = GraphInfo(model, dims=bindings)
     flops = prof.costs("flops")
     if cost == "time":
         host_ns = list(prof.costs("time"))
@@ -535,7 +557,7 @@ def plan_offload(
     layers = layers_of(model, info, gpu_ns, host_ns)
     activations = gpu_activations(info, layers)  # the GPU holds the activations of the ops it runs
     if workspace is None:
-        workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
+        workspace_bytes = default_workspace(budgets[0])
     else:
         workspace_bytes = parse_bytes(workspace)
     peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]

@@ -41,6 +41,7 @@ from placement.runtime.ort.fold import fold_groups, fold_model, folded_devices
 from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import stage_session
 from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.stream_split import restore_devices, split_streamed
 from placement.runtime.precision import DEFAULT_PRECISION
 from placement.runtime.schedule import stage_threads
 from placement.runtime.stages import split_stages
@@ -85,7 +86,7 @@ class BuildOptions:
 
 @dataclass
 class SessionCache:
-    """Sessions a runner built, by (stage fingerprint, physical device), kept across rebuilds.
+    """Sessions a runner built, by (stage fingerprint, physical device, threads), kept across rebuilds.
 
     Attributes:
         sessions: the stage sessions.
@@ -93,7 +94,7 @@ class SessionCache:
         optimized: ONNX Runtime's optimised graph of a stage (for blocked boundaries).
     """
 
-    sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = field(default_factory=dict)
+    sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = field(default_factory=dict)
     blocked: dict[tuple[str, ...], ort.InferenceSession] = field(default_factory=dict)
     optimized: dict[tuple[str, ...], Any] = field(default_factory=dict)
 
@@ -165,13 +166,15 @@ def build_program(
     )
     if folds:
         fold_model(model, folds)
+    segments = split_streamed(model)  # each session fed at most the streamed window
     part = split_stages(model)
+    restore_devices(part, segments)
     runs = folded_devices(folds)
     for stage in part.stages:
         stage.folded = runs.get(stage.device, ())
     threads = options.session_threads(len(part.stages))
     layout = options.keep_layout and sum(not device_map[s.device].is_cuda for s in part.stages) > 1
-    sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
+    sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = {}
     execs: dict[int, StageExec] = {}
     built = reused = 0
     for stage in part.stages:
@@ -179,7 +182,7 @@ def build_program(
             log.debug("stage %d computes nothing that is read; skipped", stage.index)
             continue
         physical = device_map[stage.device]
-        key = (stage.fingerprint, physical)
+        key = (stage.fingerprint, physical, threads)
         session = cache.sessions.get(key) or sessions.get(key)
         if session is None:
             dump = layout and not physical.is_cuda and any(op.op_type == "Conv" for op in stage.model.graph)
