@@ -65,9 +65,54 @@ def infer_shapes(model: Model | ir.Model, *, force: bool = False) -> bool:
     if not force and ir_model.meta.get(_DONE_KEY) == key:
         return False
     try:
-        modified = infer_types(ir_model)
+        modified = False
+        for _ in range(_ORT_ROUNDS):  # ONNX Runtime's ops have no ONNX inference: their types, then again
+            modified = infer_types(ir_model) or modified
+            if not _ort_op_types(ir_model):
+                break
+            modified = True
     except Exception as err:  # inference is best effort; callers report what stays unknown
         log.debug("shape inference failed: %s", err)
         return False
     ir_model.meta[_DONE_KEY] = key
     return modified
+
+
+#: How often inference and ONNX Runtime's op types alternate (each round types what follows).
+_ORT_ROUNDS = 8
+#: Element types of ONNX Runtime's type-constraint strings.
+_ORT_TYPES = {f"tensor({name})": dtype for name, dtype in (
+    ("float", ir.DataType.FLOAT), ("float16", ir.DataType.FLOAT16), ("bfloat16", ir.DataType.BFLOAT16),
+    ("double", ir.DataType.DOUBLE), ("int32", ir.DataType.INT32), ("int64", ir.DataType.INT64),
+    ("uint8", ir.DataType.UINT8), ("int8", ir.DataType.INT8), ("bool", ir.DataType.BOOL))}  # fmt: skip
+
+
+def _ort_op_types(ir_model: ir.Model) -> bool:
+    """Element types of the outputs of ONNX Runtime's own ops (``com.microsoft``, and default-domain
+    ops onnx has no schema for), from ORT's schema: an output takes the type of an input bound to the
+    same type variable, or the one type its constraint allows. Returns whether any output got one."""
+    from placement.graph.ort_ops import ort_only_node, ort_schema
+
+    imports = ir_model.graph.opset_imports
+    typed = False
+    for node in ir_model.graph.all_nodes():
+        if not any(v.type is None for v in node.outputs if v.name) or not ort_only_node(node, imports):
+            continue
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        schema = ort_schema(node.op_type, domain, imports.get(domain, 1))
+        if schema is None:
+            continue
+        allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+        bound: dict[str, ir.DataType] = {}
+        for formal, value in zip(schema.inputs, node.inputs):
+            if value is not None and value.dtype is not None:
+                bound.setdefault(formal.typeStr, value.dtype)
+        for formal, value in zip(schema.outputs, node.outputs):
+            if not value.name or value.type is not None:
+                continue
+            types = allowed.get(formal.typeStr, [formal.typeStr])
+            dtype = bound.get(formal.typeStr) or (_ORT_TYPES.get(types[0]) if len(types) == 1 else None)
+            if dtype is not None:
+                value.type = ir.TensorType(dtype)
+                typed = True
+    return typed

@@ -29,8 +29,14 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass
 
-from placement.errors import VerificationError
+try:  # the helper onnx_ir's CheckerPass uses: hands a proto without weights to onnx's C API
+    from onnx_ir.passes.common import _c_api_utils
+except ImportError:  # pragma: no cover - other onnx_ir releases
+    _c_api_utils = None  # type: ignore[assignment]
+
+from placement.errors import ModelLoadError, VerificationError
 from placement.graph.device import Device
+from placement.graph.external_data import _without_external_data
 from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.model import Model
 from placement.graph.nodes import (
@@ -41,6 +47,7 @@ from placement.graph.nodes import (
     is_copy_node,
     node_reads,
 )
+from placement.graph.ort_ops import checkable
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -152,15 +159,28 @@ def _source_device(
 def run_onnx_checker(model: Model | ir.Model) -> None:
     """Run ``onnx.checker`` on the model without serialising its weights.
 
-    onnx_ir's ``CheckerPass`` hands the checker a proto whose initializers are stripped to
-    their types, so the check costs no copy of the weights and works above protobuf's 2 GiB.
+    The checker is handed a proto whose initializers are stripped to their types
+    (onnx_ir's ``call_onnx_api``, as its ``CheckerPass`` does), so the check costs
+    no copy of the weights and works above protobuf's 2 GiB; tensors still held
+    as external data are emptied in that proto too (the checker would look for
+    their files in the working directory). ONNX Runtime's own ops are checked
+    against ORT's schemas (:mod:`placement.graph.ort_ops`).
 
     Raises:
         VerificationError: the model is not valid ONNX (the checker's first line is quoted).
     """
     ir_model = model.ir_model if isinstance(model, Model) else model
+
+    def check(proto: onnx.ModelProto) -> None:
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin="the model"))
+
     try:
-        CheckerPass()(ir_model)
+        if _c_api_utils is not None and hasattr(_c_api_utils, "call_onnx_api"):
+            _c_api_utils.call_onnx_api(check, ir_model)
+        else:  # an onnx_ir without the helper: its checker pass
+            CheckerPass()(ir_model)
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid"
         raise VerificationError(f"the model is not valid ONNX: {first}") from err
+    except ModelLoadError as err:
+        raise VerificationError(f"the model is not valid ONNX: {err}") from err
