@@ -277,7 +277,7 @@ def _map_axis(ins: list[int | None] | None, outs: list[int | None], lay: Layout)
             if not isinstance(m, int):
                 return None
             if m == n:
-                return b, lay
+                return b, lay.moved(b)
             if m < n and n % m == 0 and _product(outs[b: b + 1]) and _tail_is(outs, b, n):
                 block = n // m
                 heads = []

@@ -129,9 +129,13 @@ def _sections(value: ir.Value, off: int, length: int, depth: int) -> list[tuple[
                 start += n
         elif op == "Reshape":
             shape = dims(node.outputs[0])
-            if shape and len(shape) >= 2 and isinstance(shape[-1], int) and shape[-1] and length % shape[-1] == 0:
-                if rank is not None and len(shape) > rank and shape[-1] < length:
-                    found.append((off, length, shape[-1]))
+            last = shape[-1] if shape else None
+            if not isinstance(last, int) or not last or rank is None:
+                continue
+            if last == (dims(value) or [None])[-1]:  # the last axis kept (a flatten of the rows)
+                found += _sections(node.outputs[0], off, length, depth + 1)
+            elif len(shape) > rank and last < length and length % last == 0:
+                found.append((off, length, last))
     return found
 
 
