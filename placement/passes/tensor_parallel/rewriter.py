@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from placement.errors import InputError
 from placement.graph.device import Device
-from placement.graph.nodes import COLLECTIVE_KEY, DEVICE_KEY, TP_KEY
+from placement.graph.nodes import COLLECTIVE_KEY, DEVICE_KEY, SCOPE_KEY, TP_KEY, node_scope
 from placement.passes.tensor_parallel.layouts import PARTIAL, REPLICATED, Layout, contiguous
 
 __all__ = ["Rewriter", "static_int", "dims"]
@@ -246,14 +246,19 @@ class Rewriter:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def _tag(self, kind: str) -> dict[str, str]:
-        tag = json.dumps({"kind": kind, "group": self.group, "id": self.collectives})
-        return {COLLECTIVE_KEY: tag}
+    def _tag(self, kind: str, value: ir.Value) -> dict[str, str]:
+        """The collective's tag, and the module scope of the op whose result it combines."""
+        tag = {COLLECTIVE_KEY: json.dumps({"kind": kind, "group": self.group, "id": self.collectives})}
+        producer = self.local(value, 0).producer()
+        scope = node_scope(producer) if producer is not None else None
+        if scope:
+            tag[SCOPE_KEY] = scope
+        return tag
 
     def _all_reduce(self, value: ir.Value) -> list[ir.Value]:
         """On each device, a ``Sum`` of every device's partial in device order."""
         partials = [self.local(value, d) for d in range(self.t)]
-        meta = self._tag("all_reduce")
+        meta = self._tag("all_reduce", value)
         self.collectives += 1
         out = []
         for d in range(self.t):
@@ -266,7 +271,7 @@ class Rewriter:
         """On each device, a ``Concat`` of every device's shard in device order (and a
         ``Gather`` putting the elements in order where shards are not consecutive ranges)."""
         shards = [self.local(value, d) for d in range(self.t)]
-        meta = self._tag("all_gather")
+        meta = self._tag("all_gather", value)
         self.collectives += 1
         flat = [i for part in layout.parts for i in part]
         order = None if contiguous(layout.parts, layout.size) else np.array(
