@@ -150,6 +150,10 @@ class Runner:
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
             cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
+        concurrent: run stages that do not depend on each other at once, each session with
+            its own share of the cores (:mod:`placement.runtime.ort.concurrent`): the branches
+            of a tensor-parallel layer overlap. ``None`` (default): where the stages form a
+            DAG wider than a chain (sequential runs; pipelines have their own workers).
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -185,6 +189,7 @@ class Runner:
         keep_layout: bool = True,
         precision: str = DEFAULT_PRECISION,
         fold: bool | None = None,
+        concurrent: bool | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -200,6 +205,7 @@ class Runner:
         #: folds of the current program: logical device -> the device it runs as (see ``fold``)
         self.folds: dict[Device, Device] = {}
         self.fold = fold
+        self.concurrent = concurrent
         self._cache = SessionCache()
         self._base: Model | None = None  # the private copy of the model the program was built from
         self._piped: tuple[Program, Program] | None = None  # (program, its pipelined form)
@@ -527,6 +533,7 @@ class Runner:
             threads_per_stage=self._threads_per_stage,
             keep_layout=self.keep_layout,
             precision=self.precision,
+            concurrent=self.concurrent,
         )
 
     def _pipelined_program(self) -> Program:
