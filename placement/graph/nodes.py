@@ -217,7 +217,8 @@ def collective_tag(node: ir.Node) -> dict[str, object] | None:
     Example:
         >>> import onnx_ir as ir
         >>> node = ir.Node("", "Sum", [], name="s")
-        >>> node.metadata_props[COLLECTIVE_KEY] = '{"kind": "all_reduce", "group": ["cuda:0", "cuda:1"], "id": 0}'
+        >>> tag = '{"kind": "all_reduce", "group": ["cuda:0", "cuda:1"], "id": 0}'
+        >>> node.metadata_props[COLLECTIVE_KEY] = tag
         >>> collective_tag(node)["kind"]
         'all_reduce'
     """
@@ -231,7 +232,9 @@ def collective_tag(node: ir.Node) -> dict[str, object] | None:
         tag["group"] = [str(Device.parse(d)) for d in tag["group"]]
         tag["id"] = int(tag["id"])
     except (ValueError, TypeError, KeyError, DeviceError) as err:
-        raise VerificationError(f"op {node.name!r} has a malformed {COLLECTIVE_KEY} tag {text[:80]!r}: {err}") from err
+        raise VerificationError(
+            f"op {node.name!r} has a malformed {COLLECTIVE_KEY} tag {text[:80]!r}: {err}"
+        ) from err
     return tag
 
 

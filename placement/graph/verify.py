@@ -130,7 +130,9 @@ def _readers(value: ir.Value) -> list[ir.Node]:
 def _reaches_output(value: ir.Value) -> bool:
     if value.is_graph_output():
         return True
-    return any(is_copy_node(use.node) and any(_reaches_output(o) for o in use.node.outputs) for use in value.uses())
+    return any(
+        is_copy_node(use.node) and any(_reaches_output(o) for o in use.node.outputs) for use in value.uses()
+    )
 
 
 def _check_tensor_parallel(graph: ir.Graph) -> None:

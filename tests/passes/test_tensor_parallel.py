@@ -32,8 +32,9 @@ def _built(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], pl.Model]:
     return module, args, model.copy()
 
 
-def _split(module: nn.Module, args: tuple[torch.Tensor, ...], devices: list[int],
-           model: pl.Model | None = None) -> tuple[pl.Model, np.ndarray]:
+def _split(
+    module: nn.Module, args: tuple[torch.Tensor, ...], devices: list[int], model: pl.Model | None = None
+) -> tuple[pl.Model, np.ndarray]:
     model = pl.from_torch(module, args) if model is None else model
     with torch.no_grad():
         expected = module(*args).numpy()
@@ -74,8 +75,12 @@ def test_two_all_reduces_per_transformer_block() -> None:
     # each all-reduce is one Sum per device, of every device's partial in device order
     for node in _collectives(model, "all_reduce"):
         assert node.op_type == "Sum" and len(node.inputs) == 2
-        sources = [pl.Op(v.producer()).device if not pl.Op(v.producer()).is_copy
-                   else pl.Op(v.producer().inputs[0].producer()).device for v in node.inputs]
+        sources = [
+            pl.Op(v.producer()).device
+            if not pl.Op(v.producer()).is_copy
+            else pl.Op(v.producer().inputs[0].producer()).device
+            for v in node.inputs
+        ]
         assert [str(d) for d in sources] == ["cuda:0", "cuda:1"]
 
 
@@ -123,8 +128,12 @@ def test_save_and_load_round_trip(tmp_path) -> None:
     model.save(tmp_path / "tp.onnx")
     loaded = pl.load(tmp_path / "tp.onnx")
     pl.verify(loaded)
-    before = sorted((n.name, n.metadata_props[COLLECTIVE_KEY]) for n in model.graph if COLLECTIVE_KEY in n.metadata_props)
-    after = sorted((n.name, n.metadata_props[COLLECTIVE_KEY]) for n in loaded.graph if COLLECTIVE_KEY in n.metadata_props)
+    before = sorted(
+        (n.name, n.metadata_props[COLLECTIVE_KEY]) for n in model.graph if COLLECTIVE_KEY in n.metadata_props
+    )
+    after = sorted(
+        (n.name, n.metadata_props[COLLECTIVE_KEY]) for n in loaded.graph if COLLECTIVE_KEY in n.metadata_props
+    )
     assert before == after and before
     assert json.loads(before[0][1])["group"] == ["cuda:0", "cuda:1"]
     np.testing.assert_allclose(pl.run(loaded, _feeds(loaded, args))[0], expected, **TOL)
@@ -134,7 +143,13 @@ def test_verify_catches_a_partial_read_by_an_op() -> None:
     module, args, model = _built("mlp")
     pl.split_tensor_parallel(model, devices=[0, 1])
     partial = next(n for n in model.graph if n.metadata_props.get(TP_KEY) == "partial")
-    relu = ir.Node("", "Relu", [partial.outputs[0]], name="sneak", metadata_props={"placement.device": str(pl.Op(partial).device)})
+    relu = ir.Node(
+        "",
+        "Relu",
+        [partial.outputs[0]],
+        name="sneak",
+        metadata_props={"placement.device": str(pl.Op(partial).device)},
+    )
     model.graph.insert_after(partial, relu)
     with pytest.raises(pl.VerificationError, match="not by an all-reduce"):
         pl.verify(model)
@@ -249,7 +264,9 @@ def test_training_gives_the_unsplit_gradients() -> None:
         return grads[paths[name]]
 
     # column parallel: output rows of up.weight; row parallel: input columns of down.weight
-    torch.testing.assert_close(torch.cat([grad("up.weight.tp0"), grad("up.weight.tp1")], 0), module.up.weight.grad)
+    torch.testing.assert_close(
+        torch.cat([grad("up.weight.tp0"), grad("up.weight.tp1")], 0), module.up.weight.grad
+    )
     torch.testing.assert_close(torch.cat([grad("up.bias.tp0"), grad("up.bias.tp1")], 0), module.up.bias.grad)
     down = [n for n in paths if n.startswith("down.weight.tp")]
     torch.testing.assert_close(torch.cat([grad(n) for n in sorted(down)], 1), module.down.weight.grad)

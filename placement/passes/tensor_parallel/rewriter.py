@@ -168,8 +168,9 @@ class Rewriter:
         if contiguous_range(index):
             picked = np.ascontiguousarray(picked)
         name = self.fresh(f"{param.name}.tp{d}")
-        shard = ir.Value(name=name, shape=ir.Shape(picked.shape), type=param.type,
-                         const_value=ir.tensor(picked, name=name))
+        shard = ir.Value(
+            name=name, shape=ir.Shape(picked.shape), type=param.type, const_value=ir.tensor(picked, name=name)
+        )
         self.new_initializers.append(shard)
         self._shards[key] = shard
         return shard
@@ -177,8 +178,12 @@ class Rewriter:
     def constant(self, array: np.ndarray, hint: str) -> ir.Value:
         """A new initializer holding ``array``."""
         name = self.fresh(hint)
-        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                         const_value=ir.tensor(array, name=name))
+        value = ir.Value(
+            name=name,
+            shape=ir.Shape(array.shape),
+            type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+            const_value=ir.tensor(array, name=name),
+        )
         self.new_initializers.append(value)
         return value
 
@@ -205,8 +210,15 @@ class Rewriter:
             props[TP_KEY] = role
         else:
             props.pop(TP_KEY, None)
-        node = ir.Node(domain, op_type, list(inputs), attributes=attributes, num_outputs=num_outputs,
-                       name=self.fresh(name or f"{hint}.node"), metadata_props=props)
+        node = ir.Node(
+            domain,
+            op_type,
+            list(inputs),
+            attributes=attributes,
+            num_outputs=num_outputs,
+            name=self.fresh(name or f"{hint}.node"),
+            metadata_props=props,
+        )
         for i, out in enumerate(node.outputs):
             out.name = self.fresh(hint if num_outputs == 1 else f"{hint}.{i}")
         self.nodes.append(node)
@@ -225,14 +237,28 @@ class Rewriter:
         shapes of the originals under ``layouts`` (a shard is smaller along its axis)."""
         for attr in node.attributes.values():
             if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-                raise InputError(f"op {node.name!r} ({node.op_type}) has a subgraph: it cannot be split or replicated")
+                raise InputError(
+                    f"op {node.name!r} ({node.op_type}) has a subgraph: it cannot be split or replicated"
+                )
         attrs = dict(node.attributes) if attributes is None else attributes
-        role = "partial" if any(lay.kind == "P" for lay in layouts) else (
-            "shard" if any(lay.kind == "S" for lay in layouts) else None)
+        role = (
+            "partial"
+            if any(lay.kind == "P" for lay in layouts)
+            else ("shard" if any(lay.kind == "S" for lay in layouts) else None)
+        )
         meta = {k: v for k, v in node.metadata_props.items() if k not in (COLLECTIVE_KEY,)}
-        new = self.emit(node.op_type, inputs, d, hint=f"{node.name}.tp{d}.out", attributes=list(attrs.values()),
-                        num_outputs=len(node.outputs), domain=node.domain, meta=meta, role=role,
-                        name=f"{node.name}.tp{d}")
+        new = self.emit(
+            node.op_type,
+            inputs,
+            d,
+            hint=f"{node.name}.tp{d}.out",
+            attributes=list(attrs.values()),
+            num_outputs=len(node.outputs),
+            domain=node.domain,
+            meta=meta,
+            role=role,
+            name=f"{node.name}.tp{d}",
+        )
         for out, orig, lay in zip(new.outputs, node.outputs, layouts):
             out.name = self.fresh(f"{orig.name}.tp{d}")
             out.type = orig.type
@@ -274,20 +300,34 @@ class Rewriter:
         meta = self._tag("all_gather", value)
         self.collectives += 1
         flat = [i for part in layout.parts for i in part]
-        order = None if contiguous(layout.parts, layout.size) else np.array(
-            [flat.index(i) for i in range(layout.size)], dtype=np.int64)
+        order = (
+            None
+            if contiguous(layout.parts, layout.size)
+            else np.array([flat.index(i) for i in range(layout.size)], dtype=np.int64)
+        )
         if order is not None and set(flat) != set(range(layout.size)):
             raise InputError(f"blob {value.name!r}: its shards do not cover it")
         indices = None if order is None else self.constant(order, f"{value.name}.gather_order")
         out = []
         for d in range(self.t):
-            node = self.emit("Concat", shards, d, hint=f"{value.name}.allgather.tp{d}", meta=meta,
-                             attributes=[ir.AttrInt64("axis", layout.axis)])
+            node = self.emit(
+                "Concat",
+                shards,
+                d,
+                hint=f"{value.name}.allgather.tp{d}",
+                meta=meta,
+                attributes=[ir.AttrInt64("axis", layout.axis)],
+            )
             whole = node.outputs[0]
             whole.type, whole.shape = value.type, value.shape
             if indices is not None:
-                node = self.emit("Gather", [whole, indices], d, hint=f"{value.name}.ordered.tp{d}",
-                                 attributes=[ir.AttrInt64("axis", layout.axis)])
+                node = self.emit(
+                    "Gather",
+                    [whole, indices],
+                    d,
+                    hint=f"{value.name}.ordered.tp{d}",
+                    attributes=[ir.AttrInt64("axis", layout.axis)],
+                )
                 node.outputs[0].type, node.outputs[0].shape = value.type, value.shape
             out.append(node.outputs[0])
         return out
@@ -312,8 +352,9 @@ class Rewriter:
             node = self.emit("Slice", [source, starts, ends, axes], d, hint=hint, role="shard")
         else:
             idx = self.constant(np.array(index, np.int64), f"{hint}.index")
-            node = self.emit("Gather", [source, idx], d, hint=hint, role="shard",
-                             attributes=[ir.AttrInt64("axis", axis)])
+            node = self.emit(
+                "Gather", [source, idx], d, hint=hint, role="shard", attributes=[ir.AttrInt64("axis", axis)]
+            )
         out = node.outputs[0]
         out.type = source.type
         if source.shape is not None:

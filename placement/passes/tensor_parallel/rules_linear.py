@@ -70,12 +70,17 @@ def _matmul(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
         if parts is None:
             return False
         out = Layout("S", rank - 1, n, parts)
-        clones = [rw.clone(node, [rw.local(a, d), view.shard(rw, 1, parts[d], d)], d, [out]) for d in range(rw.t)]
+        clones = [
+            rw.clone(node, [rw.local(a, d), view.shard(rw, 1, parts[d], d)], d, [out]) for d in range(rw.t)
+        ]
         rw.set_outputs(node, [out], clones)
         rw.split.append(node.name or "")
         return True
     if view is not None and la.kind == "S" and la.axis == ra - 1 and _disjoint(la):
-        clones = [rw.clone(node, [rw.local(a, d), view.shard(rw, 0, la.parts[d], d)], d, [PARTIAL]) for d in range(rw.t)]
+        clones = [
+            rw.clone(node, [rw.local(a, d), view.shard(rw, 0, la.parts[d], d)], d, [PARTIAL])
+            for d in range(rw.t)
+        ]
         rw.set_outputs(node, [PARTIAL], clones)
         rw.split.append(node.name or "")
         return True
@@ -85,7 +90,14 @@ def _matmul(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
 def _batched(rw: Rewriter, node: ir.Node, la: Layout, lb: Layout, ra: int, rb: int, rank: int) -> bool:
     """Activation @ activation (or a sharded batch axis times a whole weight)."""
     a, b = node.inputs[0], node.inputs[1]
-    if la.kind == "S" and lb.kind == "S" and la.axis == ra - 1 and lb.axis == rb - 2 and la.parts == lb.parts and _disjoint(la):
+    if (
+        la.kind == "S"
+        and lb.kind == "S"
+        and la.axis == ra - 1
+        and lb.axis == rb - 2
+        and la.parts == lb.parts
+        and _disjoint(la)
+    ):
         clones = [rw.clone(node, [rw.local(a, d), rw.local(b, d)], d, [PARTIAL]) for d in range(rw.t)]
         rw.set_outputs(node, [PARTIAL], clones)
         return True
@@ -100,7 +112,7 @@ def _batched(rw: Rewriter, node: ir.Node, la: Layout, lb: Layout, ra: int, rb: i
         if any(c.axis != out.axis for c in candidates):
             return False
         ins = [_batch_operand(rw, v, out, rank, d) for d in range(rw.t) for v in (a, b)]
-        clones = [rw.clone(node, ins[2 * d: 2 * d + 2], d, [out]) for d in range(rw.t)]
+        clones = [rw.clone(node, ins[2 * d : 2 * d + 2], d, [out]) for d in range(rw.t)]
         rw.set_outputs(node, [out], clones)
         return True
     if la.kind == "S" and la.axis == ra - 2 and lb.kind == "R":
@@ -126,7 +138,9 @@ def _columns(node: ir.Node, n: int, degree: int) -> tuple[tuple[int, ...], ...] 
     """The column plan of a column-parallel op, or None where it has fewer columns than devices
     (it stays whole)."""
     parts = column_plan(node.outputs[0], n, degree)
-    if any(not p for p in parts) or (n < degree and all(len(p) == 1 for p in parts) and len(set(parts)) < degree):
+    if any(not p for p in parts) or (
+        n < degree and all(len(p) == 1 for p in parts) and len(set(parts)) < degree
+    ):
         return None
     return parts
 
@@ -154,22 +168,34 @@ def _gemm(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
             if c is not None:
                 cd = dims(c)
                 bias = c if cd[-1] == 1 else rw.as_shard(c, Layout("S", len(cd) - 1, n, parts), d)
-            clones.append(rw.clone(node, [rw.local(a, d), view.shard(rw, n_axis, parts[d], d), bias], d, [out]))
+            clones.append(
+                rw.clone(node, [rw.local(a, d), view.shard(rw, n_axis, parts[d], d), bias], d, [out])
+            )
         rw.set_outputs(node, [out], clones)
         rw.split.append(node.name or "")
         return True
     if la.kind == "S" and la.axis == 1 and _disjoint(la):
         attrs = {k: v for k, v in node.attributes.items() if k != "beta"}
-        partials = [rw.clone(node, [rw.local(a, d), view.shard(rw, k_axis, la.parts[d], d)], d, [PARTIAL],
-                             attributes=attrs).outputs[0] for d in range(rw.t)]
+        partials = [
+            rw.clone(
+                node, [rw.local(a, d), view.shard(rw, k_axis, la.parts[d], d)], d, [PARTIAL], attributes=attrs
+            ).outputs[0]
+            for d in range(rw.t)
+        ]
         _bias_after(rw, node, partials, c, float(attr_value(node, "beta", 1.0)), None)
         rw.split.append(node.name or "")
         return True
     return False
 
 
-def _bias_after(rw: Rewriter, node: ir.Node, partials: list[ir.Value], bias: ir.Value | None,
-                beta: float, shape: list[int] | None) -> None:
+def _bias_after(
+    rw: Rewriter,
+    node: ir.Node,
+    partials: list[ir.Value],
+    bias: ir.Value | None,
+    beta: float,
+    shape: list[int] | None,
+) -> None:
     """All-reduce ``partials`` and add ``bias`` (scaled, reshaped) on each device: ``node``'s
     output, whole."""
     out = node.outputs[0]
@@ -193,7 +219,12 @@ def _conv(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     lx = rw.layout(x)
-    if weight_view(w) is None or w.producer() is not None or attr_value(node, "group", 1) != 1 or lx.kind == "P":
+    if (
+        weight_view(w) is None
+        or w.producer() is not None
+        or attr_value(node, "group", 1) != 1
+        or lx.kind == "P"
+    ):
         return False
     shape = dims(w)
     if lx.kind == "R":
@@ -203,16 +234,30 @@ def _conv(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
         if parts is None:
             return False
         out = Layout("S", 1, shape[0], parts)
-        clones = [rw.clone(node, [rw.local(x, d), rw.param_shard(w, 0, parts[d], d),
-                                  None if bias is None else rw.param_shard(bias, 0, parts[d], d)], d, [out])
-                  for d in range(rw.t)]
+        clones = [
+            rw.clone(
+                node,
+                [
+                    rw.local(x, d),
+                    rw.param_shard(w, 0, parts[d], d),
+                    None if bias is None else rw.param_shard(bias, 0, parts[d], d),
+                ],
+                d,
+                [out],
+            )
+            for d in range(rw.t)
+        ]
         rw.set_outputs(node, [out], clones)
         rw.split.append(node.name or "")
         return True
     if lx.kind == "S" and lx.axis == 1 and _disjoint(lx):
-        partials = [rw.clone(node, [rw.local(x, d), rw.param_shard(w, 1, lx.parts[d], d)], d, [PARTIAL]).outputs[0]
-                    for d in range(rw.t)]
-        _bias_after(rw, node, partials, bias, 1.0, [-1] + [1] * (len(shape) - 2) if bias is not None else None)
+        partials = [
+            rw.clone(node, [rw.local(x, d), rw.param_shard(w, 1, lx.parts[d], d)], d, [PARTIAL]).outputs[0]
+            for d in range(rw.t)
+        ]
+        _bias_after(
+            rw, node, partials, bias, 1.0, [-1] + [1] * (len(shape) - 2) if bias is not None else None
+        )
         rw.split.append(node.name or "")
         return True
     return False
@@ -226,8 +271,15 @@ def _gather(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
     """A vocab-parallel embedding lookup."""
     table, ids = node.inputs[0], node.inputs[1]
     shape = dims(table)
-    if (table is None or not table.is_initializer() or table.const_value is None or len(shape) != 2
-            or attr_value(node, "axis", 0) != 0 or rw.layout(ids).kind != "R" or not policy.allows(node)):
+    if (
+        table is None
+        or not table.is_initializer()
+        or table.const_value is None
+        or len(shape) != 2
+        or attr_value(node, "axis", 0) != 0
+        or rw.layout(ids).kind != "R"
+        or not policy.allows(node)
+    ):
         return False
     rows, cols = shape
     if rows < cols or rows < rw.t:
@@ -246,13 +298,25 @@ def _gather(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
         mine = rw.emit("And", [low, high], d, hint=f"{hint}.mine").outputs[0]
         shifted = rw.emit("Sub", [local_ids, start], d, hint=f"{hint}.shifted").outputs[0]
         safe = rw.emit("Where", [mine, shifted, zero_id], d, hint=f"{hint}.ids").outputs[0]
-        rows_d = rw.emit("Gather", [rw.param_shard(table, 0, part, d), safe], d, hint=f"{hint}.rows",
-                         attributes=[ir.AttrInt64("axis", 0)], meta=dict(node.metadata_props)).outputs[0]
+        rows_d = rw.emit(
+            "Gather",
+            [rw.param_shard(table, 0, part, d), safe],
+            d,
+            hint=f"{hint}.rows",
+            attributes=[ir.AttrInt64("axis", 0)],
+            meta=dict(node.metadata_props),
+        ).outputs[0]
         axes = rw.constant(np.array([-1], np.int64), f"{hint}.axes")
         keep = rw.emit("Unsqueeze", [mine, axes], d, hint=f"{hint}.keep").outputs[0]
         zero = rw.constant(np.zeros((), dtype=table.const_value.numpy().dtype), f"{hint}.zero")
-        masked = rw.emit("Where", [keep, rows_d, zero], d, hint=f"{hint}.partial", role="partial",
-                         meta=dict(node.metadata_props)).outputs[0]
+        masked = rw.emit(
+            "Where",
+            [keep, rows_d, zero],
+            d,
+            hint=f"{hint}.partial",
+            role="partial",
+            meta=dict(node.metadata_props),
+        ).outputs[0]
         masked.type, masked.shape = out.type, out.shape
         partials.append(masked)
     rw.define(out, PARTIAL, partials)

@@ -71,12 +71,16 @@ def _elementwise(rw: Rewriter, node: ir.Node) -> bool:
     lays = [out] + [Layout("R")] * (len(node.outputs) - 1)
     if node.op_type == "Dropout":
         lays = [out] * len(node.outputs)
-    clones = [rw.clone(node, [_operand(rw, v, out, rank, d) for v in node.inputs], d, lays) for d in range(rw.t)]
+    clones = [
+        rw.clone(node, [_operand(rw, v, out, rank, d) for v in node.inputs], d, lays) for d in range(rw.t)
+    ]
     rw.set_outputs(node, lays, clones)
     return True
 
 
-def _keep(rw: Rewriter, node: ir.Node, axis_out: int | None, extra: Callable[[int], list] | None = None) -> bool:
+def _keep(
+    rw: Rewriter, node: ir.Node, axis_out: int | None, extra: Callable[[int], list] | None = None
+) -> bool:
     """Clone ``node`` on its first input's shard, other inputs whole (or ``extra(d)``), the
     output sharded along ``axis_out``."""
     if axis_out is None:
@@ -95,7 +99,11 @@ def _sharded_input(rw: Rewriter, node: ir.Node) -> tuple[Layout, int] | None:
     x = node.inputs[0] if node.inputs else None
     lay = rw.layout(x)
     shape = dims(x) if x is not None else None
-    if lay.kind != "S" or shape is None or any(rw.layout(v).kind != "R" for v in node.inputs[1:] if v is not None):
+    if (
+        lay.kind != "S"
+        or shape is None
+        or any(rw.layout(v).kind != "R" for v in node.inputs[1:] if v is not None)
+    ):
         return None
     return lay, len(shape)
 
@@ -114,8 +122,12 @@ def _axis_free(rw: Rewriter, node: ir.Node, axes: Callable[[ir.Node, int], list[
     if node.op_type in ("BatchNormalization", "InstanceNormalization"):
         if len(node.outputs) != 1:
             return False
-        return _keep(rw, node, lay.axis, lambda d: [rw.as_shard(v, Layout("S", 0, lay.size, lay.parts), d)
-                                                    for v in node.inputs[1:]])
+        return _keep(
+            rw,
+            node,
+            lay.axis,
+            lambda d: [rw.as_shard(v, Layout("S", 0, lay.size, lay.parts), d) for v in node.inputs[1:]],
+        )
     if node.op_type == "LayerNormalization" and len(node.outputs) != 1:
         return False
     return _keep(rw, node, lay.axis)
@@ -174,7 +186,11 @@ def _squeeze(rw: Rewriter, node: ir.Node) -> bool:
     if found is None:
         return False
     lay, rank = found
-    axes = static_int(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else attr_value(node, "axes", None)
+    axes = (
+        static_int(node.inputs[1])
+        if len(node.inputs) > 1 and node.inputs[1] is not None
+        else attr_value(node, "axes", None)
+    )
     if axes is None:
         return False
     axes = [int(a) % rank for a in axes]
@@ -226,7 +242,11 @@ def _split(rw: Rewriter, node: ir.Node) -> bool:
         return False
     outs, start = [], 0
     for n in sizes:
-        outs.append(Layout("S", axis, n, tuple(tuple(i - start for i in p if start <= i < start + n) for p in lay.parts)))
+        outs.append(
+            Layout(
+                "S", axis, n, tuple(tuple(i - start for i in p if start <= i < start + n) for p in lay.parts)
+            )
+        )
         start += n
     if any(not p for o in outs for p in o.parts):
         raise InputError(f"op {node.name!r} (Split): a device would hold nothing of one of its sections")
@@ -252,7 +272,9 @@ def _reshape(rw: Rewriter, node: ir.Node) -> bool:
         return False
     axis, out = mapped
     counts = [len(p) for p in out.parts]
-    return _keep(rw, node, axis, lambda d: [_shape_with(rw, node, node.inputs[1], axis, counts, d)]) and _relabel(rw, node, out)
+    return _keep(
+        rw, node, axis, lambda d: [_shape_with(rw, node, node.inputs[1], axis, counts, d)]
+    ) and _relabel(rw, node, out)
 
 
 def _relabel(rw: Rewriter, node: ir.Node, out: Layout) -> bool:
@@ -278,7 +300,7 @@ def _map_axis(ins: list[int | None] | None, outs: list[int | None], lay: Layout)
                 return None
             if m == n:
                 return b, lay.moved(b)
-            if m < n and n % m == 0 and _product(outs[b: b + 1]) and _tail_is(outs, b, n):
+            if m < n and n % m == 0 and _product(outs[b : b + 1]) and _tail_is(outs, b, n):
                 block = n // m
                 heads = []
                 for part in lay.parts:
@@ -306,7 +328,7 @@ def _tail_is(outs: list[int | None], b: int, n: int) -> bool:
 
 def _merges(ins: list[int | None], axis: int, inner: int) -> bool:
     total = 1
-    for v in ins[axis + 1:]:
+    for v in ins[axis + 1 :]:
         if not isinstance(v, int):
             return False
         total *= v
@@ -324,7 +346,9 @@ def _product(values: list[int | None]) -> int | None:
     return total
 
 
-def _shape_with(rw: Rewriter, node: ir.Node, shape: ir.Value, pos: int, counts: list[int], d: int) -> ir.Value:
+def _shape_with(
+    rw: Rewriter, node: ir.Node, shape: ir.Value, pos: int, counts: list[int], d: int
+) -> ir.Value:
     """Device ``d``'s shape input: ``shape`` with entry ``pos`` set to ``counts[d]`` (kept where
     it is ``-1``), from a constant or from a ``Concat`` with a constant piece there."""
     data = static_int(shape)
@@ -349,11 +373,14 @@ def _shape_with(rw: Rewriter, node: ir.Node, shape: ir.Value, pos: int, counts: 
                 pieces.append(rw.replicated(piece, d))
             start += length
         else:
-            cat = rw.emit("Concat", pieces, d, hint=f"{shape.name}.tp{d}", attributes=[ir.AttrInt64("axis", 0)])
+            cat = rw.emit(
+                "Concat", pieces, d, hint=f"{shape.name}.tp{d}", attributes=[ir.AttrInt64("axis", 0)]
+            )
             cat.outputs[0].type, cat.outputs[0].shape = shape.type, shape.shape
             return cat.outputs[0]
     raise InputError(
-        f"op {node.name!r} ({node.op_type}): its shape {shape.name!r} is computed; the split axis needs a constant entry"
+        f"op {node.name!r} ({node.op_type}): its shape {shape.name!r} is computed; "
+        "the split axis needs a constant entry"
     )
 
 
@@ -387,10 +414,22 @@ SHAPE_RULES: dict[str, Callable[[Rewriter, ir.Node], bool]] = {
     "LayerNormalization": lambda rw, n: _axis_free(rw, n, _norm_axes),
     "BatchNormalization": lambda rw, n: _axis_free(rw, n, _spatial_axes),
     "InstanceNormalization": lambda rw, n: _axis_free(rw, n, _spatial_axes),
-    **{op: (lambda rw, n: _axis_free(rw, n, _spatial_axes)) for op in (
-        "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool")},
-    **{op: (lambda rw, n: _axis_free(rw, n, _reduce_axes)) for op in (
-        "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare")},
+    **{
+        op: (lambda rw, n: _axis_free(rw, n, _spatial_axes))
+        for op in ("MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool")
+    },
+    **{
+        op: (lambda rw, n: _axis_free(rw, n, _reduce_axes))
+        for op in (
+            "ReduceMean",
+            "ReduceSum",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceProd",
+            "ReduceL2",
+            "ReduceSumSquare",
+        )
+    },
     "Transpose": _transpose,
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,

@@ -106,8 +106,13 @@ def split_tensor_parallel(
     model.ir_model = work
     model._op_index, model._value_index = {}, {}
     inject_cross_device_copies(model)
-    log.info("split_tensor_parallel: %d ops split over %s, %d all-reduces, %d all-gathers",
-             len(result.split), [str(d) for d in group], result.all_reduces, result.all_gathers)
+    log.info(
+        "split_tensor_parallel: %d ops split over %s, %d all-reduces, %d all-gathers",
+        len(result.split),
+        [str(d) for d in group],
+        result.all_reduces,
+        result.all_gathers,
+    )
     return result
 
 
@@ -132,7 +137,8 @@ def _check_model(model: Model) -> None:
             )
     if len(model.devices) > 1:
         raise InputError(
-            f"the model runs on {[str(d) for d in model.devices]}: split_tensor_parallel takes a model on one device"
+            f"the model runs on {[str(d) for d in model.devices]}: "
+            "split_tensor_parallel takes a model on one device"
         )
 
 
@@ -167,10 +173,14 @@ def _rewrite(work: ir.Model, group: list[Device], policy: Policy) -> TensorParal
                 result.all_reduces += 1
             else:
                 result.all_gathers += 1
-    result.shards = sum(1 for init in rw.new_initializers if init.name in graph.initializers and ".tp" in init.name)
+    result.shards = sum(
+        1 for init in rw.new_initializers if init.name in graph.initializers and ".tp" in init.name
+    )
     if not result.split:
-        raise InputError("split_tensor_parallel: no op could be split (no linear, convolution or embedding "
-                         f"{'in scopes ' + repr(policy.scopes) if policy.scopes is not None else 'found'})")
+        raise InputError(
+            "split_tensor_parallel: no op could be split (no linear, convolution or embedding "
+            f"{'in scopes ' + repr(policy.scopes) if policy.scopes is not None else 'found'})"
+        )
     return result
 
 

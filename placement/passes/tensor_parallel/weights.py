@@ -33,17 +33,68 @@ from placement.passes.tensor_parallel.rewriter import Rewriter, attr_value, dims
 __all__ = ["WeightView", "weight_view", "column_plan", "UNARY", "BROADCAST"]
 
 #: Ops applied element by element to one tensor (they keep any layout).
-UNARY = frozenset({
-    "Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Neg", "Sqrt", "Reciprocal", "Abs",
-    "Cast", "Identity", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu", "HardSigmoid",
-    "HardSwish", "Mish", "Celu", "Sign", "Floor", "Ceil", "Round", "Not", "IsNaN", "Sin", "Cos",
-    "Clip", "Dropout", "ThresholdedRelu", "Swish",
-})
+UNARY = frozenset(
+    {
+        "Relu",
+        "Gelu",
+        "Sigmoid",
+        "Tanh",
+        "Erf",
+        "Exp",
+        "Log",
+        "Neg",
+        "Sqrt",
+        "Reciprocal",
+        "Abs",
+        "Cast",
+        "Identity",
+        "Softplus",
+        "Softsign",
+        "LeakyRelu",
+        "Elu",
+        "Selu",
+        "HardSigmoid",
+        "HardSwish",
+        "Mish",
+        "Celu",
+        "Sign",
+        "Floor",
+        "Ceil",
+        "Round",
+        "Not",
+        "IsNaN",
+        "Sin",
+        "Cos",
+        "Clip",
+        "Dropout",
+        "ThresholdedRelu",
+        "Swish",
+    }
+)
 #: Ops combining tensors element by element with numpy broadcasting.
-BROADCAST = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Equal", "Less", "Greater",
-    "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "PRelu", "Mod", "BitShift",
-})
+BROADCAST = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Where",
+        "Max",
+        "Min",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+        "And",
+        "Or",
+        "Xor",
+        "PRelu",
+        "Mod",
+        "BitShift",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +113,13 @@ class WeightView:
         shard = rw.param_shard(self.param, self.stored_axis(axis), index, d)
         if self.perm is None:
             return shard
-        node = rw.emit("Transpose", [shard], d, hint=f"{shard.name}.T",
-                       attributes=[ir.AttrInt64s("perm", list(self.perm))])
+        node = rw.emit(
+            "Transpose",
+            [shard],
+            d,
+            hint=f"{shard.name}.T",
+            attributes=[ir.AttrInt64s("perm", list(self.perm))],
+        )
         out = node.outputs[0]
         out.type = shard.type
         out.shape = ir.Shape([shard.shape[p] for p in self.perm])

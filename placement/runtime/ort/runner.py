@@ -150,10 +150,8 @@ class Runner:
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
             cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
-        concurrent: run stages that do not depend on each other at once, each session with
-            its own share of the cores (:mod:`placement.runtime.ort.concurrent`): the branches
-            of a tensor-parallel layer overlap. ``None`` (default): where the stages form a
-            DAG wider than a chain (sequential runs; pipelines have their own workers).
+        concurrent: run independent stages at once (:mod:`placement.runtime.ort.concurrent`);
+            ``None`` (default): where the stage graph is wider than a chain and ``chunks == 1``.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
