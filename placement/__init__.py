@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         get_activation_blobs,
         inject_cross_device_copies,
         shift_activation_devices,
+        split_tensor_parallel,
     )
     from placement.planning import (
         Plan,
@@ -86,7 +87,13 @@ _LAZY = {
         ["Device", "Model", "Op", "Parameter", "from_torch", "load", "verify"], "placement.graph"
     ),
     **dict.fromkeys(
-        ["PassSequence", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
+        [
+            "PassSequence",
+            "get_activation_blobs",
+            "inject_cross_device_copies",
+            "shift_activation_devices",
+            "split_tensor_parallel",
+        ],
         "placement.passes",
     ),
     **dict.fromkeys(
@@ -148,6 +155,7 @@ __all__ = [
     # passes
     "get_activation_blobs",
     "shift_activation_devices",
+    "split_tensor_parallel",
     "inject_cross_device_copies",
     "PassSequence",
     # planning

@@ -37,6 +37,7 @@ from placement.graph.model import Model
 from placement.graph.nodes import is_copy_node, node_device
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.concurrent import ConcurrentRun, stage_width
 from placement.runtime.ort.fold import fold_groups, fold_model, folded_devices
 from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import stage_session
@@ -67,6 +68,9 @@ class BuildOptions:
         precision: ``"fp32"`` or ``"tf32"`` (GPU stages).
         allow_cpu_fallback: a GPU stage whose session falls back to the CPU runs there
             (with a warning) instead of raising ``DeviceError``.
+        concurrent: run stages that do not depend on each other at once (None: where the
+            stage graph is wider than a chain and the program is not pipelined); each
+            session then gets the cores divided among the widest set of such stages.
     """
 
     fold: bool | None = None
@@ -77,6 +81,7 @@ class BuildOptions:
     keep_layout: bool = True
     precision: str = DEFAULT_PRECISION
     allow_cpu_fallback: bool = False
+    concurrent: bool | None = None
 
     def session_threads(self, n_stages: int) -> int | None:
         """The intra-op threads of each session of a program with ``n_stages`` stages."""
@@ -178,6 +183,10 @@ def build_program(
     for stage in part.stages:
         stage.folded = runs.get(stage.device, ())
     threads = options.session_threads(len(part.stages))
+    width = stage_width([s.depends_on for s in part.stages])
+    concurrent = not options.pipelined and options.concurrent is not False and width > 1
+    if concurrent and threads is None:
+        threads = stage_threads(width)
     layout = options.keep_layout and sum(not device_map[s.device].is_cuda for s in part.stages) > 1
     sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = {}
     execs: dict[int, StageExec] = {}
@@ -228,6 +237,8 @@ def build_program(
         if plan.blobs:
             blobs = plan.blobs
             program = compile_program(model, part, execs, device_map)
+    if concurrent:
+        program.concurrent = ConcurrentRun.of(program)
     return Built(program, built, reused, folds, blobs, providers)
 
 

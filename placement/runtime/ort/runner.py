@@ -156,6 +156,8 @@ class Runner:
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
         allow_cpu_fallback: a GPU stage whose session came back on the CPU (the CUDA provider did not
             load) runs there, warning; by default ``DeviceError`` names the load error.
+        concurrent: run independent stages at once (:mod:`placement.runtime.ort.concurrent`);
+            ``None`` (default): where the stage graph is wider than a chain and ``chunks == 1``.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -192,6 +194,7 @@ class Runner:
         precision: str = DEFAULT_PRECISION,
         fold: bool | None = None,
         allow_cpu_fallback: bool = False,
+        concurrent: bool | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -207,6 +210,7 @@ class Runner:
         #: folds of the current program: logical device -> the device it runs as (see ``fold``)
         self.folds: dict[Device, Device] = {}
         self.fold, self.allow_cpu_fallback = fold, allow_cpu_fallback
+        self.concurrent = concurrent
         self._cache = SessionCache()
         self._base: Model | None = None  # the private copy of the model the program was built from
         self._piped: tuple[Program, Program] | None = None  # (program, its pipelined form)
@@ -539,6 +543,7 @@ class Runner:
             keep_layout=self.keep_layout,
             precision=self.precision,
             allow_cpu_fallback=self.allow_cpu_fallback,
+            concurrent=self.concurrent,
         )
 
     def _pipelined_program(self) -> Program:
