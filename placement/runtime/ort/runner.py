@@ -44,7 +44,6 @@ import logging
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ from placement.runtime.ort.fold import fold_groups
 from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
 from placement.runtime.ort.program import Program
 from placement.runtime.ort.sessions import check_threads
+from placement.runtime.ort.stats import RunnerStats
 from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.schedule import batch_axes, check_chunks
@@ -80,32 +80,6 @@ __all__ = ["Runner", "RunnerStats", "run"]
 log = logging.getLogger(__name__)
 
 _REBUILD_ATTEMPTS = 8
-
-
-@dataclass
-class RunnerStats:
-    """Counters a :class:`Runner` keeps (for tests and reports).
-
-    Attributes:
-        sessions_built: ``InferenceSession`` s created so far.
-        sessions_reused: stage sessions kept across a re-placement.
-        partitions: times the model was partitioned (1 + re-placements seen).
-        runs: calls to :meth:`Runner.run`.
-        transfers: transfers per run (cross-device copies that move data).
-        host_copies: tensor copies through host memory the last :meth:`Runner.run` made
-            (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
-            in another thread at the same time counts here too).
-        providers: stage index -> the execution provider its session really runs on.
-    """
-
-    sessions_built: int = 0
-    sessions_reused: int = 0
-    partitions: int = 0
-    runs: int = 0
-    transfers: int = 0
-    host_copies: int = 0
-    providers: dict[int, str] = field(default_factory=dict)
 
 
 class Runner:
