@@ -23,21 +23,25 @@ ATOL = 1e-5
 DMAP = {"cuda:0": "cpu", "cpu": "cpu"}
 
 
-def _lowered(blocks=("blocks.0",), net=None, device_map=DMAP):
-    """gpt tiny on logical cuda:0 with ``blocks`` streamed from the host, lowered; (module, net, args)."""
-    if net is None:
-        net, args = gpt.build("tiny")
+def _lowered(blocks=("blocks.0",), net=None, device_map=DMAP, exported=None):
+    """gpt tiny on logical cuda:0 with ``blocks`` streamed from the host, lowered; (module, net, args).
+    ``exported``: the tests' cached export (when ``net`` is not given)."""
+    if net is None and exported is not None:
+        model, net, args = exported("gpt")
     else:
-        args = gpt.build("tiny")[1]
-    model = pl.from_torch(net, args)
+        if net is None:
+            net, args = gpt.build("tiny")
+        else:
+            args = gpt.build("tiny")[1]
+        model = pl.from_torch(net, args)
     pl.stream_parameters(model, list(blocks))
     pl.inject_cross_device_copies(model, output_device=0)
     return pl.to_torch(model, device_map=device_map), net, args
 
 
 @pytest.fixture
-def lowered():
-    return _lowered()
+def lowered(exported):
+    return _lowered(exported=exported)
 
 
 # -- the emulator sees device-side order ------------------------------------------------------
@@ -206,9 +210,8 @@ def test_a_module_with_streamed_weights_deep_copies_and_pickles(lowered):
 # -- 7. CUDA graphs --------------------------------------------------------------------------
 
 
-def test_cuda_graphs_with_streamed_weights_is_a_named_error():
-    net, args = gpt.build("tiny")
-    model = pl.from_torch(net, args)
+def test_cuda_graphs_with_streamed_weights_is_a_named_error(exported):
+    model, _, _ = exported("gpt")
     pl.stream_parameters(model, ["blocks.0"])
     pl.inject_cross_device_copies(model, output_device=0)
     before = model.copy()
