@@ -238,6 +238,7 @@ def _placement(
     row = {
         "time_s": times,
         "peak_gpu_bytes": peak,
+        "peak_reserved_gpu_bytes": torch.cuda.max_memory_reserved() if cuda else None,
         "plan_gpu_bytes": plan.gpu_bytes,
         "budget_held": None if peak is None else peak <= args.budget,
         "max_abs_diff": max(diffs.values()),
