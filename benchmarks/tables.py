@@ -351,6 +351,34 @@ def _distributed() -> str:
     )
 
 
+def _tensor_parallel() -> str:
+    data = _load("tensor_parallel.json")
+    rows = [
+        [
+            r["model"],
+            r["tokens"],
+            f"{r['ms']['1_thread']:.1f}",
+            f"{r['ms']['2_threads']:.1f}",
+            f"{r['ms']['tensor_parallel']:.1f}",
+            f"{r['vs_1_thread']:.2f}",
+            f"{r['vs_2_threads']:.2f}",
+            f"{r['max_rel_diff']:.1e}",
+        ]
+        for r in data["rows"]
+    ]
+    load = data["load_average"]
+    return (
+        f"`pl.split_tensor_parallel` over 2 emulated devices (one session and one thread each, "
+        f"branches at once) against one unsplit session; median of {data['rounds']} interleaved rounds, "
+        f"load average {load[0]:.2f} before and {load[1]:.2f} after, {data['cpus']} CPUs:\n\n"
+        + _table(
+            ["model", "tokens", "1 thread ms", "2 threads ms", "TP x2 ms", "vs 1 thread", "vs 2 threads",
+             "max rel diff"],
+            rows,
+        )
+    )
+
+
 _CONFORMANCE_NAMES = {
     "ort": "ONNX Runtime, one session",
     "placed_last": "`pl.run`, last op moved to device 1",
@@ -423,6 +451,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
         _passes,
     ),
     ("Planners", "python benchmarks/planners.py --markdown", _planners),
+    ("Tensor parallelism", "python benchmarks/tensor_parallel.py", _tensor_parallel),
     (
         "torch.distributed ranks",
         "python benchmarks/distributed.py --micro-batches 2 8 16 --chunks 8",

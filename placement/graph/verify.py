@@ -9,7 +9,10 @@
    an edge to that op; a streamed parameter lives on its host device and every
    copy of it is marked ``streamed`` (and only such copies are);
 4. graph outputs sit on the model's output device, when one is set;
-5. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
+5. tensor-parallel invariants: a partial sum (an op marked ``placement.tensor_parallel =
+   partial``) feeds only all-reduces (through copies), a shard never reaches a graph output, and
+   every collective tag is well formed;
+6. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
 
 Example:
     >>> import placement as pl
@@ -29,17 +32,27 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass
 
-from placement.errors import VerificationError
+try:  # the helper onnx_ir's CheckerPass uses: hands a proto without weights to onnx's C API
+    from onnx_ir.passes.common import _c_api_utils
+except ImportError:  # pragma: no cover - other onnx_ir releases
+    _c_api_utils = None  # type: ignore[assignment]
+
+from placement.errors import ModelLoadError, VerificationError
 from placement.graph.device import Device
+from placement.graph.external_data import _without_external_data
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.model import Model
 from placement.graph.nodes import (
     COPY_KEY,
     COPY_KINDS,
     DEVICE_KEY,
     SUBGRAPH_OP_TYPES,
+    TP_KEY,
+    collective_tag,
     is_copy_node,
     node_reads,
 )
+from placement.graph.ort_ops import checkable
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -100,13 +113,62 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
     if output_device is not None:
         for value in graph.outputs:
             producer = value.producer()
-            if producer is not None and devices.get(id(value)) != output_device:
+            if (
+                producer is not None
+                and devices.get(id(value)) != output_device
+                and not is_cache_output(value.name)
+            ):
                 raise VerificationError(
                     f"op {producer.name!r} produces graph output {value.name!r} on "
                     f"{devices.get(id(value))}, not on the output device {output_device}"
                 )
+    _check_tensor_parallel(graph)
     if check_onnx:
         run_onnx_checker(model)
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    """The ops reading ``value``, looking through copies."""
+    found: list[ir.Node] = []
+    for use in value.uses():
+        if is_copy_node(use.node):
+            for out in use.node.outputs:
+                found += _readers(out)
+        else:
+            found.append(use.node)
+    return found
+
+
+def _reaches_output(value: ir.Value) -> bool:
+    if value.is_graph_output():
+        return True
+    return any(
+        is_copy_node(use.node) and any(_reaches_output(o) for o in use.node.outputs) for use in value.uses()
+    )
+
+
+def _check_tensor_parallel(graph: ir.Graph) -> None:
+    """Partial sums feed only all-reduces; shards never reach graph outputs; tags parse."""
+    for node in graph:
+        collective_tag(node)  # raises on a malformed tag
+        role = node.metadata_props.get(TP_KEY)
+        if role is None:
+            continue
+        for value in node.outputs:
+            if _reaches_output(value):
+                raise VerificationError(
+                    f"op {node.name!r} makes {role} blob {value.name!r}, which reaches a graph output "
+                    "(a shard or partial sum must be gathered or reduced first)"
+                )
+            if role != "partial":
+                continue
+            for reader in _readers(value):
+                tag = collective_tag(reader)
+                if tag is None or tag["kind"] != "all_reduce":
+                    raise VerificationError(
+                        f"partial sum {value.name!r} (op {node.name!r}) is read by {reader.name!r} "
+                        f"({reader.op_type}), not by an all-reduce"
+                    )
 
 
 def _check_copy_kind(node: ir.Node, streamed: set[int]) -> None:
@@ -138,7 +200,7 @@ def _source_device(
         return found
     found = home.get(id(value))
     if found is None:
-        is_input = value.is_graph_input() and value.name not in inits
+        is_input = value.is_graph_input() and value.name not in inits and not is_cache_input(value.name)
         found = input_device if (is_input and input_device is not None) else consumer_device
         home[id(value)] = found
     return found
@@ -147,15 +209,28 @@ def _source_device(
 def run_onnx_checker(model: Model | ir.Model) -> None:
     """Run ``onnx.checker`` on the model without serialising its weights.
 
-    onnx_ir's ``CheckerPass`` hands the checker a proto whose initializers are stripped to
-    their types, so the check costs no copy of the weights and works above protobuf's 2 GiB.
+    The checker is handed a proto whose initializers are stripped to their types
+    (onnx_ir's ``call_onnx_api``, as its ``CheckerPass`` does), so the check costs
+    no copy of the weights and works above protobuf's 2 GiB; tensors still held
+    as external data are emptied in that proto too (the checker would look for
+    their files in the working directory). ONNX Runtime's own ops are checked
+    against ORT's schemas (:mod:`placement.graph.ort_ops`).
 
     Raises:
         VerificationError: the model is not valid ONNX (the checker's first line is quoted).
     """
     ir_model = model.ir_model if isinstance(model, Model) else model
+
+    def check(proto: onnx.ModelProto) -> None:
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin="the model"))
+
     try:
-        CheckerPass()(ir_model)
+        if _c_api_utils is not None and hasattr(_c_api_utils, "call_onnx_api"):
+            _c_api_utils.call_onnx_api(check, ir_model)
+        else:  # an onnx_ir without the helper: its checker pass
+            CheckerPass()(ir_model)
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid"
         raise VerificationError(f"the model is not valid ONNX: {first}") from err
+    except ModelLoadError as err:
+        raise VerificationError(f"the model is not valid ONNX: {err}") from err

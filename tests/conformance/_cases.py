@@ -300,7 +300,13 @@ def run_ort(case: Case) -> list[Any]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(case.model_bytes, _session_options(), providers=["CPUExecutionProvider"])
-    return session.run(None, case.feeds)
+    feeds = ort_feeds(case)
+    if not _numpy_lacks_an_output(case):
+        return session.run(None, feeds)
+    values = {
+        n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v) for n, v in feeds.items()
+    }
+    return from_ort_values(case, session.run_with_ort_values(None, values))
 
 
 def place(case: Case, how: str) -> Any:
@@ -332,7 +338,112 @@ def run_placed(case: Case, how: str, fold: bool | None = False) -> list[Any]:
 
     model = place(case, how)
     runner = pl.Runner(model, threads=1, device_map="cpu", fold=fold)
-    return runner.run(case.feeds)
+    if not _numpy_lacks_an_output(case):
+        return runner.run(ort_feeds(case))
+    return from_ort_values(case, runner.run(ort_feeds(case), outputs="ortvalue"))
+
+
+def ort_feeds(case: Case) -> dict[str, Any]:
+    """The case's inputs as ONNX Runtime takes them, by graph-input name.
+
+    Newer onnx releases store some inputs as ``TensorProto`` s, which ONNX Runtime does not
+    take: a numpy type becomes its array; a type numpy lacks (bfloat16, float8, 4- and 2-bit
+    types, held as ``ml_dtypes``, as older releases' inputs are once read) an ``OrtValue`` of
+    the same bits, the sub-byte types packed as ONNX stores them (the first element in the
+    lowest bits).
+    """
+    types = {v.name: v.type.tensor_type.elem_type for v in case.model.graph.input}
+    return {name: _ort_input(value, types.get(name, 0)) for name, value in case.feeds.items()}
+
+
+def _ort_input(value: Any, data_type: int) -> Any:
+    from onnx import TensorProto
+
+    if isinstance(value, TensorProto):
+        data_type = value.data_type
+    array = as_array(value)
+    if not isinstance(array, np.ndarray) or _numpy_has(array.dtype) or array.dtype == object or not data_type:
+        return array
+    import onnxruntime as ort
+
+    width = _SUB_BYTE_WIDTH.get(data_type)
+    bits = array.view(np.uint8 if array.dtype.itemsize == 1 else np.uint16)
+    if width is not None:
+        bits = _packed(bits, width)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(bits), data_type)
+
+
+def _numpy_has(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is one of numpy's own types (not an ``ml_dtypes`` one)."""
+    return dtype.kind in "biufc?" and dtype.type.__module__ == "numpy"
+
+
+def _numpy_lacks_an_output(case: Case) -> bool:
+    """Whether an expected output is a tensor of a type numpy lacks (ONNX Runtime's ``run``
+    cannot hand such outputs back: they come back as ``OrtValue`` s)."""
+    expected = [as_array(v) for v in case.outputs]
+    return any(isinstance(v, np.ndarray) and not _numpy_has(v.dtype) and v.dtype != object for v in expected)
+
+
+def from_ort_values(case: Case, values: list[Any]) -> list[Any]:
+    """``OrtValue`` outputs as numpy arrays; those of types numpy lacks read bit for bit as
+    the expected output's ``ml_dtypes`` type (the sub-byte types unpacked)."""
+    out = []
+    for value, want in zip(values, case.outputs):
+        want = as_array(want)
+        if not isinstance(want, np.ndarray) or _numpy_has(want.dtype) or want.dtype == object:
+            out.append(value.numpy())
+            continue
+        import ctypes
+
+        raw = np.frombuffer(ctypes.string_at(value.data_ptr(), value.tensor_size_in_bytes()), np.uint8)
+        shape = tuple(value.shape())
+        width = 8 * want.dtype.itemsize if not want.dtype.name.startswith(("int", "uint", "float4")) else None
+        out.append(_from_bits(raw, shape, want.dtype, width))
+    return out
+
+
+def _from_bits(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, width: int | None) -> np.ndarray:
+    """ONNX Runtime's bytes of a tensor of ``dtype`` (an ``ml_dtypes`` type) as an array."""
+    if width is not None:  # bfloat16 and float8: whole bytes
+        return raw.view(np.uint8 if width == 8 else np.uint16).reshape(shape).view(dtype)
+    bits = 2 if dtype.name.endswith("2") else 4
+    per = 8 // bits
+    count = int(np.prod(shape, dtype=np.int64))
+    codes = ((raw[:, None] >> (np.arange(per, dtype=np.uint8) * bits)) & ((1 << bits) - 1)).reshape(-1)[
+        :count
+    ]
+    if dtype.name.startswith("int"):  # two's complement in ``bits`` bits
+        return (
+            np.where(codes >= 1 << (bits - 1), codes.astype(np.int16) - (1 << bits), codes)
+            .astype(dtype)
+            .reshape(shape)
+        )
+    return (
+        codes.astype(np.uint8).view(dtype).reshape(shape)
+        if dtype.name.startswith("float")
+        else codes.astype(dtype).reshape(shape)
+    )
+
+
+#: Bits per element of ONNX's sub-byte types (those the installed onnx knows).
+_SUB_BYTE_WIDTH = {
+    code: width
+    for name, width in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+    if (code := getattr(__import__("onnx").TensorProto, name, None)) is not None
+}
+
+
+def _packed(bits: np.ndarray, width: int) -> np.ndarray:
+    """One byte per element -> ``8 // width`` elements per byte, in an array of the original
+    shape (ONNX Runtime reads the packed bytes from its start: the tensor's size in bytes)."""
+    per = 8 // width
+    flat = bits.reshape(-1) & ((1 << width) - 1)
+    flat = np.concatenate([flat, np.zeros(-flat.size % per, np.uint8)]).reshape(-1, per).astype(np.uint16)
+    packed = (flat << (np.arange(per, dtype=np.uint16) * width)).sum(axis=1).astype(np.uint8)
+    out = np.zeros(bits.shape, np.uint8)
+    out.reshape(-1)[: packed.size] = packed
+    return out
 
 
 #: ``ml_dtypes`` names of the numpy types torch holds under the same bits.

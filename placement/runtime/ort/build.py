@@ -37,10 +37,12 @@ from placement.graph.model import Model
 from placement.graph.nodes import is_copy_node, node_device
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.concurrent import ConcurrentRun, stage_width
 from placement.runtime.ort.fold import fold_groups, fold_model, folded_devices
 from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import stage_session
 from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.stream_split import restore_devices, split_streamed
 from placement.runtime.precision import DEFAULT_PRECISION
 from placement.runtime.schedule import stage_threads
 from placement.runtime.stages import split_stages
@@ -66,6 +68,9 @@ class BuildOptions:
         precision: ``"fp32"`` or ``"tf32"`` (GPU stages).
         allow_cpu_fallback: a GPU stage whose session falls back to the CPU runs there
             (with a warning) instead of raising ``DeviceError``.
+        concurrent: run stages that do not depend on each other at once (None: where the
+            stage graph is wider than a chain and the program is not pipelined); each
+            session then gets the cores divided among the widest set of such stages.
     """
 
     fold: bool | None = None
@@ -76,6 +81,7 @@ class BuildOptions:
     keep_layout: bool = True
     precision: str = DEFAULT_PRECISION
     allow_cpu_fallback: bool = False
+    concurrent: bool | None = None
 
     def session_threads(self, n_stages: int) -> int | None:
         """The intra-op threads of each session of a program with ``n_stages`` stages."""
@@ -88,7 +94,7 @@ class BuildOptions:
 
 @dataclass
 class SessionCache:
-    """Sessions a runner built, by (stage fingerprint, physical device), kept across rebuilds.
+    """Sessions a runner built, by (stage fingerprint, physical device, threads), kept across rebuilds.
 
     Attributes:
         sessions: the stage sessions.
@@ -96,7 +102,7 @@ class SessionCache:
         optimized: ONNX Runtime's optimised graph of a stage (for blocked boundaries).
     """
 
-    sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = field(default_factory=dict)
+    sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = field(default_factory=dict)
     blocked: dict[tuple[str, ...], ort.InferenceSession] = field(default_factory=dict)
     optimized: dict[tuple[str, ...], Any] = field(default_factory=dict)
 
@@ -170,13 +176,19 @@ def build_program(
     )
     if folds:
         fold_model(model, folds)
+    segments = split_streamed(model, device_map)  # each session fed at most the streamed window
     part = split_stages(model)
+    restore_devices(part, segments)
     runs = folded_devices(folds)
     for stage in part.stages:
         stage.folded = runs.get(stage.device, ())
     threads = options.session_threads(len(part.stages))
+    width = stage_width([s.depends_on for s in part.stages])
+    concurrent = not options.pipelined and options.concurrent is not False and width > 1
+    if concurrent and threads is None:
+        threads = stage_threads(width)
     layout = options.keep_layout and sum(not device_map[s.device].is_cuda for s in part.stages) > 1
-    sessions: dict[tuple[str, PhysicalDevice], ort.InferenceSession] = {}
+    sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = {}
     execs: dict[int, StageExec] = {}
     providers: dict[int, str] = {}
     fell_back: dict[Device, PhysicalDevice] = {}  # GPU stages whose sessions run on the CPU
@@ -186,7 +198,7 @@ def build_program(
             log.debug("stage %d computes nothing that is read; skipped", stage.index)
             continue
         physical = device_map[stage.device]
-        key = (stage.fingerprint, physical)
+        key = (stage.fingerprint, physical, threads)
         session = cache.sessions.get(key) or sessions.get(key)
         if session is None:
             dump = layout and not physical.is_cuda and any(op.op_type == "Conv" for op in stage.model.graph)
@@ -225,6 +237,8 @@ def build_program(
         if plan.blobs:
             blobs = plan.blobs
             program = compile_program(model, part, execs, device_map)
+    if concurrent:
+        program.concurrent = ConcurrentRun.of(program)
     return Built(program, built, reused, folds, blobs, providers)
 
 

@@ -66,20 +66,23 @@ _EXTERNAL_MIN_BYTES = 1024
 def ort_log_severity() -> int:
     """ONNX Runtime's log severity for stage sessions, from the ``placement`` logger's level.
 
-    Errors only (3) by default, so sessions do not print ONNX Runtime's warnings;
-    with the ``placement`` logger at INFO (the CLI's ``-v``) warnings too (2), and
-    at DEBUG (``-vv``) ONNX Runtime's info messages (1).
+    Fatal only (4) by default: ONNX Runtime's own log lines (colour-coded, written
+    straight to stderr) stay off, since every error it reports reaches the caller as
+    a :class:`placement.PlacementError` carrying its message, and the command line
+    promises one-line errors. Asked for, they show: with the ``placement`` logger at
+    INFO (the CLI's ``-v``) ONNX Runtime's errors and warnings (2), at DEBUG (``-vv``)
+    its info messages too (1).
 
     Example:
         >>> ort_log_severity()
-        3
+        4
     """
     logger = logging.getLogger("placement")
     if logger.isEnabledFor(logging.DEBUG):
         return 1
     if logger.isEnabledFor(logging.INFO):
         return 2
-    return 3
+    return 4
 
 
 def providers(physical: PhysicalDevice, *, precision: str = DEFAULT_PRECISION) -> list[Any]:
@@ -88,10 +91,9 @@ def providers(physical: PhysicalDevice, *, precision: str = DEFAULT_PRECISION) -
     the CPU provider as fallback for ops it lacks; or the CPU provider alone.
 
     Before a CUDA session is built, ONNX Runtime's default logger is set to
-    :func:`ort_log_severity` (errors only unless the ``placement`` logger asks for more):
+    :func:`ort_log_severity` (off unless the ``placement`` logger asks for it):
     since 1.26, building a CUDA session with a ``device_id`` logs a warning through that
-    logger ("No registered plugin EP device found") that says nothing to a user. Errors
-    still show.
+    logger ("No registered plugin EP device found") that says nothing to a user.
 
     Example:
         >>> providers(PhysicalDevice("cpu"))
@@ -153,7 +155,7 @@ def session_options(physical: PhysicalDevice, *, threads: int | None = None) -> 
 
     Full graph optimisation (``ORT_ENABLE_ALL``), sequential execution, ``threads``
     intra-op threads (default: ONNX Runtime's choice, one per physical core), ONNX
-    Runtime's logging at error level unless the ``placement`` logger asks for more
+    Runtime's own log off unless the ``placement`` logger asks for it
     (:func:`ort_log_severity`), and
     ``session.force_spinning_stop``: a stage's worker threads spin while it runs
     (fast) but stop spinning when its run ends, so a finished stage does not keep
