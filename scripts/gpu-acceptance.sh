@@ -53,14 +53,14 @@ row, budget = result["rows"]["placement"], result["gpu_budget_bytes"]
 # fp16 on both sides, host layers in fp32: a difference within 1% of the largest logit
 relative = row["max_abs_diff"] / max(row["logit_scale"], 1e-12)
 print(f"offload: max |diff| {row['max_abs_diff']:.3e} ({relative:.2e} of the largest logit); peak allocated "
-      f"{row['peak_gpu_bytes']} B, peak reserved {row.get('peak_reserved_gpu_bytes')} B, budget {budget} B, "
+      f"{row['peak_gpu_bytes']} B, peak reserved {row.get('peak_gpu_reserved_bytes')} B, budget {budget} B, "
       f"plan {row['plan_gpu_bytes']} B")
 problems = []
 if not relative <= 1e-2:
     problems.append("outputs differ from all-on-GPU by more than 1% of the largest logit")
 if row["peak_gpu_bytes"] is None or row["peak_gpu_bytes"] > budget:
     problems.append("peak allocated GPU memory over the budget")
-if row.get("peak_reserved_gpu_bytes") is None or row["peak_reserved_gpu_bytes"] > budget:
+if row.get("peak_gpu_reserved_bytes") is None or row["peak_gpu_reserved_bytes"] > budget:
     problems.append("peak reserved GPU memory over the budget")
 for problem in problems:
     print(f"offload: {problem}")
