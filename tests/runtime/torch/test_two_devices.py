@@ -1,5 +1,5 @@
 """The pipelined torch executors on two devices with streams, emulated on the CPU
-(:mod:`tests.runtime.stream_emulator`): every hand-over is checked for its device and stream
+(:mod:`tests.runtime.torch.stream_emulator`): every hand-over is checked for its device and stream
 (which stream waited on which event), every read for a wait behind the work that made it
 and for ``record_stream`` where it crosses streams, and results equal the unsplit module.
 
@@ -17,7 +17,7 @@ from tests.runtime.helpers import (
     no_thread_leak,  # noqa: F401 (an autouse fixture)
     placed_zoo,
 )
-from tests.runtime.stream_emulator import StreamEmulator, emulate_devices
+from tests.runtime.torch.stream_emulator import StreamEmulator, emulate_devices
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 TWO_GPUS = [CUDA0, CUDA1]
