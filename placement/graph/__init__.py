@@ -14,6 +14,7 @@
 - :mod:`~placement.graph.torch_import`: ``from_torch`` (the exporter front-end).
 - :mod:`~placement.graph.verify`: ``verify``, the placement invariants.
 - :mod:`~placement.graph.views`: networkx views of the op graph.
+- :mod:`~placement.graph.placed`: ``PlacedModel``, what the modules beneath ``Model`` read of it.
 
 May import: ``placement.errors`` only. Knows nothing of analyses, passes, planners or runtimes.
 

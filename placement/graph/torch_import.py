@@ -37,12 +37,35 @@ from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
+from placement.graph.output_names import rename_outputs, structure_names
 
-__all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
+__all__ = [
+    "CONSTANTS_KEY",
+    "EXPORTER_KEY",
+    "MODE_MODULES_KEY",
+    "TRAINING_KEY",
+    "exporter_constants",
+    "exporter_of",
+    "from_torch",
+    "mode_modules",
+]
 
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
 EXPORTER_KEY = "placement.exporter"
+#: Model metadata key listing (as a JSON array) the initializers the exporter made
+#: that are not the module's state: the zero bias of a ``bias=False`` convolution,
+#: folded constants (``val_6``), lifted tensor constants. Runtimes treat them as
+#: constants, never as trainable parameters.
+CONSTANTS_KEY = "placement.constants"
+#: Model metadata key set to ``"1"`` on a model exported for training
+#: (``from_torch(..., training=True)``): its Dropout and BatchNormalization ops follow the
+#: lowered module's train/eval mode (:mod:`placement.lowering.ops.training`).
+TRAINING_KEY = "placement.training"
+#: Model metadata key listing (JSON) the module's layer types that behave differently in
+#: training (Dropout, BatchNorm), recorded by an eval-mode export so that training the
+#: lowered module can warn that they run in eval mode.
+MODE_MODULES_KEY = "placement.mode_modules"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -64,11 +87,17 @@ def from_torch(
     device: DeviceLike = 0,
     dynamic_shapes: Any = None,
     exporter: str = "auto",
+    training: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> Model:
     """Export ``module`` to an operator graph with every op on ``device``.
 
     The module is exported in eval mode (its training flags are restored
-    afterwards, so the module is unchanged). Initializers keep the module's
+    afterwards, so the module is unchanged), or with ``training=True`` in train
+    mode: its Dropout ops are kept and its BatchNorm ops stand for batch
+    statistics, so the module ``pl.to_torch`` lowers from it follows
+    ``module.train()``/``module.eval()`` (see :mod:`placement.lowering.ops.training`).
+    The ONNX Runtime path runs such a model in inference mode. Initializers keep the module's
     parameter names (a parameter shared by two modules, like a tied LM head,
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
@@ -88,10 +117,16 @@ def from_torch(
             ``"dynamo"`` or ``"torchscript"``. The TorchScript exporter *traces*:
             data-dependent branches are fixed to the path the example inputs take
             (its warnings are logged).
+        training: export in train mode (see above).
+        output_names: names for the graph outputs, in order. By default a module that
+            returns a dict or a Hugging Face ``ModelOutput`` names them by its keys
+            (``last_hidden_state``, ``pooler_output``, ``logits``; nested parts joined by
+            dots) and other outputs keep the exporter's names.
 
     Raises:
         ExportError: the exporter failed (with ``"auto"``: both did; the message
-            quotes both causes) and says what to try.
+            quotes both causes) and says what to try; ``output_names`` of the wrong
+            count, repeated, or already naming another blob.
     """
     import torch
 
@@ -103,9 +138,13 @@ def from_torch(
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     name = type(module).__name__
-    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
+    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name, bool(training))
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
+    _mark_exporter_constants(ir_model, module)
+    _mark_mode(ir_model, module, bool(training))
+    if output_names is not None:
+        rename_outputs(ir_model, [str(n) for n in output_names], required=True)
     from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
@@ -120,6 +159,7 @@ def _export(
     dynamic_shapes: Any,
     exporter: str,
     name: str,
+    training: bool = False,
 ) -> tuple[Any, str]:
     """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
@@ -128,7 +168,7 @@ def _export(
     if exporter in ("auto", "dynamo"):
         try:
             with exportable_settings(module, "dynamo"):
-                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes, training)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
             causes.append(f"dynamo exporter: {_cause(err)}{_version_hint(err)}")
@@ -143,7 +183,7 @@ def _export(
     if ir_model is None:
         try:
             with exportable_settings(module, "torchscript"):
-                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes, training)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
             causes.append(f"TorchScript exporter: {_cause(err)}")
@@ -161,6 +201,83 @@ def exporter_of(model: Model) -> str | None:
         'dynamo'
     """
     return model.ir_model.metadata_props.get(EXPORTER_KEY)
+
+
+def exporter_constants(model: Any) -> frozenset[str]:
+    """Initializers the exporter made (not the module's parameters or buffers).
+
+    ``model`` is a :class:`~placement.graph.model.Model` or an ``onnx_ir.Model``;
+    models not imported by :func:`from_torch` have none.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Conv2d(3, 4, 3, bias=False)
+        >>> model = pl.from_torch(net, (torch.randn(1, 3, 8, 8),))
+        >>> [name for name in model.parameters if name not in exporter_constants(model)]
+        ['weight']
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    text = ir_model.metadata_props.get(CONSTANTS_KEY)
+    if not text:
+        return frozenset()
+    try:
+        names = json.loads(text)
+    except ValueError:
+        log.warning("ignoring a malformed %s annotation", CONSTANTS_KEY)
+        return frozenset()
+    return frozenset(str(n) for n in names) if isinstance(names, list) else frozenset()
+
+
+def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
+    """Record the initializers that are not ``module``'s state (see :data:`CONSTANTS_KEY`)."""
+    import json
+
+    state = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    made = sorted(name for name in ir_model.graph.initializers if name not in state)
+    if made:
+        ir_model.metadata_props[CONSTANTS_KEY] = json.dumps(made)
+        log.debug("exporter-made constants (not trainable): %s", ", ".join(made))
+
+
+_MODE_LAYERS = re.compile(r"Dropout|BatchNorm|SyncBatchNorm")
+
+
+def mode_modules(model: Any) -> list[str]:
+    """The layer types of the exported module that behave differently in training (recorded by
+    an eval-mode export: they run in eval mode in the lowered module).
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),)))
+        ['Dropout']
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),), training=True))
+        []
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    try:
+        names = json.loads(ir_model.metadata_props.get(MODE_MODULES_KEY) or "[]")
+    except ValueError:
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
+    import json
+
+    if training:
+        ir_model.metadata_props[TRAINING_KEY] = "1"
+        return
+    layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
+    if layers:
+        ir_model.metadata_props[MODE_MODULES_KEY] = json.dumps(layers)
 
 
 def _cause(err: BaseException) -> str:
@@ -198,10 +315,12 @@ def _version_hint(err: BaseException) -> str:
     return f" ({have}: this torch's exporter needs a newer onnxscript: pip install -U onnxscript)"
 
 
-def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any) -> Any:
+def _export_dynamo(
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
+) -> Any:
     import torch
 
-    with _eval_mode(module), _quiet_exporter():
+    with _eval_mode(module, training=training), _quiet_exporter():
         program = torch.onnx.export(
             module,
             args,
@@ -213,9 +332,12 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
             verbose=False,
         )
     ir_model = program.model
+    names = structure_names(getattr(getattr(program, "exported_program", None), "call_spec", None))
+    if names is not None:
+        rename_outputs(ir_model, names, required=False)
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        scope = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+        scope = _without_artefacts(scope_from_torch_name_scopes(scopes) or "") if scopes else ""
         expert = node.metadata_props.get(EXPERT_KEY)
         if expert is not None:  # one expert's ops of a grouped matmul (export_rules.grouped_mm)
             scope = f"{scope}.{expert}" if scope else expert
@@ -223,8 +345,23 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
     return ir_model
 
 
+#: Module-path parts the exporter makes up for ops no module produced (torch.export's
+#: metadata hook marks them with this placeholder module).
+_ARTEFACT_SCOPES = frozenset({"_empty_nn_module_stack_from_metadata_hook"})
+
+
+def _without_artefacts(scope: str) -> str:
+    """``scope`` without the exporter's placeholder module names.
+
+    Example:
+        >>> _without_artefacts("_empty_nn_module_stack_from_metadata_hook"), _without_artefacts("enc.0")
+        ('', 'enc.0')
+    """
+    return ".".join(p for p in scope.split(".") if p not in _ARTEFACT_SCOPES) if scope else scope
+
+
 def _export_torchscript(
-    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
 ) -> Any:
     """The TorchScript exporter: parameters keep their names (no constant folding, no
     initializers as inputs), inputs are named after ``forward``'s parameters and op
@@ -253,7 +390,7 @@ def _export_torchscript(
             type(module).__name__,
         )
     buffer = io.BytesIO()
-    with _eval_mode(module), _quiet_exporter(keep_warnings=True) as caught:
+    with _eval_mode(module, training=training), _quiet_exporter(keep_warnings=True) as caught:
         torch.onnx.export(
             module,
             args,
@@ -265,6 +402,7 @@ def _export_torchscript(
             do_constant_folding=False,
             keep_initializers_as_inputs=False,
             opset_version=18,
+            training=torch.onnx.TrainingMode.PRESERVE if training else torch.onnx.TrainingMode.EVAL,
         )
     for message in dict.fromkeys(
         str(w.message).splitlines()[0] for w in caught if "Trace" in w.category.__name__
@@ -355,9 +493,10 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
 
 
 @contextlib.contextmanager
-def _eval_mode(module: Any) -> Iterator[None]:
+def _eval_mode(module: Any, *, training: bool = False) -> Iterator[None]:
+    """The module in eval mode (train mode with ``training``), its flags restored after."""
     flags = [(m, m.training) for m in module.modules()]
-    module.eval()
+    module.train(training)
     try:
         yield
     finally:

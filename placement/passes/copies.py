@@ -54,7 +54,8 @@ import onnx_ir as ir
 
 from placement.graph.device import Device, DeviceLike
 from placement.passes.base import ModelLike, PlacementPass
-from placement.passes.copy_injection import CopyInjection, CopyResult
+from placement.passes.copy_injection import CopyInjection
+from placement.passes.copy_making import CopyResult
 
 __all__ = ["inject_cross_device_copies", "InjectCrossDeviceCopiesPass"]
 

@@ -160,7 +160,7 @@ class GraphInfo:
             for producer, consumers in zip(self.blob_producer, self.blob_consumers)
         ]
         if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
-            self._resize()
+            self._size_unshaped()
         fixed = {id(v) for v in load_time_values(graph)}
         self.blob_fixed: list[bool] = [id(value) in fixed for value in self.blob_values]
         self.step_bytes: list[int] = [
@@ -177,8 +177,8 @@ class GraphInfo:
                 self.unknown_size[0],
             )
 
-    def _resize(self) -> None:
-        """Size the blobs still unsized (after shape inference annotated more of them)."""
+    def _size_unshaped(self) -> None:
+        """Size again the blobs that had no static shape, after shape inference annotated them."""
         self.unknown_size = []
         for b, value in enumerate(self.blob_values):
             if self.blob_bytes[b]:

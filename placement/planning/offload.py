@@ -57,12 +57,21 @@ from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.dims import called_as, caller, planned_dims
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
-from placement.planning.offload_layers import ALIGN, Layer, layers_of
+from placement.planning.offload_layers import Layer, aligned, layers_of
 from placement.planning.offload_search import gpu_activations, search_modes
 from placement.planning.profile import profile
 from placement.planning.speeds import DEFAULT_FLOPS
 
-__all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
+__all__ = [
+    "plan_offload",
+    "Layer",
+    "OffloadPlan",
+    "simulate",
+    "MODES",
+    "is_offload_budget",
+    "layers_of",
+    "default_workspace",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +79,40 @@ MODES = ("resident", "streamed", "host")
 #: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
 Activations = Union[int, Callable[[Sequence[str]], int]]
 
-#: The GPU workspace margin (``workspace=``): cuBLAS keeps up to 32 MiB per stream on
-#: recent GPUs, allocated through torch's caching allocator.
+#: The GPU workspace margin (``workspace=``) per stream that runs kernels: cuBLAS keeps up to
+#: 32 MiB per stream on Hopper (``CUBLAS_WORKSPACE_CONFIG``'s default there), allocated
+#: through torch's caching allocator.
 DEFAULT_WORKSPACE = 32 << 20
-#: The largest share of the GPU budget the default workspace margin takes.
+#: The share of a toy GPU budget (below twice :data:`DEFAULT_WORKSPACE`) the default margin takes.
 WORKSPACE_SHARE = 0.05
+
+
+def default_workspace(budget: int | None, *, streams: int = 1) -> int:
+    """The default ``workspace=`` of :func:`plan_offload`: :data:`DEFAULT_WORKSPACE` per stream
+    that runs kernels on the GPU (a plan runs one compute stream; its copy stream runs no
+    cuBLAS), as long as that leaves at least half of ``budget``; below that the budget is no
+    real GPU's (a test's, a toy's) and :data:`WORKSPACE_SHARE` of it is kept (logged).
+
+    Example:
+        >>> default_workspace(80 << 30) >> 20, default_workspace(100 << 20, streams=2) >> 20
+        (32, 50)
+        >>> default_workspace(100_000)
+        5000
+    """
+    want = DEFAULT_WORKSPACE * max(1, streams)
+    if budget is None:
+        return want
+    if budget >= 2 * DEFAULT_WORKSPACE:
+        return min(want, budget // 2)
+    share = int(budget * WORKSPACE_SHARE)
+    log.info(
+        "a GPU budget of %d bytes cannot keep cuBLAS's 32 MiB workspace: the margin is %d bytes "
+        "(pass workspace= for a real GPU, e.g. placement.runtime.torch.streaming.measure_workspace)",
+        budget,
+        share,
+    )
+    return share
+
 
 #: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
 #: lives in :mod:`placement.planning.speeds`.
@@ -230,17 +268,13 @@ def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, i
     return out
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
-
-
 def window_bytes(layers: Sequence[Layer], modes: Sequence[str], depth: int) -> int:
     """The device window the streamed layers need: ``depth`` of the largest streamed layer (each
     weight aligned as the runtime lays it out), plus the largest weight for the ring's wrap."""
-    per_layer = [sum(_aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
+    per_layer = [sum(aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
     if not per_layer:
         return 0
-    largest_weight = max(_aligned(size) for m in _streamed(layers, modes) for size in m.values())
+    largest_weight = max(aligned(size) for m in _streamed(layers, modes) for size in m.values())
     return min(depth, len(per_layer)) * max(per_layer) + largest_weight
 
 
@@ -452,8 +486,9 @@ def plan_offload(
             (``{"batch": 8, "seq": 128}``); default 1 (see :mod:`placement.planning.dims`),
             so the activations counted in the GPU budget are those of that batch.
         workspace: bytes kept free on the GPU for the framework's workspace (cuBLAS's
-            workspace, the allocator's rounding); default :data:`DEFAULT_WORKSPACE`, capped at
-            :data:`WORKSPACE_SHARE` of the GPU budget for small budgets.
+            workspace, the allocator's rounding); default :func:`default_workspace`: cuBLAS's
+            32 MiB where the budget is at least 64 MiB (at most half of it), else
+            :data:`WORKSPACE_SHARE` of a toy budget.
 
     Raises:
         PlanError: the budget is not one GPU plus a host, or bad arguments.
@@ -523,7 +558,7 @@ def plan_offload(
     layers = layers_of(model, info, gpu_ns, host_ns)
     activations = gpu_activations(info, layers)  # the GPU holds the activations of the ops it runs
     if workspace is None:
-        workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
+        workspace_bytes = default_workspace(budgets[0])
     else:
         workspace_bytes = parse_bytes(workspace)
     peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]

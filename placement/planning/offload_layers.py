@@ -37,13 +37,23 @@ from dataclasses import dataclass, field
 
 from placement.graph.model import Model
 from placement.graph.nodes import node_scope
+from placement.passes.streaming import is_streamable
 from placement.planning.graph_info import GraphInfo
 
-__all__ = ["ALIGN", "Layer", "layers_of", "layer_key"]
+__all__ = ["ALIGN", "aligned", "Layer", "layers_of", "layer_key"]
 
 #: Bytes each streamed weight's region of the device window is aligned to (the runtime's
 #: :class:`~placement.runtime.torch.streaming.WeightStreamer` lays the window out so).
 ALIGN = 512
+
+
+def aligned(size: int) -> int:
+    """``size`` rounded up to :data:`ALIGN` bytes: a streamed weight's region of the window.
+
+    >>> aligned(1), aligned(512), aligned(513)
+    (512, 512, 1024)
+    """
+    return -(-size // ALIGN) * ALIGN
 
 
 @dataclass
@@ -176,5 +186,5 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
 
 
 def _is_weight(model: Model, name: str) -> bool:
-    value = model.graph.initializers[name].const_value
-    return value is not None and value.dtype.is_floating_point() and len(value.shape) >= 1
+    """A weight the plan counts and may stream: floating point or quantized integers (int8...)."""
+    return is_streamable(model.graph.initializers[name])

@@ -41,6 +41,7 @@ from placement.runtime.ort.fold import fold_groups, fold_model, folded_devices
 from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import stage_session
 from placement.runtime.ort.steps import StageExec
+from placement.runtime.ort.stream_split import restore_devices, split_streamed
 from placement.runtime.precision import DEFAULT_PRECISION
 from placement.runtime.schedule import stage_threads
 from placement.runtime.stages import split_stages
@@ -165,7 +166,9 @@ def build_program(
     )
     if folds:
         fold_model(model, folds)
+    segments = split_streamed(model)  # each session fed at most the streamed window
     part = split_stages(model)
+    restore_devices(part, segments)
     runs = folded_devices(folds)
     for stage in part.stages:
         stage.folded = runs.get(stage.device, ())

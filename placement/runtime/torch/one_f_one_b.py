@@ -318,14 +318,17 @@ def pipelined_train_step(
 def _run_threads(shared: _Shared) -> None:
     """Every stage's loop on a thread of its own, the last one on this thread."""
     last = len(shared.stages) - 1
+    context = worker_context(shared.stages, True)
     threads = [
-        threading.Thread(target=_run_loop, args=(shared, j), name=f"placement-train-stage-{j}", daemon=True)
+        threading.Thread(
+            target=_run_loop, args=(shared, j, context), name=f"placement-train-stage-{j}", daemon=True
+        )
         for j in range(last)
     ]
     for thread in threads:
         thread.start()
     try:
-        _run_loop(shared, last)  # the last stage on the caller's thread
+        _run_loop(shared, last, context)  # the last stage on the caller's thread
     except BaseException as err:  # noqa: BLE001 - (KeyboardInterrupt) stop the workers first
         shared.fail(last, -1, err)
         raise
@@ -334,8 +337,8 @@ def _run_threads(shared: _Shared) -> None:
             thread.join()
 
 
-def _run_loop(shared: _Shared, j: int) -> None:
-    with worker_context(shared.stages, True)(j):
+def _run_loop(shared: _Shared, j: int, context: Any) -> None:
+    with context(j):  # made on the caller's thread: its grad mode and autocast state
         _StageLoop(shared, j).run()
 
 

@@ -25,11 +25,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from placement.lowering.ops.training import ModeBatchNorm, ModeDropout, replaying
 from placement.runtime.schedule import split_batch
+
+#: The lowering's train/eval-mode modules (see :mod:`placement.lowering.ops.training`).
+MODE_MODULES = (ModeBatchNorm, ModeDropout)
 
 __all__ = [
     "StepStats",
     "TorchStage",
+    "autocast_like",
+    "autocast_matches",
+    "caller_autocast",
     "accumulate",
     "accumulate_owned",
     "accumulate_microbatch",
@@ -124,11 +131,19 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     Those values never leave the pipeline: the caller gets outputs concatenated outside
     it, ordinary tensors."""
 
+    casts = caller_autocast()
+
     @contextlib.contextmanager
     def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
             with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
-                yield
+                with autocast_like(casts):
+                    yield
+
+    @contextlib.contextmanager
+    def on_host(mode: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        with mode, autocast_like(casts):
+            yield
 
     def enter(j: int) -> contextlib.AbstractContextManager[Any]:
         # Entered around every call of a stage run on the caller's thread: on the CPU, the
@@ -136,11 +151,56 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
         stage = stages[min(j, len(stages) - 1)]
         if stage.device.type == "cuda":
             return on_gpu(stage)
+        mode: contextlib.AbstractContextManager[Any]
         if not grad:
-            return torch.inference_mode()
-        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+            mode = torch.inference_mode()
+        else:
+            mode = contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+        return on_host(mode) if casts and not autocast_matches(casts) else mode
 
     return enter
+
+
+#: Device types whose autocast state a worker takes over from the caller.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """This thread's autocast state: per device type with autocast on, (type, dtype, cache).
+
+    Autocast is thread-local: a worker thread starts with it off, so a stage run there
+    would compute in full precision what the caller's thread computes in bf16. Workers
+    enter :func:`autocast_like` with the state captured on the caller's thread.
+
+    Example:
+        >>> import torch
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     caller_autocast()
+        (('cpu', torch.bfloat16, True),)
+        >>> caller_autocast()
+        ()
+    """
+    found = []
+    for device_type in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            found.append((device_type, dtype, torch.is_autocast_cache_enabled()))
+    return tuple(found)
+
+
+def autocast_matches(casts: Sequence[tuple[str, torch.dtype, bool]]) -> bool:
+    """Whether this thread already runs under the autocast state ``casts``."""
+    return all(torch.is_autocast_enabled(t) and torch.get_autocast_dtype(t) == dtype for t, dtype, _ in casts)
+
+
+@contextlib.contextmanager
+def autocast_like(casts: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
+    """Enter the autocast state ``casts`` (from :func:`caller_autocast`) where it is not on yet."""
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype, cache in casts:
+            if not autocast_matches([(device_type, dtype, cache)]):
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def wait_for(env: dict[str, Any]) -> None:
@@ -247,9 +307,31 @@ def forward_for_backward(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
     with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
+    if not keep and _mode_dependent(stage):  # recomputed later: with the same Dropout masks
+        seed = int(torch.randint(0, 2**62, ()).item())
+        with torch.no_grad(), replaying(seed, recompute=False):
+            outs = call_stage(stage, args)
+        return outs, {_SEED: seed}
     with torch.enable_grad() if keep else torch.no_grad():
         outs = call_stage(stage, args)
     return outs, outs if keep else None
+
+
+_SEED = "__placement_replay_seed__"
+
+
+def _mode_dependent(stage: TorchStage) -> bool:
+    """Whether ``stage`` holds a train/eval-mode op of a training export (Dropout draws
+    masks, BatchNorm updates running buffers): its recomputation must replay, not redo."""
+    found = getattr(stage, "_mode_dependent", None)
+    if found is None:
+        module = stage.module
+        found = any(
+            node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), MODE_MODULES)
+            for node in module.graph.nodes
+        )
+        stage._mode_dependent = found  # type: ignore[attr-defined]
+    return found
 
 
 def backward_operands(
@@ -263,8 +345,10 @@ def backward_operands(
     """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
     ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
     ``outs`` None (checkpointed) recomputes the stage first (counted in ``stats``)."""
-    if outs is None:
-        with torch.enable_grad():
+    if outs is None or _SEED in outs:
+        seed = None if outs is None else outs[_SEED]
+        replay = contextlib.nullcontext() if seed is None else replaying(seed, recompute=True)
+        with torch.enable_grad(), replay:
             outs = call_stage(stage, args, immediate=True)
         if stats is not None:
             stats.recomputed[stage.index] += 1
