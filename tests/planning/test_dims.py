@@ -87,6 +87,7 @@ def test_summary_draw_and_report_use_the_planned_sizes(cnn, tmp_path):
 
     written = pl.write_report(loaded, tmp_path / "r.html")
     assert sum(written.traffic.values()) == recv
+    assert "sizes at batch=8" in (tmp_path / "r.html").read_text()
 
 
 def test_planned_dims_rules_and_bad_batches(cnn):
