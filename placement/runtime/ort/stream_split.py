@@ -41,16 +41,12 @@ import onnx_ir as ir
 from placement.graph.device import MAX_DEVICE_INDEX, Device
 from placement.graph.model import Model
 from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, set_node_device, stream_window
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import aligned
 from placement.runtime.stages import Partition
 
 __all__ = ["split_streamed", "restore_devices", "streamed_window"]
 
 log = logging.getLogger(__name__)
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
 
 
 def streamed_window(model: Model) -> int:
@@ -59,7 +55,7 @@ def streamed_window(model: Model) -> int:
     window = stream_window(model.ir_model)
     if window is not None:
         return window
-    sizes = [_aligned(_nbytes(model, name)) for name in model.streamed]
+    sizes = [aligned(_nbytes(model, name)) for name in model.streamed]
     return 2 * max(sizes, default=0)
 
 
@@ -86,7 +82,7 @@ def split_streamed(model: Model) -> dict[Device, Device]:
     for node in model.graph:
         if is_copy_node(node) and node.metadata_props.get(COPY_KEY) == "streamed":
             source = node.inputs[0]
-            copies[node.outputs[0]] = _aligned(_nbytes(model, source.name or "")) if source else 0
+            copies[node.outputs[0]] = aligned(_nbytes(model, source.name or "")) if source else 0
             copy_nodes[node.outputs[0]] = node
     devices = {node_device(n) for n in copy_nodes.values()}
     back: dict[Device, Device] = {}

@@ -37,10 +37,11 @@ def _placed(net: torch.nn.Module, x: torch.Tensor) -> pl.Model:
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_bias_free_conv3d_state_is_the_nets(chunks):
-    """torchvision's video nets (``r3d_18``): bias-less Conv3d; names and keys are the net's."""
+    """torchvision's video nets (``r3d_18``): bias-less Conv3d; names and keys are the net's (the
+    malformed ``[C_out, 2]`` zero bias onnxscript gives a bias-less Conv3d is dropped at import)."""
     net, x = _conv_net(3)
     model = _placed(net, x)
-    assert exporter_constants(model)
+    assert all(len(op.inputs) == 2 for op in model.ops if op.op_type == "Conv")
     module = pl.to_torch(model, device_map="cpu", chunks=chunks)
     want = sorted(name for name, _ in net.named_parameters())
     assert sorted(name for name, _ in module.named_parameters()) == want
