@@ -3,7 +3,8 @@
 Greedy decoding, prompt 16 tokens, 64 new tokens (no end of sequence), batch 1 and 8, on a
 tiny Llama (4 layers, d=256, GQA 8/4 heads, vocab 1000) and an 8-layer d=1024 one (GQA 16/8),
 random weights. Side by side in one run, tokens per second (new tokens x batch / seconds,
-best of ``--repeats`` after a warm-up), every contender checked to give the same tokens as
+best of ``--repeats`` rounds after a warm-up, each round timing every contender once, so load
+swings hit all alike), every contender checked to give the same tokens as
 the first:
 
 * ``ort loop``: one ONNX Runtime session of the unplaced graph (``pl.from_causal_lm``), in a
@@ -89,37 +90,35 @@ class Setup:
     generators: dict[str, Any] = field(default_factory=dict)
 
 
-CONTENDERS: dict[str, Callable[[Setup, int], float | None]] = {}
+Run = Callable[[], np.ndarray]
+Contender = Callable[[Setup, int], "Run | None"]
+CONTENDERS: dict[str, Contender] = {}
 
 
-def contender(
-    name: str,
-) -> Callable[[Callable[[Setup, int], float | None]], Callable[[Setup, int], float | None]]:
-    """Register a column: ``fn(setup, repeats) -> tokens/s`` (None: not measured here)."""
+def contender(name: str) -> Callable[[Contender], Contender]:
+    """Register a column: ``fn(setup, repeats) -> run``, a warmed-up call generating the tokens
+    (None: not measured here)."""
 
-    def register(fn: Callable[[Setup, int], float | None]) -> Callable[[Setup, int], float | None]:
+    def register(fn: Contender) -> Contender:
         CONTENDERS[name] = fn
         return fn
 
     return register
 
 
-def _best(run: Callable[[], np.ndarray], setup: Setup, repeats: int) -> float:
-    out = run()  # warm-up (sessions, caches)
+def _best(run: Run, setup: Setup, repeats: int) -> Run:
+    """Warm ``run`` up (sessions, caches), check its tokens against the first contender's, hand it back
+    (:func:`main` times the contenders in turn, one run each per round, so load swings hit all alike)."""
+    out = run()
     if setup.reference is None:
         setup.reference = out
     elif not np.array_equal(out, setup.reference):
         raise AssertionError("a contender's tokens differ from the first contender's")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return setup.ids.shape[0] * NEW / best
+    return run
 
 
 @contender("ort loop")
-def ort_loop(setup: Setup, repeats: int) -> float:
+def ort_loop(setup: Setup, repeats: int) -> Run:
     session = ort.InferenceSession(str(setup.onnx_path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
@@ -154,7 +153,7 @@ def ort_loop(setup: Setup, repeats: int) -> float:
 
 
 @contender("transformers")
-def transformers_generate(setup: Setup, repeats: int) -> float:
+def transformers_generate(setup: Setup, repeats: int) -> Run:
     ids = torch.from_numpy(setup.ids)
 
     def run() -> np.ndarray:
@@ -167,7 +166,7 @@ def transformers_generate(setup: Setup, repeats: int) -> float:
     return _best(run, setup, repeats)
 
 
-def _placed(setup: Setup, repeats: int, key: str, **options: Any) -> float:
+def _placed(setup: Setup, repeats: int, key: str, **options: Any) -> Run:
     generator = setup.generators.get(key)
     if generator is None:
         generator = setup.generators[key] = pl.Generator(setup.placed, **options)
@@ -175,29 +174,29 @@ def _placed(setup: Setup, repeats: int, key: str, **options: Any) -> float:
 
 
 @contender("placed ort folded")
-def placed_folded(setup: Setup, repeats: int) -> float:
+def placed_folded(setup: Setup, repeats: int) -> Run:
     return _placed(setup, repeats, "folded", device_map="cpu")
 
 
 @contender("placed ort 2 dev")
-def placed_two(setup: Setup, repeats: int) -> float:
+def placed_two(setup: Setup, repeats: int) -> Run:
     return _placed(setup, repeats, "two", device_map="auto")
 
 
 @contender("placed torch")
-def placed_torch(setup: Setup, repeats: int) -> float:
+def placed_torch(setup: Setup, repeats: int) -> Run:
     return _placed(setup, repeats, "torch", runtime="torch", device_map="cpu")
 
 
 @contender("placed ort 2 dev chunks=2")
-def placed_chunks(setup: Setup, repeats: int) -> float | None:
+def placed_chunks(setup: Setup, repeats: int) -> Run | None:
     if setup.ids.shape[0] < 8:
         return None
     return _placed(setup, repeats, "chunks", device_map="auto", chunks=2)
 
 
 @contender("genai")
-def genai(setup: Setup, repeats: int) -> float | None:
+def genai(setup: Setup, repeats: int) -> Run | None:
     """onnxruntime-genai brings plain onnxruntime: it runs from a venv of its own (``--genai-python``);
     the column is filled by the genai runner where one is set up (None here otherwise)."""
     return None
@@ -233,13 +232,19 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             setup = _setup(name, batch)
             row: dict[str, Any] = {"model": name, "batch": batch, "tokens_per_s": {}}
-            for column, fn in CONTENDERS.items():
-                value = fn(setup, args.repeats)
+            runs = {column: fn(setup, args.repeats) for column, fn in CONTENDERS.items()}
+            best = {column: float("inf") for column in runs}
+            for _ in range(args.repeats):  # rounds: each contender once per round
+                for column, run in runs.items():
+                    if run is not None:
+                        start = time.perf_counter()
+                        run()
+                        best[column] = min(best[column], time.perf_counter() - start)
+            for column, run in runs.items():
+                value = None if run is None else batch * NEW / best[column]
                 row["tokens_per_s"][column] = None if value is None else round(value, 1)
-                print(
-                    f"{name} batch {batch} {column}: {'-' if value is None else f'{value:.1f}'} tokens/s",
-                    flush=True,
-                )
+                shown = "-" if value is None else f"{value:.1f}"
+                print(f"{name} batch {batch} {column}: {shown} tokens/s", flush=True)
             tps = row["tokens_per_s"]
             loop = tps["ort loop"]
             row["ratios"] = {
