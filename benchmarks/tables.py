@@ -434,6 +434,27 @@ def _bigmodel() -> str:
     )
 
 
+def _generate() -> str:
+    data = _load("generate.json")
+    columns = [c for c in data["results"][0]["tokens_per_s"]]
+    targets = data["targets"]
+    rows = []
+    for r in data["results"]:
+        tps = r["tokens_per_s"]
+        cells = [r["model"], r["batch"], *("-" if tps.get(c) is None else f"{tps[c]:.0f}" for c in columns)]
+        cells += [f"**{r['ratios'][t]:.2f}**" if t in r["ratios"] else "-" for t in targets]
+        rows.append(cells)
+    header = ["model", "batch", *columns, *(f"{t} (target {v})" for t, v in targets.items())]
+    load = data["load_average"]
+    return (
+        f"Tokens per second, greedy, prompt {data['prompt']}, {data['new_tokens']} new tokens, best of "
+        f"{data['repeats']}; ratios to the ORT loop (placed rows), transformers (torch) and chunks=1. "
+        f"Load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {data['cpus']} "
+        f"CPUs: a loaded machine slows every contender, the ratios less so. "
+        "See [generation.md](generation.md).\n\n" + _table(header, rows)
+    )
+
+
 #: (title, command that writes the results, renderer), in page order.
 SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
     (
@@ -459,6 +480,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
     ),
     ("ONNX node-test conformance", "python benchmarks/conformance.py", _conformance),
     ("Big models", "python benchmarks/bigmodel.py", _bigmodel),
+    ("Generation (LLM decode loops)", "python benchmarks/generate.py", _generate),
 ]
 
 _INTRO = """# Benchmarks

@@ -8,6 +8,7 @@ The package is layered; imports point down this list only (a test enforces it):
 - :mod:`placement.passes`: the Caffe2 pass trio on ``onnx_ir`` passes.
 - :mod:`placement.planning`: front-ends, profiler, planner.
 - :mod:`placement.runtime`: stages, the ONNX Runtime executor, the torch lowering, device maps.
+- :mod:`placement.generation`: the decode loop of a causal LM, over both runtimes.
 - :mod:`placement.report`: tables for people.
 - :mod:`placement.cli`: the ``placement`` command.
 

@@ -9,6 +9,8 @@ Subcommands::
     placement run PLACED.onnx --input x=x.npy --output out.npz
                                              run a placed model, print latency and where stages ran
                                              (--input x=random or --random-inputs: no files needed)
+    placement generate MODEL --input-ids 5,17,33 --max-new-tokens 32 --devices 2
+                                             generate with a causal LM (KV cache) split across devices
     placement draw MODEL -o placed.svg       picture of the graph coloured by device (svg/png/pdf/dot)
     placement report MODEL -o report.html    one self-contained HTML page: tables, charts, the graph
     placement demo                           the main job: place the default model on 2 devices,
@@ -36,7 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from placement.cli import demo, draw, inspect, launch, models, place, plan, report, run
+from placement.cli import demo, draw, generate, inspect, launch, models, place, plan, report, run
 from placement.cli.common import load_model_spec
 from placement.errors import PlacementError
 from placement.runtime.device_map import command_line_spelling
@@ -52,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: Each sub-command's module, in the order ``placement --help`` lists them.
-_COMMANDS = (models, inspect, plan, place, run, draw, report, demo, launch)
+_COMMANDS = (models, inspect, plan, place, run, generate, draw, report, demo, launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

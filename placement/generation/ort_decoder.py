@@ -86,6 +86,12 @@ class _Cache:
     heads: int
     dim: int
     dtype: Any
+    c_device: Any = None  # onnxruntime's native device of the buffers
+    pointers: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        self.c_device = ort.OrtDevice.make(self.device[0], self.device[1])._get_c_device()
+        self.pointers = (self.buffers[0].data_ptr(), self.buffers[1].data_ptr())
 
 
 @dataclass
@@ -122,6 +128,12 @@ class OrtDecoder:
         self._steps: list[Any] = list(program.steps)
         self._bindings: dict[int, Any] = {}
         self._homes = self._cache_homes()
+        self._needed = {self._logits}
+        for step in self._steps:
+            if isinstance(step, TransferStep):
+                self._needed.add(step.source)
+            else:
+                self._needed.update(key for _, key in step.bind)
         self._past_of = {}
         for layer in spec.layers:
             self._past_of[layer.present_key] = layer.past_key
@@ -240,39 +252,47 @@ class OrtDecoder:
         return self.finish(slot, values, new_tokens)
 
     def _run_stage(self, step: StageStep, slot: Slot, values: dict[str, Any], new_tokens: int) -> None:
+        """Run one stage session with its caches bound to the slot's buffers (onnxruntime's
+        native binding: this runs once per stage per token, so its Python is kept short)."""
         ex = step.exec
-        binding = self._bindings.get(id(step))
-        if binding is None:
-            binding = self._bindings[id(step)] = ex.session.io_binding()
-        batch, past = slot.active, slot.past
-        caches = slot.caches
-        presents: dict[str, _Cache] = {}
+        found = self._bindings.get(id(step))
+        if found is None:
+            binding = ex.session.io_binding()
+            device = ort.OrtDevice.make(*ex.out_device)._get_c_device()
+            found = self._bindings[id(step)] = (binding, binding._iobinding, device)
+        binding, native, device = found
+        batch, past, current = slot.active, slot.past, slot.current
+        caches, past_of = slot.caches, self._past_of
         for name, key in step.bind:
             cache = caches.get(key)
             if cache is None:
-                binding.bind_ortvalue_input(name, values[key])
+                value = values[key]
+                if isinstance(value, ort.OrtValue):
+                    native.bind_ortvalue_input(name, value._ortvalue)
+                else:
+                    binding.bind_ortvalue_input(name, ortvalue(value, ex.physical))
                 continue
-            buffer = cache.buffers[slot.current]
             shape = [batch, cache.heads, past, cache.dim]
-            binding.bind_input(name, cache.device[0], cache.device[1], cache.dtype, shape, buffer.data_ptr())
-            presents[cache.present] = cache
-        device_type, device_id = ex.out_device
+            native.bind_input(name, cache.c_device, cache.dtype, shape, cache.pointers[current])
         for name in step.outputs:
-            cache = presents.get(name) or caches.get(self._past_of.get(name, ""))
+            cache = caches.get(past_of.get(name, ""))
             if cache is None:
-                binding.bind_output(name, device_type, device_id)
-                continue
-            buffer = cache.buffers[1 - slot.current]
-            shape = [batch, cache.heads, past + new_tokens, cache.dim]
-            binding.bind_output(name, cache.device[0], cache.device[1], cache.dtype, shape, buffer.data_ptr())
+                native.bind_output(name, device)
+            else:
+                shape = [batch, cache.heads, past + new_tokens, cache.dim]
+                native.bind_output(name, cache.c_device, cache.dtype, shape, cache.pointers[1 - current])
         try:
-            ex.session.run_with_iobinding(binding)
+            ex.session._sess.run_with_iobinding(native, None)
         except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
+            native.clear_binding_inputs()
+            native.clear_binding_outputs()
             raise ex.error(err) from err
-        finally:
-            binding.clear_binding_inputs()
-        # every output, a present too (a view of its buffer): a later stage may read it
-        values.update(zip(step.outputs, binding.get_outputs()))
-        binding.clear_binding_outputs()
+        outputs = native.get_outputs()
+        needed = self._needed
+        for index, name in enumerate(step.outputs):
+            if name in needed:  # a present too (a view of its buffer) when a later step reads it
+                values[name] = ort.OrtValue(outputs[index])
+        native.clear_binding_inputs()
+        native.clear_binding_outputs()
         for key in step.free:
             values.pop(key, None)

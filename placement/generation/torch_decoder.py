@@ -9,9 +9,8 @@ and never copied; a step only writes its new tokens' keys and values. The step's
 allocations do not depend on the past length's buffer, so with ``cuda_graphs=True`` (on a
 GPU) the lowered module replays captured graphs (:mod:`placement.runtime.torch.cuda_graphs`).
 
-With ``chunks > 1`` the module is the runtime's pipelined one (micro-batches of each step
-flow through the stages concurrently); its presents are new tensors, copied into the
-buffers.
+Where the lowered graph makes a present some other way, or with ``cuda_graphs=True`` (the
+rewrite is not applied), the present is a new tensor, copied into the buffer.
 """
 
 from __future__ import annotations

@@ -167,3 +167,9 @@ def test_bad_input_is_refused(causal_lm) -> None:
         generator.generate(np.array([[0.5]]), max_new_tokens=1)
     with pytest.raises(pl.InputError, match="input_ids"):
         pl.Generator(pl.from_torch(torch.nn.Linear(2, 2), (torch.randn(1, 2),)))
+
+
+def test_torch_runtime_pipelining_is_refused(causal_lm) -> None:
+    _, model = causal_lm("gpt2")
+    with pytest.raises(pl.InputError, match="runtime='ort'"):
+        pl.Generator(model, runtime="torch", chunks=2)
