@@ -6,11 +6,13 @@ Run it with the Python of a virtual environment of its own that holds
 an environment with ``onnxruntime-gpu``)::
 
     python3 -m venv /tmp/genai-venv
-    /tmp/genai-venv/bin/pip install onnxruntime-genai transformers torch
+    /tmp/genai-venv/bin/pip install onnxruntime-genai transformers torch onnx onnx_ir
     /tmp/genai-venv/bin/python scripts/build_genai_files.py
+    /tmp/genai-venv/bin/python scripts/build_genai_files.py --size bench --out /tmp/genai-bench
 
 It saves a tiny Llama with random weights (2 layers, hidden size 64, grouped-query
-attention with 4 query and 2 key/value heads, vocabulary 128) with
+attention with 4 query and 2 key/value heads, vocabulary 128; ``--size bench`` is the
+benchmark's 4-layer d=256 GQA 8/4 one, ``--size large`` its 8-layer d=1024 one) with
 ``save_pretrained``, runs onnxruntime-genai's model builder on it in fp32 and int4
 (``MatMulNBits``), and writes beside each built model ``expected.json``: the
 tokens genai's own ``og.Generator`` picks greedily for a fixed prompt, and the
@@ -32,24 +34,27 @@ PROMPT = [5, 17, 33, 2, 90, 41, 7, 64]
 NEW_TOKENS = 16
 #: Builder precisions: folder name -> ``-p`` value.
 PRECISIONS = {"llama_fp32": "fp32", "llama_int4": "int4"}
+#: Model sizes: ``tiny`` is committed under tests/; ``bench`` and ``large`` are the benchmark's.
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+    "bench": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256),
+    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=1000, max_position_embeddings=256),
+}  # fmt: skip
 #: Files the builder writes that the tests do not need (tokenizer files; there is no tokenizer).
 _KEEP = {"model.onnx", "model.onnx.data", "genai_config.json"}
 
 
-def save_tiny_llama(folder: Path) -> None:
-    """Save a tiny random Llama (seeded) as a Hugging Face folder."""
+def save_tiny_llama(folder: Path, size: str = "tiny") -> None:
+    """Save a random Llama (seeded) of one of :data:`SIZES` as a Hugging Face folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **SIZES[size],
         initializer_range=0.3,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "genai_files"
     )
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="bench, large: the benchmark's")
     args = parser.parse_args()
     import onnxruntime
     import onnxruntime_genai
@@ -117,7 +123,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_folder = Path(tmp) / "hf"
-        save_tiny_llama(hf_folder)
+        save_tiny_llama(hf_folder, args.size)
         for name, precision in PRECISIONS.items():
             target = args.out / name
             if target.exists():
