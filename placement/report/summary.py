@@ -42,13 +42,24 @@ import onnx_ir as ir
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
 from placement.graph.model import value_nbytes
-from placement.graph.nodes import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes
+from placement.graph.nodes import (
+    COLLECTIVE_KEY,
+    COPY_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    streamed_homes,
+)
 from placement.graph.sizes import format_bytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
 from placement.planning.profile import add_estimates
 
 __all__ = ["summary", "Summary", "DeviceRow", "Column"]
+
+
+def _copied(value: ir.Value) -> bool:
+    producer = value.producer()
+    return producer is not None and COPY_KEY in producer.metadata_props
 
 
 @dataclasses.dataclass
@@ -68,6 +79,8 @@ class DeviceRow:
     static_copy_bytes: int = 0
     streamed_copies: int = 0  # copies of weights that live on the host, made every run
     streamed_bytes: int = 0  # bytes they move per run (the host's row: the weights it streams out)
+    collectives: int = 0  # tensor-parallel all-reduces / all-gathers computed here
+    collective_bytes: int = 0  # bytes they read from other devices per run
     # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
     time_s: float | None = None
@@ -87,6 +100,11 @@ class Column:
     get: Callable[[DeviceRow], str]
     justify: str = "right"
 
+
+#: Shown where a model has tensor-parallel collectives (before the estimates).
+COLLECTIVES_COLUMN = Column(
+    "collectives", lambda r: f"{r.collectives} ({format_bytes(r.collective_bytes)})" if r.collectives else "-"
+)
 
 DEFAULT_COLUMNS: list[Column] = [
     Column("device", lambda r: str(r.device), "left"),
@@ -252,6 +270,11 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
                     row(dev_of.get(id(source), device)).sent_bytes += nbytes
         else:
             current.ops += 1
+        if COLLECTIVE_KEY in node.metadata_props:  # an all-reduce or all-gather: the copies it reads
+            current.collectives += 1
+            current.collective_bytes += sum(
+                size(v) for v in node.inputs if v is not None and dev_of.get(id(v)) == device and _copied(v)
+            )
         for value in node.outputs:
             dev_of[id(value)] = device
     default = reader.of(first_node) if first_node is not None else Device("cuda", 0)
@@ -270,6 +293,8 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
         input_device=input_device,
         output_device=output_device,
     )
+    if any(r.collectives for r in result.rows):
+        result.columns.insert(len(result.columns) - 2, COLLECTIVES_COLUMN)
     add_estimates(ir_model, result)
     if print_:
         import sys
