@@ -238,7 +238,7 @@ class _Mlp(nn.Module):
         return self.down(h) + x
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     d=st.integers(2, 12),
     ff=st.integers(4, 24),
