@@ -199,8 +199,19 @@ __all__ += ["predict", "Prediction"]
 _LAZY.update(stream_parameters="placement.passes.streaming", plan_offload="placement.planning.offload")
 __all__ += ["stream_parameters", "plan_offload"]
 
+# generation: causal LMs with their KV cache, the decode loop over both runtimes
+_LAZY.update(
+    from_causal_lm="placement.graph.causal_lm",
+    generate="placement.generation",
+    Generator="placement.generation",
+)
+__all__ += ["from_causal_lm", "generate", "Generator"]
+
 _SUBPACKAGES = frozenset(
-    {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}
+    {
+        "analysis", "cli", "distributed", "errors", "generation", "graph",
+        "models", "passes", "planning", "report", "runtime",
+    }
 )
 
 
@@ -218,4 +229,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names, the subpackages and the module's dunders: not the tools this file
+    imports for itself (``importlib``, ``Any``, ``TYPE_CHECKING``, ``annotations``)."""
+    return sorted(set(__all__) | _SUBPACKAGES | {n for n in globals() if n.startswith("__")})

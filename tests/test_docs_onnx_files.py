@@ -12,7 +12,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
 def test_the_page_has_examples():
-    assert len(BLOCKS) == 2
+    assert len(BLOCKS) == 3
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

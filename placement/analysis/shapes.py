@@ -2,9 +2,9 @@
 
 Exporters and hand-made graphs often leave intermediate blobs without a type or shape.
 The planner needs their sizes and the runtime needs the types of blobs that cross a stage
-boundary; both get them here, from ONNX shape inference run through onnx_ir's
-``ShapeInferencePass`` (which hands the checker a proto with the weights stripped, so it
-costs no copy of the weights and works above protobuf's 2 GiB limit).
+boundary; both get them here, from ONNX shape inference
+(:func:`placement.graph.inference.infer_types`: onnx_ir's ``ShapeInferencePass``, which hands
+the checker a proto with the weights stripped, with sequence and optional types kept whole).
 
 Inference writes what it finds onto the model's values, in place, once per model
 structure: it adds facts, never changes what the graph computes.
@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
+from placement.graph.inference import infer_types
 from placement.graph.model import Model
 
 __all__ = ["infer_shapes"]
@@ -64,51 +64,55 @@ def infer_shapes(model: Model | ir.Model, *, force: bool = False) -> bool:
     key = _structure(ir_model)
     if not force and ir_model.meta.get(_DONE_KEY) == key:
         return False
-    onnx_ir_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
-    level = onnx_ir_log.level
-    onnx_ir_log.setLevel(logging.ERROR)  # "value not found" notes for values inference skips
-    _non_tensor_types(ir_model)
     try:
-        result = ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(ir_model)
+        modified = False
+        for _ in range(_ORT_ROUNDS):  # ONNX Runtime's ops have no ONNX inference: their types, then again
+            modified = infer_types(ir_model) or modified
+            if not _ort_op_types(ir_model):
+                break
+            modified = True
     except Exception as err:  # inference is best effort; callers report what stays unknown
         log.debug("shape inference failed: %s", err)
         return False
-    finally:
-        onnx_ir_log.setLevel(level)
     ir_model.meta[_DONE_KEY] = key
-    return bool(result.modified)
+    return modified
 
 
-def _non_tensor_types(ir_model: ir.Model) -> None:
-    """Give sequence and optional values their full types (before onnx_ir's pass).
+#: How often inference and ONNX Runtime's op types alternate (each round types what follows).
+_ORT_ROUNDS = 8
+#: Element types of ONNX Runtime's type-constraint strings.
+_ORT_TYPES = {f"tensor({name})": dtype for name, dtype in (
+    ("float", ir.DataType.FLOAT), ("float16", ir.DataType.FLOAT16), ("bfloat16", ir.DataType.BFLOAT16),
+    ("double", ir.DataType.DOUBLE), ("int32", ir.DataType.INT32), ("int64", ir.DataType.INT64),
+    ("uint8", ir.DataType.UINT8), ("int8", ir.DataType.INT8), ("bool", ir.DataType.BOOL))}  # fmt: skip
 
-    onnx_ir's pass merges inferred types through ``value.dtype``, which turns an
-    untyped value inferred as ``seq(tensor(float))`` into ``tensor(float)``. Graphs
-    that have such values (rare: sequence and optional ops) are first inferred on a
-    serialised copy, and the non-tensor types are written whole; the pass then keeps
-    them (their element type already matches).
-    """
-    graph = ir_model.graph
-    if not any(node.op_type.startswith(_NON_TENSOR_OPS) for node in graph.all_nodes()):
-        return
-    import onnx
 
-    try:
-        proto = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(ir_model), data_prop=True)
-    except Exception as err:  # best effort, as above
-        log.debug("shape inference of non-tensor types failed: %s", err)
-        return
-    values = {v.name: v for node in graph for v in node.outputs if v.name}
-    values.update({v.name: v for v in graph.inputs if v.name})
-    for info in [*proto.graph.value_info, *proto.graph.output]:
-        value = values.get(info.name)
-        if value is None or info.type.WhichOneof("value") in (None, "tensor_type"):
+def _ort_op_types(ir_model: ir.Model) -> bool:
+    """Element types of the outputs of ONNX Runtime's own ops (``com.microsoft``, and default-domain
+    ops onnx has no schema for), from ORT's schema: an output takes the type of an input bound to the
+    same type variable, or the one type its constraint allows. Returns whether any output got one."""
+    from placement.graph.ort_ops import ort_only_node, ort_schema
+
+    imports = ir_model.graph.opset_imports
+    typed = False
+    for node in ir_model.graph.all_nodes():
+        if not any(v.type is None for v in node.outputs if v.name) or not ort_only_node(node, imports):
             continue
-        inferred = ir.serde.deserialize_value_info_proto(info, None)
-        if inferred.type is not None:
-            value.type = inferred.type
-            value.shape = None
-
-
-#: Op-type prefixes of ops that produce or read sequences and optionals.
-_NON_TENSOR_OPS = ("Sequence", "SplitToSequence", "ConcatFromSequence", "Optional", "Loop", "If", "Scan")
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        schema = ort_schema(node.op_type, domain, imports.get(domain, 1))
+        if schema is None:
+            continue
+        allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+        bound: dict[str, ir.DataType] = {}
+        for formal, value in zip(schema.inputs, node.inputs):
+            if value is not None and value.dtype is not None:
+                bound.setdefault(formal.typeStr, value.dtype)
+        for formal, value in zip(schema.outputs, node.outputs):
+            if not value.name or value.type is not None:
+                continue
+            types = allowed.get(formal.typeStr, [formal.typeStr])
+            dtype = bound.get(formal.typeStr) or (_ORT_TYPES.get(types[0]) if len(types) == 1 else None)
+            if dtype is not None:
+                value.type = ir.TensorType(dtype)
+                typed = True
+    return typed

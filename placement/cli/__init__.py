@@ -39,6 +39,7 @@ from typing import NoReturn
 from placement.cli import demo, draw, inspect, launch, models, place, plan, report, run
 from placement.cli.common import load_model_spec
 from placement.errors import PlacementError
+from placement.runtime.device_map import command_line_spelling
 
 __all__ = ["main", "build_parser", "load_model_spec"]
 
@@ -93,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = DEFAULT_MODEL
     try:
-        return int(args.func(args, console))
+        with command_line_spelling():
+            return int(args.func(args, console))
     except PlacementError as err:
         message = " ".join(str(err).split())  # one line, whatever the message holds
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)

@@ -11,6 +11,7 @@ from typing import Any
 
 import placement as pl
 from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, step
+from placement.cli.inputs import parse_dims
 from placement.cli.placing import add_place_options, place_model, wants_placement
 
 
@@ -50,7 +51,13 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if wants_placement(args):
         place_model(model, args, console, default_split=None)
     with step(console, f"drawing {len(model.ops)} ops with Graphviz"):
-        drawing = pl.draw(model, target, collapse=_collapse_option(args.collapse), max_nodes=args.max_nodes)
+        drawing = pl.draw(
+            model,
+            target,
+            collapse=_collapse_option(args.collapse),
+            max_nodes=args.max_nodes,
+            batch=parse_dims(args.dim) or None,
+        )
     per_device = ", ".join(f"{d}: {n} ops" for d, n in drawing.ops_per_device.items())
     kind = "collapsed to " if drawing.collapsed else ""
     console.print(f"{per_device}; {kind}{drawing.boxes} boxes, {drawing.copy_edges} copy edges")

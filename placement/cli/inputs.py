@@ -1,4 +1,4 @@
-"""The inputs of ``placement run``: ``--input`` files, random inputs, ``--dim`` sizes.
+"""The inputs of ``placement run`` and the planner: ``--input`` files, random inputs, ``--dim`` sizes.
 
 Example:
     >>> from placement.cli.inputs import parse_dims
@@ -36,6 +36,12 @@ def index_bound(model: Any, name: str) -> int | None:
         if 0 <= axis < len(table.shape) and isinstance(table.shape[axis], int):
             bounds.append(table.shape[axis])
     return min(bounds) if bounds else None
+
+
+def is_mask(name: str) -> bool:
+    """Whether an integer or boolean graph input is a mask (``attention_mask``, ``token_mask``):
+    its values are 0/1, and made-up ones are all 1 (attend everywhere)."""
+    return "mask" in name.lower()
 
 
 def parse_dims(items: Sequence[str] | None) -> dict[str, int]:
@@ -82,16 +88,34 @@ def read_inputs(
     wanted = dict(dims or {})
     arrays: dict[str, Any] = {}
     random_names: list[str] = []
-    for spec in specs or ():
-        name, sep, path = spec.partition("=")
-        if not sep:
-            if len(names) != 1:
-                raise pl.InputError(f"--input {spec!r}: name the input (NAME=FILE.npy); inputs are {names}")
-            name, path = names[0], spec
+    given: dict[str, str] = {}
+
+    def take(name: str, spec: str) -> None:
         if name not in names:
             raise pl.InputError(
                 f"--input {spec!r}: the model has no input {name!r} (inputs: {', '.join(names)})"
             )
+        if name in given:
+            raise pl.InputError(
+                f"input {name!r} is given twice: --input {given[name]!r} and --input {spec!r}"
+            )
+        given[name] = spec
+
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep and spec.lower().endswith(".npz"):
+            for name, array in _read_npz(spec).items():
+                take(name, spec)
+                arrays[name] = array
+            continue
+        if not sep:
+            if len(names) != 1:
+                raise pl.InputError(
+                    f"--input {spec!r}: name the input (NAME=FILE.npy), or give one .npz with every "
+                    f"input by name; inputs are {names}"
+                )
+            name, path = names[0], spec
+        take(name, spec)
         if path == "random":
             random_names.append(name)
             continue
@@ -100,7 +124,10 @@ def read_inputs(
         except (OSError, ValueError) as err:
             raise pl.InputError(f"cannot read input {name!r} from {path!r}: {err}") from err
         if not isinstance(arrays[name], np.ndarray):
-            raise pl.InputError(f"input file {path!r} holds several arrays; give one .npy per input")
+            raise pl.InputError(
+                f"--input {spec!r}: {path!r} holds several arrays; give a .npy per input "
+                "(NAME=FILE.npy), or the .npz alone (its arrays by input name)"
+            )
     if random_rest:
         random_names += [n for n in names if n not in arrays and n not in random_names]
     symbolic = {str(d) for n in random_names for d in (by_name[n].shape or ()) if not isinstance(d, int)}
@@ -116,6 +143,31 @@ def read_inputs(
     return arrays
 
 
+def _read_npz(path: str) -> dict[str, Any]:
+    """The arrays of an ``.npz`` file by name (what ``placement run --output`` and ``np.savez`` write)."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise pl.InputError(f"cannot read inputs from {path!r}: {err}") from err
+
+
+def planner_inputs(args: Any, model: Any) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
+    """``(sample_inputs, batch)`` for the planner from ``--input`` and ``--dim``.
+
+    Inputs the ``--input`` files leave out are made at random at the ``--dim`` sizes (1
+    for a symbol ``--dim`` does not give); without ``--input`` the planner makes its own
+    and ``--dim`` is the batch it plans for.
+    """
+    dims = parse_dims(getattr(args, "dim", None)) or None
+    specs = getattr(args, "input", None)
+    if not specs:
+        return None, dims
+    return read_inputs(specs, model, random_rest=True, dims=dims, default_dim=1), dims
+
+
 def _random_input(model: Any, spec: Any, rng: Any, dims: dict[str, int], default_dim: int) -> Any:
     """Random data of ``spec``'s dtype and shape: normal floats, valid indices, fair booleans."""
     if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
@@ -124,6 +176,8 @@ def _random_input(model: Any, spec: Any, rng: Any, dims: dict[str, int], default
             "known tensor type and shape: give it as a file (--input NAME=FILE.npy)"
         )
     shape = tuple(d if isinstance(d, int) else dims.get(str(d), default_dim) for d in spec.shape)
+    if spec.dtype.kind in "iub" and is_mask(spec.name):
+        return rng.integers(1, 2, shape).astype(spec.dtype)  # all ones
     if spec.dtype.kind in "iu":
         return rng.integers(0, index_bound(model, spec.name) or 10, shape).astype(spec.dtype)
     if spec.dtype.kind == "b":

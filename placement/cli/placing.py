@@ -13,6 +13,7 @@ from typing import Any
 
 import placement as pl
 from placement.cli.common import step
+from placement.cli.inputs import planner_inputs
 
 
 def parse_max_memory(text: str | None) -> dict[str, str] | None:
@@ -37,6 +38,7 @@ def auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
     if isinstance(devices, int) and devices < 1:
         raise pl.PlanError(f"--devices must be at least 1, got {devices}")
     runtime = getattr(args, "runtime", "ort")
+    sample_inputs, batch = planner_inputs(args, model)
     if getattr(args, "calibrate", False):
         if args.cost != "time" or args.objective != "throughput":
             raise pl.PlanError(
@@ -44,11 +46,20 @@ def auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
             )
         what = "ONNX Runtime stage sessions" if runtime == "ort" else "lowered torch stages"
         with step(console, f"profiling, planning and timing {what} (calibration)"):
-            return pl.calibrate(model, devices, budgets, runtime=runtime).plan
+            return pl.calibrate(
+                model, devices, budgets, runtime=runtime, sample_inputs=sample_inputs, batch=batch
+            ).plan
     what = "profiling and planning" if args.cost == "time" else "planning"
     with step(console, f"{what} ({args.cost} cost, {args.objective}, for {runtime})"):
         return pl.auto_place(
-            model, devices, budgets, cost=args.cost, objective=args.objective, runtime=runtime
+            model,
+            devices,
+            budgets,
+            cost=args.cost,
+            objective=args.objective,
+            runtime=runtime,
+            sample_inputs=sample_inputs,
+            batch=batch,
         )
 
 
@@ -127,6 +138,25 @@ def add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | No
         help="with --cost time: re-plan on the measured times of the plan's stages (ONNX Runtime "
         "stage sessions, or with --runtime torch the lowered torch stages) and keep the best "
         "measured plan (pl.calibrate; a few seconds more)",
+    )
+    add_input_options(p)
+
+
+def add_input_options(p: argparse.ArgumentParser) -> None:
+    """``--input`` and ``--dim``: the sample inputs and the batch sizes are counted at."""
+    p.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=FILE.npy",
+        help="a sample input for profiling and for the sizes activations count at (repeat per input; "
+        "FILE.npz alone gives every input by name; NAME=random makes one at the --dim sizes)",
+    )
+    p.add_argument(
+        "--dim",
+        action="append",
+        metavar="NAME=N",
+        help="size of a symbolic input dimension to plan, draw and report at, e.g. batch=8 (repeat; "
+        "default: the --input sizes, else the sizes a saved placement was planned at, else 1)",
     )
 
 

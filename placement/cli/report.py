@@ -11,6 +11,7 @@ from typing import Any
 
 import placement as pl
 from placement.cli.common import MODEL_HELP, SIZE_HELP, check_output, load_model_spec, step
+from placement.cli.inputs import parse_dims
 from placement.cli.placing import add_place_options, auto_plan, is_placed, wants_placement
 
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             plan = auto_plan(model, args, console)
         pl.inject_cross_device_copies(model)
     with step(console, "writing the report (charts, graph picture)"):
-        report = pl.write_report(model, target, plan=plan)
+        report = pl.write_report(model, target, plan=plan, batch=parse_dims(args.dim) or None)
     if plan is not None:
         console.print(plan.to_table())
     if report.drawing.note:

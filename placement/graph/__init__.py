@@ -14,6 +14,7 @@
 - :mod:`~placement.graph.torch_import`: ``from_torch`` (the exporter front-end).
 - :mod:`~placement.graph.verify`: ``verify``, the placement invariants.
 - :mod:`~placement.graph.views`: networkx views of the op graph.
+- :mod:`~placement.graph.placed`: ``PlacedModel``, what the modules beneath ``Model`` read of it.
 
 May import: ``placement.errors`` only. Knows nothing of analyses, passes, planners or runtimes.
 
@@ -27,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from placement.graph.causal_lm import from_causal_lm
 from placement.graph.device import Device, DeviceLike
 from placement.graph.loading import load
 from placement.graph.model import Model, Op, Parameter
@@ -42,6 +44,7 @@ __all__ = [
     "Op",
     "Parameter",
     "from_torch",
+    "from_causal_lm",
     "load",
     "save",
     "to_proto",

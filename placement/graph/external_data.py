@@ -148,3 +148,24 @@ def _check_data_pairing(proto: onnx.ModelProto, path: Path) -> None:
             f"{str(path)!r}: external data file {location!r} belongs to another save "
             "(its content check does not match the model); refusing to pair them"
         )
+
+
+def _without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` for ``onnx.checker``: with external tensors, a copy in which they are empty.
+
+    Given a proto, the checker resolves external data against the working directory;
+    their locations were checked against the model's folder already
+    (:func:`_check_external_data`), so the copy leaves them out. Only models with
+    external data are copied, and their copies hold no weights of note.
+    """
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t, _ in _graph_tensors(proto.graph, "")):
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for tensor, _ in _graph_tensors(copy.graph, ""):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.dims[:]
+            tensor.dims.append(0)
+    return copy

@@ -29,9 +29,10 @@ from google.protobuf.message import DecodeError
 
 from placement.errors import ModelLoadError
 from placement.graph.device import Device, DeviceLike
-from placement.graph.external_data import _check_data_pairing, _check_external_data, _graph_tensors
+from placement.graph.external_data import _check_data_pairing, _check_external_data, _without_external_data
 from placement.graph.model import Model
 from placement.graph.nodes import DEVICE_KEY
+from placement.graph.ort_ops import checkable, has_ort_registry, ort_only_ops, session_decides
 from placement.graph.saving import DATA_CHECK_KEY, TWO_GB
 
 __all__ = ["load"]
@@ -168,7 +169,8 @@ def _from_proto(
     try:
         # The proto that was parsed is checked (never the file again: a concurrent save may
         # have replaced it); external data locations were checked by _check_external_data.
-        onnx.checker.check_model(_checkable(proto))
+        # ORT's own ops are checked against ORT's schemas (placement.graph.ort_ops).
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin=origin))
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise ModelLoadError(f"{origin} is not valid ONNX (truncated or corrupt?): {first}") from err
@@ -182,28 +184,10 @@ def _from_proto(
     if path is not None:  # external tensors stay on disk, memory-mapped when first read
         ir.external_data.set_base_dir(ir_model.graph, path.parent)
     ir_model.metadata_props.pop(DATA_CHECK_KEY, None)
-    return _from_ir(ir_model, device, stages)
-
-
-def _checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto`` for ``onnx.checker``: with external tensors, a copy in which they are empty.
-
-    Given a proto, the checker resolves external data against the working directory;
-    their locations were checked against the model's folder already
-    (:func:`_check_external_data`), so the copy leaves them out. Only models with
-    external data are copied, and their copies hold no weights of note.
-    """
-    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t, _ in _graph_tensors(proto.graph, "")):
-        return proto
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    for tensor, _ in _graph_tensors(copy.graph, ""):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            del tensor.external_data[:]
-            tensor.data_location = onnx.TensorProto.DEFAULT
-            del tensor.dims[:]
-            tensor.dims.append(0)
-    return copy
+    model = _from_ir(ir_model, device, stages)
+    if not has_ort_registry() and ort_only_ops(proto):
+        session_decides(model, origin=origin)
+    return model
 
 
 def _sort_nodes(graph: onnx.GraphProto, origin: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ import onnx_ir as ir
 from placement.errors import UnknownBlobError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.dims import dynamic_negative_dims
+from placement.graph.kv_names import is_cache_input
 from placement.graph.nodes import (
     COPY_KEY,
     DEVICE_KEY,
@@ -155,8 +156,17 @@ class Parameter:
     device: Device
 
 
-def value_nbytes(value: ir.Value) -> int | None:
-    """Bytes of a value with a static shape and known dtype, else None."""
+def value_nbytes(value: ir.Value, dims: Mapping[str, int] | None = None) -> int | None:
+    """Bytes of a value with a known dtype and a static shape, else None.
+
+    A symbolic dimension counts at its size in ``dims`` (symbol -> size, say
+    ``{"batch": 8}``); one that ``dims`` does not give leaves the size unknown.
+
+    Example:
+        >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", 4]))
+        >>> value_nbytes(x), value_nbytes(x, {"batch": 8})
+        (None, 128.0)
+    """
     if value.const_value is not None:
         return int(value.const_value.nbytes)
     shape, dtype = value.shape, value.dtype
@@ -165,7 +175,10 @@ def value_nbytes(value: ir.Value) -> int | None:
     count = 1
     for dim in shape:
         if not isinstance(dim, int):
-            return None
+            size = dims.get(str(dim.value)) if dims and dim.value is not None else None
+            if size is None:
+                return None
+            dim = size
         count *= dim
     return count * dtype.itemsize
 
@@ -332,7 +345,11 @@ class Model:
         producer = value.producer()
         if producer is not None:
             return node_device(producer)
-        if value.is_graph_input() and value.name not in self.graph.initializers:
+        if (
+            value.is_graph_input()
+            and value.name not in self.graph.initializers
+            and not is_cache_input(value.name)
+        ):
             fixed = self.input_device
             if fixed is not None:
                 return fixed

@@ -58,7 +58,7 @@ from placement.graph.save_guard import deferred, drop_temporary, guarded, make_t
 from placement.graph.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from placement.graph.model import Model
+    from placement.graph.placed import PlacedModel
 
 __all__ = [
     "to_proto",
@@ -86,7 +86,7 @@ MULTI_DEVICE_FIELDS = "configuration" in onnx.ModelProto.DESCRIPTOR.fields_by_na
 TWO_GB = 2**31
 
 
-def to_proto(model: Model) -> onnx.ModelProto:
+def to_proto(model: PlacedModel) -> onnx.ModelProto:
     """Serialise a placed model to an ``onnx.ModelProto`` with placement annotations.
 
     Weights held in memory are copied into the proto (so it is limited to 2 GB);
@@ -179,7 +179,7 @@ def _constants_as_tensors(graph: onnx.GraphProto) -> None:
 
 
 def save(
-    model: Model,
+    model: PlacedModel,
     path: str | os.PathLike[str],
     *,
     external_data: bool | None = None,
@@ -239,7 +239,7 @@ def save(
 
 
 def _save(
-    model: Model, path: str | os.PathLike[str], *, external_data: bool | None, follow_symlinks: bool
+    model: PlacedModel, path: str | os.PathLike[str], *, external_data: bool | None, follow_symlinks: bool
 ) -> None:
     """The body of :func:`save`."""
     target = _save_target(Path(path), follow_symlinks=follow_symlinks)
@@ -381,7 +381,7 @@ def _our_data_files(folder: Path, model_name: str) -> list[Path]:
 
 
 def _retire_data_files(
-    model: Model, stale: list[Path], folder: Path, repoint: dict[int, ir.ExternalTensor]
+    model: PlacedModel, stale: list[Path], folder: Path, repoint: dict[int, ir.ExternalTensor]
 ) -> None:
     """Delete the previous saves' data files; tensors of ``model`` read from one are
     re-pointed at the same bytes in the new data file first (``repoint``: id of a

@@ -35,14 +35,43 @@ from typing import Any
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
+from placement.graph.inference import infer_types
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
+from placement.graph.output_names import rename_outputs, structure_names
 
-__all__ = ["EXPORTER_KEY", "exporter_of", "from_torch"]
+__all__ = [
+    "CONSTANTS_KEY",
+    "COUNTERS_KEY",
+    "EXPORTER_KEY",
+    "MODE_MODULES_KEY",
+    "TRAINING_KEY",
+    "exporter_constants",
+    "exporter_of",
+    "from_torch",
+    "mode_modules",
+]
 
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
 EXPORTER_KEY = "placement.exporter"
+#: Model metadata key listing (as a JSON array) the initializers that are not the
+#: module's ``state_dict``: what the exporter made (the zero bias of a ``bias=False``
+#: convolution, folded constants such as ``val_6``, lifted tensor constants) and the
+#: module's non-persistent buffers. Runtimes treat them as constants, never as trainable
+#: parameters, and leave them out of a lowered module's ``state_dict``.
+CONSTANTS_KEY = "placement.constants"
+#: Model metadata key set to ``"1"`` on a model exported for training
+#: (``from_torch(..., training=True)``): its Dropout and BatchNormalization ops follow the
+#: lowered module's train/eval mode (:mod:`placement.lowering.ops.training`).
+TRAINING_KEY = "placement.training"
+#: Model metadata key listing (JSON) the module's layer types that behave differently in
+#: training (Dropout, BatchNorm), recorded by an eval-mode export so that training the
+#: lowered module can warn that they run in eval mode.
+MODE_MODULES_KEY = "placement.mode_modules"
+#: Model metadata key of a training export: BatchNorm module path -> its ``num_batches_tracked``
+#: (JSON), so the lowered module keeps and counts that buffer under the module's name.
+COUNTERS_KEY = "placement.batch_counters"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -64,18 +93,25 @@ def from_torch(
     device: DeviceLike = 0,
     dynamic_shapes: Any = None,
     exporter: str = "auto",
+    training: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> Model:
     """Export ``module`` to an operator graph with every op on ``device``.
 
     The module is exported in eval mode (its training flags are restored
-    afterwards, so the module is unchanged). Initializers keep the module's
+    afterwards, so the module is unchanged), or with ``training=True`` in train
+    mode: its Dropout ops are kept and its BatchNorm ops stand for batch
+    statistics, so the module ``pl.to_torch`` lowers from it follows
+    ``module.train()``/``module.eval()`` (see :mod:`placement.lowering.ops.training`).
+    The ONNX Runtime path runs such a model in inference mode. Initializers keep the module's
     parameter names (a parameter shared by two modules, like a tied LM head,
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
     A setting the exporter cannot handle (a Hugging Face mixture-of-experts model's
-    ``experts_implementation="eager"``) is switched to an exportable one for the
-    export, with a logged notice, and restored afterwards
-    (:mod:`placement.graph.export_rules`).
+    ``experts_implementation="eager"``, a causal LM's default ``use_cache=True``) is
+    switched to an exportable one for the export, with a logged notice, and restored
+    afterwards (:mod:`placement.graph.export_rules`). To export a causal LM *with* its
+    KV cache, use :func:`placement.graph.causal_lm.from_causal_lm`.
 
     Args:
         module: a ``torch.nn.Module``.
@@ -88,10 +124,16 @@ def from_torch(
             ``"dynamo"`` or ``"torchscript"``. The TorchScript exporter *traces*:
             data-dependent branches are fixed to the path the example inputs take
             (its warnings are logged).
+        training: export in train mode (see above).
+        output_names: names for the graph outputs, in order. By default a module that
+            returns a dict or a Hugging Face ``ModelOutput`` names them by its keys
+            (``last_hidden_state``, ``pooler_output``, ``logits``; nested parts joined by
+            dots) and other outputs keep the exporter's names.
 
     Raises:
         ExportError: the exporter failed (with ``"auto"``: both did; the message
-            quotes both causes) and says what to try.
+            quotes both causes) and says what to try; ``output_names`` of the wrong
+            count, repeated, or already naming another blob.
     """
     import torch
 
@@ -103,9 +145,13 @@ def from_torch(
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     name = type(module).__name__
-    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name)
+    ir_model, used = _export(module, args, kwargs, dynamic_shapes, exporter, name, bool(training))
     _fold_shape_arithmetic(ir_model)
     ir_model.metadata_props[EXPORTER_KEY] = used
+    _mark_exporter_constants(ir_model, module)
+    _mark_mode(ir_model, module, bool(training))
+    if output_names is not None:
+        rename_outputs(ir_model, [str(n) for n in output_names], required=True)
     from placement.graph.loading import load
 
     model = load(ir_model, device=dev)
@@ -120,6 +166,8 @@ def _export(
     dynamic_shapes: Any,
     exporter: str,
     name: str,
+    training: bool = False,
+    skip_settings: frozenset[str] = frozenset(),
 ) -> tuple[Any, str]:
     """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
@@ -127,8 +175,8 @@ def _export(
     used = ""
     if exporter in ("auto", "dynamo"):
         try:
-            with exportable_settings(module, "dynamo"):
-                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "dynamo", skip=skip_settings):
+                ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes, training)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
             causes.append(f"dynamo exporter: {_cause(err)}{_version_hint(err)}")
@@ -142,8 +190,8 @@ def _export(
             )
     if ir_model is None:
         try:
-            with exportable_settings(module, "torchscript"):
-                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes)
+            with exportable_settings(module, "torchscript", skip=skip_settings):
+                ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes, training)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
             causes.append(f"TorchScript exporter: {_cause(err)}")
@@ -161,6 +209,91 @@ def exporter_of(model: Model) -> str | None:
         'dynamo'
     """
     return model.ir_model.metadata_props.get(EXPORTER_KEY)
+
+
+def exporter_constants(model: Any) -> frozenset[str]:
+    """Initializers that are not the module's state (see :data:`CONSTANTS_KEY`).
+
+    ``model`` is a :class:`~placement.graph.model.Model` or an ``onnx_ir.Model``;
+    models not imported by :func:`from_torch` have none.
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Conv2d(3, 4, 3, bias=False)
+        >>> model = pl.from_torch(net, (torch.randn(1, 3, 8, 8),))
+        >>> [name for name in model.parameters if name not in exporter_constants(model)]
+        ['weight']
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    text = ir_model.metadata_props.get(CONSTANTS_KEY)
+    if not text:
+        return frozenset()
+    try:
+        names = json.loads(text)
+    except ValueError:
+        log.warning("ignoring a malformed %s annotation", CONSTANTS_KEY)
+        return frozenset()
+    return frozenset(str(n) for n in names) if isinstance(names, list) else frozenset()
+
+
+def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
+    """Record the initializers that are not in ``module``'s state_dict (see :data:`CONSTANTS_KEY`)."""
+    import json
+
+    state = set(module.state_dict(keep_vars=True))  # parameters and persistent buffers, tied ones too
+    made = sorted(name for name in ir_model.graph.initializers if name not in state)
+    if made:
+        ir_model.metadata_props[CONSTANTS_KEY] = json.dumps(made)
+        log.debug("exporter-made constants (not trainable): %s", ", ".join(made))
+
+
+_MODE_LAYERS = re.compile(r"Dropout|BatchNorm|SyncBatchNorm")
+
+
+def mode_modules(model: Any) -> list[str]:
+    """The layer types of the exported module that behave differently in training (recorded by
+    an eval-mode export: they run in eval mode in the lowered module).
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),)))
+        ['Dropout']
+        >>> mode_modules(pl.from_torch(net, (torch.randn(2, 4),), training=True))
+        []
+    """
+    import json
+
+    ir_model = getattr(model, "ir_model", model)
+    try:
+        names = json.loads(ir_model.metadata_props.get(MODE_MODULES_KEY) or "[]")
+    except ValueError:
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
+    import json
+
+    import torch
+
+    if training:
+        ir_model.metadata_props[TRAINING_KEY] = "1"
+        counters = {
+            name: int(m.num_batches_tracked)
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor) and name
+        }
+        if counters:
+            ir_model.metadata_props[COUNTERS_KEY] = json.dumps(counters)
+        return
+    layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
+    if layers:
+        ir_model.metadata_props[MODE_MODULES_KEY] = json.dumps(layers)
 
 
 def _cause(err: BaseException) -> str:
@@ -198,10 +331,12 @@ def _version_hint(err: BaseException) -> str:
     return f" ({have}: this torch's exporter needs a newer onnxscript: pip install -U onnxscript)"
 
 
-def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any) -> Any:
+def _export_dynamo(
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
+) -> Any:
     import torch
 
-    with _eval_mode(module), _quiet_exporter():
+    with _eval_mode(module, training=training), _quiet_exporter():
         program = torch.onnx.export(
             module,
             args,
@@ -213,9 +348,12 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
             verbose=False,
         )
     ir_model = program.model
+    names = structure_names(getattr(getattr(program, "exported_program", None), "call_spec", None))
+    if names is not None:
+        rename_outputs(ir_model, names, required=False)
     for node in ir_model.graph:
         scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        scope = (scope_from_torch_name_scopes(scopes) or "") if scopes else ""
+        scope = _without_artefacts(scope_from_torch_name_scopes(scopes) or "") if scopes else ""
         expert = node.metadata_props.get(EXPERT_KEY)
         if expert is not None:  # one expert's ops of a grouped matmul (export_rules.grouped_mm)
             scope = f"{scope}.{expert}" if scope else expert
@@ -223,8 +361,23 @@ def _export_dynamo(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, d
     return ir_model
 
 
+#: Module-path parts the exporter makes up for ops no module produced (torch.export's
+#: metadata hook marks them with this placeholder module).
+_ARTEFACT_SCOPES = frozenset({"_empty_nn_module_stack_from_metadata_hook"})
+
+
+def _without_artefacts(scope: str) -> str:
+    """``scope`` without the exporter's placeholder module names.
+
+    Example:
+        >>> _without_artefacts("_empty_nn_module_stack_from_metadata_hook"), _without_artefacts("enc.0")
+        ('', 'enc.0')
+    """
+    return ".".join(p for p in scope.split(".") if p not in _ARTEFACT_SCOPES) if scope else scope
+
+
 def _export_torchscript(
-    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any
+    module: Any, args: tuple, kwargs: Mapping[str, Any] | None, dynamic_shapes: Any, training: bool = False
 ) -> Any:
     """The TorchScript exporter: parameters keep their names (no constant folding, no
     initializers as inputs), inputs are named after ``forward``'s parameters and op
@@ -253,7 +406,7 @@ def _export_torchscript(
             type(module).__name__,
         )
     buffer = io.BytesIO()
-    with _eval_mode(module), _quiet_exporter(keep_warnings=True) as caught:
+    with _eval_mode(module, training=training), _quiet_exporter(keep_warnings=True) as caught:
         torch.onnx.export(
             module,
             args,
@@ -265,6 +418,7 @@ def _export_torchscript(
             do_constant_folding=False,
             keep_initializers_as_inputs=False,
             opset_version=18,
+            training=torch.onnx.TrainingMode.PRESERVE if training else torch.onnx.TrainingMode.EVAL,
         )
     for message in dict.fromkeys(
         str(w.message).splitlines()[0] for w in caught if "Trace" in w.category.__name__
@@ -334,7 +488,7 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     session creation. ONNX shape inference then fills the shapes the exporter
     left out, so reports and planners know every blob's size.
     """
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
     from onnxscript.optimizer import fold_constants
 
     params = set(ir_model.graph.initializers)
@@ -347,17 +501,53 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fold_constants(ir_model, should_fold=should_fold)
+    _drop_malformed_zero_biases(ir_model)
     RemoveUnusedNodesPass()(ir_model)
     try:  # fill the shapes the exporter left out (sizes in reports, planners)
-        ShapeInferencePass()(ir_model)
+        infer_types(ir_model, strict=True)
     except Exception as err:  # inference is a convenience; never fail an import over it
         log.debug("ONNX shape inference failed: %s", err)
 
 
+def _drop_malformed_zero_biases(ir_model: Any) -> None:
+    """Drop the all-zero bias of a ``Conv`` whose bias is not the 1-D ``[C_out]`` ONNX needs.
+
+    onnxscript's ``aten_conv3d`` builds the zero bias of a bias-less ``Conv3d`` as
+    ``Expand(0, Concat(C_out, [2]))``, shape ``[C_out, 2]``; the exporter's optimizer removes
+    it in a default export, but ``from_torch`` exports without it, and ONNX Runtime refuses the
+    shape. A zero bias adds nothing, so the ``Conv`` loses it (the ops that built it are then
+    unused and removed). Any other bias, right or wrong, is left for the checks downstream.
+    """
+    import numpy as np
+
+    for graph in ir_model.graphs():
+        for node in graph:
+            if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+                continue
+            bias = node.inputs[2]
+            tensor = None if bias is None else _const_tensor(bias)
+            if tensor is None or len(tensor.shape) == 1:
+                continue
+            if not np.any(tensor.numpy()):
+                log.debug("%s: dropped its all-zero bias of shape %s", node.name, list(tensor.shape))
+                node.resize_inputs(2)
+
+
+def _const_tensor(value: Any) -> Any:
+    """The constant tensor of ``value`` (an initializer or a ``Constant``'s output), else ``None``."""
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor()
+    return None
+
+
 @contextlib.contextmanager
-def _eval_mode(module: Any) -> Iterator[None]:
+def _eval_mode(module: Any, *, training: bool = False) -> Iterator[None]:
+    """The module in eval mode (train mode with ``training``), its flags restored after."""
     flags = [(m, m.training) for m in module.modules()]
-    module.eval()
+    module.train(training)
     try:
         yield
     finally:

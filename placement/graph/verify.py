@@ -32,8 +32,15 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass
 
-from placement.errors import VerificationError
+try:  # the helper onnx_ir's CheckerPass uses: hands a proto without weights to onnx's C API
+    from onnx_ir.passes.common import _c_api_utils
+except ImportError:  # pragma: no cover - other onnx_ir releases
+    _c_api_utils = None  # type: ignore[assignment]
+
+from placement.errors import ModelLoadError, VerificationError
 from placement.graph.device import Device
+from placement.graph.external_data import _without_external_data
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.model import Model
 from placement.graph.nodes import (
     COPY_KEY,
@@ -45,6 +52,7 @@ from placement.graph.nodes import (
     is_copy_node,
     node_reads,
 )
+from placement.graph.ort_ops import checkable
 
 __all__ = ["verify", "run_onnx_checker"]
 
@@ -105,7 +113,11 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
     if output_device is not None:
         for value in graph.outputs:
             producer = value.producer()
-            if producer is not None and devices.get(id(value)) != output_device:
+            if (
+                producer is not None
+                and devices.get(id(value)) != output_device
+                and not is_cache_output(value.name)
+            ):
                 raise VerificationError(
                     f"op {producer.name!r} produces graph output {value.name!r} on "
                     f"{devices.get(id(value))}, not on the output device {output_device}"
@@ -188,7 +200,7 @@ def _source_device(
         return found
     found = home.get(id(value))
     if found is None:
-        is_input = value.is_graph_input() and value.name not in inits
+        is_input = value.is_graph_input() and value.name not in inits and not is_cache_input(value.name)
         found = input_device if (is_input and input_device is not None) else consumer_device
         home[id(value)] = found
     return found
@@ -197,15 +209,28 @@ def _source_device(
 def run_onnx_checker(model: Model | ir.Model) -> None:
     """Run ``onnx.checker`` on the model without serialising its weights.
 
-    onnx_ir's ``CheckerPass`` hands the checker a proto whose initializers are stripped to
-    their types, so the check costs no copy of the weights and works above protobuf's 2 GiB.
+    The checker is handed a proto whose initializers are stripped to their types
+    (onnx_ir's ``call_onnx_api``, as its ``CheckerPass`` does), so the check costs
+    no copy of the weights and works above protobuf's 2 GiB; tensors still held
+    as external data are emptied in that proto too (the checker would look for
+    their files in the working directory). ONNX Runtime's own ops are checked
+    against ORT's schemas (:mod:`placement.graph.ort_ops`).
 
     Raises:
         VerificationError: the model is not valid ONNX (the checker's first line is quoted).
     """
     ir_model = model.ir_model if isinstance(model, Model) else model
+
+    def check(proto: onnx.ModelProto) -> None:
+        onnx.checker.check_model(checkable(_without_external_data(proto), origin="the model"))
+
     try:
-        CheckerPass()(ir_model)
+        if _c_api_utils is not None and hasattr(_c_api_utils, "call_onnx_api"):
+            _c_api_utils.call_onnx_api(check, ir_model)
+        else:  # an onnx_ir without the helper: its checker pass
+            CheckerPass()(ir_model)
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid"
         raise VerificationError(f"the model is not valid ONNX: {first}") from err
+    except ModelLoadError as err:
+        raise VerificationError(f"the model is not valid ONNX: {err}") from err

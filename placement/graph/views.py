@@ -5,9 +5,7 @@ Example:
     >>> from placement.models import mlp
     >>> model = pl.from_torch(*mlp.build("tiny"))
     >>> g = pl.graph.op_graph(model)
-    >>> from typing import TYPE_CHECKING
-
-import networkx as nx
+    >>> import networkx as nx
     >>> nx.is_directed_acyclic_graph(g)
     True
 """
@@ -21,12 +19,12 @@ import networkx as nx
 from placement.graph.nodes import is_copy_node, node_device, node_scope
 
 if TYPE_CHECKING:
-    from placement.graph.model import Model
+    from placement.graph.placed import PlacedModel
 
 __all__ = ["op_graph"]
 
 
-def op_graph(model: Model) -> nx.DiGraph:
+def op_graph(model: PlacedModel) -> nx.DiGraph:
     """A ``DiGraph`` with one node per op and an edge producer -> consumer.
 
     Node attributes: ``op_type``, ``device`` (a ``Device``), ``scope``, ``is_copy``,

@@ -31,6 +31,7 @@ from placement.errors import LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import stream_window
+from placement.graph.torch_import import exporter_constants
 from placement.lowering.meta import DEVICE_META, OP_META, UNTRACEABLE_META
 from placement.lowering.ops import Rule
 from placement.lowering.values import NOT_LITERAL, RESERVED, Val, identifier, literal
@@ -74,6 +75,7 @@ class Emitter:
         self.fused: set[str] = set()  # blobs computed inside a fused call, never materialized
         self.const_homes: dict[str, str] = {}  # constant blob -> its first buffer path
         self.transient: set[str] = set()  # buffer paths left out of the state_dict
+        self.made = exporter_constants(model)  # initializers the exporter made: never state
         self.default_device = next(iter(model.devices), Device("cuda", 0))
         self.current_device: Device | None = None  # logical device of the op being lowered
         self.current_op: str | None = None  # recorded on each fx node (its stage, when pipelining)
@@ -122,7 +124,8 @@ class Emitter:
     def _register(self, path: str, tensor: torch.Tensor, *, parameter: bool) -> None:
         owner, leaf = self._owner(path)
         if parameter:
-            owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=True))
+            grad = tensor.is_floating_point() or tensor.is_complex()  # integers: frozen (int8 weights)
+            owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=grad))
         else:
             owner.register_buffer(leaf, tensor)
 
@@ -155,7 +158,8 @@ class Emitter:
                 self.const_homes[val.name] = path
             if first and val.name in self.model.graph.initializers:
                 self.paths[val.name] = path
-            else:  # folded or per-device constants are rebuilt by lowering, not state
+            if not first or val.name not in self.model.graph.initializers or val.name in self.made:
+                # folded, per-device or exporter-made constants are rebuilt by lowering, not state
                 self.transient.add(path)
             node = self.graph.get_attr(path)
             self.cache[key] = node

@@ -28,7 +28,7 @@ from placement.passes.base import (
     StepResult,
 )
 from placement.passes.copies import InjectCrossDeviceCopiesPass, inject_cross_device_copies
-from placement.passes.copy_injection import CopyResult
+from placement.passes.copy_making import CopyResult
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
 from placement.passes.streaming import StreamResult, stream_parameters
 from placement.passes.tensor_parallel import TensorParallelResult, split_tensor_parallel

@@ -1,6 +1,7 @@
 """The engine of copy injection: one read-only scan, a plan, then the graph edit.
 
-:class:`CopyResult` is what :func:`placement.inject_cross_device_copies` returns; the
+:class:`~placement.passes.copy_making.CopyResult` is what :func:`placement.inject_cross_device_copies`
+returns; the
 rules it enforces are described in :mod:`placement.passes.copies`. A run scans every op
 once (where every blob lives, which reads cross devices, the copies already there), plans
 the copies (which to keep, move, drop or make, their names and devices) without touching
@@ -20,11 +21,11 @@ import logging
 from typing import cast
 
 import onnx_ir as ir
-from onnx_ir.passes import PassResult
 
 from placement.errors import VerificationError
 from placement.graph import edit
 from placement.graph.device import Device
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.nodes import (
     COPY_KEY,
     DEVICE_KEY,
@@ -37,37 +38,11 @@ from placement.graph.nodes import (
     subgraphs_of,
 )
 from placement.passes.base import DeviceReader, run_phases
-from placement.passes.copy_making import CopyMaker, _is_numbered
+from placement.passes.copy_making import CopyKey, CopyMaker, CopyNeed, CopyResult, _is_numbered
 
 __all__ = ["CopyInjection", "CopyResult", "copy_kind"]
 
 log = logging.getLogger(__name__)
-
-
-#: A required copy: (the blob, ``id`` of its interned destination device; hashing ids is cheap).
-_Key = tuple[ir.Value, int]
-
-
-@dataclasses.dataclass
-class CopyResult(PassResult):
-    """What an injection did, and the model's copies afterwards."""
-
-    added: int = 0
-    removed: int = 0
-    rewired: int = 0
-    renamed: int = 0
-    moved: int = 0
-    copies: int = 0
-    input_device: Device | None = None
-    output_device: Device | None = None
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per phase
-
-    def __str__(self) -> str:
-        return (
-            f"{self.copies} copies ({self.added} added, {self.removed} removed, "
-            f"{self.moved} moved), {self.rewired} inputs rewired, {self.renamed} blobs renamed; "
-            f"inputs on {self.input_device}, outputs on {self.output_device}"
-        )
 
 
 def copy_kind(source: ir.Value, *, streamed: bool = False) -> str:
@@ -76,19 +51,6 @@ def copy_kind(source: ir.Value, *, streamed: bool = False) -> str:
     if source.is_initializer() and not source.is_graph_input():
         return "streamed" if streamed else "static"
     return "dynamic"
-
-
-@dataclasses.dataclass(slots=True)
-class _Need:
-    """A required copy of ``origin`` to ``device``: where its first reader sits."""
-
-    origin: ir.Value
-    device: Device
-    first_pos: int = -1  # position of the first reader on ``device``, -1: none (output only)
-    first_node: ir.Node | None = None
-    output_slot: int = -1  # >= 0 when this copy is graph output number ``output_slot``
-    output_name: str = ""
-    copy: ir.Value | None = None  # the blob the copy produces, once it exists (set by _apply)
 
 
 @dataclasses.dataclass
@@ -126,13 +88,13 @@ class _Decision:
     protected: set[ir.Node]
     repeated: list[tuple[int, int]]
     out_dev: Device
-    needs: dict[_Key, _Need] = dataclasses.field(default_factory=dict)
-    keep: dict[_Key, ir.Node] = dataclasses.field(default_factory=dict)
+    needs: dict[CopyKey, CopyNeed] = dataclasses.field(default_factory=dict)
+    keep: dict[CopyKey, ir.Node] = dataclasses.field(default_factory=dict)
     remove: list[ir.Node] = dataclasses.field(default_factory=list)
-    misplaced: list[tuple[ir.Node, _Need]] = dataclasses.field(default_factory=list)
+    misplaced: list[tuple[ir.Node, CopyNeed]] = dataclasses.field(default_factory=list)
     #: for each of ``_Scan.uses``: the copy its reader must read, ``None``: the blob itself
-    readers: list[_Need | None] = dataclasses.field(default_factory=list)
-    inner_readers: list[_Need | None] = dataclasses.field(default_factory=list)  # for ``inner_uses``
+    readers: list[CopyNeed | None] = dataclasses.field(default_factory=list)
+    inner_readers: list[CopyNeed | None] = dataclasses.field(default_factory=list)  # for ``inner_uses``
 
 
 class CopyInjection(CopyMaker):
@@ -225,8 +187,8 @@ class CopyInjection(CopyMaker):
                 if where is device and source is value:
                     continue
                 if where is None:  # a graph input or a parameter, read for the first time
-                    if source in inputs_:
-                        where = in_dev
+                    if source in inputs_:  # a KV cache is fed where it is read (state, not data)
+                        where = device if is_cache_input(source._name) else in_dev
                     else:  # a parameter lives where its first reader runs (streamed: on its host)
                         if not source._is_initializer:
                             self._not_topological(node, source)
@@ -269,7 +231,7 @@ class CopyInjection(CopyMaker):
                     where = dev_of.get(source)
                     if where is None:  # a graph input, or a parameter read here first: it lives here
                         if source in inputs_:
-                            where = scan.in_dev
+                            where = device if is_cache_input(source.name) else scan.in_dev
                         else:
                             if not source.is_initializer():
                                 self._not_topological(node, source)
@@ -298,7 +260,7 @@ class CopyInjection(CopyMaker):
             key = (source, id(device))
             need = needs.get(key)
             if need is None:
-                needs[key] = need = _Need(source, device, pos, node)
+                needs[key] = need = CopyNeed(source, device, pos, node)
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, node
             reads(need)
@@ -311,13 +273,13 @@ class CopyInjection(CopyMaker):
             key = (source, id(device))
             need = needs.get(key)
             if need is None:
-                needs[key] = need = _Need(source, device, pos, owner)
+                needs[key] = need = CopyNeed(source, device, pos, owner)
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, owner
             decision.inner_readers.append(need)
-        for slot, _, source, name in outputs:
-            if dev_of.get(source) is not out_dev:
-                need = needs.setdefault((source, id(out_dev)), _Need(source, out_dev))
+        for slot, _, source, name in outputs:  # a KV cache output stays where it is made
+            if dev_of.get(source) is not out_dev and not is_cache_output(name):
+                need = needs.setdefault((source, id(out_dev)), CopyNeed(source, out_dev))
                 need.output_slot, need.output_name = slot, name
 
         for need in needs.values():  # prefer the copy that already is the graph output
@@ -448,7 +410,7 @@ class CopyInjection(CopyMaker):
 
     def _default_output_device(self, outputs: list[tuple[int, ir.Value, ir.Value, str]]) -> Device | None:
         """The device of the last op (graph order) producing a graph output."""
-        producers = {source.producer() for _, _, source, _ in outputs}
+        producers = {source.producer() for _, _, source, name in outputs if not is_cache_output(name)}
         if not producers:
             return None
         for node in reversed(self.graph):
@@ -461,8 +423,8 @@ class CopyInjection(CopyMaker):
     def _apply_outputs(
         self,
         outputs: list[tuple[int, ir.Value, ir.Value, str]],
-        needs: dict[_Key, _Need],
-        keep: dict[_Key, ir.Node],
+        needs: dict[CopyKey, CopyNeed],
+        keep: dict[CopyKey, ir.Node],
         dev_of: dict[ir.Value, Device],
     ) -> None:
         """Keep every graph output's name on the output device; rename the blobs behind them.

@@ -14,24 +14,61 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import TYPE_CHECKING
 
 import onnx_ir as ir
+from onnx_ir.passes import PassResult
 
 from placement.graph import edit
 from placement.graph.device import Device
 from placement.graph.nodes import COPY_KEY, DEVICE_KEY, name_of
 
-if TYPE_CHECKING:
-    from placement.passes.copy_injection import CopyResult, _Key, _Need
-
-__all__ = ["COPY_OP_TYPE", "CopyMaker"]
+__all__ = ["COPY_OP_TYPE", "CopyKey", "CopyMaker", "CopyNeed", "CopyResult"]
 
 #: The ONNX op type of a copy.
 COPY_OP_TYPE = "Identity"
 
 _COPY_LIKE = re.compile(r"_(?:cuda|cpu)_\d").search  # what every name made here contains
+
+
+#: A required copy: (the blob, ``id`` of its interned destination device; hashing ids is cheap).
+CopyKey = tuple[ir.Value, int]
+
+
+@dataclasses.dataclass
+class CopyResult(PassResult):
+    """What an injection did, and the model's copies afterwards."""
+
+    added: int = 0
+    removed: int = 0
+    rewired: int = 0
+    renamed: int = 0
+    moved: int = 0
+    copies: int = 0
+    input_device: Device | None = None
+    output_device: Device | None = None
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per phase
+
+    def __str__(self) -> str:
+        return (
+            f"{self.copies} copies ({self.added} added, {self.removed} removed, "
+            f"{self.moved} moved), {self.rewired} inputs rewired, {self.renamed} blobs renamed; "
+            f"inputs on {self.input_device}, outputs on {self.output_device}"
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class CopyNeed:
+    """A required copy of ``origin`` to ``device``: where its first reader sits."""
+
+    origin: ir.Value
+    device: Device
+    first_pos: int = -1  # position of the first reader on ``device``, -1: none (output only)
+    first_node: ir.Node | None = None
+    output_slot: int = -1  # >= 0 when this copy is graph output number ``output_slot``
+    output_name: str = ""
+    copy: ir.Value | None = None  # the blob the copy produces, once it exists (set by _apply)
 
 
 class CopyMaker:
@@ -66,7 +103,9 @@ class CopyMaker:
         if count:
             self.result.renamed += 1
 
-    def _new_copies(self, needs: dict[_Key, _Need], keep: dict[_Key, ir.Node]) -> list[tuple[_Need, ir.Node]]:
+    def _new_copies(
+        self, needs: dict[CopyKey, CopyNeed], keep: dict[CopyKey, ir.Node]
+    ) -> list[tuple[CopyNeed, ir.Node]]:
         """The copies to create (every need no kept copy meets), not yet in the graph.
 
         Named in ``needs`` order (see the module doc): a copy that is a graph output
@@ -74,7 +113,7 @@ class CopyMaker:
         One loop with the IR's slots read directly (see ``graph_nodes``) and nodes made
         through :mod:`placement.graph.edit`: a million-op graph makes 250k of them.
         """
-        created: list[tuple[_Need, ir.Node]] = []
+        created: list[tuple[CopyNeed, ir.Node]] = []
         add = created.append
         graph, bases, spelled = self.graph, self._bases, self._spelled
         names = self._names()
@@ -122,13 +161,13 @@ class CopyMaker:
             add((need, node))
         return created
 
-    def _place(self, node: ir.Node, need: _Need) -> None:
+    def _place(self, node: ir.Node, need: CopyNeed) -> None:
         if need.first_node is not None:
             self.graph.insert_before(need.first_node, node)
         elif node.graph is None:
             self.graph.append(node)
 
-    def _place_new(self, created: list[tuple[_Need, ir.Node]]) -> None:
+    def _place_new(self, created: list[tuple[CopyNeed, ir.Node]]) -> None:
         """Insert new copies, each just before its first reader, in order; output-only ones last.
 
         The same order as placing them one by one: copies placed before the same op

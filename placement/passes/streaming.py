@@ -33,13 +33,21 @@ import json
 import logging
 from collections.abc import Iterable
 
-from placement.errors import DeviceError, UnknownBlobError
+import onnx_ir as ir
+
+from placement.errors import DeviceError, PlanError, UnknownBlobError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, STREAM_WINDOW_KEY, STREAMED_KEY, node_scope, streamed_homes
 from placement.graph.sizes import parse_bytes
 
-__all__ = ["stream_parameters", "StreamResult", "streamable_parameters"]
+__all__ = [
+    "stream_parameters",
+    "StreamResult",
+    "streamable_parameters",
+    "is_streamable",
+    "WEIGHT_INTEGER_TYPES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +73,31 @@ class StreamResult:
     copies_updated: bool = False
 
 
+#: Integer types of quantized weights (``quantize_dynamic``'s int8/uint8, int16, QDQ's int32
+#: biases): streamed like floating-point weights. int64 (shapes, indices) and bool never are.
+WEIGHT_INTEGER_TYPES = frozenset(
+    {ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, ir.DataType.UINT16, ir.DataType.INT32}
+)
+
+
+def is_streamable(value: ir.Value) -> bool:
+    """Whether initializer ``value`` is a weight: at least one dimension, floating point or a
+    quantized weight's integer type (:data:`WEIGHT_INTEGER_TYPES`)."""
+    data = value.const_value
+    if data is None or len(data.shape) < 1:
+        return False
+    return data.dtype.is_floating_point() or data.dtype in WEIGHT_INTEGER_TYPES
+
+
 def streamable_parameters(model: Model, name: str) -> list[str]:
-    """The parameters ``name`` stands for: itself when it is a parameter, else the floating-point
-    parameters (at least one dimension) read by the op ``name`` or by the ops of module scope
-    ``name`` (``"blocks.3"``: ``blocks.3`` and everything under it), in graph order.
+    """The parameters ``name`` stands for: itself when it is a parameter, else the weights
+    (:func:`is_streamable`: floating point or quantized integers, at least one dimension) read
+    by the op ``name`` or by the ops of module scope ``name`` (``"blocks.3"``: ``blocks.3`` and
+    everything under it), in graph order.
 
     Raises:
         UnknownBlobError: ``name`` is no parameter, op or module scope of the model.
+        PlanError: ``name`` is a parameter that is no weight (see :func:`is_streamable`).
 
     Example:
         >>> import placement as pl
@@ -82,6 +108,14 @@ def streamable_parameters(model: Model, name: str) -> list[str]:
     """
     inits = model.graph.initializers
     if name in inits:
+        if not is_streamable(inits[name]):
+            data = inits[name].const_value
+            shown = f"{data.dtype.name}{list(data.shape)}" if data is not None else "no data"
+            raise PlanError(
+                f"initializer {name!r} ({shown}) cannot be streamed: only weights of at least one "
+                "dimension, floating point or a quantized integer type, are (shapes, indices and "
+                "scalars are read on the host while lowering)"
+            )
         return [name]
     found: list[str] = []
     prefix = name + "."
@@ -94,8 +128,7 @@ def streamable_parameters(model: Model, name: str) -> list[str]:
         for value in node.inputs:
             if value is None or value.name not in inits or value.name in found:
                 continue
-            data = value.const_value
-            if data is not None and data.dtype.is_floating_point() and len(data.shape) >= 1:
+            if is_streamable(value):
                 found.append(value.name)
     if (
         not found
@@ -119,7 +152,7 @@ def stream_parameters(
 
     Args:
         model: the model (changed in place; unchanged on any error).
-        names: parameters, op names (their floating-point parameters) or module scopes
+        names: parameters, op names (their weights) or module scopes
             (``"blocks.3"``: every op under it), see :func:`streamable_parameters`.
         host: the device the parameters live on (``"cpu"``); ``None`` stops streaming them
             (they live at their first reader again).
@@ -135,6 +168,8 @@ def stream_parameters(
 
     Raises:
         UnknownBlobError: a name is no parameter, op or module scope.
+        PlanError: a parameter named is no weight (an int64 shape, a scalar, see
+            :func:`is_streamable`).
         DeviceError: ``host`` is malformed or not a CPU device.
         PlanError: ``window`` is malformed.
 

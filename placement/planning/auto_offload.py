@@ -63,6 +63,7 @@ def auto_offload(
     repeats: int,
     runtime: str,
     throughput: Mapping[str, float] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> Plan:
     """Plan ``model`` on one GPU plus the host (in place) and report it as a :class:`Plan`.
 
@@ -88,6 +89,7 @@ def auto_offload(
         sample_inputs=sample_inputs,
         repeats=repeats,
         throughput=speeds.rates,
+        batch=dims,
     )
     plan = offload_report(model, offload, links=links, objective=objective, runtime=runtime)
     plan.offload["speeds"] = dict(speeds.rates)
@@ -117,7 +119,7 @@ def offload_report(
         >>> plan.bottleneck == offload.predicted_ns, plan.lower_bound <= plan.bottleneck
         (True, True)
     """
-    info = GraphInfo(model)
+    info = GraphInfo(model, dims=offload.bindings)
     modes = [offload.modes[layer.name] for layer in offload.layers]
     part = [
         int(mode == "host")
@@ -154,6 +156,7 @@ def offload_report(
     plan.streamed = {name: str(offload.host) for name in streamed}
     plan.stream_window = offload.window if streamed else None
     plan.runtime = runtime
+    plan.dims = dict(offload.bindings)
     plan.offload = {
         "modes": dict(offload.modes),
         "window": offload.window,

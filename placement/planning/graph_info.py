@@ -38,9 +38,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -49,6 +50,7 @@ from placement.analysis.shapes import infer_shapes
 from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import is_copy_node, node_device
+from placement.planning.dims import planned_dims
 
 __all__ = ["GraphInfo", "peak_activation_bytes"]
 
@@ -81,8 +83,10 @@ class GraphInfo:
             its group (load-time values made from shared parameters share one).
     """
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, *, dims: Mapping[str, int] | None = None) -> None:
         graph = model.graph
+        #: the sizes symbolic dimensions count at (:func:`placement.planning.dims.planned_dims`)
+        self.dims: dict[str, int] = dict(dims) if dims is not None else planned_dims(model)
         self.nodes: list[ir.Node] = [n for n in graph if not is_copy_node(n)]
         self.names: list[str] = [n.name or "" for n in self.nodes]
         self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
@@ -97,7 +101,8 @@ class GraphInfo:
         self.blob_is_output: list[bool] = []
         blob_id: dict[int, int] = {}
         self.unknown_size: list[str] = []
-
+        self.state_bytes: list[int] = []  # per position: bytes held across steps (``add_state``)
+        self._state_prefix: list[int] | None = None
         self.blob_values: list[ir.Value] = []
 
         def new_blob(value: ir.Value, producer: int) -> int:
@@ -105,7 +110,7 @@ class GraphInfo:
             blob_id[id(value)] = b
             self.blob_values.append(value)
             self.blob_names.append(value.name or "")
-            size = value_nbytes(value)
+            size = value_nbytes(value, self.dims)
             if size is None:
                 self.unknown_size.append(value.name or "")
             self.blob_bytes.append(int(math.ceil(size)) if size else 0)
@@ -157,15 +162,7 @@ class GraphInfo:
             for producer, consumers in zip(self.blob_producer, self.blob_consumers)
         ]
         if self.unknown_size and infer_shapes(model):  # annotate what the exporter left unshaped
-            self.unknown_size = []
-            for b, value in enumerate(self.blob_values):
-                if self.blob_bytes[b]:
-                    continue
-                size = value_nbytes(value)
-                if size is None:
-                    self.unknown_size.append(value.name or "")
-                else:
-                    self.blob_bytes[b] = int(math.ceil(size))
+            self._resize()
         fixed = {id(v) for v in load_time_values(graph)}
         self.blob_fixed: list[bool] = [id(value) in fixed for value in self.blob_values]
         self.step_bytes: list[int] = [
@@ -181,6 +178,18 @@ class GraphInfo:
                 len(self.unknown_size),
                 self.unknown_size[0],
             )
+
+    def _resize(self) -> None:
+        """Size the blobs still unsized (after shape inference annotated more of them)."""
+        self.unknown_size = []
+        for b, value in enumerate(self.blob_values):
+            if self.blob_bytes[b]:
+                continue
+            size = value_nbytes(value, self.dims)
+            if size is None:
+                self.unknown_size.append(value.name or "")
+            else:
+                self.blob_bytes[b] = int(math.ceil(size))
 
     def _fold_load_time_values(self) -> None:
         """``held_params``, ``held_fixed`` and ``blob_sources``: what each per-step op holds
@@ -283,8 +292,36 @@ class GraphInfo:
         return _max_prefix(diff)
 
     def segment_memory(self, i: int, j: int) -> int:
-        """Parameters plus peak activations of a device that runs ops ``i..j-1``."""
-        return self.segment_param_bytes(i, j) + self.segment_peak_activation(i, j)
+        """Parameters, state (KV caches) plus peak activations of a device that runs ops ``i..j-1``."""
+        held = self.segment_param_bytes(i, j) + self.segment_state_bytes(i, j)
+        return held + self.segment_peak_activation(i, j)
+
+    # -- state held by ops (KV caches) ------------------------------------------------
+
+    def add_state(self, position: int, nbytes: int) -> None:
+        """Memory that the op at ``position`` holds across steps (a layer's KV cache at the
+        planned batch and length): counted on its device like its parameters."""
+        if not self.state_bytes:
+            self.state_bytes = [0] * len(self.nodes)
+        self.state_bytes[position] += int(nbytes)
+        self._state_prefix = None
+
+    def segment_state_bytes(self, i: int, j: int) -> int:
+        """State bytes (see :meth:`add_state`) of the ops ``i..j-1``."""
+        if not self.state_bytes or j <= i:
+            return 0
+        prefix = self._state_prefix
+        if prefix is None:
+            prefix = self._state_prefix = [0, *itertools.accumulate(self.state_bytes)]
+        return prefix[j] - prefix[i]
+
+    def part_state_bytes(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """State bytes per part of an arbitrary placement (``part[pos]`` = its part)."""
+        totals = [0] * num_parts
+        for pos, nbytes in enumerate(self.state_bytes):
+            if nbytes:
+                totals[part[pos]] += nbytes
+        return totals
 
     def blobs_into(self, i: int, j: int) -> list[int]:
         """Distinct activations read by ops ``i..j-1`` and made (or first fed) before ``i``."""
@@ -409,8 +446,10 @@ def _max_prefix(diff: list[int]) -> int:
     return best
 
 
-def peak_activation_bytes(model: Model) -> dict[Device, int]:
+def peak_activation_bytes(model: Model, *, dims: Mapping[str, int] | None = None) -> dict[Device, int]:
     """Liveness-based peak activation bytes per device for the model's current placement.
+
+    Symbolic dimensions count at ``dims`` (default: :func:`placement.planning.dims.planned_dims`).
 
     Example:
         >>> import placement as pl
@@ -421,7 +460,7 @@ def peak_activation_bytes(model: Model) -> dict[Device, int]:
         >>> list(peaks), peaks[pl.Device("cuda", 0)] > 0
         ([Device('cuda:0')], True)
     """
-    info = GraphInfo(model)
+    info = GraphInfo(model, dims=dims)
     devices = sorted({node_device(n) for n in info.nodes})
     index = {d: k for k, d in enumerate(devices)}
     part = [index[node_device(n)] for n in info.nodes]

@@ -54,14 +54,25 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
+from placement.planning.dims import called_as, caller, planned_dims
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
-from placement.planning.offload_layers import ALIGN, Layer, layers_of, size_activations
+from placement.planning.offload_layers import Layer, aligned, layers_of
 from placement.planning.offload_search import gpu_activations, search_modes
-from placement.planning.profile import profile, symbol_bindings
+from placement.planning.profile import profile
 from placement.planning.speeds import DEFAULT_FLOPS
+from placement.planning.workspace import default_workspace
 
-__all__ = ["plan_offload", "Layer", "OffloadPlan", "simulate", "MODES", "is_offload_budget", "layers_of"]
+__all__ = [
+    "plan_offload",
+    "Layer",
+    "OffloadPlan",
+    "simulate",
+    "MODES",
+    "is_offload_budget",
+    "layers_of",
+    "default_workspace",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +80,6 @@ MODES = ("resident", "streamed", "host")
 #: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
 Activations = Union[int, Callable[[Sequence[str]], int]]
 
-#: The GPU workspace margin (``workspace=``): cuBLAS keeps up to 32 MiB per stream on
-#: recent GPUs, allocated through torch's caching allocator.
-DEFAULT_WORKSPACE = 32 << 20
-#: The largest share of the GPU budget the default workspace margin takes.
-WORKSPACE_SHARE = 0.05
 
 #: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
 #: lives in :mod:`placement.planning.speeds`.
@@ -229,17 +235,13 @@ def _streamed(layers: Sequence[Layer], modes: Sequence[str]) -> list[dict[str, i
     return out
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
-
-
 def window_bytes(layers: Sequence[Layer], modes: Sequence[str], depth: int) -> int:
     """The device window the streamed layers need: ``depth`` of the largest streamed layer (each
     weight aligned as the runtime lays it out), plus the largest weight for the ring's wrap."""
-    per_layer = [sum(_aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
+    per_layer = [sum(aligned(size) for size in m.values()) for m in _streamed(layers, modes) if m]
     if not per_layer:
         return 0
-    largest_weight = max(_aligned(size) for m in _streamed(layers, modes) for size in m.values())
+    largest_weight = max(aligned(size) for m in _streamed(layers, modes) for size in m.values())
     return min(depth, len(per_layer)) * max(per_layer) + largest_weight
 
 
@@ -414,19 +416,6 @@ def _feeds(model: Model, sample_inputs: Any) -> dict[str, Any] | None:
     return _normalise_inputs(model, sample_inputs)
 
 
-def _given(model: Model, feeds: Mapping[str, Any] | None) -> set[str]:
-    """The symbols that the sample inputs give a size."""
-    if not feeds:
-        return set()
-    return {
-        str(dim.value)
-        for value in model.graph.inputs
-        if value.shape is not None and (value.name or "") in feeds
-        for dim in value.shape
-        if not isinstance(dim, int) and dim.value is not None
-    }
-
-
 def plan_offload(
     model: Model,
     max_memory: Mapping[Any, int | float | str],
@@ -438,7 +427,7 @@ def plan_offload(
     op_times: Mapping[Any, Sequence[int] | Mapping[str, float]] | None = None,
     throughput: Mapping[str, float] | None = None,
     apply: bool = True,
-    batch: int | None = None,
+    batch: int | Mapping[str, int] | None = None,
     workspace: int | str | None = None,
 ) -> OffloadPlan:
     """Plan one GPU plus host memory: per layer resident, streamed or on the host (see the module doc).
@@ -460,11 +449,13 @@ def plan_offload(
         apply: place the model and mark its streamed parameters
             (:func:`placement.stream_parameters`, window included).
         batch: the batch the plan is made for: symbolic dimensions of the graph inputs that
-            ``sample_inputs`` do not give are bound to it (default 1), so the activations
-            counted in the GPU budget are those of that batch.
+            ``sample_inputs`` do not give are bound to it (an int), or as a mapping names
+            (``{"batch": 8, "seq": 128}``); default 1 (see :mod:`placement.planning.dims`),
+            so the activations counted in the GPU budget are those of that batch.
         workspace: bytes kept free on the GPU for the framework's workspace (cuBLAS's
-            workspace, the allocator's rounding); default :data:`DEFAULT_WORKSPACE`, capped at
-            :data:`WORKSPACE_SHARE` of the GPU budget for small budgets.
+            workspace, the allocator's rounding); default :func:`default_workspace`: cuBLAS's
+            32 MiB where the budget is at least 64 MiB (at most half of it), else
+            :data:`WORKSPACE_SHARE` of a toy budget.
 
     Raises:
         PlanError: the budget is not one GPU plus a host, or bad arguments.
@@ -508,16 +499,11 @@ def plan_offload(
     to_gpu = link_model.link(host, gpu) if link_model is not None else Link(1e18)  # None: copies are free
     to_host = link_model.link(gpu, host) if link_model is not None else to_gpu
     rates = {**DEFAULT_THROUGHPUT, **(throughput or {})}
-    if batch is not None and (not isinstance(batch, int) or batch < 1):
-        raise PlanError(f"plan_offload plans for a positive integer batch, not {batch!r}")
-    prof = profile(model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats)
-    info = GraphInfo(model)
     feeds = _feeds(model, sample_inputs)
-    bindings = {
-        k: (batch if batch is not None and k not in _given(model, feeds) else v)
-        for k, v in symbol_bindings(model, feeds).items()
-    }
-    size_activations(model, info, bindings)
+    bindings = planned_dims(model, sample_inputs=feeds, batch=batch)
+    with called_as(caller() if caller() != "profile" else "plan_offload"):
+        prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
+    info = GraphInfo(model, dims=bindings)
     flops = prof.costs("flops")
     if cost == "time":
         host_ns = list(prof.costs("time"))
@@ -539,7 +525,7 @@ def plan_offload(
     layers = layers_of(model, info, gpu_ns, host_ns)
     activations = gpu_activations(info, layers)  # the GPU holds the activations of the ops it runs
     if workspace is None:
-        workspace_bytes = min(DEFAULT_WORKSPACE, int(budgets[0] * WORKSPACE_SHARE))
+        workspace_bytes = default_workspace(budgets[0])
     else:
         workspace_bytes = parse_bytes(workspace)
     peaks = [info.segment_peak_activation(layer.start, layer.end) for layer in layers]

@@ -31,21 +31,29 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from placement.graph.model import Model
 from placement.graph.nodes import node_scope
+from placement.passes.streaming import is_streamable
 from placement.planning.graph_info import GraphInfo
-from placement.planning.profile import Shapes
 
-__all__ = ["ALIGN", "Layer", "layers_of", "layer_key", "size_activations"]
+__all__ = ["ALIGN", "aligned", "Layer", "layers_of", "layer_key"]
 
 #: Bytes each streamed weight's region of the device window is aligned to (the runtime's
 #: :class:`~placement.runtime.torch.streaming.WeightStreamer` lays the window out so).
 ALIGN = 512
+
+
+def aligned(size: int) -> int:
+    """``size`` rounded up to :data:`ALIGN` bytes: a streamed weight's region of the window.
+
+    >>> aligned(1), aligned(512), aligned(513)
+    (512, 512, 1024)
+    """
+    return -(-size // ALIGN) * ALIGN
 
 
 @dataclass
@@ -99,23 +107,6 @@ def layer_key(scope: str | None) -> str:
     if match:
         return match.group(1)
     return scope.split(".")[0]
-
-
-def size_activations(model: Model, info: GraphInfo, bindings: Mapping[str, int]) -> int:
-    """Set ``info``'s blob sizes at ``bindings`` (symbol -> size); the bytes now known that were not."""
-    shapes = Shapes(bindings=bindings)
-    added = 0
-    for b, value in enumerate(info.blob_values):
-        if info.blob_bytes[b] or value.dtype is None:
-            continue
-        dims = shapes.dims(value)
-        if dims is None:
-            continue
-        size = int(math.ceil(math.prod(dims) * value.dtype.itemsize))
-        info.blob_bytes[b] = size
-        info.step_bytes[b] = size
-        added += size
-    return added
 
 
 def _runs(info: GraphInfo, keys: Sequence[str]) -> list[list[int]]:
@@ -195,5 +186,5 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
 
 
 def _is_weight(model: Model, name: str) -> bool:
-    value = model.graph.initializers[name].const_value
-    return value is not None and value.dtype.is_floating_point() and len(value.shape) >= 1
+    """A weight the plan counts and may stream: floating point or quantized integers (int8...)."""
+    return is_streamable(model.graph.initializers[name])

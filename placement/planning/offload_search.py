@@ -50,7 +50,7 @@ from placement.graph.sizes import format_bytes
 
 if TYPE_CHECKING:
     from placement.planning.graph_info import GraphInfo
-    from placement.planning.offload import Layer
+    from placement.planning.offload_layers import Layer
 
 __all__ = ["gpu_activations", "search_modes", "starting_plans", "infeasible_message"]
 

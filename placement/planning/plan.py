@@ -29,6 +29,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAM_WINDOW_KEY, STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes
+from placement.planning.dims import describe, store_dims
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.profile import fingerprint
 
@@ -62,6 +63,8 @@ class DevicePlan:
         transfer_time: nanoseconds to copy its inputs in per step under the link model
             (0 without one).
         cut_cost: nanoseconds its cuts cost it (fusions lost at a cut; 0 without).
+        kv_cache_bytes: KV caches of its attention layers at the planned batch and length
+            (``auto_place(kv_cache=(batch, max_length))``; 0 without).
     """
 
     device: str
@@ -76,6 +79,7 @@ class DevicePlan:
     bytes_out: int
     transfer_time: int = 0
     cut_cost: int = 0
+    kv_cache_bytes: int = 0
 
     @property
     def stage_cost(self) -> int:
@@ -84,8 +88,8 @@ class DevicePlan:
 
     @property
     def memory(self) -> int:
-        """Parameters plus peak activations."""
-        return self.param_bytes + self.activation_bytes
+        """Parameters, KV caches and peak activations."""
+        return self.param_bytes + self.kv_cache_bytes + self.activation_bytes
 
     @property
     def fits(self) -> bool:
@@ -125,6 +129,10 @@ class Plan:
             -> ``resident``/``streamed``/``host``), the prefetch ``window``, the device
             speeds (``speeds``, FLOP/s per device type, and ``speed_sources``: given,
             measured or default), ``all_gpu_ns`` and ``copy_ns``; None otherwise.
+        dims: the sizes the symbolic dimensions of the graph inputs were planned at
+            (``{"batch": 8}``; see :func:`placement.planning.dims.planned_dims`): the
+            activation and copy bytes are those of this binding. Applying the plan stores
+            it on the model, so summaries, pictures and reports count the same sizes.
     """
 
     assignment: dict[str, str]
@@ -143,6 +151,7 @@ class Plan:
     streamed: dict[str, str] = field(default_factory=dict)
     stream_window: int | None = None
     offload: dict[str, Any] | None = None
+    dims: dict[str, int] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -182,6 +191,7 @@ class Plan:
         with transaction(model):
             for node in model.graph:
                 set_node_device(node, parsed[node.name or ""])
+        store_dims(model, self.dims)
         if self.streamed:  # the plan keeps these weights on the host (see plan_offload)
             props = model.ir_model.metadata_props
             props[STREAMED_KEY] = json.dumps(self.streamed)
@@ -271,6 +281,8 @@ class Plan:
                 ),
                 None,
             )
+        if self.dims:
+            title += f" (sizes at {describe(self.dims)})"
         table = Table(title=title, caption=caption)
         for col in (
             "device",

@@ -99,6 +99,7 @@ from placement.errors import PlanError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
 from placement.graph.sizes import format_bytes, parse_bytes
+from placement.planning.dims import called_as, planned_dims
 from placement.planning.evaluate import build_plan, evaluate_assignment
 from placement.planning.frontend import check_no_copies
 from placement.planning.graph_info import GraphInfo
@@ -106,7 +107,7 @@ from placement.planning.link_model import LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
 from placement.planning.plan import Plan
-from placement.planning.profile import COST_KINDS, profile
+from placement.planning.profile import COST_KINDS, _normalise_inputs, profile
 
 __all__ = ["auto_place", "build_plan", "evaluate_assignment", "OBJECTIVES", "RUNTIMES"]
 
@@ -194,6 +195,38 @@ def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str
     return result
 
 
+def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
+    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
+    present (where the cache lives); the bytes added.
+
+    Raises:
+        PlanError: a bad ``kv_cache`` or a model without a cache.
+    """
+    from placement.graph.causal_lm import kv_layers
+
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    if batch < 1 or length < 1:
+        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
+    layers = kv_layers(model)
+    if not layers:
+        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
+    outputs = {v.name: v for v in model.graph.outputs}
+    added = 0
+    for layer in layers:
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            position = info.position.get(producer.name or "") if producer is not None else None
+            if position is None:
+                raise PlanError(f"cache output {name!r} is not made by a planned op")
+            nbytes = layer.bytes_for(batch, length) // 2
+            info.add_state(position, nbytes)
+            added += nbytes
+    return added
+
+
 def auto_place(
     model: Model,
     devices: int | Sequence[DeviceLike] | None = None,
@@ -209,6 +242,8 @@ def auto_place(
     op_costs: Mapping[str, float] | None = None,
     offload: bool | None = None,
     throughput: Mapping[str, float] | None = None,
+    batch: int | Mapping[str, int] | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -226,7 +261,9 @@ def auto_place(
             pipeline order. Optional when ``max_memory`` is given (its keys, in order).
         max_memory: device -> budget for parameters plus peak activations, in bytes or
             as ``"2GB"`` / ``"512MiB"``; devices left out are unlimited.
-        sample_inputs: inputs for time profiling (see :func:`placement.profile`).
+        sample_inputs: inputs for time profiling (see :func:`placement.profile`); on a
+            model with symbolic dimensions (a dynamic batch) their sizes are also the
+            sizes activations and copies count at against ``max_memory``.
         cost: ``"time"`` (measured), ``"size"`` (parameter + output bytes) or ``"flops"``.
             Timing runs the whole model in one ONNX Runtime session whose weights
             bypass the protobuf, so models over 2 GB are timed too; when the
@@ -267,6 +304,14 @@ def auto_place(
             "cpu": 1e12}``); a type left out is measured on this machine (the host
             always, a GPU that torch sees) or takes the stated default
             (:data:`placement.planning.speeds.DEFAULT_FLOPS`).
+        batch: the batch to plan for when the graph inputs have symbolic dimensions:
+            an int binds every symbol the sample inputs do not size, a mapping binds
+            the symbols it names (``{"batch": 8, "seq": 128}``); default 1 (sizes per
+            example). See :mod:`placement.planning.dims`; the plan's ``dims`` says
+            what was used.
+        kv_cache: ``(batch, max_length)`` for a model with a KV cache
+            (:func:`placement.from_causal_lm`): each layer's cache at that batch and length
+            counts in the memory of the device of the op making its ``present``.
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -291,8 +336,48 @@ def auto_place(
         raise PlanError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVES)}")
     if runtime not in RUNTIMES:
         raise PlanError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    with called_as("auto_place"):
+        return _auto_place(
+            model,
+            devices,
+            max_memory,
+            sample_inputs=sample_inputs,
+            cost=cost,
+            objective=objective,
+            repeats=repeats,
+            links=links,
+            fusion=fusion,
+            runtime=runtime,
+            op_costs=op_costs,
+            offload=offload,
+            throughput=throughput,
+            batch=batch,
+            kv_cache=kv_cache,
+        )
+
+
+def _auto_place(
+    model: Model,
+    devices: int | Sequence[DeviceLike] | None,
+    max_memory: Mapping[Any, int | float | str] | None,
+    *,
+    sample_inputs: Any,
+    cost: str,
+    objective: str,
+    repeats: int,
+    links: LinksLike,
+    fusion: bool,
+    runtime: str,
+    op_costs: Mapping[str, float] | None,
+    offload: bool | None,
+    throughput: Mapping[str, float] | None,
+    batch: int | Mapping[str, int] | None,
+    kv_cache: tuple[int, int] | None,
+) -> Plan:
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    feeds = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+    dims = planned_dims(model, sample_inputs=feeds, batch=batch)
     if offload is None:
         offload = is_offload_budget(device_list, budgets)
     if offload:
@@ -307,10 +392,11 @@ def auto_place(
             cost=cost,
             objective=objective,
             links=links,
-            sample_inputs=sample_inputs,
+            sample_inputs=feeds,
             repeats=repeats,
             runtime=runtime,
             throughput=throughput,
+            dims=dims,
         )
     if cost != "time" and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
@@ -318,10 +404,17 @@ def auto_place(
         cost = _time_or_flops(model)
     link_model = resolve_links(links) if cost == "time" else None
     prof = profile(
-        model, sample_inputs=sample_inputs, time=cost == "time", repeats=repeats, optimized=runtime == "ort"
+        model,
+        sample_inputs=feeds,
+        time=cost == "time",
+        repeats=repeats,
+        optimized=runtime == "ort",
+        dims=dims,
     )
     costs = prof.costs(cost)
-    info = GraphInfo(model)
+    info = GraphInfo(model, dims=dims)
+    if kv_cache is not None:
+        add_kv_cache(info, model, kv_cache)
     if op_costs is not None:
         costs = _override_costs(info, costs, op_costs)
     allowed = constant_glue(info)
@@ -362,6 +455,7 @@ def auto_place(
         cut_costs=cuts,
     )
     plan.runtime = runtime
+    plan.dims = dict(dims)
     plan.apply(model)
     log.info(
         "auto_place: %d ops on %d devices, bottleneck %.3f x lower bound, %d bytes copied per step",

@@ -53,6 +53,7 @@ from placement.errors import InputError, PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import is_copy_node, node_device
+from placement.planning.dims import caller, planned_dims
 from placement.planning.graph_info import GraphInfo, peak_activation_bytes
 
 __all__ = [
@@ -76,14 +77,14 @@ _CACHE_KEY = "placement.profile"
 COST_KINDS = ("time", "size", "flops")
 
 
-def add_estimates(model: Model | ir.Model, report: Any) -> None:
+def add_estimates(model: Model | ir.Model, report: Any, *, dims: Mapping[str, int] | None = None) -> None:
     """Fill ``peak_activation_bytes`` and ``time_s`` of each row of a ``report.summary.Summary``.
 
     Times come from the latest cached profile with times of the model's structure;
     without one ``time_s`` stays None.
     """
     wrapped = model if isinstance(model, Model) else Model(model)
-    peaks = peak_activation_bytes(wrapped)
+    peaks = peak_activation_bytes(wrapped, dims=dims)
     prof = cached_profile(wrapped, need_time=True)
     times: dict[Device, float] = {}
     if prof is not None:
@@ -282,32 +283,48 @@ def cached_profile(model: Model, *, need_time: bool = False) -> Profile | None:
     return best
 
 
-def make_sample_inputs(model: Model, *, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs of the graph's static shapes: normal floats, zeros for ints and bools.
+def make_sample_inputs(
+    model: Model, *, seed: int = 0, dims: Mapping[str, int] | None = None
+) -> dict[str, np.ndarray]:
+    """Inputs of the graph's shapes: normal floats, zeros for ints and bools.
 
     Zeros are valid token ids and indices for any vocabulary, which random ints
-    might not be.
+    might not be. Symbolic dimensions take their size in ``dims`` (default:
+    :func:`placement.planning.dims.planned_dims`, 1 unless a plan stored another).
 
     Raises:
-        InputError: an input has a symbolic dimension or no dtype (pass sample inputs).
+        InputError: an input has no known shape or dtype (pass sample inputs; the
+            message names the function called).
+
+    Example:
+        >>> import torch
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> net, (x,) = mlp.build("tiny")
+        >>> model = pl.from_torch(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        >>> make_sample_inputs(model, dims={"batch": 3})["input"].shape
+        (3, 16)
     """
     rng = np.random.default_rng(seed)
     inputs: dict[str, np.ndarray] = {}
     inits = model.graph.initializers
+    bound = Shapes(bindings=planned_dims(model) if dims is None else dims)
     for value in model.graph.inputs:
         if value.name in inits:
             continue
-        dims = Shapes().dims(value)
-        if dims is None or value.dtype is None:
+        shape = bound.dims(value)
+        if shape is None or value.dtype is None:
+            what = "no known shape" if shape is None else "no known dtype"
             raise InputError(
-                f"graph input {value.name!r} has shape {value.shape} and dtype {value.dtype}: "
-                "pass sample_inputs to profile it"
+                f"graph input {value.name!r} has {what} (shape {value.shape}, dtype {value.dtype}): "
+                f"pass sample_inputs= to {caller()} (--input NAME=FILE.npy on the command line)"
             )
+        dims_ = shape
         dtype = value.dtype.numpy()
         if np.issubdtype(dtype, np.floating):
-            inputs[value.name or ""] = rng.standard_normal(dims).astype(dtype)
+            inputs[value.name or ""] = rng.standard_normal(dims_).astype(dtype)
         else:
-            inputs[value.name or ""] = np.zeros(dims, dtype=dtype)
+            inputs[value.name or ""] = np.zeros(dims_, dtype=dtype)
     return inputs
 
 
@@ -445,6 +462,7 @@ def profile(
     warmup: int = 1,
     refresh: bool = False,
     optimized: bool = False,
+    dims: Mapping[str, int] | None = None,
 ) -> Profile:
     """Profile every op of ``model`` (copies excluded); cache the result on the model.
 
@@ -466,6 +484,9 @@ def profile(
             default here (optimisations off, every op timed alone) matches op-by-op
             runtimes such as torch eager and the ``pl.to_torch`` lowering
             (``auto_place(runtime="torch")``).
+        dims: sizes of symbolic dimensions the sample inputs do not give (``{"batch": 8}``;
+            default :func:`placement.planning.dims.planned_dims`): made-up inputs and
+            FLOPs count at them.
 
     Returns:
         A :class:`Profile`; :attr:`Profile.costs` gives integer cost vectors.
@@ -489,13 +510,15 @@ def profile(
     inputs = None
     if time:
         inputs = (
-            make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+            make_sample_inputs(model, dims=dims)
+            if sample_inputs is None
+            else _normalise_inputs(model, sample_inputs)
         )
         signature = ",".join(f"{k}:{v.dtype}{list(v.shape)}" for k, v in inputs.items())
         key = f"{fp}|ort{'-optimized' if optimized else ''}|{signature}"
     else:
         inputs = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
-        bound = symbol_bindings(model, inputs)
+        bound = planned_dims(model, sample_inputs=inputs, batch=dims)
         key = f"{fp}|static" + (f"|{sorted(bound.items())}" if bound else "")
     cache = _cache(model)
     if not refresh:
@@ -506,7 +529,7 @@ def profile(
             timed = cached_profile(model, need_time=True)
             if timed is not None:
                 return timed
-    info = GraphInfo(model)
+    info = GraphInfo(model, dims=planned_dims(model, sample_inputs=inputs, batch=dims))
     times: dict[str, float] = {}
     if time:
         assert inputs is not None
@@ -518,7 +541,7 @@ def profile(
     owned = [0] * len(info)
     for k, pos in first_reader.items():
         owned[pos] += info.param_bytes[k]
-    shapes = Shapes(bindings=symbol_bindings(model, inputs))
+    shapes = Shapes(bindings=planned_dims(model, sample_inputs=inputs, batch=dims))
     ops: dict[str, OpProfile] = {}
     for pos, node in enumerate(info.nodes):
         name = info.names[pos]

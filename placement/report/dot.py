@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import onnx_ir as ir
@@ -29,6 +29,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_scope
 from placement.graph.sizes import format_bytes
+from placement.planning.dims import planned_dims
 from placement.report.colours import COPY_EDGE_COLOUR, STREAMED_COLOUR, device_colour
 
 __all__ = ["DotBuilder", "scope_of"]
@@ -83,9 +84,11 @@ def scope_of(node: ir.Node) -> str | None:
 class DotBuilder:
     """Reads the graph once: ops, their devices and scopes, and the edges between them."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, *, dims: Mapping[str, int] | None = None) -> None:
         graph = model.graph
         self.model = model
+        #: the sizes symbolic dimensions count at (:func:`placement.planning.dims.planned_dims`)
+        self.dims = dict(dims) if dims is not None else planned_dims(model)
         self.ops: list[ir.Node] = [n for n in graph if not is_copy_node(n)]
         self.index = {id(n): i for i, n in enumerate(self.ops)}
         self.device = {id(n): node_device(n) for n in self.ops}
@@ -157,7 +160,8 @@ class DotBuilder:
                     self.static.setdefault(id(node), []).append(root.name or "?")
                     self._add(src, me, "load", root.name or "?", 0)
                     continue
-                self._add(src, me, "copy" if cut else "data", root.name or "?", int(value_nbytes(root) or 0))
+                nbytes = int(value_nbytes(root, self.dims) or 0)
+                self._add(src, me, "copy" if cut else "data", root.name or "?", nbytes)
         for i, value in enumerate(self.model.graph.outputs):
             src, _, crossed, _ = self._source(value)
             if src is not None:
@@ -167,7 +171,7 @@ class DotBuilder:
                     f"out{i}",
                     "copy" if crossed else "io",
                     root.name or "?",
-                    int(value_nbytes(root) or 0),
+                    int(value_nbytes(root, self.dims) or 0),
                 )
 
     # -- DOT ------------------------------------------------------------------------
@@ -376,7 +380,8 @@ class DotBuilder:
         )
         streamed = [n for n in self.model.graph if n.metadata_props.get(COPY_KEY) == "streamed"]
         if streamed:
-            nbytes = sum(int(value_nbytes(n.inputs[0]) or 0) for n in streamed if n.inputs and n.inputs[0])
+            sources = [n.inputs[0] for n in streamed if n.inputs and n.inputs[0] is not None]
+            nbytes = sum(int(value_nbytes(v, self.dims) or 0) for v in sources)
             rows.append(
                 f'<TR><TD COLSPAN="3" ALIGN="LEFT">'
                 f'<FONT COLOR="{STREAMED_COLOUR}"><B>thick border</B></FONT>: '

@@ -50,11 +50,13 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from placement.errors import ModelSaveError, PlacementError
 from placement.graph.atomic import write_file
 from placement.graph.model import Model
+from placement.planning.dims import planned_dims
 from placement.report.dot import DotBuilder
 
 __all__ = ["draw", "Drawing", "FORMATS", "dot_available", "render_svg"]
@@ -103,6 +105,7 @@ def draw(
     max_nodes: int = 120,
     title: str | None = None,
     stages: bool = True,
+    batch: int | Mapping[str, int] | None = None,
 ) -> Drawing:
     """Draw ``model``'s operator graph coloured by device (see the module docstring).
 
@@ -116,6 +119,9 @@ def draw(
         title: the picture's title (default: the model's op and device counts).
         stages: name each device's stages in the legend (cuts the model into stages as
             the ONNX Runtime executor does; skipped when that fails).
+        batch: the sizes of symbolic dimensions (a dynamic batch) in the bytes on copy
+            edges: an int for every one, or a mapping symbol -> size; default the sizes
+            the model was planned at, else 1 (see :mod:`placement.planning.dims`).
 
     Returns:
         A :class:`Drawing`. Without Graphviz's ``dot`` the DOT source goes to
@@ -154,7 +160,7 @@ def draw(
                 f"cannot draw to {str(target)!r}: folder {str(target.parent)!r} does not exist"
             )
 
-    builder = DotBuilder(model)
+    builder = DotBuilder(model, dims=planned_dims(model, batch=batch))
     n_ops = len(builder.ops)
     collapsed = collapse is True or (collapse == "auto" and n_ops > max_nodes)
     stage_names = _stage_names(model) if stages else {}

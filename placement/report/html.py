@@ -34,7 +34,7 @@ import io
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, node_device
 from placement.graph.sizes import format_bytes
+from placement.planning.dims import planned_dims, stored_dims
 from placement.report.colours import device_colour
 from placement.report.draw import Drawing, draw
 from placement.report.summary import Summary, summary
@@ -82,8 +83,10 @@ class Report:
     traffic: dict[tuple[str, str], int]
 
 
-def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
+def copy_traffic(model: Model, *, dims: Mapping[str, int] | None = None) -> dict[tuple[str, str], int]:
     """Bytes the model's dynamic copies move per step, by (source device, target device).
+
+    Symbolic dimensions count at ``dims`` (default :func:`placement.planning.dims.planned_dims`).
 
     Copies of parameters and of load-time values (computed from parameters alone) move
     nothing per step: runtimes place or recompute them once, at load time.
@@ -101,6 +104,7 @@ def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
     from placement.analysis.dependence import copy_origin, load_time_values
 
     fixed = load_time_values(model.graph)  # rematerialised where read, never moved per step
+    sizes = planned_dims(model) if dims is None else dims
     traffic: dict[tuple[str, str], int] = {}
     for node in model.graph:
         kind = node.metadata_props.get(COPY_KEY)
@@ -110,7 +114,7 @@ def copy_traffic(model: Model) -> dict[tuple[str, str], int]:
         if copy_origin(source) in fixed:
             continue
         key = (str(model.blob_device(source)), str(node_device(node)))
-        traffic[key] = traffic.get(key, 0) + int(value_nbytes(source) or 0)
+        traffic[key] = traffic.get(key, 0) + int(value_nbytes(source, sizes) or 0)
     return dict(sorted(traffic.items()))
 
 
@@ -122,6 +126,7 @@ def write_report(
     title: str | None = None,
     collapse: bool | str = "auto",
     max_nodes: int = 120,
+    batch: int | Mapping[str, int] | None = None,
 ) -> Report:
     """Write the HTML report of ``model`` to ``path`` (see the module docstring).
 
@@ -132,6 +137,9 @@ def write_report(
             and the memory budgets; None leaves them out.
         title: the page title (default: the model's op and device counts).
         collapse, max_nodes: passed to :func:`placement.report.draw.draw`.
+        batch: the sizes of symbolic dimensions (a dynamic batch): an int for every one,
+            or a mapping symbol -> size; default ``plan.dims``, else the sizes the model
+            was planned at, else 1 (see :mod:`placement.planning.dims`).
 
     Returns:
         A :class:`Report`.
@@ -142,9 +150,12 @@ def write_report(
     target = Path(path)
     if not target.parent.is_dir():
         raise ModelSaveError(f"cannot write {str(target)!r}: folder {str(target.parent)!r} does not exist")
-    report = summary(model)
-    drawing = draw(model, None, collapse=collapse, max_nodes=max_nodes)
-    traffic = copy_traffic(model)
+    if batch is None and plan is not None and getattr(plan, "dims", None):
+        batch = dict(plan.dims)
+    dims = planned_dims(model, batch=batch)
+    report = summary(model, batch=dims)
+    drawing = draw(model, None, collapse=collapse, max_nodes=max_nodes, batch=dims)
+    traffic = copy_traffic(model, dims=dims)
     from placement.report.draw import render_svg
 
     svg = render_svg(drawing.dot)
@@ -196,7 +207,7 @@ def _streamed_section(model: Model) -> str:
         if node.metadata_props.get(COPY_KEY) != "streamed" or not node.inputs or node.inputs[0] is None:
             continue
         source = node.inputs[0]
-        nbytes = int(value_nbytes(source) or 0)
+        nbytes = int(value_nbytes(source, stored_dims(model)) or 0)
         total += nbytes
         rows.append(
             f'<tr><td class="left">{html.escape(source.name or "?")}</td>'

@@ -9,8 +9,9 @@ rematerialises where they are read instead of moving them per run; and streamed
 weights (parameters living on the host, copied every run, see
 :func:`placement.stream_parameters`): counted on the host's row as parameters and
 bytes streamed out, and on the reading device's row as streamed copies in. Sizes come
-from static shapes (``value_nbytes``); a blob whose shape or dtype is unknown
-counts 0 bytes and is listed in ``Summary.unknown_sizes``.
+from static shapes (``value_nbytes``), symbolic dimensions (a dynamic batch) counted at
+the sizes the model was planned at or ``batch=`` (:mod:`placement.planning.dims`); a blob
+whose shape or dtype is unknown counts 0 bytes and is listed in ``Summary.unknown_sizes``.
 
 The rendering is data-driven (``Summary.columns``), so later reports can add
 columns (estimated time, peak memory) by extending :class:`DeviceRow` and the
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import onnx_ir as ir
@@ -52,14 +53,19 @@ from placement.graph.nodes import (
 from placement.graph.sizes import format_bytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
+from placement.planning.dims import describe, planned_dims
 from placement.planning.profile import add_estimates
 
 __all__ = ["summary", "Summary", "DeviceRow", "Column"]
 
 
-def _copied(value: ir.Value) -> bool:
-    producer = value.producer()
-    return producer is not None and COPY_KEY in producer.metadata_props
+def _count_collective(row: DeviceRow, node: ir.Node, size: Callable[[ir.Value], int]) -> None:
+    """An all-reduce or all-gather on ``row``'s device, and the bytes of the copies it reads."""
+    row.collectives += 1
+    for value in node.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and COPY_KEY in producer.metadata_props:
+            row.collective_bytes += size(value)
 
 
 @dataclasses.dataclass
@@ -81,6 +87,7 @@ class DeviceRow:
     streamed_bytes: int = 0  # bytes they move per run (the host's row: the weights it streams out)
     collectives: int = 0  # tensor-parallel all-reduces / all-gathers computed here
     collective_bytes: int = 0  # bytes they read from other devices per run
+    kv_cache_bytes: int = 0  # KV caches of its layers at the batch and length asked for (summary's kv_cache)
     # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
     time_s: float | None = None
@@ -132,6 +139,7 @@ class Summary:
     unknown_sizes: list[str] = dataclasses.field(default_factory=list)
     input_device: Device | None = None
     output_device: Device | None = None
+    dims: dict[str, int] = dataclasses.field(default_factory=dict)
     columns: list[Column] = dataclasses.field(default_factory=lambda: list(DEFAULT_COLUMNS))
 
     def row(self, device: Any) -> DeviceRow:
@@ -151,6 +159,7 @@ class Summary:
             "input_device": str(self.input_device) if self.input_device else None,
             "output_device": str(self.output_device) if self.output_device else None,
             "unknown_sizes": list(self.unknown_sizes),
+            "dims": dict(self.dims),
         }
 
     def to_table(self, title: str | None = "placement by device") -> Any:
@@ -158,6 +167,8 @@ class Summary:
         from rich.table import Table
 
         notes = []
+        if self.dims:
+            notes.append(f"sizes at {describe(self.dims)}")
         if self.input_device is not None or self.output_device is not None:
             notes.append(f"inputs fed on {self.input_device}, outputs gathered on {self.output_device}")
         if self.unknown_sizes:
@@ -179,7 +190,13 @@ class Summary:
         return buffer.getvalue().rstrip("\n")
 
 
-def summary(model: ModelLike, *, print_: bool = False) -> Summary:
+def summary(
+    model: ModelLike,
+    *,
+    print_: bool = False,
+    batch: int | Mapping[str, int] | None = None,
+    kv_cache: tuple[int, int] | None = None,
+) -> Summary:
     """Per-device report of ``model`` (also ``placement inspect``); ``print_=True`` also prints it.
 
     Per device: ops, parameters, activations, copies and the bytes they move, the
@@ -190,6 +207,13 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
     Args:
         model: a placed :class:`placement.Model` (copies injected or not).
         print_: also print the table to standard output.
+        batch: the sizes of symbolic dimensions (a dynamic batch): an int for every one,
+            or a mapping symbol -> size; default the sizes the model was planned at, else 1
+            (see :mod:`placement.planning.dims`).
+        kv_cache: ``(batch, max_length)`` for a model with a KV cache
+            (:func:`placement.from_causal_lm`): a "KV cache" column gives the bytes of the
+            caches each device holds at that batch and length (a layer's cache lives where
+            the op making its ``present`` runs).
 
     Returns:
         A :class:`Summary`; ``str()`` renders it as a table.
@@ -221,9 +245,10 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
     input_device = reader.parse(meta[INPUT_DEVICE_KEY]) if meta.get(INPUT_DEVICE_KEY) else None
     output_device = reader.parse(meta[OUTPUT_DEVICE_KEY]) if meta.get(OUTPUT_DEVICE_KEY) else None
     unknown: dict[str, None] = {}
+    dims = planned_dims(ir_model, batch=batch)
 
     def size(value: ir.Value) -> int:
-        nbytes = value_nbytes(value)
+        nbytes = value_nbytes(value, dims)
         if nbytes is None:
             unknown[value.name or "?"] = None
             return 0
@@ -270,11 +295,8 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
                     row(dev_of.get(id(source), device)).sent_bytes += nbytes
         else:
             current.ops += 1
-        if COLLECTIVE_KEY in node.metadata_props:  # an all-reduce or all-gather: the copies it reads
-            current.collectives += 1
-            current.collective_bytes += sum(
-                size(v) for v in node.inputs if v is not None and dev_of.get(id(v)) == device and _copied(v)
-            )
+        if COLLECTIVE_KEY in node.metadata_props:
+            _count_collective(current, node, size)
         for value in node.outputs:
             dev_of[id(value)] = device
     default = reader.of(first_node) if first_node is not None else Device("cuda", 0)
@@ -292,10 +314,13 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
         unknown_sizes=list(unknown),
         input_device=input_device,
         output_device=output_device,
+        dims=dims,
     )
     if any(r.collectives for r in result.rows):
         result.columns.insert(len(result.columns) - 2, COLLECTIVES_COLUMN)
-    add_estimates(ir_model, result)
+    if kv_cache is not None:
+        _add_kv_cache(ir_model, result, kv_cache, reader)
+    add_estimates(ir_model, result, dims=dims)
     if print_:
         import sys
 
@@ -303,3 +328,33 @@ def summary(model: ModelLike, *, print_: bool = False) -> Summary:
 
         Console(width=None if sys.stdout.isatty() else 160).print(result.to_table())
     return result
+
+
+def _add_kv_cache(
+    ir_model: ir.Model, result: Summary, kv_cache: tuple[int, int], reader: DeviceReader
+) -> None:
+    """Fill ``kv_cache_bytes`` per device and add its column."""
+    from placement.errors import InputError
+    from placement.graph.causal_lm import kv_layers
+
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    outputs = {v.name: v for v in ir_model.graph.outputs}
+    rows = {r.device: r for r in result.rows}
+    for layer in kv_layers(ir_model):
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            if producer is None:
+                continue
+            device = reader.of(producer)
+            row = rows.get(device)
+            if row is None:
+                row = rows[device] = DeviceRow(device)
+                result.rows = sorted([*result.rows, row], key=lambda r: r.device)
+            row.kv_cache_bytes += layer.bytes_for(batch, length) // 2
+    at = next(i for i, c in enumerate(result.columns) if c.header == "peak act.")
+    result.columns.insert(
+        at, Column(f"KV cache ({batch}x{length})", lambda r: format_bytes(r.kv_cache_bytes))
+    )

@@ -21,10 +21,14 @@ The runtimes:
 - :mod:`~placement.runtime.ort`: the ONNX Runtime executor, ``Runner``/``run``, one session
   per stage (its runner, compiled program, pipelined runs, sessions, blocked-layout
   boundaries, and ``measure_links``, which times its copies between devices).
-- :mod:`~placement.runtime.torch` (``lower`` and the ``ops`` rule package): ``to_torch``,
-  the lowering to a ``torch.fx.GraphModule`` (one rule per ONNX op type).
+- :mod:`~placement.runtime.torch`: running lowered modules: ``to_torch`` (which assembles the
+  translation of :mod:`placement.lowering` with execution), pipelined GPipe and 1F1B schedules,
+  executors, train steps, streamed weights and the copy engine, CUDA graphs.
 
-May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``.
+The runtimes sit side by side: neither imports the other; what both need lives here.
+
+May import: ``placement.errors``, ``graph``, ``analysis``, ``passes``, ``planning``,
+``lowering``.
 
 Example:
     >>> import numpy as np

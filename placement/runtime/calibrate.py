@@ -67,6 +67,7 @@ import numpy as np
 from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
+from placement.planning.dims import called_as, planned_dims
 from placement.planning.frontend import transaction
 from placement.planning.graph_info import GraphInfo
 from placement.planning.plan import Plan
@@ -157,6 +158,7 @@ def calibrate(
     fusion: bool = True,
     runtime: str = "ort",
     training: bool = False,
+    batch: int | Mapping[str, int] | None = None,
 ) -> Calibration:
     """Plan for an executor, correcting the plan by timing its stages.
 
@@ -169,7 +171,10 @@ def calibrate(
         devices, max_memory: as for :func:`placement.auto_place`.
         sample_inputs: the inputs stages are profiled and timed on: one pipeline
             step's worth (a micro-batch for ``chunks=k``, a stream element for
-            ``Runner.stream``); default :func:`placement.planning.profile.make_sample_inputs`.
+            ``Runner.stream``); default :func:`placement.planning.profile.make_sample_inputs`
+            at ``batch``.
+        batch: the sizes of symbolic dimensions the sample inputs do not give, as for
+            :func:`placement.auto_place` (default 1).
         rounds: re-plans at most (0: time the uncalibrated plan only).
         repeats: timed rounds per comparison (each stage's median is kept).
         threads: intra-op threads per stage session, as ``Runner(threads_per_stage=...)``;
@@ -200,9 +205,12 @@ def calibrate(
         raise PlanError(f"calibrate times 'ort' (ONNX Runtime) or 'torch' (lowered) stages, not {runtime!r}")
     if training and runtime != "torch":
         raise PlanError("training=True times torch stages' backward: use it with runtime='torch'")
-    feeds = make_sample_inputs(model) if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+    with called_as("calibrate"):
+        given = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
+        dims = planned_dims(model, sample_inputs=given, batch=batch)
+        feeds = make_sample_inputs(model, dims=dims) if given is None else given
     options: dict[str, Any] = dict(
-        sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime=runtime
+        sample_inputs=feeds, repeats=profile_repeats, links=links, fusion=fusion, runtime=runtime, batch=dims
     )
     with transaction(model):  # a failure (a stage that cannot be built or run) restores the placement
         plan = auto_place(model, devices, max_memory, **options)

@@ -5,8 +5,16 @@ graph-input order (a single array is accepted for a one-input model), with
 numpy arrays or torch tensors as values. :func:`normalize_inputs` turns that
 into a list of contiguous numpy arrays in graph-input order and checks names,
 dtypes, ranks and static dimensions, raising :class:`placement.InputError`
-that names the offending input (expected vs got). Symbolic dimensions accept
-any size.
+that names the offending input (expected vs got). A symbolic dimension accepts
+any size, the same wherever the graph's inputs share it: ``input_ids [batch, seq]``
+and ``attention_mask [batch, seq]`` must agree on ``seq`` (an error names both inputs,
+before anything runs).
+
+Integer inputs are widened losslessly: an array of a narrower integer type than the
+graph's integer input (``int32`` token ids for an ``int64`` input; any integer type
+numpy casts to the graph's without loss, ``np.can_cast(..., "safe")``) is cast to it.
+Nothing else is converted: floats stay what they are given as, and a cast that could
+lose values (``int64`` to ``int32``, signed to unsigned) is an error.
 
 With ``device_values=True`` (what :class:`placement.Runner` asks for), values that
 live on a device stay there: a torch CUDA tensor becomes an ``OrtValue`` over the
@@ -41,6 +49,7 @@ from placement.runtime.names import check_names
 __all__ = [
     "InputSpec",
     "InputsLike",
+    "check_shared_dims",
     "check_value",
     "contiguous",
     "input_specs",
@@ -201,10 +210,67 @@ def normalize_inputs(
         if device_values and is_device_value(value):
             arrays.append(_device_value(spec, value))
             continue
-        array = input_to_numpy(spec.name, value)
+        array = _widen(spec, input_to_numpy(spec.name, value))
         _check(spec, array)
         arrays.append(contiguous(array))
+    check_shared_dims(specs, [getattr(a, "shape", None) for a in arrays])
     return arrays
+
+
+def _widen(spec: InputSpec, array: np.ndarray) -> np.ndarray:
+    """``array`` cast to the spec's integer dtype when that loses nothing (see the module docstring)."""
+    want = spec.dtype
+    if (
+        want is not None
+        and array.dtype != want
+        and array.dtype.kind in "iu"
+        and want.kind in "iu"
+        and np.can_cast(array.dtype, want, "safe")
+    ):
+        return array.astype(want)
+    return array
+
+
+def check_shared_dims(specs: Sequence[InputSpec], shapes: Sequence[Any]) -> None:
+    """Check that the inputs agree on every symbolic dimension they share.
+
+    ``shapes``: per spec, the given value's shape (None or a callable for values without
+    one, which are skipped; an ``OrtValue``'s ``shape`` method is called).
+
+    Raises:
+        InputError: two inputs give one symbol different sizes (names both, the symbol and
+            the sizes).
+
+    Example:
+        >>> ids = InputSpec("ids", np.dtype("int64"), ("b", "s"))
+        >>> check_shared_dims([ids, InputSpec("mask", np.dtype("int64"), ("b", "s"))], [(4, 12), (4, 7)])
+        Traceback (most recent call last):
+        ...
+        placement.errors.InputError: input 'mask' has size 7 in dimension 1 ('s'), but input 'ids' gives ...
+    """
+    seen: dict[str, tuple[str, int, int]] = {}
+    for spec, shape in zip(specs, shapes):
+        if spec.shape is None or shape is None:
+            continue
+        if callable(shape):
+            shape = shape()
+        for axis, (want, have) in enumerate(zip(spec.shape, shape)):
+            if type(want) is not str:
+                continue
+            first = seen.setdefault(want, (spec.name, axis, int(have)))
+            if first[2] != int(have):
+                name, first_axis, size = first
+                other = next(s for s in specs if s.name == name)
+                both = spec.describe() if other.describe() == spec.describe() else None
+                tail = (
+                    f"expected {both} for both"
+                    if both
+                    else f"expected {other.describe()} and {spec.describe()}"
+                )
+                raise InputError(
+                    f"input {spec.name!r} has size {int(have)} in dimension {axis} ({want!r}), but input "
+                    f"{name!r} gives {want!r} size {size} in its dimension {first_axis} ({tail})"
+                )
 
 
 def is_device_value(value: Any) -> bool:
@@ -305,6 +371,7 @@ def _ready(inputs: dict[str, Any] | list[Any], specs: Sequence[InputSpec]) -> li
             if type(want) is int and want != have:
                 return None
         arrays.append(array)
+    check_shared_dims(specs, [a.shape for a in arrays])
     return arrays
 
 

@@ -40,7 +40,9 @@ Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
 Runtime's ``com.microsoft`` quantized matmuls, keyed ``"com.microsoft::<op>"``), :mod:`.signal`
-(DFT, STFT, windows).
+(DFT, STFT, windows), :mod:`.contrib` and :mod:`.contrib_attention` (ONNX Runtime's ops in
+LLM files: ``SimplifiedLayerNormalization``, ``SkipSimplifiedLayerNormalization``,
+``MatMulNBits``, ``RotaryEmbedding``, ``GroupQueryAttention``, ``MultiHeadAttention``).
 
 Example:
     >>> import torch
@@ -57,6 +59,8 @@ from __future__ import annotations
 
 from placement.lowering.ops import (
     attention,
+    contrib,
+    contrib_attention,
     control,
     conv,
     elementwise,
@@ -90,6 +94,8 @@ __all__ = [
     "supported_op_types",
     "torch_dtype",
     "attention",
+    "contrib",
+    "contrib_attention",
     "control",
     "conv",
     "elementwise",

@@ -19,6 +19,7 @@ from placement.lowering.ops._registry import (
     op,
     torch_dtype,
 )
+from placement.lowering.ops.training import emit_mode_op
 
 # --- elementwise arithmetic ------------------------------------------------------------
 
@@ -290,7 +291,7 @@ def identity(input: Tensor) -> Tensor:  # noqa: A002
     return input
 
 
-@op("Dropout", scalar_inputs=(1,))
+@op("Dropout", scalar_inputs=(1,), emit=emit_mode_op)
 def dropout(
     data: Tensor,
     ratio: Any = None,

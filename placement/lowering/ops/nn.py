@@ -24,6 +24,7 @@ from placement.lowering.ops._registry import (
     op,
     torch_dtype,
 )
+from placement.lowering.ops.training import emit_mode_op
 
 # --- normalisation ---------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ def _direct_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Sh
     check=_inference_only,
     buffer_inputs=(3, 4),
     direct=_direct_batch_norm,
+    emit=emit_mode_op,
 )
 def batch_normalization(
     X: Tensor,

@@ -57,6 +57,10 @@ model is never modified.
 - :mod:`~placement.runtime.ort.link_probe`: ``measure_links``, timing the executor's real
   copies between devices.
 
+May import: the layers below ``placement.runtime`` and the shared modules of ``placement.runtime``
+(``stages``, ``device_map``, ``precision``, ``inputs``, ``schedule``); never
+:mod:`placement.runtime.torch`.
+
 Example:
     >>> import placement as pl
     >>> from placement.models import mlp

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from placement.errors import PlacementError
 from placement.runtime.inputs import contiguous, normalize_inputs, ortvalue_from_torch
 from placement.runtime.ort.program import NativeRun
 from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
@@ -31,6 +32,7 @@ from placement.runtime.schedule import (
     split_batch,
     stream_microbatches,
 )
+from placement.runtime.schedule.workers import failed_payload
 
 __all__ = ["WINDOW_PER_STAGE", "ort_run_pipelined", "ort_stream", "ort_value_type"]
 
@@ -174,27 +176,44 @@ WINDOW_PER_STAGE = 4
 
 
 def ort_stream(
-    runner: Any, batches: Iterable[Any], *, window: int | None = None, outputs: str = "numpy"
-) -> Iterator[list[Any]]:
+    runner: Any,
+    batches: Iterable[Any],
+    *,
+    window: int | None = None,
+    outputs: str = "numpy",
+    errors: str = "raise",
+) -> Iterator[Any]:
     """The generator behind :meth:`Runner.stream` (``outputs`` as for :meth:`Runner.run`).
 
     The stages are the pipelined run's (on the CPU, the native stage calls of
     :func:`_native_stages`), the last on the consumer's thread (one thread and one
     hand-off per micro-batch fewer). ``window`` counts batches; by default
     :data:`WINDOW_PER_STAGE` per stage: a worker that runs ahead of the consumer
-    seldom waits for it, and on a CPU every wait is a thread hand-off."""
+    seldom waits for it, and on a CPU every wait is a thread hand-off. ``errors="yield"``:
+    a batch that fails (bad inputs, a stage) yields its error in its place (see
+    :class:`~placement.runtime.schedule.workers.StageWorkers`)."""
     chunks = runner.chunks
     if chunks == 1:
         fns, names = _ort_stages(runner, outputs)
         window = window or WINDOW_PER_STAGE * len(fns)
-        payloads = (normalize_inputs(batch, runner._specs, device_values=True) for batch in batches)
-        return stream_microbatches(fns, payloads, window=window, names=names, inline_last=True)
-    return _stream_chunked(runner, batches, window, outputs)
+        payloads = (_payload(runner, batch, errors) for batch in batches)
+        return stream_microbatches(fns, payloads, window=window, names=names, inline_last=True, errors=errors)
+    return _stream_chunked(runner, batches, window, outputs, errors)
+
+
+def _payload(runner: Any, batch: Any, errors: str) -> Any:
+    """A batch's checked inputs; with ``errors="yield"``, bad inputs become a failed payload."""
+    try:
+        return normalize_inputs(batch, runner._specs, device_values=True)
+    except PlacementError as err:
+        if errors == "yield":
+            return failed_payload(err)
+        raise
 
 
 def _stream_chunked(
-    runner: Any, batches: Iterable[Any], window: int | None, outputs: str
-) -> Iterator[list[Any]]:
+    runner: Any, batches: Iterable[Any], window: int | None, outputs: str, errors: str = "raise"
+) -> Iterator[Any]:
     """:func:`ort_stream` with ``chunks > 1``: each batch split in micro-batches (consecutive
     in the stream), their outputs joined on the way out (numpy: from host views, one copy)."""
     chunks = runner.chunks
@@ -209,18 +228,31 @@ def _stream_chunked(
 
     def parts() -> Iterator[Any]:
         for batch in batches:
-            arrays = normalize_inputs(batch, runner._specs, device_values=True)
-            arrays = [_as_torch(a) for a in arrays]  # device values split where they are
-            split = split_batch(arrays, in_axes, chunks)
+            try:
+                arrays = normalize_inputs(batch, runner._specs, device_values=True)
+                arrays = [_as_torch(a) for a in arrays]  # device values split where they are
+                split = split_batch(arrays, in_axes, chunks)
+            except PlacementError as err:
+                if errors != "yield":
+                    raise
+                sizes.append(1)
+                yield failed_payload(err)
+                continue
             sizes.append(len(split))
             yield from ([contiguous(a) for a in part] for part in split)
 
     pending: list[Any] = []
-    for result in stream_microbatches(fns, parts(), window=window, names=names, inline_last=True):
+    results = stream_microbatches(fns, parts(), window=window, names=names, inline_last=True, errors=errors)
+    for result in results:
         pending.append(result)
         if len(pending) < sizes[0]:
             continue
         del sizes[0]
+        failed = next((r for r in pending if isinstance(r, BaseException)), None)
+        if failed is not None:  # errors="yield": a micro-batch of this batch failed
+            pending = []
+            yield failed
+            continue
         pieces = [views for views, _ in pending] if isinstance(pending[0], tuple) else pending
         joined = concat_batch(pieces, out_axes)
         pending = []

@@ -316,8 +316,10 @@ class _Compiler:
         for stage in part.stages:
             ex = self.execs.get(stage.index)
             if ex is not None:
+                self._flush_transfers(streamed_for=set(stage.inputs))
                 self._add_stage(stage, ex)
                 self._flush_transfers()
+        self._flush_transfers(streamed_for=None)  # streamed copies no stage reads (graph outputs)
         if self.pending:
             names = ", ".join(repr(t.op) for t in self.pending)
             raise PlacementError(f"copies {names} read blobs that no stage produces")
@@ -360,11 +362,18 @@ class _Compiler:
         kind = transfer_kind(self.dmap[src], self.dmap[dst], same_logical=src == dst)
         self._append(TransferStep(kind, source, target, self.dmap[dst]), [source])
 
-    def _flush_transfers(self) -> None:
-        """Add the explicit copies whose source exists by now."""
+    def _flush_transfers(self, streamed_for: set[str] | None | bool = False) -> None:
+        """Add the explicit copies whose source exists by now. A streamed parameter's copy waits
+        for the stage that reads it (``streamed_for``: that stage's inputs; None: add them all),
+        so that the device holds only the streamed weights of the stage that runs
+        (see :mod:`.stream_split`)."""
         waiting = []
         for tr in self.pending:
-            if tr.source in self.home:
+            if tr.source in self.part.streamed and streamed_for is not None:
+                ready = streamed_for is not False and tr.target in streamed_for
+            else:
+                ready = True
+            if ready and tr.source in self.home:
                 src_device = self.home[tr.source]
                 self._add_transfer(self._deliver(tr.source, src_device), tr.target, src_device, tr.device)
                 self._produced(tr.target, tr.device)

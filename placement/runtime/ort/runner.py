@@ -44,7 +44,6 @@ import logging
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -69,9 +68,11 @@ from placement.runtime.ort.fold import fold_groups
 from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
 from placement.runtime.ort.program import Program
 from placement.runtime.ort.sessions import check_threads
+from placement.runtime.ort.stats import RunnerStats
 from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.schedule import batch_axes, check_chunks
+from placement.runtime.schedule.workers import check_errors
 from placement.runtime.stages import Stage
 
 __all__ = ["Runner", "RunnerStats", "run"]
@@ -79,30 +80,6 @@ __all__ = ["Runner", "RunnerStats", "run"]
 log = logging.getLogger(__name__)
 
 _REBUILD_ATTEMPTS = 8
-
-
-@dataclass
-class RunnerStats:
-    """Counters a :class:`Runner` keeps (for tests and reports).
-
-    Attributes:
-        sessions_built: ``InferenceSession`` s created so far.
-        sessions_reused: stage sessions kept across a re-placement.
-        partitions: times the model was partitioned (1 + re-placements seen).
-        runs: calls to :meth:`Runner.run`.
-        transfers: transfers per run (cross-device copies that move data).
-        host_copies: tensor copies through host memory the last :meth:`Runner.run` made
-            (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
-            in another thread at the same time counts here too).
-    """
-
-    sessions_built: int = 0
-    sessions_reused: int = 0
-    partitions: int = 0
-    runs: int = 0
-    transfers: int = 0
-    host_copies: int = 0
 
 
 class Runner:
@@ -125,8 +102,9 @@ class Runner:
             whole to every micro-batch), replacing the detection from the
             graph's symbolic batch dimension for the names listed.
         threads_per_stage: intra-op threads of each stage session when
-            pipelining (``chunks > 1`` or :meth:`stream`); default: the CPU
-            cores divided among the stages. ``threads`` wins when given.
+            pipelining (``chunks > 1``, and every :meth:`stream`, which pipelines
+            whatever ``chunks`` is); default: the CPU cores divided among the
+            stages. ``threads`` wins when given.
         auto_update: check for re-placement before every run (cheap: one pass
             over the ops' device labels). With False, call :meth:`update` yourself.
         keep_sessions: keep the sessions of stages that a re-placement made
@@ -150,6 +128,8 @@ class Runner:
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
             cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
+        allow_cpu_fallback: a GPU stage whose session came back on the CPU (the CUDA provider did not
+            load) runs there, warning; by default ``DeviceError`` names the load error.
         concurrent: run independent stages at once (:mod:`placement.runtime.ort.concurrent`);
             ``None`` (default): where the stage graph is wider than a chain and ``chunks == 1``.
 
@@ -187,6 +167,7 @@ class Runner:
         keep_layout: bool = True,
         precision: str = DEFAULT_PRECISION,
         fold: bool | None = None,
+        allow_cpu_fallback: bool = False,
         concurrent: bool | None = None,
     ) -> None:
         if not isinstance(model, Model):
@@ -202,7 +183,7 @@ class Runner:
         self.blocked_boundaries: list[str] = []
         #: folds of the current program: logical device -> the device it runs as (see ``fold``)
         self.folds: dict[Device, Device] = {}
-        self.fold = fold
+        self.fold, self.allow_cpu_fallback = fold, allow_cpu_fallback
         self.concurrent = concurrent
         self._cache = SessionCache()
         self._base: Model | None = None  # the private copy of the model the program was built from
@@ -253,7 +234,8 @@ class Runner:
         return list(self._program.partition.stages)
 
     def summary(self) -> str:
-        """One line per stage: its logical device(s), the physical device, ops and boundary.
+        """One line per stage: its logical device(s), the physical device and the ONNX Runtime
+        provider its session really got, ops and boundary.
 
         Example:
             >>> import placement as pl
@@ -261,13 +243,15 @@ class Runner:
             >>> model = pl.from_torch(*mlp.build("tiny"))
             >>> model.set_device(model.ops[-1].name, 1)
             >>> print(Runner(model, device_map="cpu").summary())
-            stage 0: cuda:0+cuda:1 (folded) on cpu, 5 ops, inputs ['input'], outputs ['linear_2']
+            stage 0: cuda:0+cuda:1 (folded) on cpu (ORT CPU), 5 ops, inputs ['input'], outputs ['linear_2']
         """
         lines = []
         for stage in self.stages:
             logical = "+".join(map(str, stage.folded)) + " (folded)" if stage.folded else str(stage.device)
+            ep = self.stats.providers.get(stage.index, "no session").removesuffix("ExecutionProvider")
             lines.append(
-                f"stage {stage.index}: {logical} on {self._device_map[stage.device]}, {len(stage.ops)} ops, "
+                f"stage {stage.index}: {logical} on {self._device_map[stage.device]} (ORT {ep}), "
+                f"{len(stage.ops)} ops, "
                 f"inputs {list(stage.inputs)}, outputs {list(stage.outputs)}"
             )
         return "\n".join(lines)
@@ -368,8 +352,13 @@ class Runner:
                 self.stats.host_copies = HOST_COPIES.count - before
 
     def stream(
-        self, batches: Iterable[InputsLike], *, window: int | None = None, outputs: str = "numpy"
-    ) -> Iterator[list[Any]]:
+        self,
+        batches: Iterable[InputsLike],
+        *,
+        window: int | None = None,
+        outputs: str = "numpy",
+        errors: str = "raise",
+    ) -> Iterator[list[Any] | PlacementError]:
         """Run a stream of input batches with every stage busy; yield their outputs in order.
 
         Each batch goes through the stages as one micro-batch (or ``chunks``
@@ -384,9 +373,14 @@ class Runner:
             batches: an iterable of inputs, each as :meth:`run` takes them (device values too).
             window: batches in flight at most.
             outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"``, as for :meth:`run`.
+            errors: ``"raise"`` (default): the first failed batch ends the stream with its
+                error; ``"yield"``: a failed batch's error (a ``PipelineError`` naming the
+                stage and batch, or the ``InputError`` of bad inputs) is yielded in its
+                place and the stream goes on with the next (a server answers each request).
 
         Yields:
-            Each batch's outputs in graph-output order, as ``outputs`` says (numpy by default).
+            Each batch's outputs in graph-output order, as ``outputs`` says (numpy by default);
+            with ``errors="yield"``, a failed batch's error instead.
 
         Raises:
             PipelineError: a stage failed (names the stage and the batch).
@@ -404,7 +398,7 @@ class Runner:
             raise InputError(f"outputs must be one of {', '.join(map(repr, OUTPUT_KINDS))}, got {outputs!r}")
         if self.auto_update:
             self.update()
-        return ort_stream(self, batches, window=window, outputs=outputs)
+        return ort_stream(self, batches, window=window, outputs=outputs, errors=check_errors(errors))
 
     def __call__(self, inputs: InputsLike) -> list[np.ndarray]:
         """Same as :meth:`run`."""
@@ -427,14 +421,9 @@ class Runner:
     # -- building ----------------------------------------------------------------------
 
     def _snapshot(self, watched: list[dict[str, str]] | None = None) -> tuple[Any, ...]:
-        """A cheap fingerprint of the model's placement: every op's device label (read
-        through metadata dicts cached at the last build), the op and parameter counts,
-        the graph outputs and the input/output devices.
-
-        It runs before every run, after the last run's kernels have pushed its objects
-        out of the caches, so it reads as little as it can: onnx_ir's initializer and
-        output containers (a ``UserDict`` and a ``UserList``) through their ``data``,
-        which skips their Python-level ``__len__`` and ``__iter__``."""
+        """A cheap fingerprint of the placement (op devices through the metadata dicts cached at
+        the last build, op and parameter counts, outputs, I/O devices), read before every run as
+        cheaply as it can: onnx_ir's containers through ``data`` (no Python ``__len__``/``__iter__``)."""
         graph = self.model.graph
         props = self.model.ir_model.metadata_props
         return (
@@ -447,15 +436,10 @@ class Runner:
         )
 
     def _rebuild(self) -> None:
-        """Rebuild for the model's current placement.
-
-        The build works on a private copy of the model (tensors shared), taken
-        after reading the placement snapshot, so another thread re-placing the
-        model meanwhile cannot make it inconsistent: the program matches the
-        copy, and the next run sees any later change and rebuilds. A build that
-        fails while the model changes under it (ops being added or removed) is
-        started again.
-        """
+        """Rebuild for the model's current placement, on a private copy (tensors shared) taken
+        after reading the snapshot: another thread re-placing the model cannot make it
+        inconsistent (the next run sees the change and rebuilds); a build that fails while the
+        model changes under it is started again."""
         for attempt in range(_REBUILD_ATTEMPTS):
             before = self._current_state()
             try:
@@ -508,6 +492,7 @@ class Runner:
         self._program = built.program
         self.folds = built.folds
         self.blocked_boundaries = built.blocked_boundaries
+        self.stats.providers = dict(built.providers)
         self.stats.transfers = built.program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -531,21 +516,25 @@ class Runner:
             threads_per_stage=self._threads_per_stage,
             keep_layout=self.keep_layout,
             precision=self.precision,
+            allow_cpu_fallback=self.allow_cpu_fallback,
             concurrent=self.concurrent,
         )
 
     def _pipelined_program(self) -> Program:
-        """The program pipelined runs walk (:mod:`placement.runtime.ort.pipelined`): the
-        runner's own, except where its devices fold on the CPU only for sequential runs
-        (see :mod:`placement.runtime.ort.fold`): then one that keeps those stages apart,
-        built on first use and kept until the next re-placement."""
+        """The program pipelined runs and every stream walk: the runner's own if built the same
+        (``chunks > 1``, one stage, or equal folds and thread budgets), else one whose stages stay
+        apart where they fold on the CPU only when sequential (:mod:`placement.runtime.ort.fold`)
+        and divide the cores (``threads_per_stage``), built once per placement."""
         program = self._program
         assert program is not None and self._base is not None
         if self.chunks > 1:
             return program
         options = self._build_options(True)
         folds = fold_groups(self._device_map, fold=self.fold, pipelined=True, emulating=options.emulating)
-        if folds == self.folds:
+        n_stages = len(program.partition.stages)
+        sequential = self._build_options(False).session_threads(n_stages)
+        same_threads = n_stages == 1 or options.session_threads(n_stages) == sequential
+        if folds == self.folds and same_threads:
             return program
         with self._lock:
             if self._piped is None or self._piped[0] is not program:
@@ -558,9 +547,8 @@ class Runner:
     # -- running -----------------------------------------------------------------------
 
     def _execute(self, arrays: list[Any], outputs: str = "numpy") -> list[Any]:
-        program = self._program
-        assert program is not None
-        return program.run(arrays, outputs)
+        assert self._program is not None
+        return self._program.run(arrays, outputs)
 
 
 def run(
@@ -571,15 +559,12 @@ def run(
     precision: str = DEFAULT_PRECISION,
     outputs: str = "numpy",
 ) -> list[Any]:
-    """Run a placed model once through per-stage ONNX Runtime sessions.
-
-    The one-shot form of :class:`Runner` (which builds its sessions once; use
-    it to run many times).
+    """Run a placed model once through per-stage ONNX Runtime sessions: the one-shot form
+    of :class:`Runner` (which builds its sessions once; use it to run many times).
 
     Args:
         model: a placed :class:`placement.Model` (not modified).
-        inputs: a dict by input name or a sequence in input order (numpy arrays
-            or torch tensors).
+        inputs: a dict by input name or a sequence in input order (numpy arrays, torch tensors).
         device_map: see :class:`Runner`.
         precision: ``"fp32"`` or ``"tf32"``; see :class:`Runner`.
         outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"`` (see :meth:`Runner.run`).

@@ -6,7 +6,9 @@ after it finished micro-batch ``i - 1`` itself: the clock-cycle order of
 :func:`run_microbatches` runs a list of payloads through them; :func:`stream_microbatches` a stream,
 with at most ``window`` in flight (back-pressure). An error in any stage stops the pipeline and
 re-raises in the caller as :class:`placement.errors.PipelineError` naming the stage and micro-batch
-(:func:`stage_error`); every worker thread is joined before the call returns or raises.
+(:func:`stage_error`); every worker thread is joined before the call returns or raises. With
+``errors="yield"`` a failure stops only its own micro-batch: the later stages pass it by, and the
+caller gets the error in that micro-batch's place, in order, while the pipeline goes on.
 
 Example:
     >>> from placement.runtime.schedule.workers import run_microbatches
@@ -25,7 +27,19 @@ from typing import Any
 
 from placement.errors import PipelineError
 
-__all__ = ["StageFn", "StageWorkers", "run_microbatches", "stage_error", "stream_microbatches"]
+__all__ = [
+    "ERRORS",
+    "StageFn",
+    "StageWorkers",
+    "check_errors",
+    "failed_payload",
+    "run_microbatches",
+    "stage_error",
+    "stream_microbatches",
+]
+
+#: What a stream does when a request fails: ``"raise"`` (stop, raise) or ``"yield"`` (the error in its place).
+ERRORS = ("raise", "yield")
 
 _STOP = object()
 
@@ -38,6 +52,25 @@ class _Failure:
 
 
 StageFn = Callable[[int, Any], Any]
+
+
+def failed_payload(error: BaseException) -> Any:
+    """A payload that stands for a request that failed before the first stage (bad inputs):
+    with ``errors="yield"`` the stages pass it by and the caller gets ``error`` itself in its place."""
+    return _Failure(-1, -1, error)
+
+
+def check_errors(errors: str) -> str:
+    """``errors`` checked: one of :data:`ERRORS`.
+
+    Raises:
+        InputError: anything else.
+    """
+    if errors not in ERRORS:
+        from placement.errors import InputError
+
+        raise InputError(f"errors must be 'raise' or 'yield', got {errors!r}")
+    return errors
 
 
 class StageWorkers:
@@ -58,6 +91,10 @@ class StageWorkers:
             The caller waits in :meth:`result` anyway; on the CPU this saves a thread
             hand-off per micro-batch and a glibc malloc arena whose memory would be
             returned to the system and faulted in again every step.
+        errors: ``"raise"`` (default): a failure stops the pipeline and :meth:`result` raises
+            it; ``"yield"``: it stops only its micro-batch, whose :meth:`result` *returns* the
+            error (a :class:`~placement.errors.PipelineError`, or for a
+            :func:`failed_payload`, its own error), and the pipeline goes on.
 
     Example:
         >>> with StageWorkers([lambda i, x: x + 1, lambda i, x: x * 10], ["add", "mul"]) as workers:
@@ -74,9 +111,11 @@ class StageWorkers:
         *,
         context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
         inline_last: bool = False,
+        errors: str = "raise",
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
+        self._keep_going = check_errors(errors) == "yield"
         self._fns = list(stages)
         self.names = list(names) if names is not None else [f"stage {j}" for j in range(len(stages))]
         self._context = context
@@ -140,14 +179,18 @@ class StageWorkers:
             self._pending = 0
             raise self._error(item)
         self._pending -= 1
-        if self._inline is None:
-            return item[1]
         i, payload = item
+        if isinstance(payload, _Failure):  # errors="yield": a failed micro-batch, in its place
+            return payload.error if payload.stage < 0 else self._error(payload)
+        if self._inline is None:
+            return payload
         last = len(self._fns) - 1
         try:
             with self._context(last) if self._context is not None else contextlib.nullcontext():
                 return self._inline(i, payload)
         except BaseException as err:  # noqa: BLE001 - re-raised naming the stage
+            if self._keep_going and isinstance(err, Exception):
+                return self._error(_Failure(last, i, err))
             self._failed.set()
             self._pending = 0
             raise self._error(_Failure(last, i, err)) from err
@@ -180,9 +223,15 @@ class StageWorkers:
                 if self._failed.is_set():
                     continue
                 i, payload = item
+                if isinstance(payload, _Failure):  # errors="yield": failed earlier, passed by
+                    q_out.put(item)
+                    continue
                 try:
                     result = fn(i, payload)
                 except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+                    if self._keep_going and isinstance(err, Exception):
+                        q_out.put((i, _Failure(j, i, err)))
+                        continue
                     if not self._failed.is_set():
                         self._failed.set()
                         final.put(_Failure(j, i, err))
@@ -234,6 +283,7 @@ def stream_microbatches(
     names: Sequence[str] | None = None,
     context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
     inline_last: bool = False,
+    errors: str = "raise",
 ) -> Iterator[Any]:
     """Yield the stages' results for a stream of payloads, in order, at most ``window`` in flight.
 
@@ -245,17 +295,21 @@ def stream_microbatches(
     (each wake-up is a thread hand-off). ``inline_last``: the last stage runs in the
     consumer's thread (see :class:`StageWorkers`). The
     workers stop when the stream ends, when the consumer stops iterating
-    (``close()`` on the generator) or on an error.
+    (``close()`` on the generator) or on an error; with ``errors="yield"`` a failed
+    payload's error is yielded in its place and the stream goes on (see :class:`StageWorkers`).
 
     Example:
         >>> list(stream_microbatches([lambda i, x: -x], iter(range(4)), window=2))
         [0, -1, -2, -3]
+        >>> results = stream_microbatches([lambda i, x: 1 / x], [1, 0, 2], window=2, errors="yield")
+        >>> [type(r).__name__ for r in results]
+        ['float', 'PipelineError', 'float']
     """
     if window < 1:
         raise ValueError("window must be at least 1")
     source = iter(payloads)
     low = window // 2  # a full window drains to here before the next payloads go in, together
-    with StageWorkers(stages, names, context=context, inline_last=inline_last) as workers:
+    with StageWorkers(stages, names, context=context, inline_last=inline_last, errors=errors) as workers:
         i = 0
         while True:
             if workers.in_flight >= window:

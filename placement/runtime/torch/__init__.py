@@ -1,20 +1,27 @@
-"""Lowering a placed model to PyTorch (``pl.to_torch``).
+"""Running lowered modules: ``pl.to_torch`` and everything that executes what it builds.
 
-``lower`` walks the ONNX graph and builds a ``torch.fx.GraphModule`` (with
-``values``, ``opset``, ``emit``, ``walker`` and ``bodies`` beneath it); ``ops`` is
-the per-op-type rule table (lowering, flags and FLOP cost of every op type, one
-module per op family). ``pipelined`` runs the lowered module's stages over
-micro-batches (``to_torch(chunks=k)``), ``one_f_one_b`` trains through them
-(1F1B, with ``weight_grads`` deferring weight gradients; ``stage_exec`` runs one
-stage for both) and ``train_step`` is ``pl.train_step``, pipelined or not; ``meta``
-names the ``fx.Node.meta`` keys the lowering writes, ``traced`` runs a stage as TorchScript
-traces, ``timing`` runs each stage alone for ``calibrate(runtime="torch")``,
-``cuda_graphs`` replays the lowered module's GPU segments as CUDA graphs
-(``to_torch(cuda_graphs=True)``), ``outputs`` hands a call's outputs back on its first
-tensor input's device (``to_torch(outputs_on=...)``), ``pickled`` is the lowered module's
-class, which keeps those hooks and the input check through ``torch.save``/``torch.load``.
-Imports: the layers below ``placement.runtime`` and its ``device_map``,
-``stages`` and ``pipeline`` modules.
+:mod:`.lower` is ``to_torch``: it assembles the translation of :mod:`placement.lowering`
+(ONNX -> ``torch.fx``) with execution, and gives the translation its streamed-weight seam
+(:meth:`placement.lowering.emit.Emitter.new_streamer`). Beside it:
+
+* the lowered module itself: :mod:`.input_check` (inputs checked as ``Runner`` checks them),
+  :mod:`.outputs` (outputs handed back on the first tensor input's device, ``outputs_on=``),
+  :mod:`.pickled` (the module class that keeps those hooks through ``torch.save``);
+* pipelines over micro-batches: :mod:`.pipelined` (GPipe, ``to_torch(chunks=k)``),
+  :mod:`.stage_split` and :mod:`.stage_exec` (one stage, shared by GPipe and 1F1B),
+  :mod:`.executor` (a thread per stage or the caller's thread), :mod:`.reentrant` and
+  :mod:`.engine_grad` (backward without blocking an autograd device thread),
+  :mod:`.one_f_one_b` + :mod:`.weight_grads` (1F1B with deferred weight gradients),
+  :mod:`.train_step` + :mod:`.step_loss` (``pl.train_step``), :mod:`.traced` (stages as
+  TorchScript traces), :mod:`.timing` (each stage alone, for ``calibrate(runtime="torch")``);
+* GPU machinery: :mod:`.streaming` (streamed weights: the window and its schedule),
+  :mod:`.stream_release`, :mod:`.copy_engine` (CUDA streams and events),
+  :mod:`.copy_emulation` (late, out-of-order, poisoned copies on the CPU),
+  :mod:`.cuda_graphs` and :mod:`.stage_graphs` (CUDA graphs, whole module or per stage).
+
+May import: the layers below ``placement.runtime`` (``lowering`` included) and the shared
+modules of ``placement.runtime`` (``stages``, ``device_map``, ``precision``, ``inputs``,
+``schedule``); never :mod:`placement.runtime.ort`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,18 @@ here is right on a GPU:
 A read that does not wait for its copy's event sees NaN (or another weight), and a
 region refilled before its reader's release is poisoned under that reader.
 
+Wrong numbers show only the hazards that the CPU's timing happens to expose. The device
+order is checked too, whatever the timing: the engine keeps a
+:class:`~.device_timeline.DeviceTimeline` in which each calling thread's compute stream
+and each device's copy stream is a queue with a clock, every event carries the clock of
+the point it was recorded at, and every copy, read (:meth:`reads`) and free is checked
+against the earlier accesses to the same bytes. A read not ordered after its copy, a copy
+into bytes a queued kernel may still read, and a block freed while another stream may
+still use it (``record_stream`` missing: the window's blocks, on the copy stream by
+:meth:`keep_copying`; fresh copies, on the compute stream by :meth:`keep`) raise
+:class:`~.device_timeline.HazardError` (a free in the garbage collector is raised by the
+next :meth:`check`, :meth:`synchronize` or :meth:`close`).
+
 Example:
     >>> import torch
     >>> engine = EmulatedCopyEngine(hold=True)
@@ -35,13 +47,16 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["EmulatedCopyEngine", "EmulatedEvent"]
+from placement.runtime.torch.device_timeline import DeviceTimeline, HazardError
+
+__all__ = ["EmulatedCopyEngine", "EmulatedEvent", "HazardError"]
 
 POISON = 0xFF  # every byte: NaN in fp16 / bf16 / fp32 / fp64, -1 in integers
 
@@ -55,6 +70,7 @@ class EmulatedEvent:
             self._done.set()
         self.demanded = False
         self.job: _Job | None = None
+        self.clock: dict[Any, int] | None = None  # the device order (see DeviceTimeline)
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -103,16 +119,52 @@ class EmulatedCopyEngine:
         self.completed = 0  # copies done
         self.out_of_order = 0  # copies done before one issued earlier
         self.error: Exception | None = None  # a copy that failed (raised by the next wait)
+        self.timeline = DeviceTimeline()
+        self._users: dict[int, list[Any]] = {}  # storage -> its allocation stream and record_stream's
         self._worker = threading.Thread(target=self._run, name="emulated-copy-engine", daemon=True)
         self._worker.start()
 
+    # -- the streams ------------------------------------------------------------------------
+    @staticmethod
+    def compute_stream(device: torch.device) -> tuple[str, str, int]:
+        """The current stream of the calling thread on ``device``."""
+        return ("compute", str(device), threading.get_ident())
+
+    @staticmethod
+    def copy_stream(device: torch.device) -> tuple[str, str]:
+        """The copy stream of ``device``."""
+        return ("copy", str(device))
+
+    def _allocated(self, tensor: torch.Tensor, stream: Any, what: str) -> None:
+        """``tensor`` was allocated on ``stream``: its free is checked (see DeviceTimeline.free)."""
+        key = tensor.untyped_storage().data_ptr()
+        users = self._users[key] = [stream, "host"]
+        weakref.finalize(tensor, self._freed, key, users, what)
+
+    def _freed(self, key: int, users: list[Any], what: str) -> None:
+        if self._users.get(key) is users:
+            del self._users[key]
+        self.timeline.free(key, users, what)
+
+    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        users = self._users.get(tensor.untyped_storage().data_ptr())
+        if users is not None and stream not in users:
+            users.append(stream)
+
     # -- the engine contract ------------------------------------------------------------
     def alloc(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), POISON, dtype=torch.uint8, device=device)
+        buffer = torch.full((nbytes,), POISON, dtype=torch.uint8, device=device)
+        self._allocated(buffer, self.compute_stream(device), f"a window of {nbytes} bytes on {device}")
+        return buffer
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[Any] = ()) -> EmulatedEvent:
         deps = [e for e in after if e is not None]
+        stream = self.copy_stream(dst.device)
+        for dep in deps:
+            self.timeline.wait(dep.clock, stream)
+        self.timeline.write(dst, stream, f"a copy of {tuple(src.shape)}")
         event = EmulatedEvent()
+        event.clock = self.timeline.record(stream)
         job = _Job(src.detach(), dst, deps, event, delay=self._rng.uniform(0.0, self.latency))
         event.job = job
         with self._cond:
@@ -124,10 +176,20 @@ class EmulatedCopyEngine:
         return event
 
     def copy_new(self, src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, EmulatedEvent]:
-        return src.to(device), EmulatedEvent(done=True)
+        stream = self.copy_stream(device)
+        fresh = src.to(device, copy=True)  # autograd flows through it
+        self._allocated(fresh, stream, f"a fresh copy of {tuple(src.shape)}")
+        self.timeline.write(fresh, stream, f"the fresh copy of {tuple(src.shape)}")
+        event = EmulatedEvent(done=True)
+        event.clock = self.timeline.record(stream)
+        return fresh, event
 
     def wait(self, event: Any, device: torch.device) -> None:
-        if event is None or event.query():
+        self.check()
+        if event is None:
+            return
+        self.timeline.wait(event.clock, self.compute_stream(device))
+        if event.query():
             return
         with self._cond:
             self._demand(event)
@@ -137,10 +199,22 @@ class EmulatedCopyEngine:
             raise RuntimeError("an emulated copy failed") from self.error
 
     def record(self, device: torch.device) -> EmulatedEvent:
-        return EmulatedEvent(done=True)  # the compute stream is this thread: its work is done
+        event = EmulatedEvent(done=True)  # the calling thread's work is done: complete for the copies
+        event.clock = self.timeline.record(self.compute_stream(device))  # but ordered as on a GPU
+        return event
+
+    def reads(self, tensor: torch.Tensor, device: torch.device) -> None:
+        self.timeline.read(tensor, self.compute_stream(device), f"a kernel reading {tuple(tensor.shape)}")
 
     def keep(self, tensor: torch.Tensor, device: torch.device) -> None:
-        return None
+        self._record_stream(tensor, self.compute_stream(device))
+
+    def keep_copying(self, tensor: torch.Tensor, device: torch.device) -> None:
+        self._record_stream(tensor, self.copy_stream(device))
+
+    def check(self) -> None:
+        """Raise a hazard found in a free the garbage collector made (see DeviceTimeline)."""
+        self.timeline.check()
 
     def synchronize(self) -> None:
         with self._cond:
@@ -150,14 +224,19 @@ class EmulatedCopyEngine:
             self._cond.notify_all()
         for event in pending:
             event._done.wait()
+        for stream in [s for s in list(self.timeline._clocks) if s != "host"]:
+            self.timeline.wait(self.timeline.clock([stream]), "host")  # the host saw it all done
+        self.check()
 
     def close(self) -> None:
-        """Finish the copies issued and stop the worker."""
-        self.synchronize()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._worker.join(timeout=5)
+        """Finish the copies issued and stop the worker; raise a hazard found on the way."""
+        try:
+            self.synchronize()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._worker.join(timeout=5)
 
     # -- the worker ---------------------------------------------------------------------
     def _demand(self, event: EmulatedEvent) -> None:

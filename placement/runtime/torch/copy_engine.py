@@ -27,9 +27,17 @@ Every engine has the same methods:
     the consuming (current) stream waits for ``event`` before any work queued after;
 ``record(device)``
     an event on the current stream behind the work queued so far (a reader's release);
+``reads(tensor, device)``
+    the work queued next on the current stream reads ``tensor`` (nothing to do on a GPU;
+    the emulator checks it is ordered after the copy that wrote it);
 ``keep(tensor, device)``
     the caching allocator may reuse ``tensor``'s memory only after the current stream's
-    work queued so far (``record_stream``);
+    work queued so far (``record_stream``): a fresh copy, allocated on the copy stream and
+    read on the compute stream;
+``keep_copying(tensor, device)``
+    the same for the copy stream: the window, allocated on the compute stream and written
+    by copies, goes back to the allocator only behind the copies queued by its free (the
+    end-of-forward prefetch leaves copies in flight);
 ``synchronize()``
     every copy issued so far is complete.
 
@@ -65,7 +73,11 @@ class CopyEngine(Protocol):
 
     def record(self, device: torch.device) -> Any: ...
 
+    def reads(self, tensor: torch.Tensor, device: torch.device) -> None: ...
+
     def keep(self, tensor: torch.Tensor, device: torch.device) -> None: ...
+
+    def keep_copying(self, tensor: torch.Tensor, device: torch.device) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -89,7 +101,13 @@ class DirectEngine:
     def record(self, device: torch.device) -> Any:
         return None
 
+    def reads(self, tensor: torch.Tensor, device: torch.device) -> None:
+        return None
+
     def keep(self, tensor: torch.Tensor, device: torch.device) -> None:
+        return None
+
+    def keep_copying(self, tensor: torch.Tensor, device: torch.device) -> None:
         return None
 
     def synchronize(self) -> None:
@@ -152,8 +170,14 @@ class CudaCopyEngine:
         event.record(torch.cuda.current_stream(device))
         return event
 
+    def reads(self, tensor: torch.Tensor, device: torch.device) -> None:
+        return None  # the stream order is the hardware's
+
     def keep(self, tensor: torch.Tensor, device: torch.device) -> None:
         tensor.record_stream(torch.cuda.current_stream(device))
+
+    def keep_copying(self, tensor: torch.Tensor, device: torch.device) -> None:
+        tensor.record_stream(self.stream(device))
 
     def synchronize(self) -> None:
         for stream in self.streams.values():

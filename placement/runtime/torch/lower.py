@@ -88,9 +88,10 @@ import onnx_ir as ir
 import torch
 import torch.fx as fx
 
-from placement.errors import LoweringError
+from placement.errors import CUDAGraphError, LoweringError
 from placement.graph.device import Device
 from placement.graph.model import Model
+from placement.graph.torch_import import exporter_constants, mode_modules
 from placement.lowering.bodies import Lowering, graph_module
 from placement.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.lowering.opset import upgraded
@@ -99,8 +100,9 @@ from placement.runtime.device_map import DeviceMapLike, resolve_device_map
 from placement.runtime.torch.executor import check_executor
 from placement.runtime.torch.outputs import check_outputs_on, install_outputs_on
 from placement.runtime.torch.pickled import FORWARD_HOOKS, PRESERVED, PlacedGraphModule
-from placement.runtime.torch.stream_release import insert_releases
+from placement.runtime.torch.stream_release import insert_readers, insert_releases
 from placement.runtime.torch.streaming import WeightStreamer, pin_streamed
+from placement.runtime.torch.train_mode import install_mode_warning
 
 __all__ = ["to_torch", "check_supported"]
 
@@ -174,7 +176,8 @@ def to_torch(
             example op each), unsupported attributes, or an opset older than 13 that
             ``onnx.version_converter`` cannot convert.
         DeviceError: a bad ``device_map`` or ``outputs_on``.
-        CUDAGraphError: ``cuda_graphs=True`` and ``chunks=1`` without a GPU in the device map.
+        CUDAGraphError: ``cuda_graphs=True`` and ``chunks=1`` without a GPU in the device map,
+            or ``cuda_graphs=True`` with streamed weights (:func:`placement.stream_parameters`).
 
     The module (``chunks=1``) checks its inputs as :class:`placement.Runner` does: a
     wrong dtype, rank or static dimension raises :class:`placement.InputError`
@@ -196,6 +199,13 @@ def to_torch(
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
     dmap = resolve_device_map(devices, device_map, runtime="torch")
+    if cuda_graphs and model.streamed:
+        named = ", ".join(sorted(model.streamed)[:3]) + (", ..." if len(model.streamed) > 3 else "")
+        raise CUDAGraphError(
+            f"cuda_graphs=True cannot run streamed weights ({named}): a graph would capture the "
+            "streamer's waits and replay one copy schedule for ever; lower without cuda_graphs, "
+            "or keep these weights resident"
+        )
     module = _ModelLowering(model, dmap).build()
     if chunks == 1:  # a pipelined module's batch may be several graph batches: its stages check
         from placement.runtime.inputs import input_specs
@@ -204,6 +214,7 @@ def to_torch(
         specs = input_specs(model.graph)
         keywords = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"][: len(specs)]
         install_input_check(module, specs, keywords)
+    layers = mode_modules(model)
     if chunks != 1:
         from placement.runtime.torch.pipelined import pipeline_module
 
@@ -216,17 +227,20 @@ def to_torch(
             cuda_graphs=cuda_graphs,
             executor=executor,
         )
-        return install_outputs_on(pipelined, outputs_on)
+        return install_mode_warning(install_outputs_on(pipelined, outputs_on), layers)
     if cuda_graphs:
         from placement.runtime.torch.cuda_graphs import cuda_graph_module
 
-        return install_outputs_on(cuda_graph_module(module), outputs_on)
+        return install_mode_warning(install_outputs_on(cuda_graph_module(module), outputs_on), layers)
     install_outputs_on(module, outputs_on)
+    install_mode_warning(module, layers)
     # copy.deepcopy rebuilds a GraphModule without its forward hooks (the input check, the
     # outputs' move): keep them, and the choice, among the attributes it restores (a pickle
     # keeps them by PlacedGraphModule.__reduce__).
     kept = {key: module.__dict__[key] for key in FORWARD_HOOKS if key in module.__dict__}
-    module.meta.setdefault(PRESERVED, {}).update(kept, outputs_on=outputs_on)
+    module.meta.setdefault(PRESERVED, {}).update(
+        kept, outputs_on=outputs_on, mode_warning=module.mode_warning
+    )
     log.info(
         "lowered %d ops to torch on %s",
         model.graph.num_nodes(),
@@ -316,6 +330,7 @@ class _ModelLowering(Lowering):
             pin_streamed(module, sorted(set(paths)))
             self.streamer.bind([module.get_parameter(path) for path in paths])
             op_types = {node.name or "": node.op_type for node in model.graph}
+            insert_readers(module, self.streamer_path, op_types)
             insert_releases(module, self.streamer_path, op_types)
         present = {name for name, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         for path in self.transient & present:
@@ -354,13 +369,14 @@ class _ModelLowering(Lowering):
     def _initializers(self) -> None:
         params = self.model.parameters
         state = _state_initializers(self.model)
+        streamed = self.model.streamed
         for name, value in self.model.graph.initializers.items():
             tensor = value.const_value
             if tensor is None:
                 raise LoweringError(f"initializer {name!r} has no data")
             data = to_torch_tensor(tensor)
             trainable = data.is_floating_point() and data.dim() >= 1 and name not in state
-            if trainable:
+            if trainable or name in streamed:  # a streamed integer weight: a frozen parameter
                 home = params[name].device if name in params else self.default_device
                 self.values[name] = Val(name, device=home)
                 self.pending_params[name] = data
@@ -386,9 +402,11 @@ class _ModelLowering(Lowering):
 
 
 def _state_initializers(model: Model) -> set[str]:
-    """Initializers fed to a rule's ``buffer_inputs`` (e.g. BatchNorm running stats)."""
+    """Initializers that are never trainable: those fed to a rule's ``buffer_inputs`` (e.g.
+    BatchNorm running stats) and the exporter's own constants (a ``bias=False`` conv's zero
+    bias, see :func:`placement.graph.torch_import.exporter_constants`)."""
     inits = model.graph.initializers
-    found: set[str] = set()
+    found: set[str] = set(exporter_constants(model)) & set(inits)
     for node in model.graph:
         positions = get_rule(node.op_type, node.domain).buffer_inputs
         for i in positions:

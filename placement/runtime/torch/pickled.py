@@ -30,9 +30,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-__all__ = ["PlacedGraphModule", "FORWARD_HOOKS", "PRESERVED"]
+__all__ = ["PlacedGraphModule", "FORWARD_HOOKS", "PRESERVED", "ReplayTracer"]
 
 #: ``nn.Module``'s dictionaries of forward hooks (a rebuilt ``GraphModule`` starts without them).
 FORWARD_HOOKS = (
@@ -56,8 +57,23 @@ class PlacedGraphModule(fx.GraphModule):
 
     def __reduce__(self) -> tuple[Any, ...]:
         rebuild, args = super().__reduce__()
+        if args and isinstance(args[0], dict):  # the module's attributes: replay the code with our tracer
+            args[0]["_tracer_cls"] = ReplayTracer
         kept = {key: self.__dict__[key] for key in _KEPT if key in self.__dict__}
         return (_rebuild, (rebuild, args, kept, getattr(self, "meta", {})))
+
+
+class ReplayTracer(fx.Tracer):
+    """Rebuilds a lowered module's graph from its code on unpickling without tracing into the
+    lowering's own functions (an op rule reading a dimension, as ``Shape`` does, cannot be
+    traced with proxies): each is recorded as the one call it was."""
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        forward = type(root).forward if isinstance(root, torch.nn.Module) else root
+        for value in getattr(forward, "__globals__", {}).values():
+            if callable(value) and str(getattr(value, "__module__", "")).startswith("placement."):
+                getattr(self, "_autowrap_function_ids", set()).add(id(value))
+        return super().trace(root, concrete_args)
 
 
 def _rebuild(

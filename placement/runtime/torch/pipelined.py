@@ -88,6 +88,7 @@ from placement.runtime.schedule import (
     check_chunks,
     split_batch,
 )
+from placement.runtime.torch.device_streams import has_streams, on_device
 from placement.runtime.torch.engine_grad import engine_grad
 from placement.runtime.torch.executor import check_executor, stage_executor
 from placement.runtime.torch.one_f_one_b import pipelined_train_step
@@ -99,8 +100,10 @@ from placement.runtime.torch.stage_exec import (
     accumulate,
     accumulate_microbatch,
     add_input_grads,
+    autocast_like,
     backward_operands,
     call_stage,
+    caller_autocast,
     forward_for_backward,
     hand_over,
     join_streams,
@@ -109,9 +112,11 @@ from placement.runtime.torch.stage_exec import (
     owned_grads,
     per_parameter,
     signal,
+    signal_all,
     stage_args,
     stage_name,
     trainable_params,
+    value_devices,
     wait_for,
     worker_context,
 )
@@ -152,6 +157,7 @@ def pipeline_module(
     )
     pipelined.executor = executor
     if cuda_graphs:
+        pipelined._pl_cuda_graphs = True
         graph_stages(pipelined._pl_stages)
     return pipelined
 
@@ -201,17 +207,44 @@ class PipelinedModule(torch.nn.Module):
         self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
         self._in_axes = [axes.inputs[name] for name in self.input_names]
         self._out_axes = [axes.outputs[name] for name in self.output_names]
-        stages, env_inputs, outputs = split_stages(module, stage_of_op)
-        for stage in stages:
-            stage.call = traced_stage(stage, warmup=chunks, untraceable=untraceable)
-        self._pl_inputs = env_inputs
-        object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
-        self._pl_outputs = outputs
+        # What the stages are rebuilt from after copy.deepcopy or a pickle (see __setstate__):
+        # the lowered module (not a submodule: its tensors are ours) and the split.
+        object.__setattr__(self, "_pl_source", module)
+        self._pl_split = (dict(stage_of_op), frozenset(untraceable))
+        self._pl_cuda_graphs = False
+        self._pl_build_stages()
         #: what the last step did: micro-batches, stage forwards recomputed (``checkpoint``)
-        self.stats = StepStats.start(len(stages), 0)
+        self.stats = StepStats.start(len(self._pl_stages), 0)
         log.info(
             "pipelined module: %d stages, chunks=%d, checkpoint=%s", len(self._pl_stages), chunks, checkpoint
         )
+
+    def _pl_build_stages(self) -> None:
+        """Split the lowered module into its stages (threads, traces and CUDA graphs are per
+        object: a copy builds its own, over the copy's tensors)."""
+        stage_of_op, untraceable = self._pl_split
+        stages, env_inputs, outputs = split_stages(self._pl_source, stage_of_op)
+        for stage in stages:
+            stage.call = traced_stage(stage, warmup=self.chunks, untraceable=untraceable)
+        self._pl_inputs = env_inputs
+        object.__setattr__(self, "_pl_stages", stages)  # not submodules: their tensors are ours
+        self._pl_outputs = outputs
+        if self._pl_cuda_graphs:
+            graph_stages(stages)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy``, ``torch.save``: everything but the stages (locks, traces, graphs),
+        which :meth:`__setstate__` rebuilds from the lowered module, sharing the copy's tensors."""
+        state = dict(self.__dict__)
+        state.pop("_pl_stages", None)
+        state["_pl_trace"] = self.trace_stages
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        trace = state.pop("_pl_trace", True)
+        super().__setstate__(state)
+        self._pl_build_stages()
+        self.trace_stages = trace
 
     @property
     def trace_stages(self) -> bool:
@@ -280,6 +313,8 @@ class PipelinedModule(torch.nn.Module):
             (torch.Size([]), True)
         """
         inputs = self._bind(args, kwargs)
+        if getattr(self, "mode_warning", None) is not None:  # trains without calling forward
+            self.mode_warning(self)
         on_input = getattr(self, "outputs_on", "last") == "input"
         return pipelined_train_step(
             self._pl_stages,
@@ -374,7 +409,7 @@ def _backward_schedule(
         devices = [s.device for s in stages]
 
         def context(j: int) -> Any:
-            return torch.cuda.device(devices[j]) if devices[j].type == "cuda" else contextlib.nullcontext()
+            return on_device(devices[j]) if has_streams(devices[j]) else contextlib.nullcontext()
 
         return run_in_order(
             [make(s) for s in stages],
@@ -398,9 +433,12 @@ def _backward_schedule(
 
 
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
-    for env in envs:
-        wait_for(env)  # the caller's stream waits for the last stage's work on each micro-batch
     keys = module._pl_outputs
+    # The concatenation runs on the caller's stream of the outputs' device (the last stage's,
+    # not the caller's current device): that stream waits for each micro-batch's last work.
+    devices = value_devices(envs, keys)
+    for env in envs:
+        wait_for(env, *devices)
     return [
         torch.cat([hand_over(env[key]) for env in envs], dim=axis)
         for key, axis in zip(keys, module._out_axes)
@@ -436,6 +474,7 @@ class _Run:
     saved: dict[tuple[int, int], tuple[list[Any], dict[str, Any] | None]] = field(default_factory=dict)
     input_requires_grad: list[bool] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
+    casts: tuple[Any, ...] = ()  # the forward's autocast state: checkpointed stages recompute under it
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -445,6 +484,7 @@ class _PipelineFunction(torch.autograd.Function):
         stages: list[TorchStage] = module._pl_stages
         inputs = list(tensors[: run.n_inputs])
         run.input_requires_grad = [t.requires_grad for t in inputs]
+        run.casts = caller_autocast()
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
         executor = module._executor(inputs)
@@ -492,6 +532,7 @@ class _PipelineFunction(torch.autograd.Function):
                 continue
             for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
                 accumulate(genv, key, part)
+        signal_all(genvs, value_devices(genvs))  # made on the caller's streams: the stages wait
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
@@ -501,7 +542,8 @@ class _PipelineFunction(torch.autograd.Function):
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
                 wait_for(genv)
                 args, outs = run.saved.pop((stage.index, i))
-                outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
+                with autocast_like(run.casts):
+                    outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)
                 if outputs and (arg_slots or params):
                     grads = owned_grads(
                         stage,
@@ -517,8 +559,9 @@ class _PipelineFunction(torch.autograd.Function):
 
         done = _backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor)
         done.reverse()
+        devices = value_devices(done)  # the input gradients' devices: the caller reads them there
         for genv in done:
-            wait_for(genv)
+            wait_for(genv, *devices)
         join_streams(stages)  # parameter gradients were made on the workers' streams: events, no host wait
         # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
         placeholders = module._pl_inputs

@@ -25,11 +25,28 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from placement.lowering.ops.training import ModeBatchNorm, ModeDropout, replaying
 from placement.runtime.schedule import split_batch
+from placement.runtime.torch.device_streams import (
+    current_stream,
+    has_streams,
+    new_stream,
+    on_stream,
+    record_event,
+    record_stream,
+    tensor_device,
+    wait_event,
+)
+
+#: The lowering's train/eval-mode modules (see :mod:`placement.lowering.ops.training`).
+MODE_MODULES = (ModeBatchNorm, ModeDropout)
 
 __all__ = [
     "StepStats",
     "TorchStage",
+    "autocast_like",
+    "autocast_matches",
+    "caller_autocast",
     "accumulate",
     "accumulate_owned",
     "accumulate_microbatch",
@@ -45,12 +62,14 @@ __all__ = [
     "per_parameter",
     "stage_args",
     "signal",
+    "signal_all",
     "stage_name",
     "hand_over",
     "join_streams",
     "stage_stream",
     "static_grads",
     "trainable_params",
+    "value_devices",
     "wait_for",
     "worker_context",
     "write_grads",
@@ -77,7 +96,7 @@ def stage_stream(stage: TorchStage) -> Any:
     """``stage``'s own CUDA stream, made on first use and kept: every call of the pipeline
     queues the stage's work on the same stream, so the caching allocator reuses its blocks."""
     if stage.stream is None:
-        stage.stream = torch.cuda.Stream(stage.device)
+        stage.stream = new_stream(stage.device)
     return stage.stream
 
 
@@ -124,38 +143,121 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     Those values never leave the pipeline: the caller gets outputs concatenated outside
     it, ordinary tensors."""
 
+    casts = caller_autocast()
+
     @contextlib.contextmanager
     def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
-            with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
-                yield
+            with on_stream(stage.device, stage_stream(stage)):
+                with autocast_like(casts):
+                    yield
+
+    @contextlib.contextmanager
+    def on_host(mode: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        with mode, autocast_like(casts):
+            yield
 
     def enter(j: int) -> contextlib.AbstractContextManager[Any]:
         # Entered around every call of a stage run on the caller's thread: on the CPU, the
         # grad mode's own context manager (none when it is already on), not a generator.
         stage = stages[min(j, len(stages) - 1)]
-        if stage.device.type == "cuda":
+        if has_streams(stage.device):
             return on_gpu(stage)
+        mode: contextlib.AbstractContextManager[Any]
         if not grad:
-            return torch.inference_mode()
-        return contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+            mode = torch.inference_mode()
+        else:
+            mode = contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad()
+        return on_host(mode) if casts and not autocast_matches(casts) else mode
 
     return enter
 
 
-def wait_for(env: dict[str, Any]) -> None:
-    """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
+#: Device types whose autocast state a worker takes over from the caller.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """This thread's autocast state: per device type with autocast on, (type, dtype, cache).
+
+    Autocast is thread-local: a worker thread starts with it off, so a stage run there
+    would compute in full precision what the caller's thread computes in bf16. Workers
+    enter :func:`autocast_like` with the state captured on the caller's thread.
+
+    Example:
+        >>> import torch
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     caller_autocast()
+        (('cpu', torch.bfloat16, True),)
+        >>> caller_autocast()
+        ()
+    """
+    found = []
+    for device_type in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            found.append((device_type, dtype, torch.is_autocast_cache_enabled()))
+    return tuple(found)
+
+
+def autocast_matches(casts: Sequence[tuple[str, torch.dtype, bool]]) -> bool:
+    """Whether this thread already runs under the autocast state ``casts``."""
+    return all(torch.is_autocast_enabled(t) and torch.get_autocast_dtype(t) == dtype for t, dtype, _ in casts)
+
+
+@contextlib.contextmanager
+def autocast_like(casts: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
+    """Enter the autocast state ``casts`` (from :func:`caller_autocast`) where it is not on yet."""
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype, cache in casts:
+            if not autocast_matches([(device_type, dtype, cache)]):
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+def wait_for(env: dict[str, Any], *devices: torch.device) -> None:
+    """Make this thread's current stream on each of ``devices`` (none given: on the current
+    device) wait for the work that produced ``env`` (devices with streams only).
+
+    A kernel runs on the current stream of its tensors' device: a caller that reads values
+    on another device than its current one (the last stage's outputs on ``cuda:1``, read by a
+    caller on ``cuda:0``) names that device, or its reads are not ordered after the work."""
     event = env.pop("__event__", None)
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)
+    if event is None:
+        return
+    for device in devices or (None,):
+        wait_event(current_stream(device), event)
+
+
+def value_devices(envs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[torch.device]:
+    """The stream devices the tensors under ``keys`` (all keys when None) of ``envs`` live on,
+    each once, in order of first appearance."""
+    found: dict[torch.device, None] = {}
+    for env in envs:
+        for key in env if keys is None else keys:
+            device = tensor_device(env.get(key))
+            if device is not None:
+                found[device] = None
+    return list(found)
 
 
 def signal(env: dict[str, Any], device: torch.device) -> None:
-    """Record, in ``env``, an event after the work this worker queued so far (GPUs only)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        env["__event__"] = event
+    """Record, in ``env``, an event after the work this thread queued so far on ``device``'s
+    current stream (devices with streams only)."""
+    if has_streams(device):
+        env["__event__"] = record_event(current_stream(device))
+
+
+def signal_all(envs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> None:
+    """Record, in each of ``envs``, one event behind the work queued so far on this thread's
+    current streams of all ``devices`` (the first one's stream waits for the others')."""
+    if not devices:
+        return
+    first = current_stream(devices[0])
+    for device in devices[1:]:
+        wait_event(first, record_event(current_stream(device)))
+    for env in envs:
+        signal(env, devices[0])
 
 
 def join_streams(stages: Sequence[TorchStage]) -> None:
@@ -163,18 +265,23 @@ def join_streams(stages: Sequence[TorchStage]) -> None:
     event per stage stream; the host never waits): what the caller reads next (outputs,
     gradients handed to ``.grad``) is ordered after it on the GPU."""
     for stage in stages:
-        if stage.device.type == "cuda" and stage.stream is not None:
-            event = torch.cuda.Event()
-            event.record(stage.stream)
-            torch.cuda.current_stream(stage.device).wait_event(event)
+        if stage.stream is not None and has_streams(stage.device):
+            event = record_event(stage.stream)
+            wait_event(current_stream(stage.device), event)
 
 
-def hand_over(tensor: Any) -> Any:
-    """Mark a CUDA ``tensor`` made on another stream as used by the current one
-    (``record_stream``), so the caching allocator does not reuse its memory while this
-    stream's queued work may still read it; other values pass through."""
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+def hand_over(tensor: Any, event: Any = None) -> Any:
+    """Mark a ``tensor`` made on another stream as used by this thread's current stream on its
+    device (``record_stream``), so the caching allocator does not reuse its memory while that
+    stream's queued work may still read it; with ``event`` (recorded behind the work that made
+    it), that stream first waits for it. Other values, and tensors on devices without
+    streams, pass through."""
+    device = tensor_device(tensor)
+    if device is not None:
+        stream = current_stream(device)
+        if event is not None:
+            wait_event(stream, event)
+        record_stream(tensor, stream)
     return tensor
 
 
@@ -196,8 +303,9 @@ def microbatch_envs(
     envs = []
     for part in parts:
         env = dict(zip(placeholders, part))
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in part):
-            signal(env, next(t.device for t in part if isinstance(t, torch.Tensor) and t.is_cuda))
+        device = next((d for d in map(tensor_device, part) if d is not None), None)
+        if device is not None:  # made on the caller's stream there
+            signal(env, device)
         envs.append(env)
     return envs
 
@@ -206,9 +314,7 @@ def detached(value: Any, requires_grad: bool) -> Any:
     """A stage's input: ``value`` cut from the graph that made it, a leaf that requires grad when
     ``requires_grad`` and it is floating point (non-tensors pass through)."""
     if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        if leaf.is_cuda:  # made on another stage's (or the caller's) stream
-            hand_over(leaf)
+        leaf = hand_over(value.detach())  # made on another stage's (or the caller's) stream
         if requires_grad and leaf.is_floating_point():
             leaf.requires_grad_(True)
         return leaf
@@ -223,7 +329,7 @@ def stage_args(
     requires grad where ``tracked(key)``."""
     if tracked is None:
         args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
-        if stage.device.type == "cuda":
+        if has_streams(stage.device):
             for arg in args:
                 hand_over(arg)
         return args
@@ -247,9 +353,31 @@ def forward_for_backward(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run ``stage`` for a training step: its outputs, and what to save for backward (the outputs
     with their autograd graph when ``keep``, else None: run without grad, recomputed later)."""
+    if not keep and _mode_dependent(stage):  # recomputed later: with the same Dropout masks
+        seed = int(torch.randint(0, 2**62, ()).item())
+        with torch.no_grad(), replaying(seed, recompute=False):
+            outs = call_stage(stage, args)
+        return outs, {_SEED: seed}
     with torch.enable_grad() if keep else torch.no_grad():
         outs = call_stage(stage, args)
     return outs, outs if keep else None
+
+
+_SEED = "__placement_replay_seed__"
+
+
+def _mode_dependent(stage: TorchStage) -> bool:
+    """Whether ``stage`` holds a train/eval-mode op of a training export (Dropout draws
+    masks, BatchNorm updates running buffers): its recomputation must replay, not redo."""
+    found = getattr(stage, "_mode_dependent", None)
+    if found is None:
+        module = stage.module
+        found = any(
+            node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), MODE_MODULES)
+            for node in module.graph.nodes
+        )
+        stage._mode_dependent = found  # type: ignore[attr-defined]
+    return found
 
 
 def backward_operands(
@@ -263,13 +391,15 @@ def backward_operands(
     """What one (stage, micro-batch) back-propagates: its outputs that have a gradient in
     ``genv``, those gradients, and the slots of its inputs (not ``params``) that take one.
     ``outs`` None (checkpointed) recomputes the stage first (counted in ``stats``)."""
-    if outs is None:
-        with torch.enable_grad():
+    if outs is None or _SEED in outs:
+        seed = None if outs is None else outs[_SEED]
+        replay = contextlib.nullcontext() if seed is None else replaying(seed, recompute=True)
+        with torch.enable_grad(), replay:
             outs = call_stage(stage, args, immediate=True)
         if stats is not None:
             stats.recomputed[stage.index] += 1
     pairs = [
-        (outs[k], genv[k])
+        (outs[k], hand_over(genv[k]))  # made on the next stage's stream (or the caller's)
         for k, _ in stage.outs
         if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
     ]

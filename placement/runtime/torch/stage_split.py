@@ -36,6 +36,7 @@ from placement.errors import LoweringError
 from placement.graph.model import Model
 from placement.graph.nodes import subgraphs_of
 from placement.lowering.meta import OP_META, UNTRACEABLE_META
+from placement.lowering.ops.training import mode_op_names
 from placement.runtime.stages import partition
 from placement.runtime.torch.stage_exec import TorchStage
 from placement.runtime.torch.traced import TracedStage
@@ -54,7 +55,7 @@ def nondeterministic_ops(model: Model) -> set[str]:
         >>> nondeterministic_ops(pl.from_torch(*mlp.build("tiny")))
         set()
     """
-    names = set()
+    names = mode_op_names(model)  # Dropout, BatchNorm of a training export: random, stateful
     for op in model.ops:
         if op.op_type in NONDETERMINISTIC_OPS or any(
             inner.op_type in NONDETERMINISTIC_OPS

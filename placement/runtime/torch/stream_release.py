@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from placement.lowering.meta import DEVICE_META, OP_META, UNTRACEABLE_META
 
-__all__ = ["StreamRelease", "RELEASE_NAME", "insert_releases", "ALIASING_OPS"]
+__all__ = ["StreamRelease", "RELEASE_NAME", "insert_releases", "insert_readers", "ALIASING_OPS"]
 
 #: The attribute of a lowered module holding the release calls' module.
 RELEASE_NAME = "weight_release"
@@ -73,6 +73,57 @@ def _may_alias(node: fx.Node, op_types: Mapping[str, str]) -> bool:
     if op is None or op_types.get(op) in ALIASING_OPS:
         return True
     return any(user.meta.get(OP_META) == op for user in node.users)  # inside one op's lowering
+
+
+def _aliases(copy: fx.Node, op_types: Mapping[str, str]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The nodes that may hold ``copy``'s memory (it included), and every node reading one of them."""
+    aliases, readers, stack = {copy}, set(), [copy]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output" or user in readers:
+                continue
+            readers.add(user)
+            if _may_alias(user, op_types):
+                aliases.add(user)
+                stack.append(user)
+    return aliases, readers
+
+
+def insert_readers(module: fx.GraphModule, streamer_path: str, op_types: Mapping[str, str]) -> int:
+    """Give each streamed copy the other inputs of the ops reading it: ``self.weight_streamer(w,
+    index=k, readers=(x,))``, so that with autograd on the streamer knows whether autograd will
+    save the weight (see :meth:`~.streaming.WeightStreamer.forward`).
+
+    A reader's input computed after the copy is not known there: that copy gets no
+    ``readers`` (the streamer then assumes the weight is saved). Another streamed copy among
+    the inputs is named by its source parameter (whose ``requires_grad`` is the copy's).
+    Returns how many copies got their readers."""
+    graph = module.graph
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    copies = [n for n in graph.nodes if n.op == "call_module" and n.target == streamer_path]
+    sources = {copy: copy.args[0] for copy in copies}
+    given = 0
+    for copy in copies:
+        aliases, readers = _aliases(copy, op_types)
+        inputs: dict[fx.Node, None] = {}
+        for reader in readers:
+            for node in reader.all_input_nodes:
+                if node not in aliases and node not in readers:
+                    inputs[sources.get(node, node)] = None
+        known = True
+        for node in inputs:
+            if not isinstance(node, fx.Node):
+                continue
+            if node.op == "get_attr" and order[node] > order[copy]:
+                copy.prepend(node)  # a parameter: read it earlier
+            elif order[node] > order[copy]:
+                known = False
+        if known:
+            copy.kwargs = {**copy.kwargs, "readers": tuple(inputs)}
+            given += 1
+    graph.lint()
+    module.recompile()
+    return given
 
 
 def _last_reader(copy: fx.Node, order: Mapping[fx.Node, int], op_types: Mapping[str, str]) -> fx.Node:

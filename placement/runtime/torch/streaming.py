@@ -38,9 +38,10 @@ Example:
     >>> streamer.bind(weights)
     >>> engine = streamer.use(EmulatedCopyEngine())
     >>> got = []
-    >>> for k, w in enumerate(weights):
-    ...     got.append(streamer(w, index=k)[0].item())   # waits for the copy of weight k
-    ...     streamer.release(k)                           # its last reader is queued
+    >>> with torch.no_grad():
+    ...     for k, w in enumerate(weights):
+    ...         got.append(streamer(w, index=k)[0].item())   # waits for the copy of weight k
+    ...         streamer.release(k)                           # its last reader is queued
     >>> got
     [0.0, 1.0, 2.0]
     >>> streamer.prefetched > 0, streamer.overflow
@@ -59,19 +60,26 @@ from typing import Any
 import torch
 
 from placement.lowering.emit import STREAMER_NAME
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import ALIGN, aligned
 from placement.runtime.torch.copy_engine import CudaCopyEngine, DirectEngine, engine_for
 
-__all__ = ["WeightStreamer", "STREAMER_NAME", "ALIGN", "pin_streamed", "measure_workspace", "free_workspaces"]
+__all__ = [
+    "WeightStreamer",
+    "STREAMER_NAME",
+    "ALIGN",
+    "pin_streamed",
+    "pin_arena",
+    "measure_workspace",
+    "free_workspaces",
+]
 
 log = logging.getLogger(__name__)
 
-#: Test-only hazards (``streamer._unsafe``): drop one wait to prove the tests see it.
-HAZARDS = ("skip_wait", "skip_release")
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
+#: Test-only hazards (``streamer._unsafe``): drop one order to prove the tests see it. ``skip_wait``:
+#: a read does not wait for its copy's event; ``skip_release``: a refill does not wait for its
+#: region's last reader; ``skip_keep``: a fresh copy is not ``record_stream``-ed on the compute
+#: stream; ``skip_window_keep``: the window is not ``record_stream``-ed on the copy stream.
+HAZARDS = ("skip_wait", "skip_release", "skip_keep", "skip_window_keep")
 
 
 @dataclass
@@ -86,6 +94,23 @@ class _Slot:
     tensor: torch.Tensor | None
     copied: Any  # the copy's event
     released: Any = None  # the event behind its last reader
+    version: tuple[int, int] = (0, 0)  # the source's (version counter, address) when copied
+
+
+def _version(weight: torch.Tensor) -> tuple[int, int]:
+    """What changes when the host weight is written in place (``mul_``, ``copy_``, an optimizer
+    step, ``load_state_dict``) or given new memory (``param.data = ...``)."""
+    return weight._version, weight.data_ptr()
+
+
+def _saved_for_backward(weight: torch.Tensor, readers: Sequence[Any] | None) -> bool:
+    """Whether autograd may save ``weight`` for the backward of the ops reading it: grad mode
+    is on and the weight, or another input of its readers, requires grad (unknown: yes)."""
+    if not torch.is_grad_enabled():
+        return False
+    if weight.requires_grad or readers is None:
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in readers)
 
 
 class WeightStreamer(torch.nn.Module):
@@ -118,6 +143,9 @@ class WeightStreamer(torch.nn.Module):
         self.prefetched = 0  # copies made ahead of their use (since the last reset_stats)
         self.copies = 0  # copies made (since the last reset_stats)
         self.overflow = 0  # copies made outside the window (since the last reset_stats)
+        self.stale = 0  # prefetched copies dropped: the host weight changed after (since reset_stats)
+        self._unpinned_warned = False
+        self._pinned: tuple[int, ...] | None = None  # the sources' addresses when last seen pinned
 
     def _reset_window(self) -> None:
         self._windows: dict[torch.device, torch.Tensor] = {}
@@ -151,7 +179,7 @@ class WeightStreamer(torch.nn.Module):
         """Bytes of each device's window (unset: twice the largest weight)."""
         if self._window is not None:
             return self._window
-        return 2 * _aligned(max(self.sizes, default=0))
+        return 2 * aligned(max(self.sizes, default=0))
 
     @property
     def timing(self) -> bool:
@@ -165,41 +193,107 @@ class WeightStreamer(torch.nn.Module):
         if self._cuda is not None:
             self._cuda.timing = bool(value)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle and ``copy.deepcopy``: the configuration and the sources; not the lock, the
+        engine, the window or the copies in flight (a copy starts with an empty window and the
+        default engine)."""
+        state = dict(self.__dict__)
+        for key in ("_lock", "_windows", "_slots", "_regions", "_cuda", "engine", "_pinned"):
+            state.pop(key, None)
+        state["trace"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self.engine = None
+        self._cuda = None
+        self._pinned = None
+        self._reset_window()
+
+    def _check_pinned(self, engine: Any) -> None:
+        """Host sources not pinned (``module.half()``, ``.to()`` made new tensors) are copied
+        synchronously by CUDA: pin them again, in one arena, and say so once."""
+        if not isinstance(engine, CudaCopyEngine) or not self._sources:
+            return
+        ptrs = tuple(p.data_ptr() for p in self._sources)
+        if ptrs == self._pinned:
+            return
+        loose = [p for p in self._sources if p.device.type == "cpu" and not p.is_pinned()]
+        if loose:
+            if not self._unpinned_warned:
+                log.warning(
+                    "%d streamed weights are no longer in pinned host memory (the module's "
+                    "parameters were replaced, e.g. by .half() or .to()): pinning them again",
+                    len(loose),
+                )
+                self._unpinned_warned = True
+            pin_arena(loose)
+        self._pinned = tuple(p.data_ptr() for p in self._sources)
+
     def extra_repr(self) -> str:
         return f"copies={len(self.sizes)}, bytes={sum(self.sizes)}, window={self.window}"
 
-    def forward(self, weight: torch.Tensor, index: int) -> torch.Tensor:
-        """Weight ``index`` on its device, waited for on the current stream; then prefetch ahead."""
+    def forward(self, weight: torch.Tensor, index: int, readers: Sequence[Any] | None = None) -> torch.Tensor:
+        """Weight ``index`` on its device, waited for on the current stream; then prefetch ahead.
+
+        ``readers``: the other inputs of the ops that read the weight (None: unknown). With
+        autograd on, a weight that autograd will save for the backward (it requires grad, or
+        one of its readers' inputs does) is handed out as a fresh tensor, never a view of
+        the window that a later refill would overwrite under the saved value.
+        """
         device = self.devices[index]
         engine = self._engine(device)
         if isinstance(engine, DirectEngine):
             self.copies += 1
             return weight.to(device, non_blocking=True)
-        fresh = False
+        self._check_pinned(engine)
         with self._lock:
             slot = self._slots.get(index)
-            if torch.is_grad_enabled() and weight.requires_grad:
-                if slot is not None and slot.state == "pending":  # copied ahead without autograd
-                    self._retire(slot, None)
-                slot, fresh = None, True
-            elif slot is None or slot.state != "pending":
-                slot = self._place(index, weight)
-                fresh = slot is None
-                self.overflow += fresh
-            if fresh:
-                tensor, event = engine.copy_new(weight, device)
-                self.copies += 1
+            if slot is not None and slot.state == "pending" and slot.version != _version(weight):
+                self._retire(slot, None)  # the host weight changed after its copy started: stale
+                self.stale += 1
+                slot = None
+            if _saved_for_backward(weight, readers):
+                tensor = self._fresh(index, weight, slot, engine)
             else:
-                assert slot is not None and slot.tensor is not None
-                slot.state = "in_use"
-                tensor, event = slot.tensor, slot.copied
+                if slot is None or slot.state != "pending":
+                    slot = self._place(index, weight)
+                    self.overflow += slot is None
+                tensor = (
+                    self._fresh(index, weight, None, engine) if slot is None else self._hand_out(slot, engine)
+                )
             self._log("use", index)
             self._next = index + 1
             self._prefetch(self._next)
+        return tensor
+
+    def _hand_out(self, slot: _Slot, engine: Any) -> torch.Tensor:
+        """``slot``'s window view, read on the current stream after its copy's event."""
+        assert slot.tensor is not None
+        slot.state = "in_use"
+        if self._unsafe != "skip_wait":
+            engine.wait(slot.copied, slot.device)
+        engine.reads(slot.tensor, slot.device)
+        return slot.tensor
+
+    def _fresh(self, index: int, weight: torch.Tensor, slot: _Slot | None, engine: Any) -> torch.Tensor:
+        """A fresh tensor of weight ``index`` that autograd may keep: a device-side clone of its
+        prefetched copy when it needs no gradient, else a copy that autograd flows through."""
+        device = self.devices[index]
+        if slot is not None and slot.state == "pending" and not weight.requires_grad:
+            tensor = self._hand_out(slot, engine).clone()  # on the compute stream: its own pool
+            self._retire(slot, engine.record(device))
+            return tensor
+        if slot is not None and slot.state == "pending":
+            self._retire(slot, None)  # copied ahead without autograd
+        tensor, event = engine.copy_new(weight, device)
+        self.copies += 1
         if self._unsafe != "skip_wait":
             engine.wait(event, device)
-        if fresh:
-            engine.keep(tensor, device)
+        engine.reads(tensor, device)
+        if self._unsafe != "skip_keep":
+            engine.keep(tensor, device)  # allocated on the copy stream, read on this one
         return tensor
 
     def release(self, index: int) -> None:
@@ -208,14 +302,17 @@ class WeightStreamer(torch.nn.Module):
             slot = self._slots.get(index)
             if slot is None or slot.state != "in_use":
                 return
-            self._retire(slot, self._engine(slot.device).record(slot.device))
+            engine = self._engine(slot.device)
+            assert slot.tensor is not None
+            engine.reads(slot.tensor, slot.device)  # the last reader
+            self._retire(slot, engine.record(slot.device))
             self._log("release", index)
             self._prefetch(self._next)
 
     def reset_stats(self) -> None:
         """Forget the counters and timed events."""
         with self._lock:
-            self.prefetched = self.copies = self.overflow = 0
+            self.prefetched = self.copies = self.overflow = self.stale = 0
             if self._cuda is not None:
                 self._cuda.timed.clear()
 
@@ -256,7 +353,7 @@ class WeightStreamer(torch.nn.Module):
             ends: dict[torch.device, int] = {}
             offsets: list[int | None] = []
             for device, size in zip(self.devices, self.sizes):
-                size = _aligned(size)
+                size = aligned(size)
                 if size > self.window:
                     offsets.append(None)
                     log.warning("a streamed weight of %d bytes exceeds the window (%d)", size, self.window)
@@ -279,7 +376,7 @@ class WeightStreamer(torch.nn.Module):
         if start is None:
             return None
         device = self.devices[index]
-        end = start + _aligned(self.sizes[index])
+        end = start + aligned(self.sizes[index])
         regions = self._regions.setdefault(device, [])
         overlapping = [s for s in regions if s.start < end and start < s.end]
         if self._unsafe != "skip_release" and any(s.state != "done" for s in overlapping):
@@ -290,13 +387,19 @@ class WeightStreamer(torch.nn.Module):
             if self._slots.get(s.index) is s:
                 del self._slots[s.index]
             after += [s.released, s.copied]  # behind its last reader, and behind its own copy
+        engine = self._engine(device)
         buffer = self._windows.get(device)
         if buffer is None:
-            buffer = self._windows[device] = self._engine(device).alloc(device, self.window)
+            buffer = self._windows[device] = engine.alloc(device, self.window)
+            if self._unsafe != "skip_window_keep":
+                # allocated on the compute stream, written on the copy stream: freed (use(),
+                # the module deleted) only behind the copies queued by then
+                engine.keep_copying(buffer, device)
         nbytes = source.numel() * source.element_size()
         view = buffer[start : start + nbytes].view(source.dtype).view(source.shape)
-        event = self._engine(device).copy(source, view, after)
-        slot = _Slot(index, device, start, end, "pending", view, event)
+        version = _version(source)
+        event = engine.copy(source, view, after)
+        slot = _Slot(index, device, start, end, "pending", view, event, version=version)
         regions.append(slot)
         self._slots[index] = slot
         self.copies += 1
@@ -323,18 +426,49 @@ class WeightStreamer(torch.nn.Module):
             self.prefetched += 1
 
 
+def pin_arena(params: Sequence[torch.Tensor], *, pin: bool = True) -> torch.Tensor:
+    """Move ``params`` (host tensors, e.g. parameters) into one host arena, each at an
+    ``ALIGN``-ed offset, pinned when ``pin``; the arena. One pinned block instead of one per
+    tensor: the caching host allocator rounds each block up to a power of two, which for many
+    separately pinned weights costs up to twice their bytes.
+
+    Example:
+        >>> import torch
+        >>> params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+        >>> arena = pin_arena(params, pin=False)
+        >>> arena.numel() == 2 * ALIGN, params[1].data.untyped_storage().data_ptr() == arena.data_ptr()
+        (True, True)
+        >>> params[0].tolist()
+        [1.0, 1.0, 1.0]
+    """
+    sizes = [aligned(p.numel() * p.element_size()) for p in params]
+    arena = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    offset = 0
+    for param, size in zip(params, sizes):
+        nbytes = param.numel() * param.element_size()
+        view = arena[offset : offset + nbytes].view(param.dtype).view(param.shape)
+        view.copy_(param.data)
+        param.data = view
+        offset += size
+    return arena
+
+
 def pin_streamed(module: torch.nn.Module, paths: Sequence[str]) -> int:
-    """Pin the host memory of the parameters at ``paths`` (when CUDA is available); bytes pinned."""
+    """Pin the host memory of the parameters at ``paths`` in one arena (when CUDA is
+    available, see :func:`pin_arena`); bytes of the arena."""
     if not torch.cuda.is_available():
         return 0
-    pinned = 0
+    params = {}
     for path in paths:
         param = module.get_parameter(path) if "." in path or hasattr(module, path) else None
         if param is None or param.device.type != "cpu" or param.is_pinned():
             continue
-        param.data = param.data.pin_memory()
-        pinned += param.numel() * param.element_size()
-    log.info("pinned %d bytes of streamed parameters", pinned)
+        params[id(param)] = param
+    if not params:
+        return 0
+    arena = pin_arena(list(params.values()))
+    pinned = arena.numel()
+    log.info("pinned %d bytes of streamed parameters in one arena", pinned)
     return pinned
 
 
@@ -344,7 +478,9 @@ def measure_workspace(device: str | torch.device = "cuda", dtype: torch.dtype = 
     measured once. 0 without CUDA.
 
     Example:
-        >>> measure_workspace("cuda") >= 0
+        >>> import torch
+        >>> workspace = measure_workspace("cuda")
+        >>> workspace > 0 if torch.cuda.is_available() else workspace == 0
         True
     """
     if not torch.cuda.is_available():

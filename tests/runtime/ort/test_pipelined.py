@@ -101,3 +101,30 @@ def test_stream_stage_error_names_stage_and_batch():
     chunked = pl.Runner(model, device_map="cpu", chunks=2)
     with pytest.raises(pl.PipelineError, match=r"stage 0 .* failed on micro-batch 4"):
         list(chunked.stream([idx, idx, bad]))  # batch 2's first micro-batch is the stream's 5th
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_stream_errors_yield_answers_every_request(chunks):
+    """``stream(..., errors="yield")``: a failed request (a stage failing, or bad inputs) yields its
+    error in its place and the stream goes on; the other requests' outputs are the runs' own."""
+    model, _, (idx,) = _placed("gpt")
+    bad = idx.clone()
+    bad[0, 0] = 10_000  # out of the vocabulary: the embedding Gather (stage 0) fails
+    wrong = idx.float()  # a float batch for int64 token ids: refused before any stage runs
+    runner = pl.Runner(model, device_map="cpu", chunks=chunks)
+    expected = runner.run([idx])[0]
+    requests = [[idx], [bad], [idx], [wrong], [idx[:3]], [bad], [idx]]
+    outs = list(runner.stream(requests, window=2, errors="yield"))
+    assert len(outs) == len(requests)
+    for k in (0, 2, 6):
+        np.testing.assert_allclose(outs[k][0], expected, atol=ATOL)
+    np.testing.assert_allclose(outs[4][0], expected[:3], atol=ATOL)
+    assert isinstance(outs[1], pl.PipelineError) and outs[1].stage == 0
+    assert isinstance(outs[5], pl.PipelineError) and "failed on micro-batch" in str(outs[5])
+    assert isinstance(outs[3], pl.InputError) and "'idx'" in str(outs[3])
+    # the default still ends the stream at the first failure, and the runner stays usable
+    with pytest.raises(pl.PipelineError):
+        list(runner.stream([[idx], [bad], [idx]]))
+    np.testing.assert_allclose(runner.run([idx])[0], expected, atol=ATOL)
+    with pytest.raises(pl.InputError, match="errors must be 'raise' or 'yield'"):
+        runner.stream(requests, errors="skip")

@@ -534,7 +534,7 @@ def test_runs_stay_quiet_at_the_default_log_level(capfd, caplog):
         pl.Runner(model, device_map="cpu").run({"x": x})
         return capfd.readouterr().err
 
-    assert ort_log_severity() == 3
+    assert ort_log_severity() == 4
     assert "onnxruntime" not in place_and_run()
     with caplog.at_level(logging.DEBUG, logger="placement"):
         assert ort_log_severity() == 1

@@ -73,3 +73,39 @@ def test_cli_refuses_negative_threads(tmp_path, capsys):
     assert (
         "threads must be a whole number of at least 1, got -3" in err and len(err.strip().splitlines()) == 1
     )
+
+
+@pytest.mark.parametrize(("device_map", "fold"), [("auto", None), ("cpu", False), ("cpu", None)])
+def test_a_stream_divides_the_cores_among_stages_whatever_chunks_is(device_map, fold, monkeypatch):
+    """``Runner(model).stream(...)`` pipelines even with ``chunks=1``: its stage sessions get the
+    cores divided among the stages (as ``chunks > 1`` does), while ``run`` keeps the sessions it has."""
+    from placement.runtime.ort import build
+    from placement.runtime.schedule import stage_threads
+
+    model = mlp_graph()
+    acts = pl.get_activation_blobs(model)
+    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 1})
+    pl.inject_cross_device_copies(model)
+    made: list[int | None] = []
+    real = build.stage_session
+
+    def spy(stage, physical, *, threads=None, **kwargs):
+        made.append(threads)
+        return real(stage, physical, threads=threads, **kwargs)
+
+    monkeypatch.setattr(build, "stage_session", spy)
+    runner = pl.Runner(model, device_map=device_map, fold=fold)
+    x = np.ones((2, 4), np.float32)
+    expected = runner.run({"x": x})[0]
+    at_build = list(made)
+    outs = list(runner.stream([{"x": x}, {"x": 2 * x}]))
+    np.testing.assert_allclose(outs[0][0], expected, **THREADS_TOL)
+    streamed = made[len(at_build) :]
+    assert streamed and all(t == stage_threads(2) for t in streamed), (at_build, streamed)
+    # the pipelined sessions are built once per placement
+    list(runner.stream([{"x": x}]))
+    assert len(made) == len(at_build) + len(streamed)
+    # a budget given wins
+    made.clear()
+    list(pl.Runner(model, device_map=device_map, fold=fold, threads_per_stage=1).stream([{"x": x}]))
+    assert made and set(made) == {1}

@@ -28,7 +28,7 @@ def test_without_a_gpu_it_is_a_named_error():
     model, net, args = _placed("mlp")
     with pytest.raises(pl.CUDAGraphError):
         pl.to_torch(model, device_map="cpu", cuda_graphs=True)
-    # chunks > 1: per-stage graphs, skipped with a warning on the CPU (test_torch_stage_graphs.py)
+    # chunks > 1: per-stage graphs, skipped with a warning on the CPU (test_stage_graphs.py)
 
 
 def test_segments_follow_the_physical_devices():

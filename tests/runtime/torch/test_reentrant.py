@@ -1,4 +1,4 @@
-"""The pipelined backward never blocks an autograd device thread (``lowering/reentrant.py``).
+"""The pipelined backward never blocks an autograd device thread (``placement/runtime/torch/reentrant.py``).
 
 On a GPU the autograd engine runs backward work on one thread per device, and a
 ``torch.autograd.grad`` called from another thread queues its GPU work to that thread

@@ -1,0 +1,1 @@
+"""Tests for placement.runtime.torch: running lowered modules (pipelines, executors, CUDA graphs)."""
