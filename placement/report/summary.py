@@ -43,7 +43,13 @@ import onnx_ir as ir
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
 from placement.graph.model import value_nbytes
-from placement.graph.nodes import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes
+from placement.graph.nodes import (
+    COLLECTIVE_KEY,
+    COPY_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    streamed_homes,
+)
 from placement.graph.sizes import format_bytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
@@ -51,6 +57,15 @@ from placement.planning.dims import describe, planned_dims
 from placement.planning.profile import add_estimates
 
 __all__ = ["summary", "Summary", "DeviceRow", "Column"]
+
+
+def _count_collective(row: DeviceRow, node: ir.Node, size: Callable[[ir.Value], int]) -> None:
+    """An all-reduce or all-gather on ``row``'s device, and the bytes of the copies it reads."""
+    row.collectives += 1
+    for value in node.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and COPY_KEY in producer.metadata_props:
+            row.collective_bytes += size(value)
 
 
 @dataclasses.dataclass
@@ -70,6 +85,8 @@ class DeviceRow:
     static_copy_bytes: int = 0
     streamed_copies: int = 0  # copies of weights that live on the host, made every run
     streamed_bytes: int = 0  # bytes they move per run (the host's row: the weights it streams out)
+    collectives: int = 0  # tensor-parallel all-reduces / all-gathers computed here
+    collective_bytes: int = 0  # bytes they read from other devices per run
     kv_cache_bytes: int = 0  # KV caches of its layers at the batch and length asked for (summary's kv_cache)
     # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
@@ -90,6 +107,11 @@ class Column:
     get: Callable[[DeviceRow], str]
     justify: str = "right"
 
+
+#: Shown where a model has tensor-parallel collectives (before the estimates).
+COLLECTIVES_COLUMN = Column(
+    "collectives", lambda r: f"{r.collectives} ({format_bytes(r.collective_bytes)})" if r.collectives else "-"
+)
 
 DEFAULT_COLUMNS: list[Column] = [
     Column("device", lambda r: str(r.device), "left"),
@@ -273,6 +295,8 @@ def summary(
                     row(dev_of.get(id(source), device)).sent_bytes += nbytes
         else:
             current.ops += 1
+        if COLLECTIVE_KEY in node.metadata_props:
+            _count_collective(current, node, size)
         for value in node.outputs:
             dev_of[id(value)] = device
     default = reader.of(first_node) if first_node is not None else Device("cuda", 0)
@@ -292,6 +316,8 @@ def summary(
         output_device=output_device,
         dims=dims,
     )
+    if any(r.collectives for r in result.rows):
+        result.columns.insert(len(result.columns) - 2, COLLECTIVES_COLUMN)
     if kv_cache is not None:
         _add_kv_cache(ir_model, result, kv_cache, reader)
     add_estimates(ir_model, result, dims=dims)

@@ -122,6 +122,17 @@ def test_each_device_holds_a_share_of_the_split_weights() -> None:
         assert nbytes <= split_bytes / 2 + 1024  # biases and small shards: at most half, plus slack
 
 
+def test_summary_shows_collectives_and_their_bytes() -> None:
+    module, args, model = _built("gpt")
+    model, _ = _split(module, args, [0, 1], model)
+    report = pl.summary(model)
+    first = report.row(0)
+    assert first.collectives == 6  # 5 all-reduces and the logits' all-gather
+    assert first.collective_bytes > 0 and not report.unknown_sizes
+    column = next(c for c in report.columns if c.header == "collectives")
+    assert column.get(first).startswith("6 (")
+
+
 def test_save_and_load_round_trip(tmp_path) -> None:
     module, args, model = _built("gpt")
     model, expected = _split(module, args, [0, 1], model)
@@ -227,7 +238,7 @@ class _Mlp(nn.Module):
         return self.down(h) + x
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     d=st.integers(2, 12),
     ff=st.integers(4, 24),

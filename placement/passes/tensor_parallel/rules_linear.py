@@ -318,10 +318,27 @@ def _gather(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
             meta=dict(node.metadata_props),
         ).outputs[0]
         masked.type, masked.shape = out.type, out.shape
+        _typed(ids, out, low, high, mine, shifted, safe, rows_d, keep)
         partials.append(masked)
     rw.define(out, PARTIAL, partials)
     rw.split.append(node.name or "")
     return True
+
+
+def _typed(ids: ir.Value, out: ir.Value, *values: ir.Value) -> None:
+    """Types and shapes of a vocab-parallel lookup's intermediate values."""
+    low, high, mine, shifted, safe, rows, keep = values
+    flags = ir.TensorType(ir.DataType.BOOL)
+    for value, kind, shape in (
+        (low, flags, ids.shape),
+        (high, flags, ids.shape),
+        (mine, flags, ids.shape),
+        (shifted, ids.type, ids.shape),
+        (safe, ids.type, ids.shape),
+        (rows, out.type, out.shape),
+        (keep, flags, None if ids.shape is None else ir.Shape([*ids.shape, 1])),
+    ):
+        value.type, value.shape = kind, shape
 
 
 def _np_dtype(value: ir.Value) -> np.dtype:

@@ -123,29 +123,7 @@ class ConcurrentRun:
             else:
                 finished.put((i, None))
 
-        while pending:
-            stages = [i for i in ready if not isinstance(self.steps[i], TransferStep)]
-            for i in ready:
-                if isinstance(self.steps[i], TransferStep):
-                    work(i)
-                    in_flight += 1
-            for i in stages[1:]:
-                pool.submit(work, i)
-                in_flight += 1
-            if stages:
-                in_flight += 1
-                work(stages[0])  # the caller's thread runs one stage itself
-            ready = []
-            if not in_flight:
-                raise PlacementError(f"{pending} steps wait for steps that never run (a cycle)")
-            i, err = finished.get()
-            in_flight -= 1
-            if err is not None:
-                while in_flight:  # let the others finish before raising
-                    finished.get()
-                    in_flight -= 1
-                raise err
-            pending -= 1
+        def complete(i: int) -> None:
             for key in step_reads(self.steps[i]):
                 refs[key] -= 1
                 if not refs[key] and key not in self.keep:
@@ -154,6 +132,36 @@ class ConcurrentRun:
                 waiting[j] -= 1
                 if not waiting[j]:
                     ready.append(j)
+
+        while pending:
+            transfers = [i for i in ready if isinstance(self.steps[i], TransferStep)]
+            if transfers:  # cheap: on the caller's thread, before any stage starts
+                ready[:] = [i for i in ready if i not in transfers]
+                for i in transfers:
+                    self.steps[i].run(values)
+                    pending -= 1
+                    complete(i)
+                continue
+            stages, ready[:] = list(ready), []
+            for i in stages[1:]:
+                pool.submit(work, i)
+            in_flight += len(stages)
+            if stages:
+                work(stages[0])  # the caller's thread runs one stage itself
+            if not in_flight:
+                raise PlacementError(f"{pending} steps wait for steps that never run (a cycle)")
+            while True:
+                i, err = finished.get()
+                in_flight -= 1
+                if err is not None:
+                    while in_flight:  # let the others finish before raising
+                        finished.get()
+                        in_flight -= 1
+                    raise err
+                pending -= 1
+                complete(i)
+                if ready or not in_flight:
+                    break
         return self.program.collect(values, kind)
 
 
