@@ -276,7 +276,13 @@ def from_causal_lm(
     wrapper = _wrapper(module, layers, keyword)
     name = type(module).__name__
     ir_model, used = _export(
-        wrapper, (ids, mask, positions, past), None, shapes, "dynamo", name, frozenset({"use_cache"})
+        wrapper,
+        (ids, mask, positions, past),
+        None,
+        shapes,
+        "dynamo",
+        name,
+        skip_settings=frozenset({"use_cache"}),
     )
     _name_cache_values(ir_model, layers)
     _fold_shape_arithmetic(ir_model)
