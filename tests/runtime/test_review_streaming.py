@@ -31,6 +31,7 @@ def test_a_write_through_data_after_the_wrap_around_prefetch_is_seen():
     engine = streamer.use(EmulatedCopyEngine())
     try:
         assert _forward(streamer, weights) == [0.0, 1.0, 2.0]  # prefetches weight 0 again at the end
+        streamer.synchronize()  # the copies ahead have landed (a GPU's DMA finishes under compute)
         for w in weights:
             w.data.add_(1.0)
         assert _forward(streamer, weights) == [1.0, 2.0, 3.0]
