@@ -207,8 +207,14 @@ def autocast_matches(casts: Sequence[tuple[str, torch.dtype, bool]]) -> bool:
 
 @contextlib.contextmanager
 def autocast_like(casts: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
-    """Enter the autocast state ``casts`` (from :func:`caller_autocast`) where it is not on yet."""
+    """Enter the autocast state ``casts`` (from :func:`caller_autocast`) where it is not on yet,
+    and turn autocast off for the device types it does not name: a checkpointed stage
+    recomputed inside a ``backward()`` called under autocast runs as its forward did."""
     with contextlib.ExitStack() as stack:
+        named = {device_type for device_type, _, _ in casts}
+        for device_type in _AUTOCAST_DEVICES:
+            if device_type not in named and torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         for device_type, dtype, cache in casts:
             if not autocast_matches([(device_type, dtype, cache)]):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
