@@ -38,7 +38,8 @@ direct forms are checked against them by the same tests.
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
 :mod:`.sampling` (Resize, GridSample), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
-(RNN, GRU, LSTM), :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
+(RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
+:mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
 Runtime's ``com.microsoft`` quantized matmuls, keyed ``"com.microsoft::<op>"``), :mod:`.signal`
 (DFT, STFT, windows), :mod:`.contrib` and :mod:`.contrib_attention` (ONNX Runtime's ops in
 LLM files: ``SimplifiedLayerNormalization``, ``SkipSimplifiedLayerNormalization``,
@@ -68,6 +69,7 @@ from placement.lowering.ops import (
     nn,
     pooling,
     quantized,
+    quantized_recurrent,
     random,
     recurrent,
     reduction,
@@ -103,6 +105,7 @@ __all__ = [
     "nn",
     "pooling",
     "quantized",
+    "quantized_recurrent",
     "random",
     "recurrent",
     "reduction",
