@@ -36,7 +36,8 @@ the lowering emits that call instead of the rule. Rules are the reference; the
 direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
-:mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign), :mod:`.shape`,
+:mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
+:mod:`.deform` (DeformConv), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -64,6 +65,7 @@ from placement.lowering.ops import (
     contrib_attention,
     control,
     conv,
+    deform,
     detection,
     elementwise,
     linalg,
@@ -101,6 +103,7 @@ __all__ = [
     "contrib_attention",
     "control",
     "conv",
+    "deform",
     "detection",
     "elementwise",
     "linalg",
