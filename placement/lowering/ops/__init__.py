@@ -37,7 +37,8 @@ direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
 :mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
-:mod:`.deform` (DeformConv), :mod:`.shape`,
+:mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
+CausalConvWithState), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -75,6 +76,7 @@ from placement.lowering.ops import (
     quantized_recurrent,
     random,
     recurrent,
+    recurrent_state,
     reduction,
     sampling,
     shape,
@@ -113,6 +115,7 @@ __all__ = [
     "quantized_recurrent",
     "random",
     "recurrent",
+    "recurrent_state",
     "reduction",
     "sampling",
     "shape",
