@@ -38,7 +38,7 @@ direct forms are checked against them by the same tests.
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
 :mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
 :mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
-CausalConvWithState), :mod:`.shape`,
+CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -71,6 +71,7 @@ from placement.lowering.ops import (
     elementwise,
     linalg,
     nn,
+    optimizers,
     pooling,
     quantized,
     quantized_recurrent,
@@ -110,6 +111,7 @@ __all__ = [
     "elementwise",
     "linalg",
     "nn",
+    "optimizers",
     "pooling",
     "quantized",
     "quantized_recurrent",
