@@ -38,7 +38,8 @@ direct forms are checked against them by the same tests.
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
 :mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
 :mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
-CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.shape`,
+CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.text`
+(TfIdfVectorizer), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -82,6 +83,7 @@ from placement.lowering.ops import (
     sampling,
     shape,
     signal,
+    text,
 )
 from placement.lowering.ops._registry import (
     DEFAULT_RULE,
@@ -122,4 +124,5 @@ __all__ = [
     "sampling",
     "shape",
     "signal",
+    "text",
 ]
