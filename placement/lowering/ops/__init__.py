@@ -39,7 +39,7 @@ Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.
 :mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
 :mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
 CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.text`
-(TfIdfVectorizer), :mod:`.shape`,
+(TfIdfVectorizer), :mod:`.flex_attention` (FlexAttention with its subgraphs), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -70,6 +70,7 @@ from placement.lowering.ops import (
     deform,
     detection,
     elementwise,
+    flex_attention,
     linalg,
     nn,
     optimizers,
@@ -111,6 +112,7 @@ __all__ = [
     "deform",
     "detection",
     "elementwise",
+    "flex_attention",
     "linalg",
     "nn",
     "optimizers",
