@@ -39,7 +39,8 @@ Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.
 :mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
 :mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
 CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.text`
-(TfIdfVectorizer), :mod:`.flex_attention` (FlexAttention with its subgraphs), :mod:`.shape`,
+(TfIdfVectorizer), :mod:`.flex_attention` (FlexAttention with its subgraphs),
+:mod:`.ml` (ai.onnx.ml Binarizer, ArrayFeatureExtractor), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -72,6 +73,7 @@ from placement.lowering.ops import (
     elementwise,
     flex_attention,
     linalg,
+    ml,
     nn,
     optimizers,
     pooling,
@@ -114,6 +116,7 @@ __all__ = [
     "elementwise",
     "flex_attention",
     "linalg",
+    "ml",
     "nn",
     "optimizers",
     "pooling",
