@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -42,17 +40,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bigmodel.json"
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, environment_line, process_bytes, write_results  # noqa: E402
+
+RESULTS = RESULTS_DIR / "bigmodel.json"
 TARGET = 1.2
 _GIB = 2**30
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def _step(rows: list[dict[str, Any]], name: str, fn: Callable[[], Any]) -> Any:
@@ -64,8 +61,8 @@ def _step(rows: list[dict[str, Any]], name: str, fn: Callable[[], Any]) -> Any:
     rows.append(
         {
             "step": name,
-            "peak": _status("VmHWM"),
-            "rss_after": _status("VmRSS"),
+            "peak": process_bytes("VmHWM"),
+            "rss_after": process_bytes("VmRSS"),
             "seconds": time.perf_counter() - start,
         }
     )
@@ -180,29 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 groups[kind] = _run_child(kind, source, work)
     pipeline = groups["placement"][:3]
     peak = max(row["peak"] for row in pipeline)
+    env = environment()
+    console.print(environment_line(env), highlight=False)
     console.print(_table(weight_bytes, groups))
     verdict = "meets" if peak < TARGET * weight_bytes else "MISSES"
     console.print(
         f"load + place + save: peak {peak / _GIB:.2f} GiB = {peak / weight_bytes:.2f} x W "
         f"({verdict} the {TARGET} x W target)"
     )
-    ns.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "bigmodel",
         "target": {"load_place_save_peak_over_weights": TARGET},
-        "environment": {
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
+        "environment": env,
         "weight_bytes": weight_bytes,
         "load_place_save_peak": peak,
         "results": groups,
     }
-    tmp_out = ns.output.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp_out.replace(ns.output)
-    console.print(f"wrote {ns.output}")
+    write_results(ns.output, payload)
     return 0
 
 

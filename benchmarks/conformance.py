@@ -25,9 +25,7 @@ Writes ``benchmarks/results/conformance.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,11 +35,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, write_results  # noqa: E402
 from tests.conformance import _cases  # noqa: E402
 
 __all__ = ["measure", "main"]
 
-RESULTS = _ROOT / "benchmarks" / "results" / "conformance.json"
+RESULTS = RESULTS_DIR / "conformance.json"
 RUNTIMES = {
     "ort": "ORT (one session)",
     "placed_last": "placed ORT, last op moved",
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     payload = {
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "environment": environment(),
         "versions": {
             "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
@@ -118,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": rows,
     }
-    ns.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ns.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    tmp.replace(ns.output)
-    print(f"wrote {ns.output}")
+    write_results(ns.output, payload, indent=1, sort_keys=True)
     return 0
 
 

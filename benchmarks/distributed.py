@@ -49,11 +49,7 @@ table prints the machine's load average next to the results.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pickle
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -68,9 +64,11 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, environment_line, median_ms, write_results  # noqa: E402
 from placement import models  # noqa: E402
 
-RESULTS = _ROOT / "benchmarks" / "results" / "distributed.json"
+RESULTS = RESULTS_DIR / "distributed.json"
 TARGET = 1.6
 
 
@@ -104,10 +102,6 @@ def prepare(name: str, micro: int, chunks: int, folder: Path, *, split: str = "t
         "path": str(path),
         "inputs": str(folder / f"{name}_m{micro}.npy"),
     }
-
-
-def _median_ms(values: Sequence[float]) -> float:
-    return statistics.median(values) * 1e3
 
 
 def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], repeats: int, out: str) -> None:
@@ -235,10 +229,10 @@ def _worker(rank: int, world: int, port: int, configs: list[dict[str, Any]], rep
         pipe.close()
         ort.close()
         if rank == 0:
-            med = {key: _median_ms(v) for key, v in times.items()}
+            med = {key: median_ms(v) for key, v in times.items()}
             t0, t1 = med["s0"] / k, med["s1"] / k
             ideal = t0 + (k - 1) * max(t0, t1) + t1
-            cmed = {key: _median_ms(v) for key, v in cpu.items()}
+            cmed = {key: median_ms(v) for key, v in cpu.items()}
             c0, c1 = cmed["s0"] / k, cmed["s1"] / k
             busiest = cmed["pipe"] / k  # CPU per micro-batch of the busier rank during the 2-rank run
             rows_out.append(
@@ -333,7 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _worker, args=(2, free_port(), configs, args.repeats, str(out)), nprocs=2, start_method="spawn"
         )
         rows = pickle.loads(out.read_bytes())
-    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    env = environment()
+    load = " ".join(f"{v:.1f}" for v in env["load_average"] or [])
+    console.print(environment_line(env), highlight=False)
     console.print(_table(rows, load))
     console.print(
         f"target: ratio >= {TARGET}. 'ideal' is the fill-drain bound from the measured stage times; "
@@ -344,14 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a core. ort: one pl.Runner (1 thread) vs 2 DistributedRunner ranks (ONNX Runtime stage sessions, "
         "1 thread each, gloo), same micro-batches; 'ort free cores' = the ratio their CPU times allow."
     )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "environment": env,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
     }
-    args.output.write_text(json.dumps(record, indent=1))
-    console.print(f"wrote {args.output}")
+    write_results(args.output, record, indent=1)
     return 0
 
 

@@ -53,27 +53,30 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
+try:  # the torch sections run without ONNX Runtime
+    import onnxruntime as ort
+except ImportError:  # pragma: no cover - an environment without it
+    ort = None
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
-from benchmarks.runtime import _alternate, _environment, build_model  # noqa: E402
+from benchmarks.gpu_setup import StageTimer, big_gpt, export, model_and_inputs  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
-from placement.runtime.ort.sessions import cuda_provider_options, session_options  # noqa: E402
 
 __all__ = ["main", "validate_cpu", "stage_times"]
 
 log = logging.getLogger("benchmarks.gpu")
 
-RESULTS = _ROOT / "benchmarks" / "results" / "gpu.json"
+RESULTS = RESULTS_DIR / "gpu.json"
 SECTIONS = ("ort", "call", "pipeline", "graphs", "memory", "predict", "validate-cpu")
 SHARED = {0: "cuda:0", 1: "cuda:0"}
 TARGETS = {
@@ -86,52 +89,59 @@ TARGETS = {
 }
 
 
+#: what each GPU section needs: "torch" (a CUDA GPU torch sees) or "ort" (that, and ONNX
+#: Runtime's CUDA provider really running a session)
+NEEDS = {"ort": "ort", "call": "ort", "pipeline": "ort", "graphs": "torch", "memory": "ort", "predict": "ort"}
+
+
+def torch_gpu() -> bool:
+    """Whether torch sees a CUDA GPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def ort_gpu() -> str | None:
+    """None when a session asked for CUDA really runs on ONNX Runtime's CUDA provider, else why
+    not. ``get_available_providers()`` lists CUDA even where the provider cannot load (a
+    missing CUDA or cuDNN library): the session would then run on the CPU, and its timings
+    would be reported as a GPU's."""
+    if ort is None:
+        return "onnxruntime is not installed"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDA provider"
+    import onnx
+    from onnx import TensorProto, helper
+
+    from placement.runtime.ort.sessions import cuda_provider_error
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x], [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(proto)
+    try:
+        session = ort.InferenceSession(
+            proto.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+        )
+    except Exception as err:  # noqa: BLE001 - any failure means no CUDA session
+        return f"a CUDA session cannot be built: {err}"
+    got = session.get_providers()[0]
+    if got == "CUDAExecutionProvider":
+        return None
+    return f"a CUDA session runs on {got}: {cuda_provider_error()}"
+
+
 def has_gpu() -> bool:
-    """Whether torch sees a CUDA GPU and ONNX Runtime has its CUDA provider."""
-    import torch
-
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-
-
-def big_gpt(batch: int = 8, *, seed: int = 0) -> tuple[Any, tuple[Any, ...]]:
-    """The big GPT: 12 layers, d=1024, 16 heads, vocabulary 8192, sequence 512 (160M parameters)."""
-    import torch
-
-    from placement.models.gpt import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=8192, block_size=512, n_layer=12, n_head=16, d_model=1024)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        net = GPT(config)
-    net.reset_parameters(generator)
-    idx = torch.randint(config.vocab_size, (batch, 512), generator=generator)
-    return net.eval(), (idx,)
-
-
-def model_and_inputs(name: str, *, batch: int | None = None) -> tuple[Any, tuple[Any, ...]]:
-    """``big``, ``tiny-gpt`` or a bench model of ``benchmarks/runtime.py`` (its batch repeated up
-    to ``batch``)."""
-    import torch
-
-    if name == "big":
-        return big_gpt(batch or 8)
-    size, base = ("tiny", "gpt") if name == "tiny-gpt" else ("bench", name)
-    net, args = build_model(base, size)
-    if batch:
-        args = tuple(torch.cat([a] * -(-batch // a.shape[0]))[:batch] for a in args)
-    return net, args
-
-
-def export(net: Any, args: tuple[Any, ...], *, dynamic: bool = False) -> pl.Model:
-    import torch
-
-    shapes = tuple({0: torch.export.Dim("batch")} for _ in args) if dynamic else None
-    return pl.from_torch(net, args, dynamic_shapes=shapes)
+    """Whether torch sees a CUDA GPU and an ONNX Runtime session really runs on CUDA."""
+    return torch_gpu() and ort_gpu() is None
 
 
 def _single(proto: bytes) -> ort.InferenceSession:
     """One CUDA session of the unplaced model, with the options the stage sessions use."""
     from placement.runtime.device_map import PhysicalDevice
+    from placement.runtime.ort.sessions import cuda_provider_options, session_options
 
     physical = PhysicalDevice("cuda", 0)
     providers = [("CUDAExecutionProvider", cuda_provider_options(physical)), "CPUExecutionProvider"]
@@ -154,7 +164,7 @@ def _pairs(
     for _ in range(max(1, trials)):
         fns = build()
         names = list(fns)
-        pair = _alternate(fns, repeats, warmup=3, block=block)
+        pair = alternate(fns, repeats, warmup=3, block=block).wall
         ratios.append(statistics.median(pair[names[1]]) / statistics.median(pair[names[0]]))
         for key, spent in pair.items():
             times.setdefault(key, []).extend(spent)
@@ -284,7 +294,7 @@ def _pipeline_model(name: str, *, trials: int, repeats: int, block: int) -> list
     def one_by_one() -> Any:
         return [single.run(None, q) for q in quarters]
 
-    seq = _alternate({"whole": whole, "quarters": one_by_one}, repeats, 3, block)
+    seq = alternate({"whole": whole, "quarters": one_by_one}, repeats, warmup=3, block=block).wall
     row["microbatches_one_session_ratio"] = round(
         statistics.median(seq["quarters"]) / statistics.median(seq["whole"]), 4
     )
@@ -382,50 +392,9 @@ def stage_times(runner: pl.Runner, feeds: Any, *, repeats: int) -> list[float]:
     """Median seconds of each stage of ``runner``'s program run alone (with the transfers after
     it), stages taking turns run by run; a stage on a GPU ends synchronised (ONNX Runtime
     synchronises its stream at the end of each run)."""
-    timer = _StageTimer(runner, feeds)
+    timer = StageTimer(runner, feeds)
     samples = [timer.round() for _ in range(repeats + 2)][2:]  # two warm-up rounds
     return timer.by_device([statistics.median(column) for column in zip(*samples)])
-
-
-class _StageTimer:
-    """Times each stage (with the transfers after it) of a runner's program once per :meth:`round`."""
-
-    def __init__(self, runner: pl.Runner, feeds: Any) -> None:
-        from placement.runtime.ort.steps import TransferStep
-
-        self.program = runner.program
-        self.arrays = [feeds[name] for name in runner.input_names]
-        self.groups: list[list[Any]] = []
-        for step in self.program.steps:
-            if not isinstance(step, TransferStep) or not self.groups:
-                self.groups.append([])
-            self.groups[-1].append(step)
-        self.timed = [any(not isinstance(x, TransferStep) for x in group) for group in self.groups]
-        #: the logical device of each timed group, in run order
-        self.devices = [
-            next(x.exec.stage.device for x in group if not isinstance(x, TransferStep))
-            for group, timed in zip(self.groups, self.timed)
-            if timed
-        ]
-
-    def by_device(self, times: Sequence[float]) -> list[float]:
-        """Per-stage ``times`` summed per logical device, devices in order of first use (the
-        stages of a plan's part, as ``pl.predict`` counts them)."""
-        totals: dict[Any, float] = {}
-        for device, spent in zip(self.devices, times):
-            totals[device] = totals.get(device, 0.0) + spent
-        return list(totals.values())
-
-    def round(self) -> list[float]:
-        values = self.program.feed(self.arrays)
-        spent = []
-        for group, timed in zip(self.groups, self.timed):
-            start = time.perf_counter()
-            for step in group:
-                step.run(values)
-            if timed:
-                spent.append(time.perf_counter() - start)
-        return spent
 
 
 def section_predict(*, repeats: int, dry_run: bool = False) -> list[dict[str, Any]]:
@@ -446,7 +415,7 @@ def validate_cpu(
     pipelined run (``Runner(chunks=k)``, one thread per stage) are measured in alternation,
     round by round, so load on the machine hits both; the prediction from the stage times'
     medians (times ``k``: whole-batch times) is compared with the run's median."""
-    from benchmarks.gpu_predict import _rounds  # gpu_predict imports this module's helpers lazily
+    from benchmarks.gpu_predict import _rounds
 
     net, args = model_and_inputs("tiny-gpt" if size == "tiny" else "gpt", batch=8)
     model = export(net, args, dynamic=True)
@@ -455,7 +424,7 @@ def validate_cpu(
     rows = []
     for k in chunks:
         micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
-        timer = _StageTimer(pl.Runner(placed, device_map="cpu", threads=1, fold=False), micro)
+        timer = StageTimer(pl.Runner(placed, device_map="cpu", threads=1, fold=False), micro)
         runner = pl.Runner(placed, device_map="cpu", chunks=k, threads_per_stage=1, fold=False)
         stage_times, measured = _rounds(runner, timer, feeds, repeats)
         times = [t * k for t in stage_times]
@@ -465,23 +434,6 @@ def validate_cpu(
                      "error": round(p.step_s / measured - 1, 4),
                      "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})  # fmt: skip
     return rows
-
-
-def _median_run(runner: pl.Runner, feeds: Any, repeats: int) -> float:
-    """Median seconds of ``runner.run(feeds)`` (three warm-up runs)."""
-    return statistics.median(_alternate({"run": functools.partial(runner.run, feeds)}, repeats, 3)["run"])
-
-
-def _rounded(data: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, float):
-            out[key] = round(value, 6)
-        elif isinstance(value, list):
-            out[key] = [round(v, 6) if isinstance(v, float) else v for v in value]
-        else:
-            out[key] = value
-    return out
 
 
 def _table(results: dict[str, Any]) -> Any:
@@ -541,7 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_child:
         _memory_child(*args.memory_child)
         return 0
-    gpu = has_gpu()
     on_cpu = ("validate-cpu", "predict") if args.dry_run else ("validate-cpu",)
     if args.dry_run:
         sections = (
@@ -549,40 +500,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         sections = args.sections
-    if not gpu and any(s not in on_cpu for s in sections):
-        print("benchmarks/gpu.py: no CUDA GPU here (torch.cuda and onnxruntime's CUDAExecutionProvider); "
-              "the GPU sections are skipped. Run it on a GPU machine, or use --dry-run / "
-              "--sections validate-cpu on the CPU.", file=sys.stderr)  # fmt: skip
-        sections = [s for s in sections if s in on_cpu]
-        if not sections:
-            return 0
-    results: dict[str, Any] = {"environment": _environment(), "targets": TARGETS}
+    missing = {"torch": None if torch_gpu() else "torch sees no CUDA GPU"}
+    if any(s not in on_cpu and NEEDS[s] == "ort" for s in sections):
+        missing["ort"] = missing["torch"] or ort_gpu()
+    skipped = [s for s in sections if s not in on_cpu and missing.get(NEEDS[s])]
+    for s in skipped:
+        print(f"benchmarks/gpu.py: section {s} skipped: {missing[NEEDS[s]]}", file=sys.stderr)
+    sections = [s for s in sections if s not in skipped]
+    if not sections:
+        return 0
+    results: dict[str, Any] = {"environment": environment(), "targets": TARGETS, "skipped": {
+        s: missing[NEEDS[s]] for s in skipped}}  # fmt: skip
     kw = {"trials": args.trials, "repeats": args.repeats, "block": args.block}
-    if "ort" in sections:
-        results["ort"] = section_ort(args.models, **kw)
-    if "call" in sections:
-        results["call"] = section_call(**kw)
-    if "pipeline" in sections:
-        results["pipeline"] = section_pipeline(
-            [m for m in ("gpt", "big") if m in args.models or m == "gpt"], **kw
-        )
-    if "graphs" in sections:
-        results["graphs"] = section_graphs(["tiny-gpt", "gpt"], **kw)
-    if "memory" in sections:
-        results["memory"] = section_memory([m for m in args.models if m != "hf-gpt2"])
-    if "predict" in sections:
-        results["predict"] = section_predict(repeats=3 if args.dry_run else max(5, args.repeats // 3),
-                                             dry_run=args.dry_run)  # fmt: skip
-    if "validate-cpu" in sections:
-        results["validate-cpu"] = validate_cpu(size="tiny" if args.dry_run else "bench",
-                                               repeats=3 if args.dry_run else args.repeats)  # fmt: skip
+    runs: dict[str, Callable[[], Any]] = {
+        "ort": lambda: section_ort(args.models, **kw),
+        "call": lambda: section_call(**kw),
+        "pipeline": lambda: section_pipeline([m for m in ("gpt", "big") if m in args.models or m == "gpt"],
+                                             **kw),
+        "graphs": lambda: section_graphs(["tiny-gpt", "gpt"], **kw),
+        "memory": lambda: section_memory([m for m in args.models if m != "hf-gpt2"]),
+        "predict": lambda: section_predict(repeats=3 if args.dry_run else max(5, args.repeats // 3),
+                                           dry_run=args.dry_run),
+        "validate-cpu": lambda: validate_cpu(size="tiny" if args.dry_run else "bench",
+                                             repeats=3 if args.dry_run else args.repeats),
+    }  # fmt: skip
+    for section in SECTIONS:
+        if section in sections:
+            results[section] = runs[section]()
+            if not args.dry_run:  # written as each section ends: a timeout keeps what was measured
+                _save(results, args.out)
     from rich.console import Console
 
     Console().print(_table(results))
-    if not args.dry_run:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 0
+
+
+def _save(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    partial.replace(out)
 
 
 if __name__ == "__main__":

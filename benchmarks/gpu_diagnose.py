@@ -83,7 +83,7 @@ def prepare(folder: Path, *, device: str, model: str, exported: tuple[Any, Any] 
         (folder / "setup.json").write_text(json.dumps(data))
         return folder
     if exported is None:
-        from benchmarks.gpu import big_gpt, export, model_and_inputs
+        from benchmarks.gpu_setup import big_gpt, export, model_and_inputs
 
         net, args = big_gpt(8) if model == "big" else model_and_inputs("tiny-gpt", batch=8)
         exported = (export(net, args), args[0])
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     from benchmarks.gpu import has_gpu
-    from benchmarks.runtime import _environment
+    from benchmarks.harness import environment
 
     gpu = has_gpu() and not args.dry_run
     if not gpu and not args.dry_run:
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare(workdir, device="cuda" if gpu else "cpu", model=model)
     prepared = time.perf_counter() - prepared
     variants = run_all(args.variants, workdir, warmup=warmup, repeats=repeats, timeout=args.timeout)
-    report = {"environment": _environment(), "device": "cuda:0" if gpu else "cpu (dry run)", "model": model,
+    report = {"environment": environment(), "device": "cuda:0" if gpu else "cpu (dry run)", "model": model,
               "repeats": repeats, "warmup": warmup, "prepare_s": round(prepared, 2), "variants": variants,
               "estimate_gpu_s": estimate_gpu_seconds(args.variants, warmup=3, repeats=20)}  # fmt: skip
     report["wall_s"] = round(time.perf_counter() - start, 2)

@@ -14,7 +14,7 @@ from typing import Any
 import onnxruntime as ort
 import torch
 
-from benchmarks.gpu_diagnose_variants import Chain, Setup, _other, _stages, run_on_thread
+from benchmarks.gpu_diagnose_sessions import Chain, Setup, other_session, run_on_thread, stage_sessions
 
 __all__ = ["build_option", "CUDA_ONLY"]
 
@@ -58,9 +58,9 @@ def build_option(name: str, setup: Setup, keep: list[Any], notes: list[str]) -> 
         notes.append("ctypes callbacks: each allocation takes the GIL")
     elif name == "opt:cuda_graph":
         return _graph_chain(setup, keep, notes)
-    chain = Chain(setup, _stages(setup, **kw))
+    chain = Chain(setup, stage_sessions(setup, **kw))
     keep.append(chain)
-    keep.append(_other(setup, **kw))
+    keep.append(other_session(setup, **kw))
     return run_on_thread(chain) if name == "opt:dedicated_thread" else chain
 
 
@@ -98,12 +98,12 @@ def _torch_allocator(keep: list[Any]) -> dict[str, str]:
 def _graph_chain(setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[], Any] | None:
     """The chain with ``enable_cuda_graph`` on both stages: inputs and outputs bound once to
     fixed torch buffers (stage 1 reads stage 0's output buffers); each call copies the input in."""
-    plain = Chain(setup, _stages(setup))
+    plain = Chain(setup, stage_sessions(setup))
     first = dict(zip(setup.stage_outputs[0], _outputs(plain.sessions[0], setup, plain.value)))
     first.update(zip(setup.stage_outputs[1], plain()))
     del plain
     try:
-        sessions = _stages(setup, provider={"enable_cuda_graph": "1"})
+        sessions = stage_sessions(setup, provider={"enable_cuda_graph": "1"})
     except Exception as err:  # noqa: BLE001 (ORT refuses the option when a node is not on CUDA)
         notes.append(f"ORT refused enable_cuda_graph: {str(err).strip().splitlines()[0][:160]}")
         return None
@@ -121,7 +121,7 @@ def _graph_chain(setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[]
         for out in session.get_outputs():
             _bind(binding.bind_output, out.name, buffers[out.name])
         bindings.append(binding)
-    keep.extend([sessions, buffers, static_x, bindings, _other(setup)])
+    keep.extend([sessions, buffers, static_x, bindings, other_session(setup)])
 
     def call() -> None:
         static_x.copy_(x)
@@ -145,9 +145,9 @@ _TORCH_TYPES = {
 
 
 def _outputs(session: ort.InferenceSession, setup: Setup, value: Any) -> list[Any]:
-    from benchmarks.gpu_diagnose_variants import _bind_run, _device
+    from benchmarks.gpu_diagnose_sessions import bind_run, device_of
 
-    return _bind_run(session, {setup.input_name: value}, _device(setup))
+    return bind_run(session, {setup.input_name: value}, device_of(setup))
 
 
 def _bind(bind: Callable[..., None], name: str, tensor: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_diagnose_variants import Setup, _session
+from benchmarks.gpu_diagnose_sessions import Setup, make_session
 
 __all__ = ["time_processes"]
 
@@ -61,7 +61,7 @@ class _Arrays:
 def _worker(stage: int, folder: str, inbox: Connection, outbox: Connection, ready: Connection) -> None:
     """Stage ``stage``'s process: run each described input, describe the outputs onward."""
     setup = Setup.load(Path(folder))
-    session = _session(setup, setup.path(f"stage{stage}.onnx"))
+    session = make_session(setup, setup.path(f"stage{stage}.onnx"))
     arrays = _Arrays()
     ready.send(stage)
     try:

@@ -20,13 +20,21 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnxruntime as ort
+
+from benchmarks.gpu_diagnose_sessions import (
+    Chain,
+    Setup,
+    bind_run,
+    device_of,
+    make_session,
+    other_session,
+    stage_sessions,
+)
+from benchmarks.harness import alternate
 
 __all__ = ["OPTION_VARIANTS", "VARIANTS", "run_variant"]
 
@@ -59,105 +67,9 @@ VARIANTS = {
 }
 
 
-@dataclass
-class Setup:
-    """What the driver prepared (``setup.json`` in the work folder)."""
-
-    folder: Path
-    device: str  # "cuda" or "cpu"
-    input_name: str
-    stage_inputs: list[list[str]]  # per stage, its input names
-    stage_outputs: list[list[str]]
-    sources: dict[str, str]  # stage-1 input -> the stage-0 output it copies
-
-    @classmethod
-    def load(cls, folder: Path) -> Setup:
-        data = json.loads((folder / "setup.json").read_text())
-        return cls(folder=folder, **data)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device == "cuda"
-
-    def path(self, name: str) -> str:
-        return str(self.folder / name)
-
-    def feed(self) -> np.ndarray:
-        return np.load(self.folder / "input.npy")
-
-
-# --- sessions ------------------------------------------------------------------------------------
-
-
-def _session(setup: Setup, path: str, *, provider: dict[str, str] | None = None,
-             config: dict[str, str] | None = None, threads: int | None = None,
-             profile: str | None = None) -> ort.InferenceSession:  # fmt: skip
-    """A session as ``pl.Runner`` makes a stage's, with extra provider / session entries."""
-    from placement.runtime.device_map import PhysicalDevice
-    from placement.runtime.ort.sessions import cuda_provider_options, stage_options
-
-    physical = PhysicalDevice("cuda", 0) if setup.cuda else PhysicalDevice("cpu")
-    options = stage_options(physical, threads=threads)
-    for key, value in (config or {}).items():
-        options.add_session_config_entry(key, value)
-    if profile:
-        options.enable_profiling = True
-        options.profile_file_prefix = profile
-    if not setup.cuda:
-        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    cuda = {**cuda_provider_options(physical), **(provider or {})}
-    return ort.InferenceSession(
-        path, options, providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
-    )
-
-
-def _device(setup: Setup) -> tuple[str, int]:
-    return ("cuda", 0) if setup.cuda else ("cpu", 0)
-
-
-def _bind_run(session: ort.InferenceSession, inputs: dict[str, Any], device: tuple[str, int]) -> list[Any]:
-    """One run through an IOBinding: ``inputs`` are OrtValues, outputs stay on ``device``."""
-    binding = session.io_binding()
-    for name, value in inputs.items():
-        binding.bind_ortvalue_input(name, value)
-    for out in session.get_outputs():
-        binding.bind_output(out.name, device[0], device[1])
-    session.run_with_iobinding(binding)
-    return binding.get_outputs()
-
-
-class Chain:
-    """Two stage sessions, the first's outputs bound as the second's inputs (no host copy)."""
-
-    def __init__(self, setup: Setup, sessions: list[ort.InferenceSession]) -> None:
-        self.setup, self.sessions, self.device = setup, sessions, _device(setup)
-        self.value = ort.OrtValue.ortvalue_from_numpy(setup.feed(), *self.device)
-
-    def __call__(self) -> list[Any]:
-        first = dict(
-            zip(
-                self.setup.stage_outputs[0],
-                _bind_run(self.sessions[0], {self.setup.input_name: self.value}, self.device),
-            )
-        )
-        second = {name: first[self.setup.sources.get(name, name)] for name in self.setup.stage_inputs[1]}
-        return _bind_run(self.sessions[1], second, self.device)
-
-
-def _stages(setup: Setup, **kw: Any) -> list[ort.InferenceSession]:
-    return [_session(setup, setup.path(f"stage{i}.onnx"), **kw) for i in range(2)]
-
-
-def _other(setup: Setup, **kw: Any) -> ort.InferenceSession:
-    """Another session of the unplaced model, run once (as a user's second model would be)."""
-    other = _session(setup, setup.path("single.onnx"), **kw)
-    other.run(None, {setup.input_name: setup.feed()})
-    return other
-
-
 def _single_call(setup: Setup, session: ort.InferenceSession) -> Callable[[], Any]:
-    value = ort.OrtValue.ortvalue_from_numpy(setup.feed(), *_device(setup))
-    return lambda: _bind_run(session, {setup.input_name: value}, _device(setup))
+    value = ort.OrtValue.ortvalue_from_numpy(setup.feed(), *device_of(setup))
+    return lambda: bind_run(session, {setup.input_name: value}, device_of(setup))
 
 
 def _runner_call(setup: Setup) -> Callable[[], Any]:
@@ -188,16 +100,9 @@ def _sync(setup: Setup) -> None:
 
 
 def _time(setup: Setup, fn: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(setup)
-    spent = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(setup)
-        spent.append((time.perf_counter() - start) * 1e3)
-    return spent
+    """Milliseconds of each of ``repeats`` calls of ``fn`` (after ``warmup``), each synchronised."""
+    timings = alternate({"run": fn}, repeats, warmup=warmup, sync=lambda: _sync(setup))
+    return [spent * 1e3 for spent in timings.wall["run"]]
 
 
 def run_variant(name: str, folder: Path, *, warmup: int, repeats: int) -> dict[str, Any]:
@@ -227,22 +132,22 @@ def run_variant(name: str, folder: Path, *, warmup: int, repeats: int) -> dict[s
 def _build(name: str, setup: Setup, keep: list[Any], notes: list[str]) -> Callable[[], Any] | None:
     """The call to time for ``name``; objects to keep alive go to ``keep``, what to say to ``notes``."""
     if name == "single":
-        single = _session(setup, setup.path("single.onnx"))
+        single = make_session(setup, setup.path("single.onnx"))
         keep.append(single)
         return _single_call(setup, single)
     if name.startswith("runner"):
         if name.endswith("before"):
-            keep.append(_other(setup))
+            keep.append(other_session(setup))
         fn = _runner_call(setup)
         if name.endswith("after"):
-            keep.append(_other(setup))
+            keep.append(other_session(setup))
         return fn
     if name in ("chain", "chain+other", "profile:chain", "profile:chain+other"):
         profile = setup.path(name.replace(":", "_").replace("+", "_")) if name.startswith("profile") else None
-        chain = Chain(setup, _stages(setup, profile=profile))
+        chain = Chain(setup, stage_sessions(setup, profile=profile))
         keep.append(chain)
         if name.endswith("+other"):
-            keep.append(_other(setup))
+            keep.append(other_session(setup))
         return chain
     if name in OPTION_VARIANTS:
         from benchmarks.gpu_diagnose_options import build_option
@@ -284,9 +189,3 @@ def summarise_profile(path: str, *, runs: int) -> dict[str, Any]:
         "wait_ms": round(wait_us * scale, 4),
         "top_ops_ms": {op: round(us * scale, 4) for op, us in top},
     }
-
-
-def run_on_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` called on one long-lived worker thread (the caller waits for each call)."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diagnose-run")
-    return lambda: pool.submit(fn).result()

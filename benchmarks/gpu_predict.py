@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import placement as pl
+from benchmarks.gpu_setup import StageTimer, export
 from benchmarks.pipeline_fixed_cost import measure as measure_fixed_cost
 from benchmarks.pipeline_fixed_cost import runner_options, summary
 from placement.planning.predict import FIXED_COST_S, simulate_pipeline
@@ -91,8 +92,6 @@ def section_predict(
     chunks: Sequence[int] = (1, 4),
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Rows of predicted against measured on the one device, with N-GPU predictions."""
-    from benchmarks.gpu import _StageTimer, export
-
     fixed = fixed_costs(device, repeats=max(4, repeats // 2))
     model = export(net, args, dynamic=True)
     feeds = {n: a.numpy() for n, a in zip(model.inputs, args)}
@@ -104,7 +103,7 @@ def section_predict(
         device_map: Any = {k: "cuda:0" for k in range(count)} if device == "cuda" else "cpu"
         for k in chunks:
             micro = {n: a[: max(1, a.shape[0] // k)] for n, a in feeds.items()}
-            timer = _StageTimer(pl.Runner(placed, threads=1, **runner_options(device_map)), micro)
+            timer = StageTimer(pl.Runner(placed, threads=1, **runner_options(device_map)), micro)
             runner = pl.Runner(placed, chunks=k, threads_per_stage=1, **runner_options(device_map))
             stage_s, measured = _rounds(runner, timer, feeds, repeats)
             times = [t * k for t in stage_s]

@@ -39,6 +39,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import environment, print_tables, table  # noqa: E402
 from placement.errors import InfeasiblePlacementError  # noqa: E402
 from placement.graph.sizes import format_bytes, parse_bytes  # noqa: E402
 from placement.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -150,10 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     header = ["model", "GPU budget", "search: planning ms"]
     for key in ("search", "spread only", "all host"):
         header += [f"{key}: GPU layers", f"{key}: ms", f"{key}: x search"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"speeds: cuda {rates['cuda']:.3g} FLOP/s, cpu {rates['cpu']:.3g} FLOP/s; link PCIe (20 GB/s)")
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    speeds = f"cuda {rates['cuda']:.3g} FLOP/s, cpu {rates['cpu']:.3g} FLOP/s; link PCIe 20 GB/s"
+    title = f"offload plans (speeds: {speeds})"
+    print_tables(table(title, header, rows), env=environment(), width=200)
     return 0
 
 

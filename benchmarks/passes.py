@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,10 +41,16 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-import placement as pl
-from placement.graph.nodes import DEVICE_KEY
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
 
-RESULTS = Path(__file__).resolve().parent / "results" / "passes.json"
+import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, environment_line, write_results  # noqa: E402
+from placement.graph.nodes import DEVICE_KEY  # noqa: E402
+
+RESULTS = RESULTS_DIR / "passes.json"
 WIDTH = 8
 #: seconds allowed at 1M ops: copy-heavy scatter < 8 s, half < 5 s
 TARGET_1M_S = {"half": 5.0, "scatter": 8.0, "stages": 10.0}
@@ -182,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    load_before = os.getloadavg()[0]
+    env = environment()
     rows = run(sorted(args.sizes), args.repeat, args.scenario, args.check)
-    load_after = os.getloadavg()[0]
+    env["load_average_after"] = environment()["load_average"]
     by_ops = {r["ops"] // 1000 * 1000: r for r in rows}
     ratio = ratio_median = None
     if 100_000 in by_ops and 1_000_000 in by_ops:
@@ -209,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ops_per_s']:,.0f}",
         )
     console = Console(width=130)
+    console.print(environment_line(env), highlight=False)
     console.print(table)
     console.print(
         f"best of {args.repeat} runs per size (phases from that run); "
-        f"load average {load_before:.2f} before, {load_after:.2f} after"
+        f"load average {' '.join(map(str, env['load_average_after'] or []))} after"
     )
     if ratio is not None and ratio_median is not None:
         total = by_ops[1_000_000]["best_s"]
@@ -224,23 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'OK' if ok else 'MISSED'}"
         )
 
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "passes",
         "scenario": args.scenario,
         "rows": rows,
         "scaling_100k_to_1m": ratio,
         "scaling_100k_to_1m_median": ratio_median,
-        "load_average": [load_before, load_after],
-        "python": sys.version.split()[0],
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "onnx_ir": ir.__version__,
+        "environment": env,
     }
-    tmp = args.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, args.output)
-    console.print(f"wrote {args.output}")
+    write_results(args.output, payload)
     return 0
 
 

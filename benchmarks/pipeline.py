@@ -77,16 +77,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import functools
-import json
 import logging
-import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,6 +94,11 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
+from benchmarks.allocator import choose as choose_allocator  # noqa: E402
+from benchmarks.allocator import malloc_arena_max  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment, environment_line, write_results  # noqa: E402
+from benchmarks.pipeline_gpipe import torchgpipe  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
 from placement.models import gpt, resnet  # noqa: E402
 from placement.runtime.calibrate import calibrate  # noqa: E402
@@ -109,7 +108,7 @@ from placement.runtime.schedule import bubble_fraction  # noqa: E402
 
 log = logging.getLogger("benchmarks.pipeline")
 
-RESULTS = _ROOT / "benchmarks" / "results" / "pipeline.json"
+RESULTS = RESULTS_DIR / "pipeline.json"
 #: Batches per timed stream: a serving stream is long, so its fill and drain (one batch time
 #: per extra stage) are a small share: 32 batches on 2 stages bound the ratio at 2 x 32/33 = 1.94.
 STREAM_LENGTH = 32
@@ -117,34 +116,6 @@ TARGETS = {"ort_stream": 1.7, "ort_run_chunks8": 1.55, "torch_forward": 1.6, "to
 CHUNKS = 8  # micro-batches per mini-batch; a micro-batch is the model's bench example batch
 #: torch rows: fresh (lowered, pipelined, torchgpipe) modules per trial; ratios are per-trial medians.
 TRIALS = 3
-
-
-#: Process CPU seconds per call of the last :func:`_alternate` (median), by contender.
-CPU_TIMES: dict[str, float] = {}
-
-
-def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, the calls alternating (order flips every round).
-
-    Also records the median process CPU time per call in :data:`CPU_TIMES` (all threads):
-    CPU time / wall time is the parallelism a contender got, which shows on a loaded machine
-    whether the stages overlapped even when other processes took the second core.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    items = list(fns.items())
-    for r in range(repeats):
-        for name, fn in items if r % 2 == 0 else list(reversed(items)):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            fn()
-            times[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - cpu_start)
-    CPU_TIMES.clear()
-    CPU_TIMES.update({k: statistics.median(v) for k, v in cpu.items()})
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor, int]:
@@ -197,82 +168,6 @@ def _place(
     for model in (ort_model, *torch_models.values()):
         pl.inject_cross_device_copies(model)
     return unplaced, ort_model, torch_models, info
-
-
-# --- torchgpipe's view of the zoo models: nn.Sequential -------------------------------------
-
-
-class _GPTEmbed(torch.nn.Module):
-    def __init__(self, net: Any) -> None:
-        super().__init__()
-        self.wte, self.wpe = net.wte, net.wpe
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], dtype=torch.int64, device=idx.device)
-        return self.wte(idx) + self.wpe(pos)
-
-
-class _GPTHead(torch.nn.Module):
-    def __init__(self, net: Any) -> None:
-        super().__init__()
-        # torchgpipe rejects a parameter shared by two partitions, so the head gets its own
-        # copy of the tied embedding weight (same numbers, same cost).
-        self.ln_f = net.ln_f
-        self.lm_head = torch.nn.Linear(net.lm_head.in_features, net.lm_head.out_features, bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(net.lm_head.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
-
-
-class _ResNetHead(torch.nn.Module):
-    def __init__(self, net: Any) -> None:
-        super().__init__()
-        self.avgpool, self.fc = net.avgpool, net.fc
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-def _sequential(name: str, net: Any) -> tuple[torch.nn.Sequential, list[str]]:
-    """The model as an ``nn.Sequential`` for torchgpipe, with each layer's module-path prefix."""
-    if name == "gpt":
-        layers = [_GPTEmbed(net), *net.blocks, _GPTHead(net)]
-        scopes = ["wte", *[f"blocks.{i}" for i in range(len(net.blocks))], "ln_f"]
-    else:
-        stem = torch.nn.Sequential(net.conv1, net.bn1, net.relu)
-        blocks, scopes = [], ["conv1"]
-        for i in range(1, net.num_stages + 1):
-            for j, block in enumerate(getattr(net, f"layer{i}")):
-                blocks.append(block)
-                scopes.append(f"layer{i}.{j}")
-        layers = [stem, *blocks, _ResNetHead(net)]
-        scopes.append("fc")
-    return torch.nn.Sequential(*layers), scopes
-
-
-def _balance(model: pl.Model, scopes: list[str]) -> list[int]:
-    """torchgpipe's ``balance`` from our placement: layers whose ops sit mostly on device 0, then the rest."""
-    on_first = 0
-    first = model.devices[0]
-    for scope in scopes:
-        ops = [op for op in model.ops if not op.is_copy and (op.scope or "").startswith(scope)]
-        if ops and sum(op.device == first for op in ops) * 2 >= len(ops):
-            on_first += 1
-    on_first = min(max(on_first, 1), len(scopes) - 1)
-    return [on_first, len(scopes) - on_first]
-
-
-def _torchgpipe(name: str, net: Any, model: pl.Model, chunks: int) -> tuple[Any, list[int]] | None:
-    try:
-        from torchgpipe import GPipe
-    except ImportError:
-        log.warning("torchgpipe is not installed (pip install torchgpipe): its row is left out")
-        return None
-    seq, scopes = _sequential(name, net)
-    balance = _balance(model, scopes)
-    return GPipe(seq, balance=balance, devices=["cpu", "cpu"], chunks=chunks, checkpoint="never"), balance
 
 
 # --- measurements ----------------------------------------------------------------------------
@@ -329,11 +224,11 @@ def _torch_rows(
             fns = {"eager": wrap(net), "lowered": wrap(lowered), "pipelined": wrap(pmod)}
             if kind == "train":
                 fns["train_step"] = _train_step(pmod)
-            gp = _torchgpipe(name, net, models["forward"], chunks)
+            gp = torchgpipe(name, net, models["forward"], chunks)
             if gp is not None:
                 fns["torchgpipe"], balance = wrap(gp[0]), gp[1]
-            times = _alternate(fns, reps)
-            runs[kind].append({"s": times, "cpu_s": dict(CPU_TIMES)})
+            timings = alternate(fns, reps)
+            runs[kind].append({"s": timings.medians(), "cpu_s": timings.cpu_medians()})
             del lowered, pmod, gp
     result: dict[str, Any] = {"trials": trials, "torchgpipe_balance": balance}
     for kind in ("forward", "train"):
@@ -386,7 +281,7 @@ def measure(
         for b in stream_batches:
             single.run(None, {feed_name: b})
 
-    ort_times = _alternate(
+    ort_timings = alternate(
         {
             "single": lambda: single.run(None, {feed_name: xs}),
             "run": lambda: piped.run([xs]),
@@ -395,7 +290,7 @@ def measure(
         },
         repeats,
     )
-    ort_cpu = dict(CPU_TIMES)
+    ort_times, ort_cpu = ort_timings.medians(), ort_timings.cpu_medians()
     rows: dict[str, Any] = {
         "model": name,
         "batch": len(xs),
@@ -430,7 +325,7 @@ def measure(
         fns: dict[str, Callable[[], Any]] = {"single": lambda: single.run(None, {feed_name: xs})}
         for k, r in runners.items():
             fns[f"chunks{k}"] = functools.partial(r.run, [xs])
-        times = _alternate(fns, repeats)
+        times = alternate(fns, repeats).medians()
         t1 = times["chunks1"]
         rows["sweep"] = [
             {
@@ -444,61 +339,12 @@ def measure(
     return rows
 
 
-#: ``--allocator`` choices: malloc libraries preloaded by re-executing the benchmark (sonames).
-ALLOCATORS = {"tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
-
-
-def _allocator(choice: str, argv: list[str]) -> str:
-    """The allocator this process runs with; re-executes the benchmark with ``LD_PRELOAD``
-    when ``choice`` (or, for ``auto``, the first of tcmalloc and jemalloc found) is not loaded yet."""
-    if choice == "glibc":
-        return "glibc"
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    for name in ALLOCATORS if choice == "auto" else [choice]:
-        soname = ctypes.util.find_library(ALLOCATORS[name])
-        if soname is None:
-            continue
-        if soname in preloaded:
-            return name
-        if os.environ.get("PLACEMENT_BENCH_REEXEC"):  # preloading did not take: do not loop
-            break
-        env = dict(os.environ, LD_PRELOAD=f"{soname} {preloaded}".strip(), PLACEMENT_BENCH_REEXEC="1")
-        print(f"re-running under {name} ({soname})", flush=True)
-        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
-    if choice != "auto":
-        log.warning("allocator %s not found (apt install libtcmalloc-minimal4 / libjemalloc2): glibc", choice)
-    return "glibc"
-
-
-def _malloc_arena_max(n: int) -> bool:
-    """glibc's ``mallopt(M_ARENA_MAX, n)``; ``False`` where there is no glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-8, n))  # M_ARENA_MAX is -8 in glibc's malloc.h
-    except (OSError, AttributeError):
-        return False
-
-
-def _environment() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "onnxruntime": ort.__version__,
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": load,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
-def _print(results: list[dict[str, Any]]) -> None:
+def _print(results: list[dict[str, Any]], env: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=140)
+    console.print(environment_line(env), highlight=False)
     table = Table(
         title="pipelined / baseline throughput (2 logical devices, 1 thread per stage); "
         "CPU work / baseline: process CPU seconds per mini-batch over the baseline's "
@@ -637,16 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    allocator = _allocator(args.allocator, sys.argv[1:] if argv is None else list(argv))
-    if args.malloc_arena_max is not None and not _malloc_arena_max(args.malloc_arena_max):
+    allocator = choose_allocator(args.allocator, Path(__file__), sys.argv[1:] if argv is None else list(argv))
+    if args.malloc_arena_max is not None and not malloc_arena_max(args.malloc_arena_max):
         log.warning("mallopt(M_ARENA_MAX) is not available (not glibc?): --malloc-arena-max ignored")
         args.malloc_arena_max = None
     torch.set_num_threads(1)
     repeats = args.repeats or (5 if args.quick else 15)
     results = []
-    env = _environment()
-    env["malloc_arena_max"] = args.malloc_arena_max
-    env["allocator"] = allocator
+    env = environment(
+        torch_threads=torch.get_num_threads(), malloc_arena_max=args.malloc_arena_max, allocator=allocator
+    )
     for name in args.models:
         sweep = not args.quick or name == args.models[0]
         results.append(
@@ -659,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                 trials=args.trials or (1 if args.quick else TRIALS),
             )
         )
-    _print(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    _print(results, env)
     payload = {
         "environment": env,
         "repeats": repeats,
@@ -668,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "results": results,
     }
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, payload)
     return 0
 
 

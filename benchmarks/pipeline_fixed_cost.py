@@ -54,7 +54,6 @@ import json
 import queue
 import statistics
 import sys
-import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,11 +66,13 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import placement as pl  # noqa: E402
-from benchmarks.runtime import _environment  # noqa: E402
+from benchmarks.allocator import choose as choose_allocator  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment, print_tables, write_results  # noqa: E402
 
 __all__ = ["main", "measure", "ort_waits", "runner_options", "tiny_linear"]
 
-RESULTS = _ROOT / "benchmarks" / "results" / "pipeline_fixed_cost.json"
+RESULTS = RESULTS_DIR / "pipeline_fixed_cost.json"
 CHUNKS = 16
 BATCH = 64
 
@@ -202,10 +203,10 @@ def crossover(
             pl.train_step(module, x, loss_fn=_loss)
             module.zero_grad(set_to_none=True)
 
-        times = _alternate(
+        times = alternate(
             {ex: functools.partial(step, m) for ex, m in modules.items()}, repeats, warmup=3, block=2
-        )
-        inline, threads = (statistics.median(times["wall"][ex]) for ex in ("inline", "threads"))
+        ).medians()
+        inline, threads = times["inline"], times["threads"]
         stages = modules["inline"]._pl_stages
         macs = max(sum(v.numel() for v in s.consts.values()) for s in stages) * (256 // CHUNKS)
         rows.append({
@@ -241,25 +242,6 @@ def _crossover_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
     return table
 
 
-def _alternate(fns: dict[str, Callable[[], Any]], repeats: int, *, warmup: int, block: int) -> dict[str, Any]:
-    """Wall and process CPU seconds (all threads) of each call, blocks of ``block`` calls of
-    each function alternating, the order flipping every round."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    wall: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    items = list(fns.items())
-    for i in range(-(-repeats // block)):
-        for name, fn in items if i % 2 == 0 else reversed(items):
-            for _ in range(block):
-                start, cpu_start = time.perf_counter(), time.process_time()
-                fn()
-                wall[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - cpu_start)
-    return {"wall": wall, "cpu": cpu}
-
-
 def measure(
     stages: int, *, device: str = "cpu", repeats: int = 20, block: int = 5, only: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
@@ -272,10 +254,10 @@ def measure(
     for name, fns in contenders.items():
         if only is not None and name not in only:
             continue
-        times = _alternate(fns, repeats, warmup=3, block=block)
-        k1, k16 = (statistics.median(times["wall"][k]) for k in ("k1", "k16"))
+        timings = alternate(fns, repeats, warmup=3, block=block)
+        wall, cpu = timings.medians(), timings.cpu_medians()
+        k1, k16, cpu1, cpu16 = wall["k1"], wall["k16"], cpu["k1"], cpu["k16"]
         extra = (k16 - k1) / CHUNKS
-        cpu1, cpu16 = (statistics.median(times["cpu"][k]) for k in ("k1", "k16"))
         rows.append({
             "contender": name,
             "stages": stages,
@@ -356,38 +338,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         devices.append("cuda")
     rows = [row for device in devices for n in args.stages
             for row in measure(n, device=device, repeats=args.repeats, block=args.block)]  # fmt: skip
-    env = _environment()
-    from rich.console import Console
-
-    title = (f"fixed cost of the pipeline schedule: 16 micro-batches against 1, near-zero compute "
-             f"(load {env['load_average'][0]:.1f} on {env['cpu_count']} cores; medians)")  # fmt: skip
-    Console(width=180).print(_table(rows, title))
+    env = environment(torch_threads=torch.get_num_threads())
+    title = "fixed cost of the pipeline schedule: 16 micro-batches against 1, near-zero compute (medians)"
+    print_tables(_table(rows, title), env=env, width=180)
     result = {"environment": env, "repeats": args.repeats, "block": args.block, "rows": rows,
               "summary": summary(rows)}  # fmt: skip
     print(json.dumps(result["summary"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result, indent=1)
     return 0
 
 
 def _main_crossover(repeats: int, out: Path, argv: list[str]) -> int:
-    from rich.console import Console
-
-    from benchmarks.pipeline import _allocator
-
     # tcmalloc (else jemalloc) where installed, as benchmarks/pipeline.py runs: under glibc each
     # worker thread's malloc arena is unmapped and faulted in again every step
-    allocator = _allocator("auto", ["--fixed-cost", *[a for a in argv if a != "--fixed-cost"]])
-    env = _environment()
+    again = ["--crossover", *[a for a in argv if a not in ("--crossover", "--fixed-cost")]]
+    allocator = choose_allocator("auto", Path(__file__), again)
+    env = environment(torch_threads=torch.get_num_threads(), allocator=allocator)
     rows = crossover(repeats=repeats)
-    load = f"load {env['load_average'][0]:.1f} on {env['cpu_count']} cores"
     what = "1F1B on 2 CPU stages: one thread for all stages against a thread per stage"
-    title = f"{what} ({allocator}; {load}; medians)"
-    Console(width=180).print(_crossover_table(rows, title))
+    print_tables(_crossover_table(rows, f"{what} ({allocator}; medians)"), env=env, width=180)
     path = out.with_name(out.stem + "_crossover.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "allocator": allocator, "repeats": repeats, "rows": rows}
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(path, result, indent=1)
     return 0
 
 

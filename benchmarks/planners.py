@@ -56,10 +56,8 @@ contiguous placement fits in).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import platform
 import sys
 import time
 import warnings
@@ -69,6 +67,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, environment_line, write_results  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.nodes import is_copy_node, node_device  # noqa: E402
 from placement.graph.sizes import format_bytes
@@ -83,7 +83,7 @@ from placement.planning.planner import evaluate_assignment
 
 log = logging.getLogger("benchmarks.planners")
 
-RESULTS = Path(__file__).resolve().parent / "results" / "planners.json"
+RESULTS = RESULTS_DIR / "planners.json"
 INSTALL_HINT = "pip install torchgpipe accelerate   # benchmark-only peers, not placement dependencies"
 
 
@@ -304,7 +304,6 @@ def run(
         "size": size,
         "repeats": repeats,
         "peers": {k: v[0] for k, v in peers.items()},
-        "python": platform.python_version(),
         "placement": pl.__version__,
         "links": links_spec,
         "rows": rows,
@@ -401,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(options.models, options.devices, options.size, options.repeats, options.links)
     from rich.console import Console
 
+    result["environment"] = env = environment()
     console = Console(width=140)
+    console.print(environment_line(env), highlight=False)
     console.print(_table(result))
     for line in _verdicts(result):
         console.print(line)
@@ -409,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
     if not result["peers"]:
         console.print(f"no peers installed: {INSTALL_HINT}")
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps(result, indent=1))
-    console.print(f"wrote {options.out}")
+    write_results(options.out, result, indent=1)
     return 0
 
 

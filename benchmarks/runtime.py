@@ -53,10 +53,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -72,6 +70,8 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment, print_tables, write_results  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
 from placement.runtime.ort.sessions import providers, session_options  # noqa: E402
@@ -80,29 +80,9 @@ __all__ = ["measure_ort", "main", "ORT_TARGET", "TORCH_TARGET"]
 
 log = logging.getLogger("benchmarks.runtime")
 
-RESULTS = _ROOT / "benchmarks" / "results" / "runtime.json"
+RESULTS = RESULTS_DIR / "runtime.json"
 ORT_TARGET = 1.02
 TORCH_TARGET = 1.10
-
-
-def _alternate(
-    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, block: int = 1
-) -> dict[str, list[float]]:
-    """Time each function ``repeats`` times, alternating blocks of ``block`` runs of each
-    (the order flips every round)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    items = list(fns.items())
-    block = max(1, block)
-    for i in range(-(-repeats // block)):
-        for name, fn in items if i % 2 == 0 else reversed(items):
-            for _ in range(block):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def hf_gpt2(size: str = "bench", *, seed: int = 0) -> tuple[Any, tuple[Any, ...]]:
@@ -212,7 +192,7 @@ def measure_ort(
             "single": functools.partial(single.run, None, feeds),
             "placed": functools.partial(runner.run, feeds),
         }
-        pair = _alternate(contenders, repeats, warmup, block)
+        pair = alternate(contenders, repeats, warmup=warmup, block=block).wall
         ratios.append(statistics.median(pair["placed"]) / statistics.median(pair["single"]))
         for name, spent in pair.items():
             times[name] += spent
@@ -380,20 +360,6 @@ def _torch_measure() -> Callable[..., dict[str, Any]] | None:
     return measure
 
 
-def _environment() -> dict[str, Any]:
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "onnxruntime": ort.__version__,
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-
-
 def _table(rows: Sequence[dict[str, Any]]) -> Any:
     from rich.table import Table
 
@@ -530,20 +496,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     with console.status(f"{name} ({ns.size}) on {n} devices: torch..."):
                         row["torch"] = torch_measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
                 rows.append(row)
-    console.print(_table(rows))
-    if ns.explain:
-        console.print(_explain_table(rows))
-    ns.output.parent.mkdir(parents=True, exist_ok=True)
+    env = environment(threads=ns.threads)
+    print_tables(_table(rows), *([_explain_table(rows)] if ns.explain else []), env=env, width=console.width)
     payload = {
         "benchmark": "runtime",
         "targets": {"ort_placed_over_single": ORT_TARGET, "torch_lowered_over_eager": TORCH_TARGET},
-        "environment": _environment(),
+        "environment": env,
         "results": rows,
     }
-    tmp = ns.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(ns.output)
-    console.print(f"wrote {ns.output}")
+    write_results(ns.output, payload)
     return 0
 
 

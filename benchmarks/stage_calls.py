@@ -24,10 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,27 +36,13 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import alternate, environment, print_tables, table  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402
 from placement.runtime.ort.sessions import session_options  # noqa: E402
 
-__all__ = ["alternate", "stage_call_rows", "microbatch_row", "main"]
-
-
-def alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 20) -> dict[str, float]:
-    """Median seconds of each function, run in turn (the order flips every round)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for rep in range(repeats):
-        for name in names if rep % 2 else names[::-1]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+__all__ = ["stage_call_rows", "microbatch_row", "main"]
 
 
 def _placed(name: str, size: str, devices: int) -> tuple[pl.Model, list[np.ndarray]]:
@@ -105,7 +88,7 @@ def stage_call_rows(name: str, size: str, devices: int, repeats: int) -> list[di
             },
         ),
     ):
-        med = alternate(fns, repeats)
+        med = alternate(fns, repeats, warmup=20).medians()
         rows.append(
             {
                 "model": f"{name} ({size})",
@@ -134,7 +117,8 @@ def microbatch_row(repeats: int) -> dict[str, Any]:
     one = pl.Runner(model, device_map="cpu", threads_per_stage=1, fold=False)
     piped = pl.Runner(model, device_map="cpu", chunks=16, threads_per_stage=1)
     np.testing.assert_allclose(piped.run(xs)[0], one.run(xs)[0], atol=1e-5)
-    med = alternate({"chunks1": lambda: one.run(xs), "chunks16": lambda: piped.run(xs)}, repeats)
+    fns = {"chunks1": lambda: one.run(xs), "chunks16": lambda: piped.run(xs)}
+    med = alternate(fns, repeats, warmup=20).medians()
     return {
         "chunks1": med["chunks1"] * 1e6,
         "chunks16": med["chunks16"] * 1e6,
@@ -149,20 +133,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--repeats", type=int, default=200)
     ns = parser.parse_args(argv)
-    print("cost per stage call (CPU, 1 intra-op thread; medians in us)")
-    columns = ("single", "folded", "apart", "runner", "per call")
-    print(f"{'model':14} {'stages':>6} {'io':>9} " + " ".join(f"{c:>8}" for c in columns))
-    for name in ns.models:
-        for devices in ns.devices:
-            for row in stage_call_rows(name, ns.size, devices, ns.repeats):
-                print(
-                    f"{row['model']:14} {row['stages']:6d} {row['io']:>9} {row['single']:8.0f} "
-                    f"{row['folded']:8.0f} {row['apart']:8.0f} {row['overhead']:8.1f} {row['per_call']:8.1f}"
-                )
+    env = environment(threads=1)
+    calls = table(
+        "cost per stage call (CPU, 1 intra-op thread; medians in us)",
+        ("model", "stages", "io", "single", "folded", "apart", "runner", "per call"),
+        [
+            (row["model"], row["stages"], row["io"], f"{row['single']:.0f}", f"{row['folded']:.0f}",
+             f"{row['apart']:.0f}", f"{row['overhead']:.1f}", f"{row['per_call']:.1f}")
+            for name in ns.models
+            for devices in ns.devices
+            for row in stage_call_rows(name, ns.size, devices, ns.repeats)
+        ],
+    )  # fmt: skip
     row = microbatch_row(ns.repeats)
-    print("\ncost per micro-batch (4 Linear(8, 8), 2 stages, batch 64, 1 thread per stage; us)")
-    print(f"{'chunks=1':>9} {'chunks=16':>10} {'per micro-batch per stage':>26}")
-    print(f"{row['chunks1']:9.0f} {row['chunks16']:10.0f} {row['per_mb_stage']:26.1f}")
+    micro = table(
+        "cost per micro-batch (4 Linear(8, 8), 2 stages, batch 64, 1 thread per stage; us)",
+        ("chunks=1", "chunks=16", "per micro-batch per stage"),
+        [(f"{row['chunks1']:.0f}", f"{row['chunks16']:.0f}", f"{row['per_mb_stage']:.1f}")],
+    )
+    print_tables(calls, micro, env=env)
 
 
 if __name__ == "__main__":

@@ -351,6 +351,34 @@ def _distributed() -> str:
     )
 
 
+def _tensor_parallel() -> str:
+    data = _load("tensor_parallel.json")
+    rows = [
+        [
+            r["model"],
+            r["tokens"],
+            f"{r['ms']['1_thread']:.1f}",
+            f"{r['ms']['2_threads']:.1f}",
+            f"{r['ms']['tensor_parallel']:.1f}",
+            f"{r['vs_1_thread']:.2f}",
+            f"{r['vs_2_threads']:.2f}",
+            f"{r['max_rel_diff']:.1e}",
+        ]
+        for r in data["rows"]
+    ]
+    load = data["load_average"]
+    return (
+        f"`pl.split_tensor_parallel` over 2 emulated devices (one session and one thread each, "
+        f"branches at once) against one unsplit session; median of {data['rounds']} interleaved rounds, "
+        f"load average {load[0]:.2f} before and {load[1]:.2f} after, {data['cpus']} CPUs:\n\n"
+        + _table(
+            ["model", "tokens", "1 thread ms", "2 threads ms", "TP x2 ms", "vs 1 thread", "vs 2 threads",
+             "max rel diff"],
+            rows,
+        )
+    )
+
+
 _CONFORMANCE_NAMES = {
     "ort": "ONNX Runtime, one session",
     "placed_last": "`pl.run`, last op moved to device 1",
@@ -406,6 +434,27 @@ def _bigmodel() -> str:
     )
 
 
+def _generate() -> str:
+    data = _load("generate.json")
+    columns = [c for c in data["results"][0]["tokens_per_s"]]
+    targets = data["targets"]
+    rows = []
+    for r in data["results"]:
+        tps = r["tokens_per_s"]
+        cells = [r["model"], r["batch"], *("-" if tps.get(c) is None else f"{tps[c]:.0f}" for c in columns)]
+        cells += [f"**{r['ratios'][t]:.2f}**" if t in r["ratios"] else "-" for t in targets]
+        rows.append(cells)
+    header = ["model", "batch", *columns, *(f"{t} (target {v})" for t, v in targets.items())]
+    load = data["load_average"]
+    return (
+        f"Tokens per second, greedy, prompt {data['prompt']}, {data['new_tokens']} new tokens, best of "
+        f"{data['repeats']}; ratios to the ORT loop (placed rows), transformers (torch) and chunks=1. "
+        f"Load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {data['cpus']} "
+        f"CPUs: a loaded machine slows every contender, the ratios less so. "
+        "See [generation.md](generation.md).\n\n" + _table(header, rows)
+    )
+
+
 #: (title, command that writes the results, renderer), in page order.
 SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
     (
@@ -423,6 +472,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
         _passes,
     ),
     ("Planners", "python benchmarks/planners.py --markdown", _planners),
+    ("Tensor parallelism", "python benchmarks/tensor_parallel.py", _tensor_parallel),
     (
         "torch.distributed ranks",
         "python benchmarks/distributed.py --micro-batches 2 8 16 --chunks 8",
@@ -430,6 +480,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
     ),
     ("ONNX node-test conformance", "python benchmarks/conformance.py", _conformance),
     ("Big models", "python benchmarks/bigmodel.py", _bigmodel),
+    ("Generation (LLM decode loops)", "python benchmarks/generate.py", _generate),
 ]
 
 _INTRO = """# Benchmarks

@@ -25,14 +25,10 @@ Writes ``benchmarks/results/torch_lowering.json``. Another script can call
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +39,8 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import placement as pl  # noqa: E402
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import alternate, environment, print_tables, write_results  # noqa: E402
 from placement import models  # noqa: E402
 from placement.runtime.torch import to_torch  # noqa: E402
 
@@ -50,15 +48,8 @@ __all__ = ["measure", "main"]
 
 log = logging.getLogger("benchmarks.torch_lowering")
 
-RESULTS = _ROOT / "benchmarks" / "results" / "torch_lowering.json"
+RESULTS = RESULTS_DIR / "torch_lowering.json"
 TARGET_RATIO = 1.10
-
-
-def _time(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def measure(
@@ -108,15 +99,9 @@ def measure(
         expected = net(*eager_args)
         got = module(*lowered_args)
         diff = float((expected - got.to(expected.device)).abs().max())
-        for _ in range(warmup):
-            net(*eager_args)
-            module(*lowered_args)
-        sync()
-        eager, lowered = [], []
-        for i in range(repeats):
-            pair = [("e", lambda: net(*eager_args)), ("l", lambda: module(*lowered_args))]
-            for kind, fn in pair if i % 2 == 0 else reversed(pair):
-                (eager if kind == "e" else lowered).append(_time(fn, sync))
+        fns = {"eager": lambda: net(*eager_args), "lowered": lambda: module(*lowered_args)}
+        times = alternate(fns, repeats, warmup=warmup, sync=sync).wall
+        eager, lowered = times["eager"], times["lowered"]
     eager_ms = statistics.median(eager) * 1e3
     lowered_ms = statistics.median(lowered) * 1e3
     # adjacent runs share the machine's state, so the median of their ratios resists drift
@@ -135,17 +120,6 @@ def measure(
         "ratio_of_minima": round(min(lowered) / min(eager), 4),
         "max_abs_diff": diff,
         "repeats": repeats,
-    }
-
-
-def _environment() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
 
 
@@ -202,8 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from rich.console import Console
-
     rows = []
     default_threads = torch.get_num_threads()
     for threads in ns.threads:
@@ -213,18 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row = measure(name, ns.size, n, ns.repeats, device_map=ns.device_map)
                 rows.append({**row, "threads": torch.get_num_threads()})
     torch.set_num_threads(default_threads)
-    Console().print(_table(rows))
-    ns.output.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": "torch_lowering",
-        "target_ratio": TARGET_RATIO,
-        "environment": _environment(),
-        "results": rows,
-    }
-    tmp = ns.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(ns.output)
-    print(f"wrote {ns.output}")
+    env = environment(torch_threads=[row["threads"] for row in rows])
+    print_tables(_table(rows), env=env)
+    payload = {"benchmark": "torch_lowering", "target_ratio": TARGET_RATIO, "environment": env}
+    write_results(ns.output, {**payload, "results": rows})
     return 0
 
 

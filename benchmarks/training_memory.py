@@ -34,7 +34,6 @@ import argparse
 import ctypes.util
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +43,10 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from benchmarks.bigmodel import _status  # noqa: E402  (VmRSS / VmHWM of this process)
+from benchmarks.harness import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.harness import environment, print_tables, process_bytes, write_results  # noqa: E402
 
-RESULTS = _ROOT / "benchmarks" / "results" / "training_memory.json"
+RESULTS = RESULTS_DIR / "training_memory.json"
 CHUNKS = 8
 STEPS = 3
 #: contender -> (label, how its step is taken)
@@ -94,21 +94,21 @@ def _child(model_name: str, contender: str, size: str = "bench") -> dict[str, An
             module.train_step(x, loss_fn=loss_fn, max_in_flight=bound)
 
     gc.collect()
-    base = _status("VmRSS")
+    base = process_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # reset VmHWM to the current RSS
     for _ in range(STEPS):
         step()
     return {
         "base_mib": base / _MIB,
-        "peak_mib": _status("VmHWM") / _MIB,
-        "step_mib": (_status("VmHWM") - base) / _MIB,
+        "peak_mib": process_bytes("VmHWM") / _MIB,
+        "step_mib": (process_bytes("VmHWM") - base) / _MIB,
     }
 
 
 def _preload() -> tuple[dict[str, str], str]:
     """The environment for the children: tcmalloc (else jemalloc) preloaded, as pipeline.py does."""
-    from benchmarks.pipeline import ALLOCATORS
+    from benchmarks.allocator import ALLOCATORS
 
     for name, soname in ALLOCATORS.items():
         found = ctypes.util.find_library(soname)
@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             results.append({"model": model_name, "contender": contender, **row})
 
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"peak memory of {STEPS} training steps above the built model (MiB), {allocator}")
@@ -162,17 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['step_mib'] / same['eager']:.2f}" if same.get("eager") else "",
             f"{row['base_mib']:.0f}",
         )
-    Console(width=140).print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = environment(allocator=allocator)
+    print_tables(table, env=env, width=140)
     payload = {
-        "environment": {"python": platform.python_version(), "allocator": allocator, "cpus": os.cpu_count()},
+        "environment": env,
         "size": args.size,
         "chunks": CHUNKS,
         "steps": STEPS,
         "results": results,
     }
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, payload)
     return 0
 
 

@@ -8,6 +8,7 @@ The package is layered; imports point down this list only (a test enforces it):
 - :mod:`placement.passes`: the Caffe2 pass trio on ``onnx_ir`` passes.
 - :mod:`placement.planning`: front-ends, profiler, planner.
 - :mod:`placement.runtime`: stages, the ONNX Runtime executor, the torch lowering, device maps.
+- :mod:`placement.generation`: the decode loop of a causal LM, over both runtimes.
 - :mod:`placement.report`: tables for people.
 - :mod:`placement.cli`: the ``placement`` command.
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         get_activation_blobs,
         inject_cross_device_copies,
         shift_activation_devices,
+        split_tensor_parallel,
     )
     from placement.planning import (
         Plan,
@@ -86,7 +88,13 @@ _LAZY = {
         ["Device", "Model", "Op", "Parameter", "from_torch", "load", "verify"], "placement.graph"
     ),
     **dict.fromkeys(
-        ["PassSequence", "get_activation_blobs", "inject_cross_device_copies", "shift_activation_devices"],
+        [
+            "PassSequence",
+            "get_activation_blobs",
+            "inject_cross_device_copies",
+            "shift_activation_devices",
+            "split_tensor_parallel",
+        ],
         "placement.passes",
     ),
     **dict.fromkeys(
@@ -148,6 +156,7 @@ __all__ = [
     # passes
     "get_activation_blobs",
     "shift_activation_devices",
+    "split_tensor_parallel",
     "inject_cross_device_copies",
     "PassSequence",
     # planning
@@ -191,8 +200,19 @@ __all__ += ["predict", "Prediction"]
 _LAZY.update(stream_parameters="placement.passes.streaming", plan_offload="placement.planning.offload")
 __all__ += ["stream_parameters", "plan_offload"]
 
+# generation: causal LMs with their KV cache, the decode loop over both runtimes
+_LAZY.update(
+    from_causal_lm="placement.graph.causal_lm",
+    generate="placement.generation",
+    Generator="placement.generation",
+)
+__all__ += ["from_causal_lm", "generate", "Generator"]
+
 _SUBPACKAGES = frozenset(
-    {"analysis", "cli", "distributed", "errors", "graph", "models", "passes", "planning", "report", "runtime"}
+    {
+        "analysis", "cli", "distributed", "errors", "generation", "graph",
+        "models", "passes", "planning", "report", "runtime",
+    }
 )
 
 
@@ -210,4 +230,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names, the subpackages and the module's dunders: not the tools this file
+    imports for itself (``importlib``, ``Any``, ``TYPE_CHECKING``, ``annotations``)."""
+    return sorted(set(__all__) | _SUBPACKAGES | {n for n in globals() if n.startswith("__")})

@@ -1,8 +1,10 @@
-"""The package's import graph: imports point down the layer list only, and no package circle exists.
+"""The package's import graph: imports point down the layer list only, and no circle exists.
 
 Every module of ``placement`` is parsed (imports inside functions and ``TYPE_CHECKING`` blocks
-included) and each ``placement.*`` import is checked against the layer order below, which the
-README's layout section and ``placement/__init__``'s docstring describe.
+included) and each ``placement.*`` import is checked against the layer order below, which
+``docs/layout.md`` and ``placement/__init__``'s docstring describe. No two modules import each
+other, directly or around a circle, in ``placement`` or in ``benchmarks``; modules of both stay
+under 600 lines.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import placement
 
 ROOT = Path(placement.__file__).parent
+BENCHMARKS = ROOT.parent / "benchmarks"
 
 # Lowest first. A module may import its own layer and any layer before it.
 LAYERS = [
@@ -27,6 +30,7 @@ LAYERS = [
     "planning",
     "lowering",
     "runtime",
+    "generation",
     "distributed",
     "report",
     "launch",
@@ -45,10 +49,10 @@ def _layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -66,14 +70,16 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return inside
 
 
-def _imports(module: str, path: Path, *, type_checking: bool = True) -> set[str]:
-    """Every ``placement...`` module named by an import in ``path`` (lazy imports included;
+def _imports(module: str, path: Path, *, type_checking: bool = True, top: str = "placement") -> set[str]:
+    """Every ``top...`` module named by an import in ``path`` (lazy imports included;
     those under ``if TYPE_CHECKING:`` only when ``type_checking``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return _imports_of_tree(module, path, tree, type_checking=type_checking)
+    return _imports_of_tree(module, path, tree, type_checking=type_checking, top=top)
 
 
-def _imports_of_tree(module: str, path: Path, tree: ast.Module, *, type_checking: bool) -> set[str]:
+def _imports_of_tree(
+    module: str, path: Path, tree: ast.Module, *, type_checking: bool, top: str = "placement"
+) -> set[str]:
     """:func:`_imports` of an already parsed module."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     skip = set() if type_checking else _type_checking_only(tree)
@@ -95,7 +101,7 @@ def _imports_of_tree(module: str, path: Path, tree: ast.Module, *, type_checking
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
             if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 names.add(node.args[0].value)
-    return {name for name in names if name == "placement" or name.startswith("placement.")}
+    return {name for name in names if name == top or name.startswith(top + ".")}
 
 
 def _known(name: str, modules: dict[str, Path]) -> str | None:
@@ -195,6 +201,36 @@ def test_no_module_circles() -> None:
     graph = _module_graph()
     cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
     assert not cycles, f"module import circles: {cycles}"
+
+
+def _benchmark_graph() -> nx.DiGraph:
+    """Module -> module imports between the benchmarks (lazy and ``TYPE_CHECKING`` ones too)."""
+    modules = _modules(BENCHMARKS)
+    graph = nx.DiGraph()
+    for module, path in modules.items():
+        graph.add_node(module)
+        for name in _imports(module, path, top="benchmarks"):
+            target = _known(name, modules)
+            if target is not None and target not in (module, "benchmarks"):
+                graph.add_edge(module, target)
+    return graph
+
+
+def test_benchmarks_are_a_package_without_circles() -> None:
+    assert (BENCHMARKS / "__init__.py").is_file()
+    graph = _benchmark_graph()
+    assert "benchmarks.harness" in graph and graph.in_degree("benchmarks.harness") > 5, "one shared harness"
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
+    assert not cycles, f"benchmark import circles: {cycles}"
+
+
+def test_benchmark_modules_are_under_600_lines() -> None:
+    long = {
+        module: count
+        for module, path in _modules(BENCHMARKS).items()
+        if (count := len(path.read_text().splitlines())) >= MAX_MODULE_LINES
+    }
+    assert not long, f"benchmark modules of {MAX_MODULE_LINES} lines or more (split them): {long}"
 
 
 def test_a_type_checking_import_closes_a_circle() -> None:

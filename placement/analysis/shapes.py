@@ -2,9 +2,9 @@
 
 Exporters and hand-made graphs often leave intermediate blobs without a type or shape.
 The planner needs their sizes and the runtime needs the types of blobs that cross a stage
-boundary; both get them here, from ONNX shape inference run through onnx_ir's
-``ShapeInferencePass`` (which hands the checker a proto with the weights stripped, so it
-costs no copy of the weights and works above protobuf's 2 GiB limit).
+boundary; both get them here, from ONNX shape inference
+(:func:`placement.graph.inference.infer_types`: onnx_ir's ``ShapeInferencePass``, which hands
+the checker a proto with the weights stripped, with sequence and optional types kept whole).
 
 Inference writes what it finds onto the model's values, in place, once per model
 structure: it adds facts, never changes what the graph computes.
@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
+from placement.graph.inference import infer_types
 from placement.graph.model import Model
 
 __all__ = ["infer_shapes"]
@@ -64,23 +64,16 @@ def infer_shapes(model: Model | ir.Model, *, force: bool = False) -> bool:
     key = _structure(ir_model)
     if not force and ir_model.meta.get(_DONE_KEY) == key:
         return False
-    onnx_ir_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
-    level = onnx_ir_log.level
-    onnx_ir_log.setLevel(logging.ERROR)  # "value not found" notes for values inference skips
-    _non_tensor_types(ir_model)
     try:
         modified = False
         for _ in range(_ORT_ROUNDS):  # ONNX Runtime's ops have no ONNX inference: their types, then again
-            result = ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(ir_model)
-            modified = modified or bool(result.modified)
+            modified = infer_types(ir_model) or modified
             if not _ort_op_types(ir_model):
                 break
             modified = True
     except Exception as err:  # inference is best effort; callers report what stays unknown
         log.debug("shape inference failed: %s", err)
         return False
-    finally:
-        onnx_ir_log.setLevel(level)
     ir_model.meta[_DONE_KEY] = key
     return modified
 
@@ -123,38 +116,3 @@ def _ort_op_types(ir_model: ir.Model) -> bool:
                 value.type = ir.TensorType(dtype)
                 typed = True
     return typed
-
-
-def _non_tensor_types(ir_model: ir.Model) -> None:
-    """Give sequence and optional values their full types (before onnx_ir's pass).
-
-    onnx_ir's pass merges inferred types through ``value.dtype``, which turns an
-    untyped value inferred as ``seq(tensor(float))`` into ``tensor(float)``. Graphs
-    that have such values (rare: sequence and optional ops) are first inferred on a
-    serialised copy, and the non-tensor types are written whole; the pass then keeps
-    them (their element type already matches).
-    """
-    graph = ir_model.graph
-    if not any(node.op_type.startswith(_NON_TENSOR_OPS) for node in graph.all_nodes()):
-        return
-    import onnx
-
-    try:
-        proto = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(ir_model), data_prop=True)
-    except Exception as err:  # best effort, as above
-        log.debug("shape inference of non-tensor types failed: %s", err)
-        return
-    values = {v.name: v for node in graph for v in node.outputs if v.name}
-    values.update({v.name: v for v in graph.inputs if v.name})
-    for info in [*proto.graph.value_info, *proto.graph.output]:
-        value = values.get(info.name)
-        if value is None or info.type.WhichOneof("value") in (None, "tensor_type"):
-            continue
-        inferred = ir.serde.deserialize_value_info_proto(info, None)
-        if inferred.type is not None:
-            value.type = inferred.type
-            value.shape = None
-
-
-#: Op-type prefixes of ops that produce or read sequences and optionals.
-_NON_TENSOR_OPS = ("Sequence", "SplitToSequence", "ConcatFromSequence", "Optional", "Loop", "If", "Scan")

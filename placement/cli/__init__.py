@@ -9,6 +9,8 @@ Subcommands::
     placement run PLACED.onnx --input x=x.npy --output out.npz
                                              run a placed model, print latency and where stages ran
                                              (--input x=random or --random-inputs: no files needed)
+    placement generate MODEL --input-ids 5,17,33 --max-new-tokens 32 --devices 2
+                                             generate with a causal LM (KV cache) split across devices
     placement draw MODEL -o placed.svg       picture of the graph coloured by device (svg/png/pdf/dot)
     placement report MODEL -o report.html    one self-contained HTML page: tables, charts, the graph
     placement demo                           the main job: place the default model on 2 devices,
@@ -36,9 +38,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from placement.cli import demo, draw, inspect, launch, models, place, plan, report, run
+from placement.cli import demo, draw, generate, inspect, launch, models, place, plan, report, run
 from placement.cli.common import load_model_spec
 from placement.errors import PlacementError
+from placement.runtime.device_map import command_line_spelling
 
 __all__ = ["main", "build_parser", "load_model_spec"]
 
@@ -51,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: Each sub-command's module, in the order ``placement --help`` lists them.
-_COMMANDS = (models, inspect, plan, place, run, draw, report, demo, launch)
+_COMMANDS = (models, inspect, plan, place, run, generate, draw, report, demo, launch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = DEFAULT_MODEL
     try:
-        return int(args.func(args, console))
+        with command_line_spelling():
+            return int(args.func(args, console))
     except PlacementError as err:
         message = " ".join(str(err).split())  # one line, whatever the message holds
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)

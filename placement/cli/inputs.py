@@ -38,6 +38,12 @@ def index_bound(model: Any, name: str) -> int | None:
     return min(bounds) if bounds else None
 
 
+def is_mask(name: str) -> bool:
+    """Whether an integer or boolean graph input is a mask (``attention_mask``, ``token_mask``):
+    its values are 0/1, and made-up ones are all 1 (attend everywhere)."""
+    return "mask" in name.lower()
+
+
 def parse_dims(items: Sequence[str] | None) -> dict[str, int]:
     """``["batch=8", "seq=16,x=2"]`` -> ``{"batch": 8, "seq": 16, "x": 2}``."""
     dims: dict[str, int] = {}
@@ -170,6 +176,8 @@ def _random_input(model: Any, spec: Any, rng: Any, dims: dict[str, int], default
             "known tensor type and shape: give it as a file (--input NAME=FILE.npy)"
         )
     shape = tuple(d if isinstance(d, int) else dims.get(str(d), default_dim) for d in spec.shape)
+    if spec.dtype.kind in "iub" and is_mask(spec.name):
+        return rng.integers(1, 2, shape).astype(spec.dtype)  # all ones
     if spec.dtype.kind in "iu":
         return rng.integers(0, index_bound(model, spec.name) or 10, shape).astype(spec.dtype)
     if spec.dtype.kind == "b":

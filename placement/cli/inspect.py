@@ -12,7 +12,7 @@ from typing import Any
 
 import placement as pl
 from placement.cli.common import MODEL_HELP, SIZE_HELP, load_model_spec
-from placement.cli.inputs import DEFAULT_DIM, index_bound
+from placement.cli.inputs import DEFAULT_DIM, index_bound, is_mask
 
 
 def add_parser(sub: Any) -> None:
@@ -112,7 +112,9 @@ def _input_recipe(model: Any) -> list[str]:
     lines = ["make an input file per graph input, e.g. with numpy:"]
     for spec in tensors:
         shape = tuple(d if isinstance(d, int) else DEFAULT_DIM for d in spec.shape)
-        if spec.dtype.kind in "iu":
+        if spec.dtype.kind in "iub" and is_mask(spec.name):  # 1 = attend (a random 0/1 mask may hide a row)
+            maker = f"np.ones({shape!r}, dtype='{spec.dtype}')"
+        elif spec.dtype.kind in "iu":
             high = index_bound(model, spec.name) or 10
             maker = f"np.random.randint(0, {high}, {shape!r}).astype('{spec.dtype}')"
         elif spec.dtype.kind == "b":
@@ -123,12 +125,53 @@ def _input_recipe(model: Any) -> list[str]:
     symbolic = sorted({str(d) for s in tensors for d in s.shape if not isinstance(d, int)})
     if symbolic:
         names = ", ".join(symbolic)
-        lines.append(f"  (symbolic dimensions {names} set to {DEFAULT_DIM} here; any size works)")
+        tried = _sizes_tried(model, symbolic)
+        lines.append(f"  (symbolic dimensions {names} set to {DEFAULT_DIM} here; {tried})")
     feeds = " ".join(f"--input {s.name}={s.name}.npy" for s in tensors)
     lines.append(f"then: placement run PLACED.onnx {feeds}")
     randoms = " ".join(f"--input {s.name}=random" for s in tensors)
     lines.append(f"or without files: placement run PLACED.onnx {randoms}")
     return lines
+
+
+#: Models whose parameters take more than this are not run to try the sizes of their symbolic dimensions.
+TRY_SIZES_MAX_BYTES = 256 * 2**20
+
+
+def _sizes_tried(model: Any, symbols: list[str]) -> str:
+    """What sizes of the symbolic dimensions the model really runs at: one CPU session run with
+    every symbol at :data:`DEFAULT_DIM`, then at one more. An exporter may keep a dimension's
+    name on the inputs yet fix its size inside the graph (TorchScript traces shapes into
+    constants); a run says so, where the names alone would promise any size."""
+    import onnxruntime as ort
+
+    from placement.cli.inputs import read_inputs
+    from placement.graph.session import ort_session
+    from placement.runtime.inputs import normalize_inputs
+
+    if sum(p.nbytes for p in model.parameters.values()) > TRY_SIZES_MAX_BYTES:
+        return "sizes not tried (a large model)"
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort_session(model, options, ["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 (only a hint: a model ORT cannot build says so when run)
+        return "sizes not tried (ONNX Runtime cannot build it on the CPU)"
+    names = [i.name for i in session.get_inputs()]
+    for size in (DEFAULT_DIM, DEFAULT_DIM + 1):
+        try:
+            feeds = read_inputs(None, model, random_rest=True, dims=dict.fromkeys(symbols, size))
+            arrays = normalize_inputs(feeds, _io_specs(model)[0])
+            session.run(None, dict(zip(names, arrays)))
+        except Exception as err:  # noqa: BLE001 (reported as what the sizes do)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            if size == DEFAULT_DIM:
+                return f"a run at size {size} failed, the export may have fixed these sizes: {first}"
+            return (
+                f"it ran at {DEFAULT_DIM} but not at {size}: the export fixed these sizes inside the graph, "
+                f"use the sizes it was exported at ({first})"
+            )
+    return f"any size: it ran at {DEFAULT_DIM} and {DEFAULT_DIM + 1}"
 
 
 def _scope_counts(model: Any, depth: int) -> dict[str, dict[str, int]]:

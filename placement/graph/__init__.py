@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from placement.graph.causal_lm import from_causal_lm
 from placement.graph.device import Device, DeviceLike
 from placement.graph.loading import load
 from placement.graph.model import Model, Op, Parameter
@@ -43,6 +44,7 @@ __all__ = [
     "Op",
     "Parameter",
     "from_torch",
+    "from_causal_lm",
     "load",
     "save",
     "to_proto",

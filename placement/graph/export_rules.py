@@ -20,7 +20,10 @@ Two small tables, each entry one known gap between a library's default and what
   ``"grouped_mm"``, which exports through the translation above, the TorchScript
   exporter ``"batched_mm"``). Inside :func:`exportable_settings` the module runs with the
   replacement, a one-line notice is logged, and the user's setting is restored on exit,
-  even when the export fails.
+  even when the export fails. Hugging Face causal language models default to
+  ``use_cache=True``: their forward returns a ``DynamicCache``, which neither exporter
+  can return; a plain forward is exported with ``use_cache=False`` (the logits are the
+  same). :func:`placement.graph.causal_lm.from_causal_lm` exports the cache instead.
 
 Example:
     >>> import torch
@@ -216,6 +219,30 @@ def _has_experts_implementation(module: Any) -> bool:
     )
 
 
+def _has_use_cache(module: Any) -> bool:
+    """A Hugging Face model whose forward returns its KV cache by default (``config.use_cache``)."""
+    config = getattr(module, "config", None)
+    return (
+        config is not None
+        and isinstance(getattr(config, "use_cache", None), bool)
+        and callable(getattr(module, "forward", None))
+        and "use_cache" in _forward_parameters(module)
+    )
+
+
+def _forward_parameters(module: Any) -> frozenset[str]:
+    import inspect
+
+    try:
+        return frozenset(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _set_use_cache(module: Any, value: bool) -> None:
+    module.config.use_cache = value
+
+
 #: The known non-exportable settings. Hugging Face MoE models: the dynamo exporter
 #: exports ``"grouped_mm"`` (the default, through :func:`grouped_mm`) and ``"batched_mm"``;
 #: the TorchScript exporter only ``"batched_mm"`` (it has no grouped matmul); none
@@ -233,16 +260,29 @@ EXPORTABLE_SETTINGS: tuple[Setting, ...] = (
         },
         replacement={"dynamo": "grouped_mm", "torchscript": "batched_mm"},
     ),
+    # A causal LM's default forward returns a DynamicCache (no exporter returns one): a
+    # plain forward exports without it (from_causal_lm exports the cache as graph values).
+    Setting(
+        name="use_cache",
+        applies=_has_use_cache,
+        get=lambda m: m.config.use_cache,
+        put=_set_use_cache,
+        exportable={"dynamo": frozenset({False}), "torchscript": frozenset({False})},
+        replacement={"dynamo": False, "torchscript": False},
+    ),
 )
 
 
 @contextlib.contextmanager
-def exportable_settings(module: Any, exporter: str = "dynamo") -> Iterator[list[str]]:
+def exportable_settings(
+    module: Any, exporter: str = "dynamo", *, skip: frozenset[str] = frozenset()
+) -> Iterator[list[str]]:
     """Give ``module`` (and its submodules) settings ``exporter`` can export inside the block.
 
     Yields one line per changed setting (``"<module path>: <setting> <old> -> <new>"``);
     each change is logged once. On exit every changed setting gets its old value
-    back, in reverse order, whether or not the block raised.
+    back, in reverse order, whether or not the block raised. Settings named in ``skip``
+    are left as they are (an exporter front-end that handles them itself).
 
     Example:
         >>> import torch
@@ -257,6 +297,8 @@ def exportable_settings(module: Any, exporter: str = "dynamo") -> Iterator[list[
     try:
         for path, sub in module.named_modules():
             for setting in EXPORTABLE_SETTINGS:
+                if setting.name in skip:
+                    continue
                 key = id(setting), id(getattr(sub, "config", sub))
                 if key in handled or not setting.applies(sub):
                     continue

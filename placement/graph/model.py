@@ -44,6 +44,7 @@ import onnx_ir as ir
 from placement.errors import UnknownBlobError, UnknownOpError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.dims import dynamic_negative_dims
+from placement.graph.kv_names import is_cache_input
 from placement.graph.nodes import (
     COPY_KEY,
     DEVICE_KEY,
@@ -164,7 +165,7 @@ def value_nbytes(value: ir.Value, dims: Mapping[str, int] | None = None) -> int 
     Example:
         >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", 4]))
         >>> value_nbytes(x), value_nbytes(x, {"batch": 8})
-        (None, 128)
+        (None, 128.0)
     """
     if value.const_value is not None:
         return int(value.const_value.nbytes)
@@ -344,7 +345,11 @@ class Model:
         producer = value.producer()
         if producer is not None:
             return node_device(producer)
-        if value.is_graph_input() and value.name not in self.graph.initializers:
+        if (
+            value.is_graph_input()
+            and value.name not in self.graph.initializers
+            and not is_cache_input(value.name)
+        ):
             fixed = self.input_device
             if fixed is not None:
                 return fixed

@@ -36,6 +36,9 @@ __all__ = [
     "OUTPUT_DEVICE_KEY",
     "STREAMED_KEY",
     "STREAM_WINDOW_KEY",
+    "COLLECTIVE_KEY",
+    "TP_KEY",
+    "collective_tag",
     "COPY_KINDS",
     "streamed_homes",
     "stream_window",
@@ -60,6 +63,12 @@ INPUT_DEVICE_KEY = "placement.input_device"
 OUTPUT_DEVICE_KEY = "placement.output_device"
 STREAMED_KEY = "placement.streamed"
 STREAM_WINDOW_KEY = "placement.stream_window"
+#: A collective of a tensor-parallel split (an all-reduce ``Sum`` or an all-gather ``Concat``
+#: over copies): JSON ``{"kind": "all_reduce"|"all_gather", "group": [devices], "id": n}``.
+COLLECTIVE_KEY = "placement.collective"
+#: What a tensor-parallel op's outputs hold: ``shard`` (a slice of the full value) or
+#: ``partial`` (one device's summand of the full value, read only by an all-reduce).
+TP_KEY = "placement.tensor_parallel"
 #: The values of ``placement.copy``: a copy of an activation or graph input made every run
 #: (``dynamic``), of a parameter made once at load time (``static``), or of a parameter that
 #: lives in host memory and is copied every run, prefetched ahead of its use (``streamed``).
@@ -197,6 +206,36 @@ def graph_nodes(graph: ir.Graph) -> list[ir.Node]:
             keep(value)
         box = box.next
     return out
+
+
+def collective_tag(node: ir.Node) -> dict[str, object] | None:
+    """The collective tag of a node (``kind``, ``group``, ``id``), or None for other nodes.
+
+    Raises:
+        VerificationError: the tag is malformed.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> node = ir.Node("", "Sum", [], name="s")
+        >>> tag = '{"kind": "all_reduce", "group": ["cuda:0", "cuda:1"], "id": 0}'
+        >>> node.metadata_props[COLLECTIVE_KEY] = tag
+        >>> collective_tag(node)["kind"]
+        'all_reduce'
+    """
+    text = node.metadata_props.get(COLLECTIVE_KEY)
+    if text is None:
+        return None
+    try:
+        tag = json.loads(text)
+        if not isinstance(tag, dict) or tag.get("kind") not in ("all_reduce", "all_gather"):
+            raise TypeError("kind is neither all_reduce nor all_gather")
+        tag["group"] = [str(Device.parse(d)) for d in tag["group"]]
+        tag["id"] = int(tag["id"])
+    except (ValueError, TypeError, KeyError, DeviceError) as err:
+        raise VerificationError(
+            f"op {node.name!r} has a malformed {COLLECTIVE_KEY} tag {text[:80]!r}: {err}"
+        ) from err
+    return tag
 
 
 def node_device(node: ir.Node) -> Device:

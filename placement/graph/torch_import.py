@@ -35,12 +35,14 @@ from typing import Any
 from placement.errors import ExportError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.export_rules import EXPERT_KEY, exportable_settings, translation_table
+from placement.graph.inference import infer_types
 from placement.graph.model import Model
 from placement.graph.nodes import SCOPE_KEY, scope_from_torch_name_scopes
 from placement.graph.output_names import rename_outputs, structure_names
 
 __all__ = [
     "CONSTANTS_KEY",
+    "COUNTERS_KEY",
     "EXPORTER_KEY",
     "MODE_MODULES_KEY",
     "TRAINING_KEY",
@@ -53,10 +55,11 @@ __all__ = [
 #: Model metadata key naming the exporter that produced an imported model
 #: (``"dynamo"`` or ``"torchscript"``).
 EXPORTER_KEY = "placement.exporter"
-#: Model metadata key listing (as a JSON array) the initializers the exporter made
-#: that are not the module's state: the zero bias of a ``bias=False`` convolution,
-#: folded constants (``val_6``), lifted tensor constants. Runtimes treat them as
-#: constants, never as trainable parameters.
+#: Model metadata key listing (as a JSON array) the initializers that are not the
+#: module's ``state_dict``: what the exporter made (the zero bias of a ``bias=False``
+#: convolution, folded constants such as ``val_6``, lifted tensor constants) and the
+#: module's non-persistent buffers. Runtimes treat them as constants, never as trainable
+#: parameters, and leave them out of a lowered module's ``state_dict``.
 CONSTANTS_KEY = "placement.constants"
 #: Model metadata key set to ``"1"`` on a model exported for training
 #: (``from_torch(..., training=True)``): its Dropout and BatchNormalization ops follow the
@@ -66,6 +69,9 @@ TRAINING_KEY = "placement.training"
 #: training (Dropout, BatchNorm), recorded by an eval-mode export so that training the
 #: lowered module can warn that they run in eval mode.
 MODE_MODULES_KEY = "placement.mode_modules"
+#: Model metadata key of a training export: BatchNorm module path -> its ``num_batches_tracked``
+#: (JSON), so the lowered module keeps and counts that buffer under the module's name.
+COUNTERS_KEY = "placement.batch_counters"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -102,9 +108,10 @@ def from_torch(
     is one initializer); constant shape arithmetic is folded but parameters
     never are. Each op records the module path that produced it (``op.scope``).
     A setting the exporter cannot handle (a Hugging Face mixture-of-experts model's
-    ``experts_implementation="eager"``) is switched to an exportable one for the
-    export, with a logged notice, and restored afterwards
-    (:mod:`placement.graph.export_rules`).
+    ``experts_implementation="eager"``, a causal LM's default ``use_cache=True``) is
+    switched to an exportable one for the export, with a logged notice, and restored
+    afterwards (:mod:`placement.graph.export_rules`). To export a causal LM *with* its
+    KV cache, use :func:`placement.graph.causal_lm.from_causal_lm`.
 
     Args:
         module: a ``torch.nn.Module``.
@@ -160,6 +167,7 @@ def _export(
     exporter: str,
     name: str,
     training: bool = False,
+    skip_settings: frozenset[str] = frozenset(),
 ) -> tuple[Any, str]:
     """(the exported onnx_ir model, the exporter used), or ExportError quoting each cause."""
     causes: list[str] = []
@@ -167,7 +175,7 @@ def _export(
     used = ""
     if exporter in ("auto", "dynamo"):
         try:
-            with exportable_settings(module, "dynamo"):
+            with exportable_settings(module, "dynamo", skip=skip_settings):
                 ir_model = _export_dynamo(module, args, kwargs, dynamic_shapes, training)
             used = "dynamo"
         except Exception as err:  # the exporter raises many types
@@ -182,7 +190,7 @@ def _export(
             )
     if ir_model is None:
         try:
-            with exportable_settings(module, "torchscript"):
+            with exportable_settings(module, "torchscript", skip=skip_settings):
                 ir_model = _export_torchscript(module, args, kwargs, dynamic_shapes, training)
             used = "torchscript"
         except Exception as err:  # the exporter raises many types
@@ -204,7 +212,7 @@ def exporter_of(model: Model) -> str | None:
 
 
 def exporter_constants(model: Any) -> frozenset[str]:
-    """Initializers the exporter made (not the module's parameters or buffers).
+    """Initializers that are not the module's state (see :data:`CONSTANTS_KEY`).
 
     ``model`` is a :class:`~placement.graph.model.Model` or an ``onnx_ir.Model``;
     models not imported by :func:`from_torch` have none.
@@ -232,11 +240,10 @@ def exporter_constants(model: Any) -> frozenset[str]:
 
 
 def _mark_exporter_constants(ir_model: Any, module: Any) -> None:
-    """Record the initializers that are not ``module``'s state (see :data:`CONSTANTS_KEY`)."""
+    """Record the initializers that are not in ``module``'s state_dict (see :data:`CONSTANTS_KEY`)."""
     import json
 
-    state = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    state |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    state = set(module.state_dict(keep_vars=True))  # parameters and persistent buffers, tied ones too
     made = sorted(name for name in ir_model.graph.initializers if name not in state)
     if made:
         ir_model.metadata_props[CONSTANTS_KEY] = json.dumps(made)
@@ -272,8 +279,17 @@ def mode_modules(model: Any) -> list[str]:
 def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
     import json
 
+    import torch
+
     if training:
         ir_model.metadata_props[TRAINING_KEY] = "1"
+        counters = {
+            name: int(m.num_batches_tracked)
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor) and name
+        }
+        if counters:
+            ir_model.metadata_props[COUNTERS_KEY] = json.dumps(counters)
         return
     layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
     if layers:
@@ -472,7 +488,7 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     session creation. ONNX shape inference then fills the shapes the exporter
     left out, so reports and planners know every blob's size.
     """
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
     from onnxscript.optimizer import fold_constants
 
     params = set(ir_model.graph.initializers)
@@ -485,11 +501,46 @@ def _fold_shape_arithmetic(ir_model: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fold_constants(ir_model, should_fold=should_fold)
+    _drop_malformed_zero_biases(ir_model)
     RemoveUnusedNodesPass()(ir_model)
     try:  # fill the shapes the exporter left out (sizes in reports, planners)
-        ShapeInferencePass()(ir_model)
+        infer_types(ir_model, strict=True)
     except Exception as err:  # inference is a convenience; never fail an import over it
         log.debug("ONNX shape inference failed: %s", err)
+
+
+def _drop_malformed_zero_biases(ir_model: Any) -> None:
+    """Drop the all-zero bias of a ``Conv`` whose bias is not the 1-D ``[C_out]`` ONNX needs.
+
+    onnxscript's ``aten_conv3d`` builds the zero bias of a bias-less ``Conv3d`` as
+    ``Expand(0, Concat(C_out, [2]))``, shape ``[C_out, 2]``; the exporter's optimizer removes
+    it in a default export, but ``from_torch`` exports without it, and ONNX Runtime refuses the
+    shape. A zero bias adds nothing, so the ``Conv`` loses it (the ops that built it are then
+    unused and removed). Any other bias, right or wrong, is left for the checks downstream.
+    """
+    import numpy as np
+
+    for graph in ir_model.graphs():
+        for node in graph:
+            if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+                continue
+            bias = node.inputs[2]
+            tensor = None if bias is None else _const_tensor(bias)
+            if tensor is None or len(tensor.shape) == 1:
+                continue
+            if not np.any(tensor.numpy()):
+                log.debug("%s: dropped its all-zero bias of shape %s", node.name, list(tensor.shape))
+                node.resize_inputs(2)
+
+
+def _const_tensor(value: Any) -> Any:
+    """The constant tensor of ``value`` (an initializer or a ``Constant``'s output), else ``None``."""
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor()
+    return None
 
 
 @contextlib.contextmanager

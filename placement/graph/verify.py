@@ -9,7 +9,10 @@
    an edge to that op; a streamed parameter lives on its host device and every
    copy of it is marked ``streamed`` (and only such copies are);
 4. graph outputs sit on the model's output device, when one is set;
-5. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
+5. tensor-parallel invariants: a partial sum (an op marked ``placement.tensor_parallel =
+   partial``) feeds only all-reduces (through copies), a shard never reaches a graph output, and
+   every collective tag is well formed;
+6. the model is valid ONNX (``onnx.checker``), unless ``check_onnx=False``.
 
 Example:
     >>> import placement as pl
@@ -37,12 +40,15 @@ except ImportError:  # pragma: no cover - other onnx_ir releases
 from placement.errors import ModelLoadError, VerificationError
 from placement.graph.device import Device
 from placement.graph.external_data import _without_external_data
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.model import Model
 from placement.graph.nodes import (
     COPY_KEY,
     COPY_KINDS,
     DEVICE_KEY,
     SUBGRAPH_OP_TYPES,
+    TP_KEY,
+    collective_tag,
     is_copy_node,
     node_reads,
 )
@@ -107,13 +113,62 @@ def verify(model: Model, *, check_onnx: bool = True) -> None:
     if output_device is not None:
         for value in graph.outputs:
             producer = value.producer()
-            if producer is not None and devices.get(id(value)) != output_device:
+            if (
+                producer is not None
+                and devices.get(id(value)) != output_device
+                and not is_cache_output(value.name)
+            ):
                 raise VerificationError(
                     f"op {producer.name!r} produces graph output {value.name!r} on "
                     f"{devices.get(id(value))}, not on the output device {output_device}"
                 )
+    _check_tensor_parallel(graph)
     if check_onnx:
         run_onnx_checker(model)
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    """The ops reading ``value``, looking through copies."""
+    found: list[ir.Node] = []
+    for use in value.uses():
+        if is_copy_node(use.node):
+            for out in use.node.outputs:
+                found += _readers(out)
+        else:
+            found.append(use.node)
+    return found
+
+
+def _reaches_output(value: ir.Value) -> bool:
+    if value.is_graph_output():
+        return True
+    return any(
+        is_copy_node(use.node) and any(_reaches_output(o) for o in use.node.outputs) for use in value.uses()
+    )
+
+
+def _check_tensor_parallel(graph: ir.Graph) -> None:
+    """Partial sums feed only all-reduces; shards never reach graph outputs; tags parse."""
+    for node in graph:
+        collective_tag(node)  # raises on a malformed tag
+        role = node.metadata_props.get(TP_KEY)
+        if role is None:
+            continue
+        for value in node.outputs:
+            if _reaches_output(value):
+                raise VerificationError(
+                    f"op {node.name!r} makes {role} blob {value.name!r}, which reaches a graph output "
+                    "(a shard or partial sum must be gathered or reduced first)"
+                )
+            if role != "partial":
+                continue
+            for reader in _readers(value):
+                tag = collective_tag(reader)
+                if tag is None or tag["kind"] != "all_reduce":
+                    raise VerificationError(
+                        f"partial sum {value.name!r} (op {node.name!r}) is read by {reader.name!r} "
+                        f"({reader.op_type}), not by an all-reduce"
+                    )
 
 
 def _check_copy_kind(node: ir.Node, streamed: set[int]) -> None:
@@ -145,7 +200,7 @@ def _source_device(
         return found
     found = home.get(id(value))
     if found is None:
-        is_input = value.is_graph_input() and value.name not in inits
+        is_input = value.is_graph_input() and value.name not in inits and not is_cache_input(value.name)
         found = input_device if (is_input and input_device is not None) else consumer_device
         home[id(value)] = found
     return found

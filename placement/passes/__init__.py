@@ -31,6 +31,7 @@ from placement.passes.copies import InjectCrossDeviceCopiesPass, inject_cross_de
 from placement.passes.copy_making import CopyResult
 from placement.passes.shift import ShiftActivationDevicesPass, ShiftResult, shift_activation_devices
 from placement.passes.streaming import StreamResult, stream_parameters
+from placement.passes.tensor_parallel import TensorParallelResult, split_tensor_parallel
 
 __all__ = [
     "get_activation_blobs",
@@ -42,6 +43,8 @@ __all__ = [
     "InjectCrossDeviceCopiesPass",
     "CopyResult",
     "stream_parameters",
+    "split_tensor_parallel",
+    "TensorParallelResult",
     "StreamResult",
     "PlacementPass",
     "PassSequence",

@@ -53,9 +53,11 @@ from typing import cast
 import onnx_ir as ir
 
 from placement.graph.device import Device, DeviceLike
+from placement.graph.nodes import DEVICE_KEY
 from placement.passes.base import ModelLike, PlacementPass
 from placement.passes.copy_injection import CopyInjection
 from placement.passes.copy_making import CopyResult
+from placement.passes.kv_cache import settle_kv_caches
 
 __all__ = ["inject_cross_device_copies", "InjectCrossDeviceCopiesPass"]
 
@@ -96,7 +98,19 @@ class InjectCrossDeviceCopiesPass(PlacementPass):
         )
 
     def call(self, model: ir.Model) -> CopyResult:
-        return CopyInjection(model, self.input_device, self.output_device).run()
+        undo = [(node, node.metadata_props.get(DEVICE_KEY)) for node in model.graph]
+        settled = settle_kv_caches(model)  # a KV cache is read on one device (state, not data)
+        try:
+            result = CopyInjection(model, self.input_device, self.output_device).run()
+        except BaseException:
+            if settled:
+                for node, spec in undo:
+                    if spec is not None:
+                        node.metadata_props[DEVICE_KEY] = spec
+            raise
+        if settled:
+            result.modified = True
+        return result
 
 
 def inject_cross_device_copies(

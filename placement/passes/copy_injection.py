@@ -25,6 +25,7 @@ import onnx_ir as ir
 from placement.errors import VerificationError
 from placement.graph import edit
 from placement.graph.device import Device
+from placement.graph.kv_names import is_cache_input, is_cache_output
 from placement.graph.nodes import (
     COPY_KEY,
     DEVICE_KEY,
@@ -186,8 +187,8 @@ class CopyInjection(CopyMaker):
                 if where is device and source is value:
                     continue
                 if where is None:  # a graph input or a parameter, read for the first time
-                    if source in inputs_:
-                        where = in_dev
+                    if source in inputs_:  # a KV cache is fed where it is read (state, not data)
+                        where = device if is_cache_input(source._name) else in_dev
                     else:  # a parameter lives where its first reader runs (streamed: on its host)
                         if not source._is_initializer:
                             self._not_topological(node, source)
@@ -230,7 +231,7 @@ class CopyInjection(CopyMaker):
                     where = dev_of.get(source)
                     if where is None:  # a graph input, or a parameter read here first: it lives here
                         if source in inputs_:
-                            where = scan.in_dev
+                            where = device if is_cache_input(source.name) else scan.in_dev
                         else:
                             if not source.is_initializer():
                                 self._not_topological(node, source)
@@ -276,8 +277,8 @@ class CopyInjection(CopyMaker):
             elif pos < need.first_pos:
                 need.first_pos, need.first_node = pos, owner
             decision.inner_readers.append(need)
-        for slot, _, source, name in outputs:
-            if dev_of.get(source) is not out_dev:
+        for slot, _, source, name in outputs:  # a KV cache output stays where it is made
+            if dev_of.get(source) is not out_dev and not is_cache_output(name):
                 need = needs.setdefault((source, id(out_dev)), CopyNeed(source, out_dev))
                 need.output_slot, need.output_name = slot, name
 
@@ -409,7 +410,7 @@ class CopyInjection(CopyMaker):
 
     def _default_output_device(self, outputs: list[tuple[int, ir.Value, ir.Value, str]]) -> Device | None:
         """The device of the last op (graph order) producing a graph output."""
-        producers = {source.producer() for _, _, source, _ in outputs}
+        producers = {source.producer() for _, _, source, name in outputs if not is_cache_output(name)}
         if not producers:
             return None
         for node in reversed(self.graph):

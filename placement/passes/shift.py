@@ -58,6 +58,7 @@ from placement.graph.device import Device, DeviceLike
 from placement.graph.nodes import COPY_KEY, DEVICE_KEY, graph_nodes, name_of
 from placement.passes.activations import describe_non_activation
 from placement.passes.base import DeviceReader, ModelLike, PlacementPass, run_phases
+from placement.passes.kv_cache import keep_caches_with_readers
 
 __all__ = ["shift_activation_devices", "ShiftActivationDevicesPass", "ShiftResult", "parse_shifts"]
 
@@ -282,6 +283,7 @@ class _Shift:
             moves, seen = _listed_producers(scan, listed.over(scan))
         if scan.loners:
             moves = _follow_readers(self.graph, scan.loners, moves, device_of, target_of)
+        moves = keep_caches_with_readers(self.graph, moves, device_of, target_of)
         return _Plan(moves, len(listed.values) - seen)
 
     @staticmethod

@@ -73,11 +73,10 @@ class StreamResult:
     copies_updated: bool = False
 
 
-#: Integer types of quantized weights (``quantize_dynamic``'s int8/uint8, int16, QDQ's int32
-#: biases): streamed like floating-point weights. int64 (shapes, indices) and bool never are.
-WEIGHT_INTEGER_TYPES = frozenset(
-    {ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, ir.DataType.UINT16, ir.DataType.INT32}
-)
+#: Integer types of quantized weights (``quantize_dynamic``'s int8/uint8, int16): streamed like
+#: floating-point weights. int32/int64 (shapes, indices, often read as literals while lowering)
+#: and bool never are.
+WEIGHT_INTEGER_TYPES = frozenset({ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, ir.DataType.UINT16})
 
 
 def is_streamable(value: ir.Value) -> bool:

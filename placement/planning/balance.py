@@ -35,6 +35,7 @@ from placement.errors import PlanError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
 from placement.graph.nodes import is_copy_node, node_scope, set_node_device
+from placement.planning.dims import called_as
 from placement.planning.frontend import check_no_copies, follow_neighbours, transaction
 from placement.planning.modules import module_units
 from placement.planning.partition import partition_costs
@@ -157,7 +158,8 @@ def balance_by_time(
         >>> sum(b), len(b)
         (5, 2)
     """
-    costs = profile(model, sample_inputs=sample_inputs, time=True, repeats=repeats).costs("time")
+    with called_as("balance_by_time"):
+        costs = profile(model, sample_inputs=sample_inputs, time=True, repeats=repeats).costs("time")
     return partition_costs(_unit_costs(model, costs, by), partitions)
 
 

@@ -92,6 +92,7 @@ def evaluate_assignment(
         part_cost[part[pos]] += costs[pos]
     params = info.part_param_bytes(part, num)
     acts = info.peak_activations(part, num)
+    state = info.part_state_bytes(part, num)
     out, into = info.transfers(part, num)
     into_time = [0] * num
     if links is not None:
@@ -120,6 +121,7 @@ def evaluate_assignment(
                 bytes_out=out[k],
                 transfer_time=into_time[k],
                 cut_cost=cut_cost[k],
+                kv_cache_bytes=state[k],
             )
         )
     cut_bytes = []

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -100,7 +101,8 @@ class GraphInfo:
         self.blob_is_output: list[bool] = []
         blob_id: dict[int, int] = {}
         self.unknown_size: list[str] = []
-
+        self.state_bytes: list[int] = []  # per position: bytes held across steps (``add_state``)
+        self._state_prefix: list[int] | None = None
         self.blob_values: list[ir.Value] = []
 
         def new_blob(value: ir.Value, producer: int) -> int:
@@ -290,8 +292,36 @@ class GraphInfo:
         return _max_prefix(diff)
 
     def segment_memory(self, i: int, j: int) -> int:
-        """Parameters plus peak activations of a device that runs ops ``i..j-1``."""
-        return self.segment_param_bytes(i, j) + self.segment_peak_activation(i, j)
+        """Parameters, state (KV caches) plus peak activations of a device that runs ops ``i..j-1``."""
+        held = self.segment_param_bytes(i, j) + self.segment_state_bytes(i, j)
+        return held + self.segment_peak_activation(i, j)
+
+    # -- state held by ops (KV caches) ------------------------------------------------
+
+    def add_state(self, position: int, nbytes: int) -> None:
+        """Memory that the op at ``position`` holds across steps (a layer's KV cache at the
+        planned batch and length): counted on its device like its parameters."""
+        if not self.state_bytes:
+            self.state_bytes = [0] * len(self.nodes)
+        self.state_bytes[position] += int(nbytes)
+        self._state_prefix = None
+
+    def segment_state_bytes(self, i: int, j: int) -> int:
+        """State bytes (see :meth:`add_state`) of the ops ``i..j-1``."""
+        if not self.state_bytes or j <= i:
+            return 0
+        prefix = self._state_prefix
+        if prefix is None:
+            prefix = self._state_prefix = [0, *itertools.accumulate(self.state_bytes)]
+        return prefix[j] - prefix[i]
+
+    def part_state_bytes(self, part: Sequence[int], num_parts: int) -> list[int]:
+        """State bytes per part of an arbitrary placement (``part[pos]`` = its part)."""
+        totals = [0] * num_parts
+        for pos, nbytes in enumerate(self.state_bytes):
+            if nbytes:
+                totals[part[pos]] += nbytes
+        return totals
 
     def blobs_into(self, i: int, j: int) -> list[int]:
         """Distinct activations read by ops ``i..j-1`` and made (or first fed) before ``i``."""

@@ -54,13 +54,14 @@ from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
-from placement.planning.dims import planned_dims
+from placement.planning.dims import called_as, caller, planned_dims
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Link, LinksLike, resolve_links
 from placement.planning.offload_layers import Layer, aligned, layers_of
 from placement.planning.offload_search import gpu_activations, search_modes
 from placement.planning.profile import profile
 from placement.planning.speeds import DEFAULT_FLOPS
+from placement.planning.workspace import default_workspace
 
 __all__ = [
     "plan_offload",
@@ -78,40 +79,6 @@ log = logging.getLogger(__name__)
 MODES = ("resident", "streamed", "host")
 #: Peak activation bytes on the GPU: a number, or a function of the layers' modes.
 Activations = Union[int, Callable[[Sequence[str]], int]]
-
-#: The GPU workspace margin (``workspace=``) per stream that runs kernels: cuBLAS keeps up to
-#: 32 MiB per stream on Hopper (``CUBLAS_WORKSPACE_CONFIG``'s default there), allocated
-#: through torch's caching allocator.
-DEFAULT_WORKSPACE = 32 << 20
-#: The share of a toy GPU budget (below twice :data:`DEFAULT_WORKSPACE`) the default margin takes.
-WORKSPACE_SHARE = 0.05
-
-
-def default_workspace(budget: int | None, *, streams: int = 1) -> int:
-    """The default ``workspace=`` of :func:`plan_offload`: :data:`DEFAULT_WORKSPACE` per stream
-    that runs kernels on the GPU (a plan runs one compute stream; its copy stream runs no
-    cuBLAS), as long as that leaves at least half of ``budget``; below that the budget is no
-    real GPU's (a test's, a toy's) and :data:`WORKSPACE_SHARE` of it is kept (logged).
-
-    Example:
-        >>> default_workspace(80 << 30) >> 20, default_workspace(100 << 20, streams=2) >> 20
-        (32, 50)
-        >>> default_workspace(100_000)
-        5000
-    """
-    want = DEFAULT_WORKSPACE * max(1, streams)
-    if budget is None:
-        return want
-    if budget >= 2 * DEFAULT_WORKSPACE:
-        return min(want, budget // 2)
-    share = int(budget * WORKSPACE_SHARE)
-    log.info(
-        "a GPU budget of %d bytes cannot keep cuBLAS's 32 MiB workspace: the margin is %d bytes "
-        "(pass workspace= for a real GPU, e.g. placement.runtime.torch.streaming.measure_workspace)",
-        budget,
-        share,
-    )
-    return share
 
 
 #: FLOP/s assumed to estimate a device's op times from another's (``throughput=``); the table
@@ -534,7 +501,8 @@ def plan_offload(
     rates = {**DEFAULT_THROUGHPUT, **(throughput or {})}
     feeds = _feeds(model, sample_inputs)
     bindings = planned_dims(model, sample_inputs=feeds, batch=batch)
-    prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
+    with called_as(caller() if caller() != "profile" else "plan_offload"):
+        prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
     info = GraphInfo(model, dims=bindings)
     flops = prof.costs("flops")
     if cost == "time":

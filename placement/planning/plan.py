@@ -63,6 +63,8 @@ class DevicePlan:
         transfer_time: nanoseconds to copy its inputs in per step under the link model
             (0 without one).
         cut_cost: nanoseconds its cuts cost it (fusions lost at a cut; 0 without).
+        kv_cache_bytes: KV caches of its attention layers at the planned batch and length
+            (``auto_place(kv_cache=(batch, max_length))``; 0 without).
     """
 
     device: str
@@ -77,6 +79,7 @@ class DevicePlan:
     bytes_out: int
     transfer_time: int = 0
     cut_cost: int = 0
+    kv_cache_bytes: int = 0
 
     @property
     def stage_cost(self) -> int:
@@ -85,8 +88,8 @@ class DevicePlan:
 
     @property
     def memory(self) -> int:
-        """Parameters plus peak activations."""
-        return self.param_bytes + self.activation_bytes
+        """Parameters, KV caches and peak activations."""
+        return self.param_bytes + self.kv_cache_bytes + self.activation_bytes
 
     @property
     def fits(self) -> bool:

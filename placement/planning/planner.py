@@ -195,6 +195,38 @@ def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str
     return result
 
 
+def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
+    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
+    present (where the cache lives); the bytes added.
+
+    Raises:
+        PlanError: a bad ``kv_cache`` or a model without a cache.
+    """
+    from placement.graph.causal_lm import kv_layers
+
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    if batch < 1 or length < 1:
+        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
+    layers = kv_layers(model)
+    if not layers:
+        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
+    outputs = {v.name: v for v in model.graph.outputs}
+    added = 0
+    for layer in layers:
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            position = info.position.get(producer.name or "") if producer is not None else None
+            if position is None:
+                raise PlanError(f"cache output {name!r} is not made by a planned op")
+            nbytes = layer.bytes_for(batch, length) // 2
+            info.add_state(position, nbytes)
+            added += nbytes
+    return added
+
+
 def auto_place(
     model: Model,
     devices: int | Sequence[DeviceLike] | None = None,
@@ -211,6 +243,7 @@ def auto_place(
     offload: bool | None = None,
     throughput: Mapping[str, float] | None = None,
     batch: int | Mapping[str, int] | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -276,6 +309,9 @@ def auto_place(
             the symbols it names (``{"batch": 8, "seq": 128}``); default 1 (sizes per
             example). See :mod:`placement.planning.dims`; the plan's ``dims`` says
             what was used.
+        kv_cache: ``(batch, max_length)`` for a model with a KV cache
+            (:func:`placement.from_causal_lm`): each layer's cache at that batch and length
+            counts in the memory of the device of the op making its ``present``.
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -316,6 +352,7 @@ def auto_place(
             offload=offload,
             throughput=throughput,
             batch=batch,
+            kv_cache=kv_cache,
         )
 
 
@@ -335,6 +372,7 @@ def _auto_place(
     offload: bool | None,
     throughput: Mapping[str, float] | None,
     batch: int | Mapping[str, int] | None,
+    kv_cache: tuple[int, int] | None,
 ) -> Plan:
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
@@ -375,6 +413,8 @@ def _auto_place(
     )
     costs = prof.costs(cost)
     info = GraphInfo(model, dims=dims)
+    if kv_cache is not None:
+        add_kv_cache(info, model, kv_cache)
     if op_costs is not None:
         costs = _override_costs(info, costs, op_costs)
     allowed = constant_glue(info)

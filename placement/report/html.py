@@ -45,7 +45,7 @@ from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, node_device
 from placement.graph.sizes import format_bytes
-from placement.planning.dims import planned_dims, stored_dims
+from placement.planning.dims import describe, planned_dims, stored_dims
 from placement.report.colours import device_colour
 from placement.report.draw import Drawing, draw
 from placement.report.summary import Summary, summary
@@ -169,6 +169,7 @@ def write_report(
         f"<h1>{html.escape(heading)}</h1>",
         f'<p class="note">{html.escape(repr(model))}</p>',
         "<h2>Per device</h2>",
+        *([f'<p class="note">sizes at {html.escape(describe(dims))}</p>'] if dims else []),
         _summary_table(report),
         "<h2>Time and memory per device</h2>",
         _img(_time_memory_chart(report, plan), "time and memory per device"),

@@ -43,7 +43,13 @@ import onnx_ir as ir
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.graph.device import Device
 from placement.graph.model import value_nbytes
-from placement.graph.nodes import COPY_KEY, INPUT_DEVICE_KEY, OUTPUT_DEVICE_KEY, streamed_homes
+from placement.graph.nodes import (
+    COLLECTIVE_KEY,
+    COPY_KEY,
+    INPUT_DEVICE_KEY,
+    OUTPUT_DEVICE_KEY,
+    streamed_homes,
+)
 from placement.graph.sizes import format_bytes
 from placement.passes.activations import activation_values
 from placement.passes.base import DeviceReader, ModelLike, as_ir_model
@@ -51,6 +57,15 @@ from placement.planning.dims import describe, planned_dims
 from placement.planning.profile import add_estimates
 
 __all__ = ["summary", "Summary", "DeviceRow", "Column"]
+
+
+def _count_collective(row: DeviceRow, node: ir.Node, size: Callable[[ir.Value], int]) -> None:
+    """An all-reduce or all-gather on ``row``'s device, and the bytes of the copies it reads."""
+    row.collectives += 1
+    for value in node.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and COPY_KEY in producer.metadata_props:
+            row.collective_bytes += size(value)
 
 
 @dataclasses.dataclass
@@ -70,6 +85,9 @@ class DeviceRow:
     static_copy_bytes: int = 0
     streamed_copies: int = 0  # copies of weights that live on the host, made every run
     streamed_bytes: int = 0  # bytes they move per run (the host's row: the weights it streams out)
+    collectives: int = 0  # tensor-parallel all-reduces / all-gathers computed here
+    collective_bytes: int = 0  # bytes they read from other devices per run
+    kv_cache_bytes: int = 0  # KV caches of its layers at the batch and length asked for (summary's kv_cache)
     # filled by placement.planning.profile.add_estimates
     peak_activation_bytes: int = 0
     time_s: float | None = None
@@ -89,6 +107,11 @@ class Column:
     get: Callable[[DeviceRow], str]
     justify: str = "right"
 
+
+#: Shown where a model has tensor-parallel collectives (before the estimates).
+COLLECTIVES_COLUMN = Column(
+    "collectives", lambda r: f"{r.collectives} ({format_bytes(r.collective_bytes)})" if r.collectives else "-"
+)
 
 DEFAULT_COLUMNS: list[Column] = [
     Column("device", lambda r: str(r.device), "left"),
@@ -168,7 +191,11 @@ class Summary:
 
 
 def summary(
-    model: ModelLike, *, print_: bool = False, batch: int | Mapping[str, int] | None = None
+    model: ModelLike,
+    *,
+    print_: bool = False,
+    batch: int | Mapping[str, int] | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> Summary:
     """Per-device report of ``model`` (also ``placement inspect``); ``print_=True`` also prints it.
 
@@ -183,6 +210,10 @@ def summary(
         batch: the sizes of symbolic dimensions (a dynamic batch): an int for every one,
             or a mapping symbol -> size; default the sizes the model was planned at, else 1
             (see :mod:`placement.planning.dims`).
+        kv_cache: ``(batch, max_length)`` for a model with a KV cache
+            (:func:`placement.from_causal_lm`): a "KV cache" column gives the bytes of the
+            caches each device holds at that batch and length (a layer's cache lives where
+            the op making its ``present`` runs).
 
     Returns:
         A :class:`Summary`; ``str()`` renders it as a table.
@@ -264,6 +295,8 @@ def summary(
                     row(dev_of.get(id(source), device)).sent_bytes += nbytes
         else:
             current.ops += 1
+        if COLLECTIVE_KEY in node.metadata_props:
+            _count_collective(current, node, size)
         for value in node.outputs:
             dev_of[id(value)] = device
     default = reader.of(first_node) if first_node is not None else Device("cuda", 0)
@@ -283,6 +316,10 @@ def summary(
         output_device=output_device,
         dims=dims,
     )
+    if any(r.collectives for r in result.rows):
+        result.columns.insert(len(result.columns) - 2, COLLECTIVES_COLUMN)
+    if kv_cache is not None:
+        _add_kv_cache(ir_model, result, kv_cache, reader)
     add_estimates(ir_model, result, dims=dims)
     if print_:
         import sys
@@ -291,3 +328,33 @@ def summary(
 
         Console(width=None if sys.stdout.isatty() else 160).print(result.to_table())
     return result
+
+
+def _add_kv_cache(
+    ir_model: ir.Model, result: Summary, kv_cache: tuple[int, int], reader: DeviceReader
+) -> None:
+    """Fill ``kv_cache_bytes`` per device and add its column."""
+    from placement.errors import InputError
+    from placement.graph.causal_lm import kv_layers
+
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    outputs = {v.name: v for v in ir_model.graph.outputs}
+    rows = {r.device: r for r in result.rows}
+    for layer in kv_layers(ir_model):
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            if producer is None:
+                continue
+            device = reader.of(producer)
+            row = rows.get(device)
+            if row is None:
+                row = rows[device] = DeviceRow(device)
+                result.rows = sorted([*result.rows, row], key=lambda r: r.device)
+            row.kv_cache_bytes += layer.bytes_for(batch, length) // 2
+    at = next(i for i, c in enumerate(result.columns) if c.header == "peak act.")
+    result.columns.insert(
+        at, Column(f"KV cache ({batch}x{length})", lambda r: format_bytes(r.kv_cache_bytes))
+    )

@@ -37,8 +37,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -47,12 +49,43 @@ from placement.graph.device import Device, DeviceLike
 from placement.runtime.names import check_names
 
 __all__ = [
+    "command_line_spelling",
+    "device_map_option",
     "PhysicalDevice",
     "DeviceMapLike",
     "resolve_device_map",
     "cuda_device_count",
     "is_auto",
 ]
+
+_COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("placement_command_line", default=False)
+
+
+@contextlib.contextmanager
+def command_line_spelling() -> Iterator[None]:
+    """Within it, messages name the device map as the command line spells it (``--device-map cpu``)."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def device_map_option(value: str | None = None) -> str:
+    """How a message tells the user to pass a device map: ``device_map='cpu'`` in Python,
+    ``--device-map cpu`` on the command line (:func:`command_line_spelling`); without a value,
+    the option's name alone.
+
+    Example:
+        >>> device_map_option("cpu")
+        "device_map='cpu'"
+        >>> with command_line_spelling():
+        ...     device_map_option("cpu")
+        '--device-map cpu'
+    """
+    if _COMMAND_LINE.get():
+        return "--device-map" + (f" {value}" if value else "")
+    return "device_map=" + (repr(value) if value else "")
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +224,7 @@ def resolve_device_map(
     if unavailable:
         raise DeviceError(
             f"physical device(s) {', '.join(map(str, unavailable))} not available to {runtime} "
-            f"({n_gpus} GPU(s) found); map them to 'cpu' or use device_map='auto'"
+            f"({n_gpus} GPU(s) found); map them to 'cpu' or use {device_map_option('auto')}"
         )
     return {d: _physical(d, p) for d, p in physical.items()}
 
@@ -208,10 +241,11 @@ def _auto(logical: list[Device], n_gpus: int) -> dict[Device, PhysicalDevice]:
         log.warning(
             "placement: EMULATING logical devices %s on the CPU (%d GPU(s) available), each in its "
             "own session so that stage boundaries are exercised as on GPUs; outputs are exact but "
-            "timings are not GPU timings. Pass device_map='cpu' to run them as one session, or "
-            "device_map= to choose.",
+            "timings are not GPU timings. Pass %s to run them as one session, or %s to choose.",
             ", ".join(map(str, cuda)),
             n_gpus,
+            device_map_option("cpu"),
+            device_map_option(),
         )
     return {d: PhysicalDevice("cpu", 0, emulated=d.is_cuda) for d in logical}
 
@@ -224,10 +258,11 @@ def _shared(logical: list[Device], cuda: list[Device], n_gpus: int) -> dict[Devi
     if not _warned_sharing:
         _warned_sharing = True
         log.warning(
-            "placement: %d logical GPU(s) on %d GPU(s), sharing: %s. Pass device_map= to choose.",
+            "placement: %d logical GPU(s) on %d GPU(s), sharing: %s. Pass %s to choose.",
             len(cuda),
             n_gpus,
             ", ".join(f"{d} -> {p}" for d, p in target.items()),
+            device_map_option(),
         )
     return {d: target.get(d, PhysicalDevice("cpu", 0)) for d in logical}
 

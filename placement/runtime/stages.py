@@ -25,6 +25,10 @@ The algorithm (greedy, one pass over the ops in topological order):
    newer one reaches; if the current stage cannot take an op, none can.
    Hence the result is *pairwise maximal*: merging any two stages of one device
    would close a cycle.
+   A collective (an all-reduce or all-gather of a tensor-parallel split, see
+   :func:`placement.split_tensor_parallel`) also opens a new stage when it reads a stage that
+   does not already reach its device's current stage: joining would make that whole stage
+   wait for the other devices' partials, where cutting lets the branches run at once.
 4. Stages are numbered in a topological order of the stage graph (ties by
    creation order), which is the order a runtime runs them in.
 
@@ -80,7 +84,7 @@ from placement.analysis.shapes import infer_shapes
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
-from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_reads
+from placement.graph.nodes import COLLECTIVE_KEY, COPY_KEY, is_copy_node, node_device, node_reads
 
 __all__ = ["Stage", "Transfer", "Partition", "partition", "split_stages", "stage_graph"]
 
@@ -430,7 +434,12 @@ def _assign(
                 )
             preds.add(sid)
         chosen = current.get(device)
-        if chosen is None or any(p != chosen and nx.has_path(sg, chosen, p) for p in preds):
+        late = (  # a collective opens a stage rather than make its device's stage wait for others
+            chosen is not None
+            and COLLECTIVE_KEY in node.metadata_props
+            and any(p != chosen and not nx.has_path(sg, p, chosen) for p in preds)
+        )
+        if chosen is None or late or any(p != chosen and nx.has_path(sg, chosen, p) for p in preds):
             chosen = len(stage_nodes)
             stage_nodes[chosen] = []
             stage_device[chosen] = device

@@ -144,6 +144,8 @@ def test_emulation_warning_on_stderr_once(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "EMULATING" not in result.stdout and "(emulated)" in result.stdout
     assert result.stderr.count("EMULATING") == 1, result.stderr
+    # the command line's spelling, not Python's
+    assert "Pass --device-map cpu to run them" in result.stderr and "device_map=" not in result.stderr
 
 
 def test_demo_warms_up_before_timing(monkeypatch):

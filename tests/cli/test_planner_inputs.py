@@ -108,3 +108,33 @@ def test_run_reads_an_npz_and_refuses_an_input_given_twice(files, tmp_path, caps
         assert main([*argv, *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1, err
+
+
+class _FixedInside(torch.nn.Module):
+    """Marked dynamic on export, yet its reshape traces the batch of 2 into a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 3)
+
+    def forward(self, x, attention_mask):
+        return self.fc(x.reshape(2, 12)) * attention_mask[:, :1].float()
+
+
+def test_inspect_reads_the_real_sizes_and_suggests_a_0_1_mask(tmp_path, capsys):
+    args = (torch.randn(2, 3, 4), torch.ones(2, 5, dtype=torch.int64))
+    path = tmp_path / "ts.onnx"
+    torch.onnx.export(
+        _FixedInside(),
+        args,
+        str(path),
+        dynamo=False,
+        input_names=["x", "attention_mask"],
+        dynamic_axes={"x": {0: "batch"}, "attention_mask": {0: "batch", 1: "seq"}},
+    )
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "any size" not in out and "it ran at 2 but not at 3" in out
+    recipe = next(line for line in out.splitlines() if "np.save('attention_mask.npy'" in line)
+    assert "np.ones((2, 2), dtype='int64')" in recipe and "randint" not in recipe
+    assert main(["run", str(path), "--random-inputs", "--repeat", "1", "-o", str(tmp_path / "o.npz")]) == 0

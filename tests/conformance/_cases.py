@@ -29,7 +29,8 @@ Runtimes defined here: ``ort`` (one plain ``InferenceSession``), ``placed_last``
 (``pl.run``, the model on logical devices 0 and 1 with the last op moved to 1,
 copies injected), ``placed_alternate`` (every other op moved to device 1, so
 copies sit on many edges), ``torch`` (``pl.to_torch`` on the CPU, forward only). Other
-runtimes can be added with :func:`register`.
+runtimes can be added with :func:`register`. ``placed_folded`` is ``placed_alternate`` with the
+runner's default ``fold``: the two logical devices share the CPU, so they run as one session.
 """
 
 from __future__ import annotations
@@ -299,7 +300,13 @@ def run_ort(case: Case) -> list[Any]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(case.model_bytes, _session_options(), providers=["CPUExecutionProvider"])
-    return session.run(None, case.feeds)
+    feeds = ort_feeds(case)
+    if not _numpy_lacks_an_output(case):
+        return session.run(None, feeds)
+    values = {
+        n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v) for n, v in feeds.items()
+    }
+    return from_ort_values(case, session.run_with_ort_values(None, values))
 
 
 def place(case: Case, how: str) -> Any:
@@ -324,13 +331,119 @@ def place(case: Case, how: str) -> Any:
     return model
 
 
-def run_placed(case: Case, how: str) -> list[Any]:
-    """``pl.run`` on :func:`place` (``how``), each logical device emulated on the CPU."""
+def run_placed(case: Case, how: str, fold: bool | None = False) -> list[Any]:
+    """``pl.run`` on :func:`place` (``how``), the logical devices on the CPU: each stage a session
+    of its own (``fold=False``), or, with ``fold=None`` (the runner's default), folded into one."""
     import placement as pl
 
     model = place(case, how)
-    runner = pl.Runner(model, threads=1, device_map="cpu", fold=False)  # the CPU's xfail lists; stages apart
-    return runner.run(case.feeds)
+    runner = pl.Runner(model, threads=1, device_map="cpu", fold=fold)
+    if not _numpy_lacks_an_output(case):
+        return runner.run(ort_feeds(case))
+    return from_ort_values(case, runner.run(ort_feeds(case), outputs="ortvalue"))
+
+
+def ort_feeds(case: Case) -> dict[str, Any]:
+    """The case's inputs as ONNX Runtime takes them, by graph-input name.
+
+    Newer onnx releases store some inputs as ``TensorProto`` s, which ONNX Runtime does not
+    take: a numpy type becomes its array; a type numpy lacks (bfloat16, float8, 4- and 2-bit
+    types, held as ``ml_dtypes``, as older releases' inputs are once read) an ``OrtValue`` of
+    the same bits, the sub-byte types packed as ONNX stores them (the first element in the
+    lowest bits).
+    """
+    types = {v.name: v.type.tensor_type.elem_type for v in case.model.graph.input}
+    return {name: _ort_input(value, types.get(name, 0)) for name, value in case.feeds.items()}
+
+
+def _ort_input(value: Any, data_type: int) -> Any:
+    from onnx import TensorProto
+
+    if isinstance(value, TensorProto):
+        data_type = value.data_type
+    array = as_array(value)
+    if not isinstance(array, np.ndarray) or _numpy_has(array.dtype) or array.dtype == object or not data_type:
+        return array
+    import onnxruntime as ort
+
+    width = _SUB_BYTE_WIDTH.get(data_type)
+    bits = array.view(np.uint8 if array.dtype.itemsize == 1 else np.uint16)
+    if width is not None:
+        bits = _packed(bits, width)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(bits), data_type)
+
+
+def _numpy_has(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is one of numpy's own types (not an ``ml_dtypes`` one)."""
+    return dtype.kind in "biufc?" and dtype.type.__module__ == "numpy"
+
+
+def _numpy_lacks_an_output(case: Case) -> bool:
+    """Whether an expected output is a tensor of a type numpy lacks (ONNX Runtime's ``run``
+    cannot hand such outputs back: they come back as ``OrtValue`` s)."""
+    expected = [as_array(v) for v in case.outputs]
+    return any(isinstance(v, np.ndarray) and not _numpy_has(v.dtype) and v.dtype != object for v in expected)
+
+
+def from_ort_values(case: Case, values: list[Any]) -> list[Any]:
+    """``OrtValue`` outputs as numpy arrays; those of types numpy lacks read bit for bit as
+    the expected output's ``ml_dtypes`` type (the sub-byte types unpacked)."""
+    out = []
+    for value, want in zip(values, case.outputs):
+        want = as_array(want)
+        if not isinstance(want, np.ndarray) or _numpy_has(want.dtype) or want.dtype == object:
+            out.append(value.numpy())
+            continue
+        import ctypes
+
+        raw = np.frombuffer(ctypes.string_at(value.data_ptr(), value.tensor_size_in_bytes()), np.uint8)
+        shape = tuple(value.shape())
+        width = 8 * want.dtype.itemsize if not want.dtype.name.startswith(("int", "uint", "float4")) else None
+        out.append(_from_bits(raw, shape, want.dtype, width))
+    return out
+
+
+def _from_bits(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, width: int | None) -> np.ndarray:
+    """ONNX Runtime's bytes of a tensor of ``dtype`` (an ``ml_dtypes`` type) as an array."""
+    if width is not None:  # bfloat16 and float8: whole bytes
+        return raw.view(np.uint8 if width == 8 else np.uint16).reshape(shape).view(dtype)
+    bits = 2 if dtype.name.endswith("2") else 4
+    per = 8 // bits
+    count = int(np.prod(shape, dtype=np.int64))
+    codes = ((raw[:, None] >> (np.arange(per, dtype=np.uint8) * bits)) & ((1 << bits) - 1)).reshape(-1)[
+        :count
+    ]
+    if dtype.name.startswith("int"):  # two's complement in ``bits`` bits
+        return (
+            np.where(codes >= 1 << (bits - 1), codes.astype(np.int16) - (1 << bits), codes)
+            .astype(dtype)
+            .reshape(shape)
+        )
+    return (
+        codes.astype(np.uint8).view(dtype).reshape(shape)
+        if dtype.name.startswith("float")
+        else codes.astype(dtype).reshape(shape)
+    )
+
+
+#: Bits per element of ONNX's sub-byte types (those the installed onnx knows).
+_SUB_BYTE_WIDTH = {
+    code: width
+    for name, width in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+    if (code := getattr(__import__("onnx").TensorProto, name, None)) is not None
+}
+
+
+def _packed(bits: np.ndarray, width: int) -> np.ndarray:
+    """One byte per element -> ``8 // width`` elements per byte, in an array of the original
+    shape (ONNX Runtime reads the packed bytes from its start: the tensor's size in bytes)."""
+    per = 8 // width
+    flat = bits.reshape(-1) & ((1 << width) - 1)
+    flat = np.concatenate([flat, np.zeros(-flat.size % per, np.uint8)]).reshape(-1, per).astype(np.uint16)
+    packed = (flat << (np.arange(per, dtype=np.uint16) * width)).sum(axis=1).astype(np.uint8)
+    out = np.zeros(bits.shape, np.uint8)
+    out.reshape(-1)[: packed.size] = packed
+    return out
 
 
 #: ``ml_dtypes`` names of the numpy types torch holds under the same bits.
@@ -392,6 +505,7 @@ register("ort", run_ort)
 register("torch", run_torch)
 register("placed_last", functools.partial(run_placed, how="last"))
 register("placed_alternate", functools.partial(run_placed, how="alternate"))
+register("placed_folded", functools.partial(run_placed, how="alternate", fold=None))
 
 
 def check(case: Case, runtime_name: str) -> None:
@@ -531,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.conformance._cases", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, torch)"
+        "runtimes", nargs="+", help="runtime names (ort, placed_last, placed_alternate, placed_folded, torch)"
     )
     parser.add_argument("--grow", action="store_true", help="also add cases that fail now (review them)")
     parser.add_argument(

@@ -20,6 +20,13 @@ from tests.runtime.ort.test_runner import place_shift
 pytestmark = [pytest.mark.gpu, needs_ort_cuda]
 
 MAPS = {"shared GPU": {0: "cuda:0", 1: "cuda:0"}, "GPU + CPU": {0: "cuda:0", 1: "cpu"}}
+#: (device map, fold): one GPU for two logical devices, folded into one session (the default)
+#: and with its stages kept apart (their hand-over is the point); GPU + CPU never folds
+CASES = {
+    "shared GPU, folded": ("shared GPU", None),
+    "shared GPU, stages": ("shared GPU", False),
+    "GPU + CPU": ("GPU + CPU", None),
+}
 
 
 def _eager(net: torch.nn.Module, args: tuple) -> list[np.ndarray]:
@@ -34,13 +41,22 @@ def _close(got: list[np.ndarray], want: list[np.ndarray], tol) -> None:
         np.testing.assert_allclose(g, w, rtol=tol.rtol, atol=tol.atol, err_msg=str(tol))
 
 
-@pytest.mark.parametrize("where", MAPS)
+def _sessions(runner: pl.Runner) -> list[ort.InferenceSession]:
+    """The stage sessions the runner's program runs."""
+    return [step.exec.session for step in runner.program.steps if isinstance(step, StageStep)]
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_runner_on_cuda_equals_eager(exported, name, where):
+def test_runner_on_cuda_equals_eager(exported, name, case):
+    where, fold = CASES[case]
     model, net, args = exported(name)
     place_shift(model, 2)
-    runner = pl.Runner(model, device_map=MAPS[where])
+    runner = pl.Runner(model, device_map=MAPS[where], fold=fold)
     assert sorted({str(p) for p in runner.device_map.values()}) == sorted(set(MAPS[where].values()))
+    assert len(runner.stages) == (1 if case == "shared GPU, folded" else 2), runner.summary()
+    gpu_stages = [s.index for s in runner.stages if runner.device_map[s.device].is_cuda]
+    assert gpu_stages and all(runner.stats.providers[i] == "CUDAExecutionProvider" for i in gpu_stages)
     assert runner.tolerance == FP32_TOLERANCE and not runner.tf32
     _close(runner.run(list(args)), _eager(net, args), runner.tolerance)
 
@@ -54,7 +70,9 @@ def test_sessions_use_tf32_as_asked_and_say_their_tolerance(exported, precision)
     assert runner.tolerance == (TF32_TOLERANCE if precision == "tf32" else FP32_TOLERANCE)
     assert runner.tolerance == tolerance(precision, on_gpu=True)
     flag = "1" if precision == "tf32" else "0"
-    for session in runner._sessions.values():
+    sessions = _sessions(runner)
+    assert sessions
+    for session in sessions:
         assert session.get_providers()[0] == "CUDAExecutionProvider"
         assert session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == flag
     _close(runner.run(list(args)), _eager(net, args), runner.tolerance)

@@ -207,3 +207,22 @@ def test_torchscript_exporter_keeps_dynamic_dims_of_var_positional_inputs():
     assert all(not isinstance(d, int) for d in dims), dims  # symbolic, not the example's 4
     (out,) = pl.run(model, [np.ones((2, 3), np.float32), np.ones((2, 3), np.float32)])
     assert out.shape == (2, 3) and np.all(out == 3)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_bias_less_conv3d_gets_no_malformed_bias(exporter):
+    """onnxscript's ``aten_conv3d`` gives a bias-less Conv3d a zero bias of shape [C_out, 2]
+    (torchvision's r3d_18); the import drops it, so ONNX Runtime and to_torch both run it."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv3d(3, 4, 3, padding=1, bias=False), torch.nn.ReLU())
+    x = torch.randn(1, 3, 4, 5, 5)
+    model = pl.from_torch(net, (x,), exporter=exporter)
+    (conv,) = [op for op in model.ops if op.op_type == "Conv"]
+    biases = [model.value(name) for name in conv.inputs[2:] if name]
+    assert all(len(b.shape) == 1 and b.shape[0] == 4 for b in biases), [b.shape for b in biases]
+    expected = net(x).detach().numpy()
+    placed = pl.place_evenly(model, 2)
+    (y,) = pl.run(placed, [x.numpy()], device_map="cpu")
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    lowered = pl.to_torch(placed, device_map="cpu")
+    np.testing.assert_allclose(lowered(x).detach().numpy(), expected, rtol=1e-5, atol=1e-5)

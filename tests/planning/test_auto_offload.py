@@ -88,15 +88,15 @@ def _host_only_ns(model: pl.Model) -> float:
 
 
 @pytest.mark.slow
-def test_150mib_runs_a_block_on_the_gpu(big):
+def test_170mib_runs_a_block_on_the_gpu(big):
     """Slow: exports a 321.7 MiB GPT twice (10-40 s on a loaded 2-core machine)."""
     path, net, short, idx = big
     model, run_model = pl.load(path), pl.load(short)
-    plan = pl.auto_place(model, max_memory={0: "150MiB", "cpu": "1GiB"}, cost="flops", throughput=RATES)
+    plan = pl.auto_place(model, max_memory={0: "170MiB", "cpu": "1GiB"}, cost="flops", throughput=RATES)
     modes = plan.offload["modes"]
     gpu_blocks = [name for name, mode in modes.items() if name.startswith("blocks.") and mode != "host"]
     assert gpu_blocks, modes
-    assert plan.fits and plan.devices[0].memory <= 150 * 2**20
+    assert plan.fits and plan.devices[0].memory <= 170 * 2**20
     assert plan.cost_kind == "time" and plan.devices[0].cost > 0
     assert {str(d) for d in model.devices} == {"cuda:0", "cpu"}
     # a sensible bottleneck: the simulated forward, between all-on-the-GPU and all-on-the-host
@@ -199,7 +199,7 @@ def test_cli_places_on_the_gpu_and_prints_the_modes(big, tmp_path, capsys):
 
     path, *_ = big
     target = tmp_path / "placed.onnx"
-    argv = ["place", str(path), "--auto", "--max-memory", "0=150MiB,cpu=1GiB", "-o", str(target)]
+    argv = ["place", str(path), "--auto", "--max-memory", "0=170MiB,cpu=1GiB", "-o", str(target)]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "offload plan: one forward" in out and "cpu" in out and "(measured)" in out  # the host's speed

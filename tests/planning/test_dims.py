@@ -87,6 +87,7 @@ def test_summary_draw_and_report_use_the_planned_sizes(cnn, tmp_path):
 
     written = pl.write_report(loaded, tmp_path / "r.html")
     assert sum(written.traffic.values()) == recv
+    assert "sizes at batch=8" in (tmp_path / "r.html").read_text()
 
 
 def test_planned_dims_rules_and_bad_batches(cnn):
@@ -123,3 +124,7 @@ def test_an_input_without_a_shape_names_the_function_called():
         pl.calibrate(_unshaped(), 2)
     with pytest.raises(pl.InputError, match="pass sample_inputs= to profile"):
         pl.profile(_unshaped())
+    with pytest.raises(pl.InputError, match="pass sample_inputs= to balance_by_time"):
+        pl.balance_by_time(_unshaped(), 2)
+    with pytest.raises(pl.InputError, match="pass sample_inputs= to plan_offload"):
+        pl.plan_offload(_unshaped(), {0: "1MiB", "cpu": "1GiB"})

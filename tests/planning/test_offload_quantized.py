@@ -14,7 +14,10 @@ from placement.models import gpt
 from placement.runtime.torch.copy_emulation import EmulatedCopyEngine
 
 
-def _quantized_gpt(tmp_path: Path) -> tuple[Path, tuple[torch.Tensor, ...]]:
+@pytest.fixture(scope="module")
+def quantized_gpt(tmp_path_factory) -> tuple[Path, tuple[torch.Tensor, ...]]:
+    """gpt tiny through ORT's ``quant_pre_process`` and ``quantize_dynamic`` (int8 weights)."""
+    tmp_path = tmp_path_factory.mktemp("int8")
     quantization = pytest.importorskip("onnxruntime.quantization")
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -40,8 +43,8 @@ def _weights(model: pl.Model) -> tuple[int, int]:
     return ints, floats
 
 
-def test_int8_weights_count_in_the_plan(tmp_path):
-    path, _ = _quantized_gpt(tmp_path)
+def test_int8_weights_count_in_the_plan(quantized_gpt):
+    path, _ = quantized_gpt
     model = pl.load(path)
     ints, floats = _weights(model)
     assert ints > 5 * floats  # the int8 weights are most of the model
@@ -60,10 +63,10 @@ def test_int8_weights_count_in_the_plan(tmp_path):
     )
 
 
-def test_streamed_int8_weights_lower_and_match_ort(tmp_path):
+def test_streamed_int8_weights_lower_and_match_ort(quantized_gpt):
     import onnxruntime as ort
 
-    path, args = _quantized_gpt(tmp_path)
+    path, args = quantized_gpt
     model = pl.load(path)
     (expected,) = ort.InferenceSession(str(path)).run(None, {model.inputs[0]: args[0].numpy()})
     int8 = [
@@ -88,9 +91,8 @@ def test_streamed_int8_weights_lower_and_match_ort(tmp_path):
     assert streamer.prefetched > 0
 
 
-def test_streaming_a_shape_tensor_is_a_named_error():
-    net, args = gpt.build("tiny")
-    model = pl.from_torch(net, args)
+def test_streaming_a_shape_tensor_is_a_named_error(exported):
+    model, _, _ = exported("gpt")
     shapes = [
         n
         for n, v in model.graph.initializers.items()

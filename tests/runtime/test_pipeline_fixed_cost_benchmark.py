@@ -49,7 +49,7 @@ def test_crossover_rows_say_what_auto_picks(monkeypatch):
     from benchmarks import pipeline_fixed_cost
     from placement.runtime.torch.executor import THREADS_MIN_MACS
 
-    monkeypatch.setattr(pipeline_fixed_cost, "_alternate", _two_calls(pipeline_fixed_cost._alternate))
+    monkeypatch.setattr(pipeline_fixed_cost, "alternate", _two_calls(pipeline_fixed_cost.alternate))
     rows = pipeline_fixed_cost.crossover((8, 16), repeats=1)
     assert [r["width"] for r in rows] == [8, 16]
     for row in rows:
@@ -59,7 +59,7 @@ def test_crossover_rows_say_what_auto_picks(monkeypatch):
 
 
 def _two_calls(alternate):
-    def fewer(fns, repeats, *, warmup, block):
+    def fewer(fns, repeats, **options):
         return alternate(fns, repeats, warmup=1, block=1)
 
     return fewer

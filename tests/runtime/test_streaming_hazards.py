@@ -23,21 +23,25 @@ ATOL = 1e-5
 DMAP = {"cuda:0": "cpu", "cpu": "cpu"}
 
 
-def _lowered(blocks=("blocks.0",), net=None):
-    """gpt tiny on logical cuda:0 with ``blocks`` streamed from the host, lowered; (module, net, args)."""
-    if net is None:
-        net, args = gpt.build("tiny")
+def _lowered(blocks=("blocks.0",), net=None, device_map=DMAP, exported=None):
+    """gpt tiny on logical cuda:0 with ``blocks`` streamed from the host, lowered; (module, net, args).
+    ``exported``: the tests' cached export (when ``net`` is not given)."""
+    if net is None and exported is not None:
+        model, net, args = exported("gpt")
     else:
-        args = gpt.build("tiny")[1]
-    model = pl.from_torch(net, args)
+        if net is None:
+            net, args = gpt.build("tiny")
+        else:
+            args = gpt.build("tiny")[1]
+        model = pl.from_torch(net, args)
     pl.stream_parameters(model, list(blocks))
     pl.inject_cross_device_copies(model, output_device=0)
-    return pl.to_torch(model, device_map=DMAP), net, args
+    return pl.to_torch(model, device_map=device_map), net, args
 
 
 @pytest.fixture
-def lowered():
-    return _lowered()
+def lowered(exported):
+    return _lowered(exported=exported)
 
 
 # -- the emulator sees device-side order ------------------------------------------------------
@@ -206,9 +210,8 @@ def test_a_module_with_streamed_weights_deep_copies_and_pickles(lowered):
 # -- 7. CUDA graphs --------------------------------------------------------------------------
 
 
-def test_cuda_graphs_with_streamed_weights_is_a_named_error():
-    net, args = gpt.build("tiny")
-    model = pl.from_torch(net, args)
+def test_cuda_graphs_with_streamed_weights_is_a_named_error(exported):
+    model, _, _ = exported("gpt")
     pl.stream_parameters(model, ["blocks.0"])
     pl.inject_cross_device_copies(model, output_device=0)
     before = model.copy()
@@ -235,3 +238,66 @@ def test_the_streamer_keeps_no_lock_in_its_pickle():
     streamer = WeightStreamer([("cpu", 16)], window=1024)
     state = streamer.__getstate__()
     assert "_lock" not in state and "engine" not in state
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+
+
+@pytest.mark.gpu
+def test_weights_unpinned_after_lowering_are_pinned_again(caplog):
+    """On a GPU: the streamed weights share one pinned arena; replaced by unpinned tensors (as
+    ``.half()`` or ``.to()`` do), they are pinned again at the next forward, with a warning."""
+    _needs_cuda()
+    module, _, args = _lowered(device_map={"cuda:0": "cuda:0", "cpu": "cpu"})
+    sources = module.weight_streamer._sources
+    assert all(p.is_pinned() for p in sources)
+    assert len({p.untyped_storage().data_ptr() for p in sources}) == 1  # one arena
+    cuda_args = [a.cuda() for a in args]
+    with torch.no_grad():
+        expected = module(*cuda_args)
+    for param in sources:
+        param.data = param.data.clone()  # unpinned
+    with caplog.at_level("WARNING"), torch.no_grad():
+        got = module(*cuda_args)
+    assert "no longer in pinned host memory" in caplog.text
+    assert all(p.is_pinned() for p in sources)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_training_with_streamed_weights_on_a_gpu_equals_all_on_the_gpu():
+    """On a GPU: blocks.0 and blocks.1 streamed, some of them frozen, two training steps;
+    gradients equal the whole model's on the GPU (fp32, TF32 off: torch's default)."""
+    _needs_cuda()
+    net, args = gpt.build("tiny")
+    for name, param in net.named_parameters():
+        if name.startswith("blocks.0.mlp"):
+            param.requires_grad_(False)
+    module, _, _ = _lowered(
+        ("blocks.0", "blocks.1"), net=copy.deepcopy(net), device_map={"cuda:0": "cuda:0", "cpu": "cpu"}
+    )
+    params = dict(module.named_parameters())
+    for name, path in module.initializer_paths.items():
+        if name.startswith("blocks.0.mlp") and path in params:
+            params[path].requires_grad_(False)
+    cuda_args = [a.cuda() for a in args]
+    reference = copy.deepcopy(net).cuda()
+    for _ in range(2):
+        module.zero_grad()
+        reference.zero_grad()
+        module(*cuda_args).square().mean().backward()
+        reference(*cuda_args).square().mean().backward()
+    torch.cuda.synchronize()
+    ref = dict(reference.named_parameters())
+    checked = 0
+    for name, path in module.initializer_paths.items():
+        param = params.get(path)
+        if param is not None and name in ref and ref[name].grad is not None and param.grad is not None:
+            torch.testing.assert_close(param.grad.cuda(), ref[name].grad, atol=1e-5, rtol=1e-4)
+            checked += 1
+    assert checked > 4

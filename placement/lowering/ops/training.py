@@ -35,6 +35,9 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
+from placement.graph.nodes import SCOPE_KEY
+from placement.graph.torch_import import COUNTERS_KEY, TRAINING_KEY
+
 __all__ = [
     "MODE_OP_TYPES",
     "ModeBatchNorm",
@@ -47,9 +50,6 @@ __all__ = [
 
 #: ONNX op types that follow train/eval mode in a model exported for training.
 MODE_OP_TYPES = frozenset({"Dropout", "BatchNormalization"})
-#: The model metadata key ``pl.from_torch(..., training=True)`` sets (the graph layer's
-#: ``placement.graph.torch_import.TRAINING_KEY``; spelled here so the op table needs no import).
-_TRAINING_KEY = "placement.training"
 
 _LOCAL = threading.local()
 
@@ -57,7 +57,7 @@ _LOCAL = threading.local()
 def is_training_export(model: Any) -> bool:
     """Whether ``model`` (a ``placement.Model`` or ``onnx_ir.Model``) was exported for training."""
     ir_model = getattr(model, "ir_model", model)
-    return ir_model.metadata_props.get(_TRAINING_KEY) == "1"
+    return ir_model.metadata_props.get(TRAINING_KEY) == "1"
 
 
 def mode_op_names(model: Any) -> set[str]:
@@ -134,11 +134,14 @@ class ModeBatchNorm(torch.nn.Module):
         bias: torch.Tensor,
         running_mean: torch.Tensor,
         running_var: torch.Tensor,
+        num_batches_tracked: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.training:
             return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, self.eps)
         if _recomputing():  # the same batch statistics, the buffers already updated once
             return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, self.momentum, self.eps)
 
     def extra_repr(self) -> str:
@@ -165,6 +168,34 @@ def emit_mode_op(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> boo
         module = ModeBatchNorm(1.0 - float(attrs.get("momentum", 0.9)), float(attrs.get("epsilon", 1e-5)))
         args = ins
     path = lowering.add_module(f"{name}_{node.op_type.lower()}", module)
-    call = lowering.emit("call_module", path, tuple(lowering.on(v, phys) for v in args), {}, name)
+    nodes = [lowering.on(v, phys) for v in args]
+    counter = _counter(lowering, node, phys) if node.op_type == "BatchNormalization" else None
+    if counter is not None:
+        nodes.append(counter)
+    call = lowering.emit("call_module", path, tuple(nodes), {}, name)
     lowering.define(name, call, lowering.current_device)
     return True
+
+
+def _counter(lowering: Any, node: ir.Node, phys: str) -> Any:
+    """The get_attr node of the BatchNorm's ``num_batches_tracked`` buffer, registered under the
+    module's name (``layer1.0.bn1.num_batches_tracked``) with the exported module's count, so the
+    lowered module's ``state_dict`` loads into the network strictly; None without a record."""
+    import json
+
+    scope = node.metadata_props.get(SCOPE_KEY, "")
+    try:
+        counters = json.loads(lowering.model.ir_model.metadata_props.get(COUNTERS_KEY) or "{}")
+    except ValueError:
+        return None
+    if not scope or scope not in counters:
+        return None
+    path = f"{scope}.num_batches_tracked"
+    if path in lowering.taken_paths or path in lowering.prefixes:  # one BatchNorm called twice
+        return lowering.graph.get_attr(path) if path in lowering.taken_paths else None
+    if lowering._attr_path(path) != path:
+        return None
+    lowering._register(
+        path, torch.tensor(int(counters[scope]), dtype=torch.long, device=phys), parameter=False
+    )
+    return lowering.graph.get_attr(path)

@@ -37,6 +37,7 @@ from placement.graph.model import Model
 from placement.graph.nodes import is_copy_node, node_device
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort.boundaries import keep_blocked_boundaries, optimized_path
+from placement.runtime.ort.concurrent import ConcurrentRun, stage_width
 from placement.runtime.ort.fold import fold_groups, fold_model, folded_devices
 from placement.runtime.ort.program import Program, compile_program
 from placement.runtime.ort.sessions import stage_session
@@ -65,6 +66,11 @@ class BuildOptions:
             program the cores divided among its stages, else ONNX Runtime's choice).
         keep_layout: keep blocked layouts across CPU stages' convolution boundaries.
         precision: ``"fp32"`` or ``"tf32"`` (GPU stages).
+        allow_cpu_fallback: a GPU stage whose session falls back to the CPU runs there
+            (with a warning) instead of raising ``DeviceError``.
+        concurrent: run stages that do not depend on each other at once (None: where the
+            stage graph is wider than a chain and the program is not pipelined); each
+            session then gets the cores divided among the widest set of such stages.
     """
 
     fold: bool | None = None
@@ -74,6 +80,8 @@ class BuildOptions:
     threads_per_stage: int | None = None
     keep_layout: bool = True
     precision: str = DEFAULT_PRECISION
+    allow_cpu_fallback: bool = False
+    concurrent: bool | None = None
 
     def session_threads(self, n_stages: int) -> int | None:
         """The intra-op threads of each session of a program with ``n_stages`` stages."""
@@ -113,6 +121,7 @@ class Built:
         reused: sessions taken from the cache.
         folds: logical device -> the device it was folded into.
         blocked_boundaries: blobs handed over in the blocked layout.
+        providers: stage index -> the execution provider its session really runs on.
     """
 
     program: Program
@@ -120,6 +129,7 @@ class Built:
     reused: int
     folds: dict[Device, Device]
     blocked_boundaries: list[str]
+    providers: dict[int, str] = field(default_factory=dict)
 
 
 def logical_devices(model: Model) -> list[Device]:
@@ -166,16 +176,22 @@ def build_program(
     )
     if folds:
         fold_model(model, folds)
-    segments = split_streamed(model)  # each session fed at most the streamed window
+    segments = split_streamed(model, device_map)  # each session fed at most the streamed window
     part = split_stages(model)
     restore_devices(part, segments)
     runs = folded_devices(folds)
     for stage in part.stages:
         stage.folded = runs.get(stage.device, ())
     threads = options.session_threads(len(part.stages))
+    width = stage_width([s.depends_on for s in part.stages])
+    concurrent = not options.pipelined and options.concurrent is not False and width > 1
+    if concurrent and threads is None:
+        threads = stage_threads(width)
     layout = options.keep_layout and sum(not device_map[s.device].is_cuda for s in part.stages) > 1
     sessions: dict[tuple[str, PhysicalDevice, int | None], ort.InferenceSession] = {}
     execs: dict[int, StageExec] = {}
+    providers: dict[int, str] = {}
+    fell_back: dict[Device, PhysicalDevice] = {}  # GPU stages whose sessions run on the CPU
     built = reused = 0
     for stage in part.stages:
         if not stage.outputs:
@@ -192,16 +208,21 @@ def build_program(
                 threads=threads,
                 optimized_path=optimized_path(workdir, stage) if dump else None,
                 precision=options.precision,
+                allow_cpu_fallback=options.allow_cpu_fallback,
             )
             built += 1
         else:
             reused += 1
         sessions[key] = session
+        providers[stage.index] = session.get_providers()[0]
+        if physical.is_cuda and providers[stage.index] != "CUDAExecutionProvider":  # allowed fallback
+            physical = fell_back[stage.device] = PhysicalDevice("cpu")
         execs[stage.index] = StageExec(stage, physical, session)
     if keep:
         cache.sessions.update(sessions)
     else:
         cache.sessions = sessions  # sessions of stages that no longer exist are released
+    device_map = {**device_map, **fell_back}
     program = compile_program(model, part, execs, device_map)
     blobs: list[str] = []
     if options.keep_layout and sum(not ex.physical.is_cuda for ex in execs.values()) > 1:
@@ -216,7 +237,9 @@ def build_program(
         if plan.blobs:
             blobs = plan.blobs
             program = compile_program(model, part, execs, device_map)
-    return Built(program, built, reused, folds, blobs)
+    if concurrent:
+        program.concurrent = ConcurrentRun.of(program)
+    return Built(program, built, reused, folds, blobs, providers)
 
 
 def stale_copies(model: Model) -> bool:

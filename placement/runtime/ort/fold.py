@@ -42,6 +42,7 @@ import logging
 import onnx_ir as ir
 
 from placement.graph.device import Device
+from placement.graph.kv_names import is_cache_input
 from placement.graph.model import Model
 from placement.graph.nodes import (
     COPY_KEY,
@@ -184,7 +185,7 @@ def _same_device(model: Model, copy: ir.Node, source: ir.Value) -> bool:
     if source.producer() is not None:
         return node_device(source.producer()) == device
     fixed = model.input_device
-    if fixed is not None:
+    if fixed is not None and not is_cache_input(source.name):
         return fixed == device
     readers = [use.node for use in source.uses() if use.node is not copy]
     return not readers or node_device(readers[0]) == device

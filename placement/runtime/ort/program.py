@@ -89,6 +89,9 @@ class Program:
             name and a constant (an output that is a parameter).
         resident: streamed parameters (value-table key -> the value on its host), which
             every run's transfers copy to the devices that read them.
+        concurrent: the same run with independent stages at once
+            (:class:`~placement.runtime.ort.concurrent.ConcurrentRun`), where the stages
+            form a DAG wider than a chain and the runner runs concurrently; None otherwise.
         native: the same run without per-step Python, where every stage runs
             natively on the CPU and every transfer is an alias (see
             :class:`NativeRun`); None otherwise. :meth:`run` uses it; pipelines
@@ -102,6 +105,7 @@ class Program:
     resident: dict[str, Any] = field(default_factory=dict)
     outputs: list[tuple[str, np.ndarray | None]] = field(default_factory=list)
     native: NativeRun | None = None
+    concurrent: Any = None  # a ConcurrentRun where independent stages may run at once
 
     @property
     def n_transfers(self) -> int:
@@ -134,7 +138,10 @@ class Program:
         ]
 
     def run(self, arrays: list[Any], kind: str = "numpy") -> list[Any]:
-        """One whole run: feed, every step, collect (by :attr:`native` where it is set)."""
+        """One whole run: feed, every step, collect (by :attr:`concurrent` or :attr:`native`
+        where one is set)."""
+        if self.concurrent is not None:
+            return self.concurrent.run(arrays, kind)
         if self.native is not None:
             return self.native.run(arrays, kind)
         values = self.feed(arrays)

@@ -44,7 +44,6 @@ import logging
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ from placement.runtime.ort.fold import fold_groups
 from placement.runtime.ort.pipelined import ort_run_pipelined, ort_stream
 from placement.runtime.ort.program import Program
 from placement.runtime.ort.sessions import check_threads
+from placement.runtime.ort.stats import RunnerStats
 from placement.runtime.ort.values import HOST_COPIES, OUTPUT_KINDS
 from placement.runtime.precision import DEFAULT_PRECISION, Tolerance, check_precision, tolerance
 from placement.runtime.schedule import batch_axes, check_chunks
@@ -80,30 +80,6 @@ __all__ = ["Runner", "RunnerStats", "run"]
 log = logging.getLogger(__name__)
 
 _REBUILD_ATTEMPTS = 8
-
-
-@dataclass
-class RunnerStats:
-    """Counters a :class:`Runner` keeps (for tests and reports).
-
-    Attributes:
-        sessions_built: ``InferenceSession`` s created so far.
-        sessions_reused: stage sessions kept across a re-placement.
-        partitions: times the model was partitioned (1 + re-placements seen).
-        runs: calls to :meth:`Runner.run`.
-        transfers: transfers per run (cross-device copies that move data).
-        host_copies: tensor copies through host memory the last :meth:`Runner.run` made
-            (inputs fed from numpy to a GPU, host <-> GPU transfers, GPU outputs handed
-            back as numpy; see :data:`placement.runtime.ort.values.HOST_COPIES`; a run
-            in another thread at the same time counts here too).
-    """
-
-    sessions_built: int = 0
-    sessions_reused: int = 0
-    partitions: int = 0
-    runs: int = 0
-    transfers: int = 0
-    host_copies: int = 0
 
 
 class Runner:
@@ -152,6 +128,10 @@ class Runner:
             :data:`~placement.runtime.precision.FP32_TOLERANCE`; ``"tf32"``: TF32 tensor
             cores allowed (faster, within :data:`~placement.runtime.precision.TF32_TOLERANCE`).
             No effect on CPU stages. :attr:`tolerance` is the one that applies.
+        allow_cpu_fallback: a GPU stage whose session came back on the CPU (the CUDA provider did not
+            load) runs there, warning; by default ``DeviceError`` names the load error.
+        concurrent: run independent stages at once (:mod:`placement.runtime.ort.concurrent`);
+            ``None`` (default): where the stage graph is wider than a chain and ``chunks == 1``.
 
     Threads: :meth:`run` may be called from several threads at once (runs of one
     runner take turns), and another thread may re-place the model meanwhile: a
@@ -187,6 +167,8 @@ class Runner:
         keep_layout: bool = True,
         precision: str = DEFAULT_PRECISION,
         fold: bool | None = None,
+        allow_cpu_fallback: bool = False,
+        concurrent: bool | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"Runner needs a placement.Model, got {type(model).__name__}")
@@ -201,7 +183,8 @@ class Runner:
         self.blocked_boundaries: list[str] = []
         #: folds of the current program: logical device -> the device it runs as (see ``fold``)
         self.folds: dict[Device, Device] = {}
-        self.fold = fold
+        self.fold, self.allow_cpu_fallback = fold, allow_cpu_fallback
+        self.concurrent = concurrent
         self._cache = SessionCache()
         self._base: Model | None = None  # the private copy of the model the program was built from
         self._piped: tuple[Program, Program] | None = None  # (program, its pipelined form)
@@ -251,7 +234,8 @@ class Runner:
         return list(self._program.partition.stages)
 
     def summary(self) -> str:
-        """One line per stage: its logical device(s), the physical device, ops and boundary.
+        """One line per stage: its logical device(s), the physical device and the ONNX Runtime
+        provider its session really got, ops and boundary.
 
         Example:
             >>> import placement as pl
@@ -259,13 +243,15 @@ class Runner:
             >>> model = pl.from_torch(*mlp.build("tiny"))
             >>> model.set_device(model.ops[-1].name, 1)
             >>> print(Runner(model, device_map="cpu").summary())
-            stage 0: cuda:0+cuda:1 (folded) on cpu, 5 ops, inputs ['input'], outputs ['linear_2']
+            stage 0: cuda:0+cuda:1 (folded) on cpu (ORT CPU), 5 ops, inputs ['input'], outputs ['linear_2']
         """
         lines = []
         for stage in self.stages:
             logical = "+".join(map(str, stage.folded)) + " (folded)" if stage.folded else str(stage.device)
+            ep = self.stats.providers.get(stage.index, "no session").removesuffix("ExecutionProvider")
             lines.append(
-                f"stage {stage.index}: {logical} on {self._device_map[stage.device]}, {len(stage.ops)} ops, "
+                f"stage {stage.index}: {logical} on {self._device_map[stage.device]} (ORT {ep}), "
+                f"{len(stage.ops)} ops, "
                 f"inputs {list(stage.inputs)}, outputs {list(stage.outputs)}"
             )
         return "\n".join(lines)
@@ -506,6 +492,7 @@ class Runner:
         self._program = built.program
         self.folds = built.folds
         self.blocked_boundaries = built.blocked_boundaries
+        self.stats.providers = dict(built.providers)
         self.stats.transfers = built.program.n_transfers
         if state is None:
             raise PlacementError("the model changed while the runner read it")
@@ -529,6 +516,8 @@ class Runner:
             threads_per_stage=self._threads_per_stage,
             keep_layout=self.keep_layout,
             precision=self.precision,
+            allow_cpu_fallback=self.allow_cpu_fallback,
+            concurrent=self.concurrent,
         )
 
     def _pipelined_program(self) -> Program:
@@ -558,9 +547,8 @@ class Runner:
     # -- running -----------------------------------------------------------------------
 
     def _execute(self, arrays: list[Any], outputs: str = "numpy") -> list[Any]:
-        program = self._program
-        assert program is not None
-        return program.run(arrays, outputs)
+        assert self._program is not None
+        return self._program.run(arrays, outputs)
 
 
 def run(
@@ -571,15 +559,12 @@ def run(
     precision: str = DEFAULT_PRECISION,
     outputs: str = "numpy",
 ) -> list[Any]:
-    """Run a placed model once through per-stage ONNX Runtime sessions.
-
-    The one-shot form of :class:`Runner` (which builds its sessions once; use
-    it to run many times).
+    """Run a placed model once through per-stage ONNX Runtime sessions: the one-shot form
+    of :class:`Runner` (which builds its sessions once; use it to run many times).
 
     Args:
         model: a placed :class:`placement.Model` (not modified).
-        inputs: a dict by input name or a sequence in input order (numpy arrays
-            or torch tensors).
+        inputs: a dict by input name or a sequence in input order (numpy arrays, torch tensors).
         device_map: see :class:`Runner`.
         precision: ``"fp32"`` or ``"tf32"``; see :class:`Runner`.
         outputs: ``"numpy"``, ``"torch"`` or ``"ortvalue"`` (see :meth:`Runner.run`).

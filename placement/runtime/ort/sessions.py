@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from placement.errors import InputError, PlacementError
+from placement.errors import DeviceError, InputError, PlacementError
 from placement.graph.session import ort_session
 from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.ort.layout import batchnorm_as_conv
@@ -35,7 +35,9 @@ from placement.runtime.stages import Stage
 
 __all__ = [
     "THREADS_PER_CORE_CAP",
+    "check_providers",
     "check_threads",
+    "cuda_provider_error",
     "cuda_provider_options",
     "ort_log_severity",
     "providers",
@@ -277,6 +279,7 @@ def stage_session(
     threads: int | None = None,
     optimized_path: Path | None = None,
     precision: str = DEFAULT_PRECISION,
+    allow_cpu_fallback: bool = False,
 ) -> ort.InferenceSession:
     """The ``InferenceSession`` of one stage on ``physical`` (as :class:`Runner` builds it).
 
@@ -289,9 +292,14 @@ def stage_session(
     writes the graph it optimised there, weights of a kilobyte or more beside it in
     ``<name>.weights`` (see :mod:`placement.runtime.ort.boundaries`).
 
+    A stage on a GPU whose session did not get the CUDA provider (ONNX Runtime falls
+    back to the CPU, with one warning, when the provider cannot load) is refused
+    (:func:`check_providers`), unless ``allow_cpu_fallback``.
+
     Raises:
         PlacementError: ONNX Runtime cannot build the session (names the stage, its
             devices and first op).
+        DeviceError: the stage is on a GPU and its session is not (see above).
 
     Example:
         >>> import placement as pl
@@ -316,7 +324,7 @@ def stage_session(
         options.add_session_config_entry("session.use_env_allocators", "1")
     try:
         model = stage.model if physical.is_cuda else batchnorm_as_conv(stage.model)
-        return session_from_ir(model, options, chosen)
+        session = session_from_ir(model, options, chosen)
     except Exception as err:  # ORT raises several types (Fail, InvalidGraph, ...)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PlacementError(
@@ -324,6 +332,60 @@ def stage_session(
             f"({stage.device} -> {physical}, {len(stage.ops)} ops starting with "
             f"{stage.ops[0]!r}): {first}"
         ) from err
+    check_providers(session, physical, what=f"stage {stage.index} ({stage.device})", allow=allow_cpu_fallback)
+    return session
+
+
+def check_providers(
+    session: Any, physical: PhysicalDevice, *, what: str = "the session", allow: bool = False
+) -> str:
+    """The provider ``session`` really runs on (``session.get_providers()[0]``), checked
+    against ``physical``: a session meant for a GPU that came back without the CUDA provider
+    raises :class:`DeviceError` naming the provider's load error (:func:`cuda_provider_error`),
+    or, with ``allow``, logs a warning and runs on the CPU.
+
+    Example:
+        >>> import placement as pl
+        >>> from placement.models import mlp
+        >>> from placement.runtime.stages import partition
+        >>> (stage,) = partition(pl.from_torch(*mlp.build("tiny")))
+        >>> check_providers(stage_session(stage, PhysicalDevice("cpu")), PhysicalDevice("cpu"))
+        'CPUExecutionProvider'
+    """
+    got = list(session.get_providers())
+    provider = got[0] if got else "none"
+    if not physical.is_cuda or provider == "CUDAExecutionProvider":
+        return provider
+    reason = cuda_provider_error()
+    message = f"{what} should run on {physical}, but its ONNX Runtime session runs on {provider}: {reason}"
+    if not allow:
+        raise DeviceError(message + " (allow_cpu_fallback=True runs it on the CPU anyway)")
+    log.warning("%s; running it on the CPU (allow_cpu_fallback)", message)
+    return provider
+
+
+def cuda_provider_error() -> str:
+    """Why ONNX Runtime's CUDA provider does not load here, as far as can be told: the
+    loader's error for its library (a missing CUDA or cuDNN library), or that this
+    ONNX Runtime has none.
+
+    Example:
+        >>> isinstance(cuda_provider_error(), str)
+        True
+    """
+    import ctypes
+
+    folder = Path(ort.__file__).parent / "capi"
+    found = sorted(folder.glob("*onnxruntime_providers_cuda*"))
+    if not found:
+        return f"this ONNX Runtime ({ort.__version__}) has no CUDA provider (install onnxruntime-gpu)"
+    try:
+        ctypes.CDLL(str(found[0]))
+    except OSError as err:
+        return f"its CUDA provider cannot load: {err}"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "this ONNX Runtime does not list the CUDA provider"
+    return "the CUDA provider loads but refused the session (see ONNX Runtime's log: placement -v)"
 
 
 def session_from_ir(model: Any, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:

@@ -26,7 +26,8 @@ Example:
     >>> model = pl.from_torch(*gpt.build("tiny"))
     >>> _ = pl.stream_parameters(model, ["blocks.0", "blocks.1"], window="16KiB")
     >>> _ = pl.inject_cross_device_copies(model)
-    >>> back = split_streamed(model)
+    >>> gpu = PhysicalDevice("cuda", 0)
+    >>> back = split_streamed(model, {pl.Device("cuda", 0): gpu, pl.Device("cpu"): PhysicalDevice("cpu")})
     >>> len(back) > 1                       # the GPU's ops are cut into several segments
     True
 """
@@ -35,22 +36,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 
 import onnx_ir as ir
 
 from placement.graph.device import MAX_DEVICE_INDEX, Device
 from placement.graph.model import Model
 from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, set_node_device, stream_window
-from placement.planning.offload_layers import ALIGN
+from placement.planning.offload_layers import aligned
+from placement.runtime.device_map import PhysicalDevice
 from placement.runtime.stages import Partition
 
 __all__ = ["split_streamed", "restore_devices", "streamed_window"]
 
 log = logging.getLogger(__name__)
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
 
 
 def streamed_window(model: Model) -> int:
@@ -59,7 +58,7 @@ def streamed_window(model: Model) -> int:
     window = stream_window(model.ir_model)
     if window is not None:
         return window
-    sizes = [_aligned(_nbytes(model, name)) for name in model.streamed]
+    sizes = [aligned(_nbytes(model, name)) for name in model.streamed]
     return 2 * max(sizes, default=0)
 
 
@@ -74,10 +73,12 @@ def _streamed_reads(node: ir.Node, copies: dict[ir.Value, int]) -> dict[ir.Value
     return {v: copies[v] for v in node.inputs if v is not None and v in copies}
 
 
-def split_streamed(model: Model) -> dict[Device, Device]:
-    """Label each segment of every device that reads streamed weights with a private logical
-    device (see the module doc); returns private device -> the device it stands for (empty:
-    nothing to cut). The model is changed in place: pass the runtime's private copy."""
+def split_streamed(model: Model, device_map: Mapping[Device, PhysicalDevice]) -> dict[Device, Device]:
+    """Label each segment of every device that streamed weights are copied to with a private
+    logical device (see the module doc); returns private device -> the device it stands for
+    (empty: nothing to cut). A device on the weights' own physical device is not cut (the
+    copy is an alias there, it takes no memory), unless it is an emulated GPU. The model is
+    changed in place: pass the runtime's private copy."""
     if not model.streamed:
         return {}
     window = streamed_window(model)
@@ -86,9 +87,14 @@ def split_streamed(model: Model) -> dict[Device, Device]:
     for node in model.graph:
         if is_copy_node(node) and node.metadata_props.get(COPY_KEY) == "streamed":
             source = node.inputs[0]
-            copies[node.outputs[0]] = _aligned(_nbytes(model, source.name or "")) if source else 0
+            copies[node.outputs[0]] = aligned(_nbytes(model, source.name or "")) if source else 0
             copy_nodes[node.outputs[0]] = node
-    devices = {node_device(n) for n in copy_nodes.values()}
+    devices = set()
+    for node in copy_nodes.values():
+        device, host = node_device(node), model.streamed.get(node.inputs[0].name or "")
+        physical = device_map.get(device)
+        if physical is None or host is None or physical != device_map.get(host) or physical.emulated:
+            devices.add(device)
     back: dict[Device, Device] = {}
     current: dict[Device, tuple[Device, int, set[ir.Value]]] = {}  # device -> (segment, bytes, weights)
     labels: dict[ir.Node, Device] = {}

@@ -62,6 +62,7 @@ import torch
 
 from placement.errors import InputError
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
+from placement.runtime.torch.device_streams import current_stream, has_streams, record_event, tensor_device
 from placement.runtime.torch.engine_grad import engine_grad
 from placement.runtime.torch.executor import stage_executor
 from placement.runtime.torch.outputs import move_outputs
@@ -75,6 +76,7 @@ from placement.runtime.torch.stage_exec import (
     call_stage,
     detached,
     forward_for_backward,
+    hand_over,
     input_slots,
     join_streams,
     keeps_activations,
@@ -143,6 +145,7 @@ class _Shared:
     failed: threading.Event = field(default_factory=threading.Event)
     failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
     losses: list[torch.Tensor | None] = field(default_factory=list)
+    loss_events: dict[int, Any] = field(default_factory=dict)  # behind each loss, on its stream
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: deferred weight gradients waiting for a worker, oldest first
     pool: deque[_Pending] = field(default_factory=deque)
@@ -312,7 +315,8 @@ def pipelined_train_step(
     if shared.flushed != [len(envs)] * len(stages):  # pragma: no cover - a bug, not an input error
         raise RuntimeError(f"train_step lost gradients: flushed {shared.flushed} of {len(envs)}")
     write_grads(stages, shared.param_grads, shared.owned)
-    return step_loss(shared.losses, shared.weights)
+    losses = [hand_over(loss, shared.loss_events.get(i)) for i, loss in enumerate(shared.losses)]
+    return step_loss(losses, shared.weights)
 
 
 def _run_threads(shared: _Shared) -> None:
@@ -349,7 +353,7 @@ def _run_inline(shared: _Shared) -> None:
     would; CPU stages need only grad mode, set once."""
     context = worker_context(shared.stages, True)
     shared.loops = loops = [_StageLoop(shared, j) for j in range(len(shared.stages))]
-    on_gpu = [s.device.type == "cuda" for s in shared.stages]
+    on_gpu = [has_streams(s.device) for s in shared.stages]
     loop = loops[0]
     try:
         with torch.enable_grad():
@@ -511,6 +515,9 @@ class _StageLoop:
                 shared.loss_fn(values[0] if len(values) == 1 else tuple(values), *shared.targets[i])
             )
         shared.losses[i] = loss.detach()  # weighted and summed once, at the end of the step
+        device = tensor_device(loss)
+        if device is not None:  # the caller reads it on its own stream: an event hands it over
+            shared.loss_events[i] = record_event(current_stream(device))
         if not loss.requires_grad:
             return None, leaves
         return (loss if loss.dim() == 0 else loss.reshape(())), leaves

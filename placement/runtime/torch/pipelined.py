@@ -88,6 +88,7 @@ from placement.runtime.schedule import (
     check_chunks,
     split_batch,
 )
+from placement.runtime.torch.device_streams import has_streams, on_device
 from placement.runtime.torch.engine_grad import engine_grad
 from placement.runtime.torch.executor import check_executor, stage_executor
 from placement.runtime.torch.one_f_one_b import pipelined_train_step
@@ -111,9 +112,11 @@ from placement.runtime.torch.stage_exec import (
     owned_grads,
     per_parameter,
     signal,
+    signal_all,
     stage_args,
     stage_name,
     trainable_params,
+    value_devices,
     wait_for,
     worker_context,
 )
@@ -406,7 +409,7 @@ def _backward_schedule(
         devices = [s.device for s in stages]
 
         def context(j: int) -> Any:
-            return torch.cuda.device(devices[j]) if devices[j].type == "cuda" else contextlib.nullcontext()
+            return on_device(devices[j]) if has_streams(devices[j]) else contextlib.nullcontext()
 
         return run_in_order(
             [make(s) for s in stages],
@@ -430,9 +433,12 @@ def _backward_schedule(
 
 
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
-    for env in envs:
-        wait_for(env)  # the caller's stream waits for the last stage's work on each micro-batch
     keys = module._pl_outputs
+    # The concatenation runs on the caller's stream of the outputs' device (the last stage's,
+    # not the caller's current device): that stream waits for each micro-batch's last work.
+    devices = value_devices(envs, keys)
+    for env in envs:
+        wait_for(env, *devices)
     return [
         torch.cat([hand_over(env[key]) for env in envs], dim=axis)
         for key, axis in zip(keys, module._out_axes)
@@ -526,6 +532,7 @@ class _PipelineFunction(torch.autograd.Function):
                 continue
             for genv, (part,) in zip(genvs, split_batch([g], [axis], module.chunks)):
                 accumulate(genv, key, part)
+        signal_all(genvs, value_devices(genvs))  # made on the caller's streams: the stages wait
         param_grads: list[dict[str, torch.Tensor]] = [{} for _ in stages]
         owned: list[set[str]] = [set() for _ in stages]  # accumulators made here: added to in place
 
@@ -552,8 +559,9 @@ class _PipelineFunction(torch.autograd.Function):
 
         done = _backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor)
         done.reverse()
+        devices = value_devices(done)  # the input gradients' devices: the caller reads them there
         for genv in done:
-            wait_for(genv)
+            wait_for(genv, *devices)
         join_streams(stages)  # parameter gradients were made on the workers' streams: events, no host wait
         # Input gradients: concatenated along the batch axis, summed over micro-batches when unbatched.
         placeholders = module._pl_inputs

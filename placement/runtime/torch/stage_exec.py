@@ -27,6 +27,16 @@ import torch.fx as fx
 
 from placement.lowering.ops.training import ModeBatchNorm, ModeDropout, replaying
 from placement.runtime.schedule import split_batch
+from placement.runtime.torch.device_streams import (
+    current_stream,
+    has_streams,
+    new_stream,
+    on_stream,
+    record_event,
+    record_stream,
+    tensor_device,
+    wait_event,
+)
 
 #: The lowering's train/eval-mode modules (see :mod:`placement.lowering.ops.training`).
 MODE_MODULES = (ModeBatchNorm, ModeDropout)
@@ -52,12 +62,14 @@ __all__ = [
     "per_parameter",
     "stage_args",
     "signal",
+    "signal_all",
     "stage_name",
     "hand_over",
     "join_streams",
     "stage_stream",
     "static_grads",
     "trainable_params",
+    "value_devices",
     "wait_for",
     "worker_context",
     "write_grads",
@@ -84,7 +96,7 @@ def stage_stream(stage: TorchStage) -> Any:
     """``stage``'s own CUDA stream, made on first use and kept: every call of the pipeline
     queues the stage's work on the same stream, so the caching allocator reuses its blocks."""
     if stage.stream is None:
-        stage.stream = torch.cuda.Stream(stage.device)
+        stage.stream = new_stream(stage.device)
     return stage.stream
 
 
@@ -136,7 +148,7 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
     @contextlib.contextmanager
     def on_gpu(stage: TorchStage) -> Iterator[None]:
         with torch.set_grad_enabled(True) if grad else torch.inference_mode():
-            with torch.cuda.device(stage.device), torch.cuda.stream(stage_stream(stage)):
+            with on_stream(stage.device, stage_stream(stage)):
                 with autocast_like(casts):
                     yield
 
@@ -149,7 +161,7 @@ def worker_context(stages: list[TorchStage], grad: bool) -> Callable[[int], Any]
         # Entered around every call of a stage run on the caller's thread: on the CPU, the
         # grad mode's own context manager (none when it is already on), not a generator.
         stage = stages[min(j, len(stages) - 1)]
-        if stage.device.type == "cuda":
+        if has_streams(stage.device):
             return on_gpu(stage)
         mode: contextlib.AbstractContextManager[Any]
         if not grad:
@@ -203,19 +215,49 @@ def autocast_like(casts: Sequence[tuple[str, torch.dtype, bool]]) -> Iterator[No
         yield
 
 
-def wait_for(env: dict[str, Any]) -> None:
-    """Make this worker's stream wait for the work that produced ``env`` (GPUs only)."""
+def wait_for(env: dict[str, Any], *devices: torch.device) -> None:
+    """Make this thread's current stream on each of ``devices`` (none given: on the current
+    device) wait for the work that produced ``env`` (devices with streams only).
+
+    A kernel runs on the current stream of its tensors' device: a caller that reads values
+    on another device than its current one (the last stage's outputs on ``cuda:1``, read by a
+    caller on ``cuda:0``) names that device, or its reads are not ordered after the work."""
     event = env.pop("__event__", None)
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)
+    if event is None:
+        return
+    for device in devices or (None,):
+        wait_event(current_stream(device), event)
+
+
+def value_devices(envs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[torch.device]:
+    """The stream devices the tensors under ``keys`` (all keys when None) of ``envs`` live on,
+    each once, in order of first appearance."""
+    found: dict[torch.device, None] = {}
+    for env in envs:
+        for key in env if keys is None else keys:
+            device = tensor_device(env.get(key))
+            if device is not None:
+                found[device] = None
+    return list(found)
 
 
 def signal(env: dict[str, Any], device: torch.device) -> None:
-    """Record, in ``env``, an event after the work this worker queued so far (GPUs only)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        env["__event__"] = event
+    """Record, in ``env``, an event after the work this thread queued so far on ``device``'s
+    current stream (devices with streams only)."""
+    if has_streams(device):
+        env["__event__"] = record_event(current_stream(device))
+
+
+def signal_all(envs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> None:
+    """Record, in each of ``envs``, one event behind the work queued so far on this thread's
+    current streams of all ``devices`` (the first one's stream waits for the others')."""
+    if not devices:
+        return
+    first = current_stream(devices[0])
+    for device in devices[1:]:
+        wait_event(first, record_event(current_stream(device)))
+    for env in envs:
+        signal(env, devices[0])
 
 
 def join_streams(stages: Sequence[TorchStage]) -> None:
@@ -223,18 +265,23 @@ def join_streams(stages: Sequence[TorchStage]) -> None:
     event per stage stream; the host never waits): what the caller reads next (outputs,
     gradients handed to ``.grad``) is ordered after it on the GPU."""
     for stage in stages:
-        if stage.device.type == "cuda" and stage.stream is not None:
-            event = torch.cuda.Event()
-            event.record(stage.stream)
-            torch.cuda.current_stream(stage.device).wait_event(event)
+        if stage.stream is not None and has_streams(stage.device):
+            event = record_event(stage.stream)
+            wait_event(current_stream(stage.device), event)
 
 
-def hand_over(tensor: Any) -> Any:
-    """Mark a CUDA ``tensor`` made on another stream as used by the current one
-    (``record_stream``), so the caching allocator does not reuse its memory while this
-    stream's queued work may still read it; other values pass through."""
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+def hand_over(tensor: Any, event: Any = None) -> Any:
+    """Mark a ``tensor`` made on another stream as used by this thread's current stream on its
+    device (``record_stream``), so the caching allocator does not reuse its memory while that
+    stream's queued work may still read it; with ``event`` (recorded behind the work that made
+    it), that stream first waits for it. Other values, and tensors on devices without
+    streams, pass through."""
+    device = tensor_device(tensor)
+    if device is not None:
+        stream = current_stream(device)
+        if event is not None:
+            wait_event(stream, event)
+        record_stream(tensor, stream)
     return tensor
 
 
@@ -256,8 +303,9 @@ def microbatch_envs(
     envs = []
     for part in parts:
         env = dict(zip(placeholders, part))
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in part):
-            signal(env, next(t.device for t in part if isinstance(t, torch.Tensor) and t.is_cuda))
+        device = next((d for d in map(tensor_device, part) if d is not None), None)
+        if device is not None:  # made on the caller's stream there
+            signal(env, device)
         envs.append(env)
     return envs
 
@@ -266,9 +314,7 @@ def detached(value: Any, requires_grad: bool) -> Any:
     """A stage's input: ``value`` cut from the graph that made it, a leaf that requires grad when
     ``requires_grad`` and it is floating point (non-tensors pass through)."""
     if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        if leaf.is_cuda:  # made on another stage's (or the caller's) stream
-            hand_over(leaf)
+        leaf = hand_over(value.detach())  # made on another stage's (or the caller's) stream
         if requires_grad and leaf.is_floating_point():
             leaf.requires_grad_(True)
         return leaf
@@ -283,7 +329,7 @@ def stage_args(
     requires grad where ``tracked(key)``."""
     if tracked is None:
         args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
-        if stage.device.type == "cuda":
+        if has_streams(stage.device):
             for arg in args:
                 hand_over(arg)
         return args
@@ -353,7 +399,7 @@ def backward_operands(
         if stats is not None:
             stats.recomputed[stage.index] += 1
     pairs = [
-        (outs[k], genv[k])
+        (outs[k], hand_over(genv[k]))  # made on the next stage's stream (or the caller's)
         for k, _ in stage.outs
         if k in genv and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad
     ]

@@ -478,7 +478,9 @@ def measure_workspace(device: str | torch.device = "cuda", dtype: torch.dtype = 
     measured once. 0 without CUDA.
 
     Example:
-        >>> measure_workspace("cuda") >= 0
+        >>> import torch
+        >>> workspace = measure_workspace("cuda")
+        >>> workspace > 0 if torch.cuda.is_available() else workspace == 0
         True
     """
     if not torch.cuda.is_available():

@@ -55,7 +55,7 @@ class EvalModeWarning:
             f"eval mode ({', '.join(effects)}); export with pl.from_torch(..., training=True) for "
             "real training mode, or call module.eval() (or torch.no_grad()) for inference"
         )
-        log.warning("%s", message)
+        log.debug("%s", message)
         warnings.warn(message, UserWarning, stacklevel=3)
 
 

@@ -137,18 +137,29 @@ def test_run_function_takes_outputs():
 # --- on a GPU ----------------------------------------------------------------------------------
 
 
+def _close_to_eager(runner, out, want):
+    """Within the tolerance of the runner's precision (fp32 by default: TF32 off)."""
+    tol = runner.tolerance
+    np.testing.assert_allclose(out, want, atol=tol.atol, rtol=tol.rtol, err_msg=str(tol))
+
+
+#: two logical devices on one GPU: folded into one session (the default), or stages kept apart
+ONE_GPU_FOLDS = pytest.mark.parametrize("fold", [None, False], ids=["folded", "stages"])
+
+
 @pytest.mark.gpu
+@ONE_GPU_FOLDS
 @pytest.mark.parametrize("name", ["gpt", "resnet"])
-def test_cuda_tensors_stay_on_the_gpu(name):
+def test_cuda_tensors_stay_on_the_gpu(name, fold):
     model, net, args = _placed(name)
-    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"})
+    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, fold=fold)
+    assert len(runner.stages) == (1 if fold is None else 2)
     inputs = [a.cuda() for a in args]
     before = HOST_COPIES.count
     (out,) = runner.run(inputs, outputs="torch")
     assert HOST_COPIES.count == before and runner.stats.host_copies == 0
     assert out.device.type == "cuda"
-    # ORT CUDA runs MatMul/Conv with TF32 by default (use_tf32): compare at 1e-2
-    np.testing.assert_allclose(out.cpu().numpy(), _reference(net, args), atol=1e-2, rtol=1e-2)
+    _close_to_eager(runner, out.cpu().numpy(), _reference(net, args))
     (value,) = runner.run(inputs, outputs="ortvalue")
     assert value.device_name().lower() == "cuda" and runner.stats.host_copies == 0
     (host,) = runner.run(inputs)  # numpy out: exactly one copy to the host, the output's
@@ -157,25 +168,30 @@ def test_cuda_tensors_stay_on_the_gpu(name):
 
 
 @pytest.mark.gpu
-def test_cuda_pipelined_split_and_join_on_the_gpu():
+@ONE_GPU_FOLDS
+def test_cuda_pipelined_split_and_join_on_the_gpu(fold):
     model, net, args = _placed("gpt", dynamic=True)
     batch = tuple(torch.cat([a, a.flip(0), a])[:5] for a in args)
-    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, chunks=2)
+    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, chunks=2, fold=fold)
+    assert len(runner.stages) == (1 if fold is None else 2)
     (out,) = runner.run([b.cuda() for b in batch], outputs="torch")
     assert out.device.type == "cuda" and runner.stats.host_copies == 0
-    np.testing.assert_allclose(out.cpu().numpy(), _reference(net, batch), atol=1e-2, rtol=1e-2)
+    _close_to_eager(runner, out.cpu().numpy(), _reference(net, batch))
 
 
 @pytest.mark.gpu
-def test_stage_sessions_of_one_gpu_share_an_arena():
+@ONE_GPU_FOLDS
+def test_stage_sessions_of_one_gpu_share_an_arena(fold):
     from placement.runtime.device_map import PhysicalDevice
     from placement.runtime.ort.sessions import shared_cuda_allocator
 
     model, net, args = _placed("gpt")
-    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"})
+    runner = pl.Runner(model, device_map={0: "cuda:0", 1: "cuda:0"}, fold=fold)
+    assert len(runner.stages) == (1 if fold is None else 2)
     assert shared_cuda_allocator(PhysicalDevice("cuda", 0))
+    assert set(runner.stats.providers.values()) == {"CUDAExecutionProvider"}
     (out,) = runner.run([a.cuda() for a in args], outputs="torch")
-    np.testing.assert_allclose(out.cpu().numpy(), _reference(net, args), atol=1e-2, rtol=1e-2)
+    _close_to_eager(runner, out.cpu().numpy(), _reference(net, args))
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

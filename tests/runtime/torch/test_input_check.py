@@ -52,3 +52,22 @@ def test_shift_with_no_activations_is_a_placement_error():
     model = pl.from_torch(net, (x,))
     with pytest.raises(pl.PlacementError, match="activations must be a list"):
         pl.shift_activation_devices(model, None, {0: 1})
+
+
+def test_int32_token_ids_widen_and_shared_dims_agree():
+    """As ``Runner``: int32 ids run as the graph's int64 (by position and by keyword), and inputs
+    sharing a symbolic dimension must give it one size (the error names both)."""
+    from tests.runtime.test_inputs import _two_inputs
+
+    model = _two_inputs()
+    module = pl.to_torch(model, device_map="cpu")
+    ids = torch.arange(24, dtype=torch.int32).reshape(2, 12)
+    mask = torch.ones(2, 12, dtype=torch.int64)
+    want = ids.long() + 1
+    got = module(ids, mask)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(module(input_ids=ids, attention_mask=mask.int()), want)
+    with pytest.raises(pl.InputError, match="'attention_mask' has size 7 in dimension 1.*'input_ids'"):
+        module(ids, torch.ones(2, 7, dtype=torch.int64))
+    with pytest.raises(pl.InputError, match="has dtype"):
+        module(ids.float(), mask)

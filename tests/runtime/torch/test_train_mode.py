@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def _export(net: torch.nn.Module, x: torch.Tensor, *, split: bool = True) -> pl.
 
 
 def _running(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in module.state_dict().items() if "running" in k}
+    return {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
 
 
 def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
@@ -67,6 +68,7 @@ def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
     out = module(x)
     want = net(x)  # train mode: batch statistics, buffers updated
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert _running(module)["1.num_batches_tracked"].item() == 1
     for key, value in _running(module).items():
         assert not torch.equal(value, reference[key]), f"{key} never updated"
         torch.testing.assert_close(value, net.state_dict()[key], atol=1e-6, rtol=1e-5)
@@ -78,7 +80,9 @@ def test_batchnorm_trains_on_batch_statistics_and_its_buffers_reach_the_graph():
     net.eval()
     torch.testing.assert_close(module(x), net(x), atol=1e-5, rtol=1e-5)
     written = model.update_parameters(module)
-    assert {k for k in written if "running" in k} == set(reference)
+    assert {k for k in written if "running" in k} == {k for k in reference if "running" in k}
+    assert sorted(module.state_dict()) == sorted(net.state_dict())
+    net.load_state_dict(module.state_dict(), strict=True)  # counters included
     placed = torch.from_numpy(pl.run(model, {"input": x.numpy()})[0])  # ORT: eval mode
     torch.testing.assert_close(placed, net(x), atol=1e-4, rtol=1e-4)
 
@@ -88,7 +92,8 @@ def test_dropout_is_live_in_train_mode_and_off_in_eval_mode():
     layers = [torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.25), torch.nn.Linear(64, 4)]
     net = torch.nn.Sequential(*layers)
     x = torch.randn(512, 16)
-    module = pl.to_torch(_export(net, x[:8], split=False), device_map="cpu")
+    model = _export(net, x[:8], split=False)
+    module = pl.to_torch(model, device_map="cpu")
     a, b = module(x), module(x)
     assert not torch.equal(a, b), "two train-mode forwards differ"
     net.eval()
@@ -98,6 +103,9 @@ def test_dropout_is_live_in_train_mode_and_off_in_eval_mode():
     module.eval()
     torch.testing.assert_close(module(x), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(module(x), module(x))
+    served = [pl.run(model, {"input": x.numpy()}, device_map="cpu")[0] for _ in range(2)]  # ORT: inference
+    np.testing.assert_array_equal(served[0], served[1])
+    np.testing.assert_allclose(served[0], want.detach().numpy(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])

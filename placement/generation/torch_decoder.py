@@ -1,0 +1,191 @@
+"""Decode steps on the torch runtime: a static KV cache, preallocated and updated in place.
+
+:class:`TorchDecoder` lowers a decoder-ready model once (:func:`placement.to_torch`, outputs
+left on the devices that made them) and rewrites the lowered graph so that each
+``present = Concat(past, new)`` writes the new tokens into the cache buffer the past
+is a view of, and returns the longer view (:func:`static_append`): each layer's cache is
+one ``(batch, heads, max_length, head_dim)`` tensor on its stage's device, allocated once
+and never copied; a step only writes its new tokens' keys and values. The step's
+allocations do not depend on the past length's buffer, so with ``cuda_graphs=True`` (on a
+GPU) the lowered module replays captured graphs (:mod:`placement.runtime.torch.cuda_graphs`).
+
+Where the lowered graph makes a present some other way, or with ``cuda_graphs=True`` (the
+rewrite is not applied), the present is a new tensor, copied into the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from placement.errors import PlacementError
+from placement.generation.prepare import DecoderSpec
+from placement.runtime.device_map import DeviceMapLike
+from placement.runtime.torch import to_torch
+
+__all__ = ["TorchDecoder", "TorchSlot", "static_append"]
+
+log = logging.getLogger(__name__)
+
+
+def static_append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cat([past, new], dim)``, written in place when ``past`` is a view of a larger buffer.
+
+    Where ``past`` ``(batch, heads, length, dim)`` is the start of a buffer with room for
+    ``new`` along the length axis, ``new`` is copied right after it and a view of the
+    longer cache is returned (no allocation, the past is not copied); otherwise this is
+    ``torch.cat``.
+
+    Example:
+        >>> buffer = torch.zeros(1, 1, 4, 2)
+        >>> past = buffer[:, :, :1]
+        >>> out = static_append(past, torch.ones(1, 1, 2, 2), -2)
+        >>> out.shape, out.data_ptr() == buffer.data_ptr(), buffer[0, 0, :, 0].tolist()
+        (torch.Size([1, 1, 3, 2]), True, [0.0, 1.0, 1.0, 0.0])
+    """
+    axis = dim % past.dim()
+    if axis != 2 or past.dim() != 4 or new.dim() != 4 or new.dtype != past.dtype or new.device != past.device:
+        return torch.cat([past, new], dim)
+    batch, heads, length, width = past.shape
+    total = length + new.shape[2]
+    strides = past.stride()
+    end = (
+        past.storage_offset() + (batch - 1) * strides[0] + (heads - 1) * strides[1] + (total - 1) * strides[2]
+    )
+    room = past.untyped_storage().nbytes() // past.element_size()
+    fits = strides[3] == 1 and strides[2] == width and strides[1] >= total * width and end + width <= room
+    if not fits or tuple(new.shape[:2]) != (batch, heads) or new.shape[3] != width:
+        return torch.cat([past, new], dim)
+    out = past.as_strided((batch, heads, total, width), strides, past.storage_offset())
+    out[:, :, length:].copy_(new)
+    return out
+
+
+def _make_static(module: Any, presents: set[str]) -> int:
+    """Rewrite the lowered graph's ``cat(past, new)`` producing a present into :func:`static_append`."""
+    graph = getattr(module, "graph", None)
+    names = list(getattr(module, "output_names", []))
+    if graph is None or not names:
+        return 0
+    output = next(node for node in graph.nodes if node.op == "output")
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    changed = 0
+    for name, node in zip(names, results):
+        if name not in presents:
+            continue
+        while isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == "to":
+            node = node.args[0]
+        if not isinstance(node, torch.fx.Node) or node.target is not torch.cat:
+            log.debug("present %r is not a Concat in the lowered graph: cache appended by copy", name)
+            continue
+        tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if len(tensors) != 2:
+            continue
+        node.target, node.args, node.kwargs = static_append, (tensors[0], tensors[1], dim), {}
+        changed += 1
+    if changed:
+        module.recompile()
+    return changed
+
+
+@dataclass
+class TorchSlot:
+    """One group's cache buffers (past input name -> ``(batch, heads, max_length, head_dim)``)."""
+
+    buffers: dict[str, torch.Tensor]
+    batch: int
+    max_length: int
+    active: int = 0
+    past: int = 0
+
+
+class TorchDecoder:
+    """Runs decode steps of a decoder-ready model on the torch runtime (see the module docstring).
+
+    Args:
+        spec: the decoder-ready model.
+        device_map: logical -> physical devices (as :func:`placement.to_torch`).
+        chunks: micro-batches per step (the runtime's pipelined module).
+        cuda_graphs: replay each step as CUDA graphs (GPUs only; see :func:`placement.to_torch`).
+    """
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        *,
+        device_map: DeviceMapLike = "auto",
+        chunks: int = 1,
+        cuda_graphs: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.module = to_torch(
+            spec.model, device_map=device_map, outputs_on="last", chunks=chunks, cuda_graphs=cuda_graphs
+        )
+        presents = {name for layer in spec.layers for name in (layer.present_key, layer.present_value)}
+        self.static = _make_static(self.module, presents) if chunks == 1 and not cuda_graphs else 0
+        self.inputs = list(getattr(self.module, "input_names", []))
+        self.outputs = list(getattr(self.module, "output_names", []))
+        physical = getattr(self.module, "device_map", {})
+        self._devices: dict[str, torch.device] = {}
+        self._shapes: dict[str, tuple[int, int, Any]] = {}
+        self._present_of: dict[str, str] = {}
+        model = spec.model
+        for layer in spec.layers:
+            for past, present in (
+                (layer.past_key, layer.present_key),
+                (layer.past_value, layer.present_value),
+            ):
+                logical = str(model.blob_device(model.value(past)))
+                self._devices[past] = torch.device(physical.get(logical, "cpu"))
+                dtype = getattr(torch, str(np.dtype(layer.dtype)))
+                self._shapes[past] = (int(layer.kv_heads or 0), int(layer.head_dim or 0), dtype)
+                self._present_of[present] = past
+
+    def new_slot(self, batch: int, max_length: int) -> TorchSlot:
+        """A group's cache buffers for up to ``batch`` sequences of ``max_length`` tokens (allocated once)."""
+        buffers = {
+            past: torch.zeros(batch, heads, max_length, dim, dtype=dtype, device=self._devices[past])
+            for past, (heads, dim, dtype) in self._shapes.items()
+        }
+        return TorchSlot(buffers, batch, max_length)
+
+    def start(self, slot: TorchSlot, batch: int) -> None:
+        """Begin a new generation in ``slot``: an empty past of ``batch`` sequences."""
+        if batch > slot.batch:
+            raise PlacementError(f"slot holds {slot.batch} sequences, asked for {batch}")
+        slot.active, slot.past = batch, 0
+
+    def step(self, slot: TorchSlot, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """One whole step (prefill or decode) for ``slot``: the last position's logits ``(batch, vocab)``."""
+        batch, past = slot.active, slot.past
+        new_tokens = arrays["input_ids"].shape[1]
+        if past + new_tokens > slot.max_length:
+            raise PlacementError(f"the cache holds {slot.max_length} tokens; step needs {past + new_tokens}")
+        args = []
+        for name in self.inputs:
+            buffer = slot.buffers.get(name)
+            if buffer is not None:
+                args.append(buffer[:batch, :, :past])
+            else:
+                args.append(torch.from_numpy(arrays[name]))
+        with torch.no_grad():
+            results = self.module(*args)
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        logits = None
+        for name, value in zip(self.outputs, results):
+            past_name = self._present_of.get(name)
+            if past_name is None:
+                if name == "logits":
+                    logits = value
+                continue
+            buffer = slot.buffers[past_name]
+            if value.data_ptr() != buffer.data_ptr():  # not appended in place: copy into the buffer
+                buffer[:batch, :, : past + new_tokens].copy_(value)
+        slot.past = past + new_tokens
+        if logits is None:
+            raise PlacementError("the lowered module returned no 'logits'")
+        return logits.detach().reshape(logits.shape[0], -1).float().cpu().numpy()

@@ -1,0 +1,69 @@
+"""Shape inference keeps sequence types whole (placement.graph.inference), in from_torch's pipeline too."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx import TensorProto, helper
+
+import placement as pl
+from placement.graph import torch_import
+from placement.graph.inference import infer_types
+
+
+def _sequence_loop() -> ir.Model:
+    """``SequenceEmpty -> Loop`` (the sequence loop-carried, one insert per step) ->
+    ``ConcatFromSequence``, as torch's exporter writes a list built in a loop; the values
+    outside the body carry no type, as the exporter leaves them."""
+    seq = helper.make_tensor_sequence_value_info
+    body = helper.make_graph(
+        [
+            helper.make_node("SequenceInsert", ["seq_in", "x"], ["seq_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            seq("seq_in", TensorProto.FLOAT, [2, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            seq("seq_out", TensorProto.FLOAT, [2, 3]),
+        ],
+    )
+    constant = helper.make_tensor
+    graph = helper.make_graph(
+        [
+            helper.make_node("SequenceEmpty", [], ["one_seq"], dtype=TensorProto.FLOAT, name="n4"),
+            helper.make_node("Constant", [], ["trips"], value=constant("trips", TensorProto.INT64, [], [3])),
+            helper.make_node("Constant", [], ["go"], value=constant("go", TensorProto.BOOL, [], [True])),
+            helper.make_node("Loop", ["trips", "go", "one_seq"], ["seq_final"], body=body, name="loop"),
+            helper.make_node("ConcatFromSequence", ["seq_final"], ["y"], axis=0),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 3])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return ir.serde.deserialize_model(proto)
+
+
+def test_sequence_loop_carried_value_keeps_its_sequence_type():
+    model = _sequence_loop()
+    assert infer_types(model)
+    types = {v.name: v.type for node in model.graph for v in node.outputs}
+    assert isinstance(types["one_seq"], ir.SequenceType), types["one_seq"]
+    assert isinstance(types["seq_final"], ir.SequenceType), types["seq_final"]
+    assert types["y"] == ir.TensorType(ir.DataType.FLOAT)
+
+
+def test_from_torch_pipeline_gives_onnx_runtime_a_sequence():
+    """from_torch's fold-and-infer step, then the ORT runner and the torch lowering."""
+    ir_model = _sequence_loop()
+    torch_import._fold_shape_arithmetic(ir_model)
+    model = pl.load(ir_model)
+    assert isinstance(model.value("one_seq").type, ir.SequenceType)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (y,) = pl.run(model, [x], device_map="cpu")
+    np.testing.assert_array_equal(y, np.concatenate([x, x, x]))
