@@ -224,3 +224,22 @@ def test_multi_head_attention(case):
         attrs["scale"] = 0.2
     model = _model("MultiHeadAttention", inputs, outputs, **attrs)
     _compare(model, {n: v for n, v in inputs if v is not None})
+
+
+def test_matmul_nbits_dequantizes_a_weight_once_and_again_when_it_changes():
+    n, k, block = 8, 32, 32
+    packed, scales = (torch.from_numpy(t) for t in _nbits_weights(n, k, 4, block))
+    a = torch.from_numpy(_f(2, k))
+    rule = get_rule("MatMulNBits", MS).fn
+    with torch.no_grad():
+        first = rule(a, packed, scales, K=k, N=n, block_size=block)
+        again = rule(a, packed, scales, K=k, N=n, block_size=block)
+        torch.testing.assert_close(again, first)
+        scales.mul_(2)  # in place: the cached weight is stale
+        doubled = rule(a, packed, scales, K=k, N=n, block_size=block)
+    torch.testing.assert_close(doubled, 2 * first)
+    trained = torch.nn.Parameter(scales.clone())
+    out = rule(a, packed, trained, K=k, N=n, block_size=block)
+    out.sum().backward()  # a weight with a gradient path is never cached
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
+    rule(a, packed, trained, K=k, N=n, block_size=block).sum().backward()

@@ -357,7 +357,10 @@ def test_every_rule_is_an_onnx_op_with_a_callable():
     for key, rule in RULES.items():
         domain, _, op_type = key.rpartition("::")
         assert rule.op_type == op_type
-        assert domain in ("", "com.microsoft"), key  # ONNX Runtime's contrib ops, keyed by domain
+        # ONNX Runtime's contrib ops, ONNX's preview, training and ML domains, keyed by domain
+        assert domain in ("", "com.microsoft", "ai.onnx.preview", "ai.onnx.preview.training", "ai.onnx.ml"), (
+            key
+        )
         if not domain:  # an op of an opset newer than the installed onnx's has no schema there
             newer = _LATER_OPS.get(op_type, 0) > onnx.defs.onnx_opset_version()
             ort_own = op_type in _ORT_DEFAULT_DOMAIN_OPS  # ONNX Runtime's ops in the default domain

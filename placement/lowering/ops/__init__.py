@@ -36,9 +36,14 @@ the lowering emits that call instead of the rule. Rules are the reference; the
 direct forms are checked against them by the same tests.
 
 Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.pooling`,
-:mod:`.sampling` (Resize, GridSample), :mod:`.shape`,
+:mod:`.sampling` (Resize, GridSample), :mod:`.detection` (NonMaxSuppression, RoiAlign),
+:mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
+CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.text`
+(TfIdfVectorizer), :mod:`.flex_attention` (FlexAttention with its subgraphs),
+:mod:`.ml` (ai.onnx.ml Binarizer, ArrayFeatureExtractor), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
-(RNN, GRU, LSTM), :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
+(RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
+:mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
 Runtime's ``com.microsoft`` quantized matmuls, keyed ``"com.microsoft::<op>"``), :mod:`.signal`
 (DFT, STFT, windows), :mod:`.contrib` and :mod:`.contrib_attention` (ONNX Runtime's ops in
 LLM files: ``SimplifiedLayerNormalization``, ``SkipSimplifiedLayerNormalization``,
@@ -63,17 +68,25 @@ from placement.lowering.ops import (
     contrib_attention,
     control,
     conv,
+    deform,
+    detection,
     elementwise,
+    flex_attention,
     linalg,
+    ml,
     nn,
+    optimizers,
     pooling,
     quantized,
+    quantized_recurrent,
     random,
     recurrent,
+    recurrent_state,
     reduction,
     sampling,
     shape,
     signal,
+    text,
 )
 from placement.lowering.ops._registry import (
     DEFAULT_RULE,
@@ -98,15 +111,23 @@ __all__ = [
     "contrib_attention",
     "control",
     "conv",
+    "deform",
+    "detection",
     "elementwise",
+    "flex_attention",
     "linalg",
+    "ml",
     "nn",
+    "optimizers",
     "pooling",
     "quantized",
+    "quantized_recurrent",
     "random",
     "recurrent",
+    "recurrent_state",
     "reduction",
     "sampling",
     "shape",
     "signal",
+    "text",
 ]

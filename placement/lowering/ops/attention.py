@@ -1,4 +1,4 @@
-"""Attention ops: Attention (opset 23/24), RotaryEmbedding."""
+"""Attention ops: Attention (opset 23/24), RotaryEmbedding, TensorScatter (opset 24 KV-cache update)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from placement.lowering.ops._registry import Tensor, op, torch_dtype
+from placement.errors import LoweringError
+from placement.lowering.ops._registry import Tensor, _axis, op, torch_dtype
 
 
 def _heads(x: Tensor, heads: int) -> Tensor:
@@ -166,3 +167,34 @@ def rotary_embedding(
         rotated = torch.cat((real, imag), -1)
     out = torch.cat((rotated, keep), -1)
     return out.reshape(shape) if X.dim() == 3 else out.transpose(1, 2)
+
+
+@op("TensorScatter")
+def tensor_scatter(
+    past_cache: Tensor,
+    update: Tensor,
+    write_indices: Tensor | None = None,
+    *,
+    axis: int = -2,
+    mode: str = "linear",
+) -> Tensor:
+    """ONNX TensorScatter (opset 24): ``update`` written into ``past_cache`` along ``axis`` from
+    each batch row's ``write_indices`` (0 when absent); ``mode="circular"`` wraps around."""
+    if mode not in ("linear", "circular"):
+        raise LoweringError(f"TensorScatter: mode={mode!r} is not linear or circular")
+    axis = _axis(axis, past_cache.dim())
+    if axis == 0:
+        raise LoweringError("TensorScatter: axis 0 is the batch axis")
+    batch, steps, size = update.shape[0], update.shape[axis], past_cache.shape[axis]
+    starts = (
+        write_indices.to(device=update.device, dtype=torch.int64).reshape(batch, 1)
+        if write_indices is not None
+        else torch.zeros((batch, 1), dtype=torch.int64, device=update.device)
+    )
+    positions = starts + torch.arange(steps, device=update.device).reshape(1, steps)
+    if mode == "circular":
+        positions = positions % size
+    shape = [1] * update.dim()
+    shape[0], shape[axis] = batch, steps
+    index = positions.reshape(shape).expand(update.shape)
+    return past_cache.scatter(axis, index, update)

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -123,6 +124,32 @@ def dequantize_nbits(
     return weight.reshape(N, blocks * block_size)[:, :K]
 
 
+#: Dequantized weights by their packed tensor: a lowered module's ``B`` is the same parameter
+#: every call, so its float weight is made once (while nothing asks for gradients).
+#: (Keyed by ``id``: tensors compare elementwise, so they cannot be weak dictionary keys.)
+_DEQUANTIZED: dict[int, tuple[Any, ...]] = {}
+
+
+def _weight(B: Tensor, scales: Tensor, zero_points: Tensor | None, **attrs: int) -> Tensor:
+    """:func:`dequantize_nbits`, cached per packed tensor while its inputs are the same tensors,
+    unchanged (their versions), and no gradient can flow to the scales or zero points."""
+    grads = scales.requires_grad or (zero_points is not None and zero_points.requires_grad)
+    if torch.is_grad_enabled() and grads:
+        return dequantize_nbits(B, scales, zero_points, **attrs)
+    parts = (B, scales) if zero_points is None else (B, scales, zero_points)
+    versions = tuple(t._version for t in parts) + tuple(sorted(attrs.items()))
+    cached = _DEQUANTIZED.get(id(B))
+    if cached is not None:
+        refs, seen, weight = cached
+        if len(refs) == len(parts) and all(r() is t for r, t in zip(refs, parts)) and seen == versions:
+            return weight
+    weight = dequantize_nbits(B, scales, zero_points, **attrs)
+    if cached is None:  # the entry goes when the packed tensor does
+        weakref.finalize(B, _DEQUANTIZED.pop, id(B), None)
+    _DEQUANTIZED[id(B)] = (tuple(weakref.ref(t) for t in parts), versions, weight)
+    return weight
+
+
 def _int8_blocks(A: Tensor, block_size: int) -> Tensor:
     """``A`` as ORT's CPU kernel sees it at ``accuracy_level=4``: quantized to int8 per
     block of ``block_size`` along K (symmetric, scale ``max|a| / 127``), dequantized."""
@@ -170,7 +197,7 @@ def matmul_nbits(
         raise LoweringError(
             "MatMulNBits with a g_idx input (deprecated in ONNX Runtime) has no torch lowering"
         )
-    weight = dequantize_nbits(B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
+    weight = _weight(B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
     a = _int8_blocks(A, block_size) if accuracy_level == 4 and bits == 4 else A.float()
     out = a @ weight.t()
     if bias is not None:

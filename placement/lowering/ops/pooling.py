@@ -22,13 +22,30 @@ _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
-def _pool_check(attrs: dict[str, Any]) -> str | None:
-    if attrs.get("storage_order"):
-        return "storage_order=1"
-    return None
+def _onnx_indices(
+    indices: Any, pooled: Sequence[int], spatial: Sequence[int], begins: Sequence[int], storage_order: int
+) -> Any:
+    """torch's flat indices within each (N, C) plane of the pooled (maybe padded) input ->
+    ONNX's: flat over the whole unpadded input ``(N, C, *spatial)``, in row-major order, or
+    with the spatial axes column-major (``storage_order=1``)."""
+    planes = indices.shape[0] * indices.shape[1]
+    plane = math.prod(spatial)
+    offset = (torch.arange(planes, device=indices.device) * plane).reshape(
+        indices.shape[:2] + (1,) * (indices.dim() - 2)
+    )
+    coords, rest = [], indices
+    for size in reversed(pooled):
+        coords.append(rest % size)
+        rest = rest // size
+    coords = [c - b for c, b in zip(reversed(coords), begins)]
+    axes = list(zip(coords, spatial))
+    flat = torch.zeros_like(indices)
+    for coord, size in reversed(axes) if storage_order else axes:
+        flat = flat * size + coord
+    return offset + flat
 
 
-@op("MaxPool", check=_pool_check)
+@op("MaxPool")
 def max_pool(
     X: Tensor,
     *,
@@ -47,6 +64,7 @@ def max_pool(
     dilations = list(dilations or [1] * n)
     p = _spatial_pads(X.shape[2:], kernel_shape, strides, dilations, pads, auto_pad)
     fits = _symmetric(p) and all(v <= k // 2 for v, k in zip(p[:n], kernel_shape))
+    spatial = list(X.shape[2:])
     if fits:
         padding: Any = p[:n]
     else:
@@ -56,7 +74,8 @@ def max_pool(
     )
     if num_outputs > 1:
         values, indices = out
-        return values, indices
+        begins = [0] * n if fits else p[:n]
+        return values, _onnx_indices(indices, list(X.shape[2:]), spatial, begins, storage_order)
     return out
 
 

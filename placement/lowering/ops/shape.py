@@ -208,14 +208,18 @@ def gather_elements(data: Tensor, indices: Tensor, *, axis: int = 0) -> Tensor:
     return torch.gather(data, axis, torch.remainder(indices, data.shape[axis]).long())
 
 
-def _gather_nd_check(attrs: dict[str, Any]) -> str | None:
-    return "batch_dims != 0" if attrs.get("batch_dims") else None
-
-
-@op("GatherND", check=_gather_nd_check)
+@op("GatherND")
 def gather_nd(data: Tensor, indices: Tensor, *, batch_dims: int = 0) -> Tensor:
-    """ONNX GatherND with ``batch_dims=0``."""
-    return data[tuple(indices[..., i] for i in range(indices.shape[-1]))]
+    """ONNX GatherND; with ``batch_dims`` the leading axes of ``data`` and ``indices`` pair up."""
+    indices = indices.long()
+    if not batch_dims:
+        return data[tuple(indices[..., i] for i in range(indices.shape[-1]))]
+    batch_shape = data.shape[:batch_dims]
+    flat_data = data.reshape(-1, *data.shape[batch_dims:])
+    flat_idx = indices.reshape(-1, *indices.shape[batch_dims:])
+    rows = torch.arange(flat_data.shape[0], device=data.device).reshape(-1, *[1] * (flat_idx.dim() - 2))
+    picked = flat_data[(rows, *(flat_idx[..., i] for i in range(flat_idx.shape[-1])))]
+    return picked.reshape(*batch_shape, *picked.shape[1:])
 
 
 @op("Expand", shape_inputs=(1,))
