@@ -187,8 +187,8 @@ def caller_autocast() -> tuple[tuple[str, torch.dtype, bool], ...]:
     Example:
         >>> import torch
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     caller_autocast()
-        (('cpu', torch.bfloat16, True),)
+        ...     [(device, dtype) for device, dtype, _cache in caller_autocast()]
+        [('cpu', torch.bfloat16)]
         >>> caller_autocast()
         ()
     """
