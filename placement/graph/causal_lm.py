@@ -263,6 +263,8 @@ def from_causal_lm(
     mask = torch.ones(batch, seq, dtype=torch.long)
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask).to(torch.long)
+    ids, mask = _at_least_two(ids, mask)
+    batch, seq = ids.shape
     mask = torch.cat([torch.ones(batch, past_length, dtype=mask.dtype), mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
     past = [torch.zeros(batch, heads, past_length, head_dim, dtype=dtype) for _ in range(2 * layers)]
@@ -292,6 +294,20 @@ def from_causal_lm(
     model = load(ir_model, device=dev)
     log.info("exported %s with its KV cache (%d layers, cache keyword %r) on %s", name, layers, keyword, dev)
     return model
+
+
+def _at_least_two(ids: Any, mask: Any) -> tuple[Any, Any]:
+    """The example widened to at least 2 sequences of at least 2 tokens (rows repeated, the last
+    token repeated): exporters that specialise sizes 0 and 1 (torch 2.11's) would otherwise fix the
+    batch or sequence dimension to the example's 1."""
+    import torch
+
+    if ids.shape[0] < 2:
+        ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)
+    if ids.shape[1] < 2:
+        ids = torch.cat([ids, ids[:, -1:]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, -1:])], dim=1)
+    return ids, mask
 
 
 def _name_cache_values(ir_model: Any, layers: int) -> None:

@@ -347,7 +347,7 @@ def test_constant_is_folded_and_used():
 #: Rules for ops of newer opsets than older onnx releases know: op -> the opset that brought it.
 _LATER_OPS = {
     "Attention": 23, "RMSNormalization": 23, "RotaryEmbedding": 23, "Swish": 24, "BitCast": 26,
-    "CumProd": 26, "SwiGLU": 28,
+    "CumProd": 26, "SwiGLU": 28, "TensorScatter": 24, "LinearAttention": 27, "CausalConvWithState": 27,
 }  # fmt: skip
 #: ONNX Runtime's own ops that its files hold in the default domain.
 _ORT_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
