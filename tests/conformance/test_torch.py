@@ -182,7 +182,7 @@ def test_expected_failures_never_return_wrong_values() -> None:
                 offenders.append(f"{name}: random outputs of the wrong shape or type")
             continue
         if "as later onnx releases' reference" in reason:
-            continue  # this onnx's expected values predate a fix of its reference; the pinned env checks the values
+            continue  # the expected values predate a fix of the reference; the pinned env checks them
         if "as ONNX Runtime" in reason:  # the reference and ONNX Runtime disagree: follow ORT
             want = _cases.run_ort(case)
             if not all(
