@@ -7,7 +7,11 @@ collective becomes one call on the rank's own contribution:
 
 * :class:`AllReduce` (Megatron's *g*): ``torch.distributed.all_reduce`` (sum) of the
   rank's partial. Its backward is the identity on the replicated gradient, since every
-  rank reads the result and holds the whole gradient of it.
+  rank reads the result and holds the whole gradient of it. At two ranks the result is
+  bitwise the emulated ``Sum`` (``a + b == b + a`` in IEEE arithmetic); at more, gloo's ring
+  sums each chunk of the buffer starting at a different rank, so the result differs from
+  the device-order ``Sum`` in the last bits (every rank still gets the same bits);
+  ``ordered=True`` all-gathers the partials and sums them in device order instead.
 * :class:`AllGather`: ``torch.distributed.all_gather`` of the rank's shard, concatenated
   along the axis (ragged shards are padded to the largest and cut back). Its backward takes
   the rank's own slice of the replicated gradient.
@@ -31,7 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,11 +88,22 @@ class Collective(torch.nn.Module):
     ``issued`` is shared by the collectives of one stage (counts per direction).
     """
 
-    def __init__(self, spec: CollectiveSpec, *, group: Any = None, issued: dict[str, int] | None = None):
+    def __init__(
+        self,
+        spec: CollectiveSpec,
+        *,
+        group: Any = None,
+        issued: dict[str, int] | None = None,
+        ordered: bool = False,
+    ):
         super().__init__()
         self.spec = spec
         self.group = group
         self.issued = issued if issued is not None else {"forward": 0, "backward": 0}
+        #: forward all-reduces as an all-gather of the partials summed in device order on each
+        #: rank: bitwise the emulated ``Sum`` at any degree (gloo's ring sums chunks in rotated
+        #: orders for t > 2); ``t`` times the bytes of a ring all-reduce
+        self.ordered = ordered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.kind == "all_reduce":
@@ -101,6 +118,10 @@ class Collective(torch.nn.Module):
     def all_reduce(self, x: torch.Tensor, direction: str) -> torch.Tensor:
         out = x.detach().contiguous().clone()
         self.issued[direction] += 1
+        if self.ordered and direction == "forward" and self.spec.size > 2:
+            parts = [torch.empty_like(out) for _ in range(self.spec.size)]
+            dist.all_gather(parts, out, group=self.group)
+            return functools.reduce(operator.add, parts)  # the emulated Sum's order
         dist.all_reduce(out, group=self.group)
         return out
 

@@ -124,7 +124,9 @@ def spmd_devices(model: Model) -> list[Device]:
     return devices
 
 
-def split_spmd(module: fx.GraphModule, model: Model, *, rank: int, group: Any = None) -> SpmdStage:
+def split_spmd(
+    module: fx.GraphModule, model: Model, *, rank: int, group: Any = None, ordered: bool = False
+) -> SpmdStage:
     """Cut the lowered tensor-parallel ``model`` down to rank ``rank``'s device (see the module).
 
     Args:
@@ -132,6 +134,8 @@ def split_spmd(module: fx.GraphModule, model: Model, *, rank: int, group: Any = 
         model: the placed model it was lowered from (its collective tags).
         rank: the rank, the index of its device in the collectives' group.
         group: the process group the collectives run over (default: the world).
+        ordered: all-reduces sum the partials in device order on every rank (an all-gather
+            and a local sum): bitwise the emulated split at any degree, not only at two.
 
     Raises:
         PlacementError: a value crosses devices outside a collective, or the collectives
@@ -144,6 +148,7 @@ def split_spmd(module: fx.GraphModule, model: Model, *, rank: int, group: Any = 
     info = _Graph(module, model, [str(d) for d in devices])
     issued = {"forward": 0, "backward": 0}
     builder = _Builder(module, info, me, rank, group, issued)
+    builder.ordered = ordered
     graph, specs, copy_ins, holds = builder.build()
     stage_module = fx.GraphModule(builder.root, graph, class_name=f"TensorRank{rank}")
     log.info(
@@ -298,6 +303,7 @@ class _Builder:
         self.copy_ins: dict[fx.Node, fx.Node] = {}
         self.results: dict[int, fx.Node] = {}
         self.specs: dict[int, CollectiveSpec] = {}
+        self.ordered = False
 
     def build(self) -> tuple[fx.Graph, list[CollectiveSpec], int, bool]:
         info = self.info
@@ -400,7 +406,9 @@ class _Builder:
                 )
             spec = self._spec(node, tag, cid)
             name = f"{tag['kind']}_{cid}"
-            self.root.add_module(name, Collective(spec, group=self.group, issued=self.issued))
+            self.root.add_module(
+                name, Collective(spec, group=self.group, issued=self.issued, ordered=self.ordered)
+            )
             self.results[cid] = self.graph.call_module(name, (self._value(own, node),))
             self.specs[cid] = spec
         if info.device(node) == self.me:

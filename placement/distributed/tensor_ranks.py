@@ -58,6 +58,10 @@ class DistributedTensorParallel(RankMember):
             :func:`~placement.distributed.member.rank_device`).
         heartbeat: seconds between heartbeats (0: none).
         grace: seconds a rank waits, after a peer fails, for that peer's report.
+        ordered: sum every all-reduce's partials in device order on each rank (an all-gather
+            and a local sum), so outputs are bitwise the emulated split's at any degree;
+            by default a ring all-reduce, bitwise equal at two ranks and within rounding
+            (the same bits on every rank) at more.
 
     Raises:
         WorldSizeError: the group size differs from the number of devices of the split.
@@ -74,6 +78,7 @@ class DistributedTensorParallel(RankMember):
         device: str | torch.device | None = None,
         heartbeat: float = 0.25,
         grace: float = 3.0,
+        ordered: bool = False,
     ) -> None:
         from placement.runtime import to_torch
 
@@ -102,7 +107,7 @@ class DistributedTensorParallel(RankMember):
             )
         module = to_torch(model, device_map={str(d): str(self.device) for d in devices})
         self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
-        self.stage: SpmdStage = split_spmd(module, model, rank=self.rank, group=group)
+        self.stage: SpmdStage = split_spmd(module, model, rank=self.rank, group=group, ordered=ordered)
         self.module: torch.fx.GraphModule = self.stage.module
         log.info(
             "rank %d/%d runs %s on %s: %d collectives, %d copy-ins",

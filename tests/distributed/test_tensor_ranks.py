@@ -92,6 +92,27 @@ def _whole(shard: np.ndarray, full: np.ndarray) -> tuple[int, list[int]]:
     raise AssertionError(f"a shard of shape {shard.shape} is not a slice of {full.shape}")
 
 
+def _check_gradients(results, model, params, expected, aliases=None) -> set[str]:
+    """Every rank's gradients against the unsplit ones (a shard's: the slice of the whole)."""
+    paths = pl.to_torch(model, device_map={str(d): "cpu" for d in model.devices}).initializer_paths
+    onnx_name = {path: name for name, path in paths.items()}
+    checked = set()
+    for rank, res in enumerate(results):
+        for path, grad in res["grads"].items():
+            name = onnx_name[path]
+            base = name.split(".tp")[0] if ".tp" in name else name
+            base = (aliases or {}).get(base, base)
+            full = params[base].detach().numpy()
+            value = model.graph.initializers[name].const_value.numpy()
+            want = expected[base].numpy()
+            if value.shape != full.shape:
+                axis, index = _whole(value, full)
+                want = np.take(want, index, axis)
+            np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank} {name}")
+            checked.add(base)
+    return checked
+
+
 def test_gradients_on_ranks_equal_the_unsplit_model(gpt_run):
     results, net, (idx, target), model = gpt_run
     expected = _unsplit_gradients(net, idx, target)
@@ -101,21 +122,33 @@ def test_gradients_on_ranks_equal_the_unsplit_model(gpt_run):
         float(tp_workers.cross_entropy(net(idx), torch.from_numpy(target)).detach()),
         rtol=1e-6,
     )
-    paths = pl.to_torch(model, device_map={str(d): "cpu" for d in model.devices}).initializer_paths
-    onnx_name = {path: name for name, path in paths.items()}
-    checked = set()
-    for rank, res in enumerate(results):
-        for path, grad in res["grads"].items():
-            name = onnx_name[path]
-            base = name.split(".tp")[0] if ".tp" in name else name
-            base = "wte.weight" if base in ("lm_head.weight", "transformer.wte.weight") else base
-            full = params[base].detach().numpy()
-            value = model.graph.initializers[name].const_value.numpy()
-            if value.shape == full.shape:
-                np.testing.assert_allclose(grad, expected[base].numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
-            else:
-                axis, index = _whole(value, full)
-                want = np.take(expected[base].numpy(), index, axis)
-                np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank} {name}")
-            checked.add(base)
+    checked = _check_gradients(results, model, params, expected, {"lm_head.weight": "wte.weight"})
     assert checked == set(params)  # every parameter of the unsplit model (the tied one once)
+
+
+def test_three_ranks_ragged_shards_ring_and_device_order(tmp_path):
+    from placement.models import mlp
+
+    net, (x,) = mlp.build("tiny")
+    model = pl.from_torch(net, (x,))
+    pl.split_tensor_parallel(model, devices=[0, 1, 2])  # 32 hidden: 11, 11, 10; 8 outputs: 3, 3, 2
+    path = tmp_path / "mlp_tp3.onnx"
+    model.save(path)
+    target = np.random.default_rng(1).standard_normal((x.shape[0], 8)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x.numpy(), target=target)
+    codes = spawn(
+        tp_workers.mlp_three_ranks, 3, str(path), str(tmp_path / "data.npz"), str(tmp_path), timeout=180
+    )
+    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(3)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    assert codes == {0: 0, 1: 0, 2: 0}
+    ring, ordered, emulated = results[0]["out/False"], results[0]["out/True"], results[0]["emulated"]
+    np.testing.assert_array_equal(ordered, emulated)  # device-order sums: bitwise at any degree
+    np.testing.assert_allclose(ring, emulated, rtol=1e-6, atol=1e-6)  # gloo's ring: rounding only
+    np.testing.assert_allclose(ring, net(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    net.zero_grad()
+    tp_workers.mse(net(x), torch.from_numpy(target)).backward()
+    params = dict(net.named_parameters())
+    checked = _check_gradients(results, model, params, {k: p.grad for k, p in params.items()})
+    assert checked == set(params)

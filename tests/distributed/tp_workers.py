@@ -64,3 +64,38 @@ def gpt_ranks(rank: int, world_size: int, port: int, path: str, inputs: str, out
     except BaseException:  # the test reads the traceback
         results["error"] = traceback.format_exc()
     Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+
+
+def mse(out: Any, target: Any) -> Any:
+    return ((out - target) ** 2).mean()
+
+
+def mlp_three_ranks(rank: int, world_size: int, port: int, path: str, inputs: str, outdir: str) -> None:
+    """A 3-way split mlp (ragged shards): ring and device-order all-reduces, and a training step."""
+    import torch
+
+    import placement as pl
+    from placement.distributed import DistributedTensorParallel
+    from tests.distributed.harness import init
+
+    init(rank, world_size, port)
+    results: dict[str, Any] = {}
+    try:
+        data = np.load(inputs)
+        x, target = data["x"], data["target"]
+        for ordered in (False, True):
+            with DistributedTensorParallel(path, loss_fn=mse, ordered=ordered) as tp:
+                out = tp.run([x] if tp.is_first else None)
+                if out is not None:
+                    results[f"out/{ordered}"] = out[0]
+                if ordered:
+                    tp.train_step([x] if tp.is_first else None, target if tp.is_last else None)
+                    results["grads"] = {name: p.grad.numpy().copy() for name, p in tp.named_parameters()}
+        if rank == 0:
+            model = pl.load(path)
+            emulated = pl.to_torch(model, device_map={str(d): "cpu" for d in model.devices})
+            with torch.no_grad():
+                results["emulated"] = emulated(torch.from_numpy(x)).numpy()
+    except BaseException:  # the test reads the traceback
+        results["error"] = traceback.format_exc()
+    Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
