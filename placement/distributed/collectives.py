@@ -95,10 +95,13 @@ class Collective(torch.nn.Module):
         group: Any = None,
         issued: dict[str, int] | None = None,
         ordered: bool = False,
+        comm_device: torch.device | None = None,
     ):
         super().__init__()
         self.spec = spec
         self.group = group
+        #: where the collective's buffers live (the host under gloo when the rank computes on a GPU)
+        self.comm_device = comm_device
         self.issued = issued if issued is not None else {"forward": 0, "backward": 0}
         #: forward all-reduces as an all-gather of the partials summed in device order on each
         #: rank: bitwise the emulated ``Sum`` at any degree (gloo's ring sums chunks in rotated
@@ -116,14 +119,15 @@ class Collective(torch.nn.Module):
     # -- the calls (forward and backward) -------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, direction: str) -> torch.Tensor:
-        out = x.detach().contiguous().clone()
+        out = _staged(x, self.comm_device)
         self.issued[direction] += 1
         if self.ordered and direction == "forward" and self.spec.size > 2:
             parts = [torch.empty_like(out) for _ in range(self.spec.size)]
             dist.all_gather(parts, out, group=self.group)
-            return functools.reduce(operator.add, parts)  # the emulated Sum's order
-        dist.all_reduce(out, group=self.group)
-        return out
+            out = functools.reduce(operator.add, parts)  # the emulated Sum's order
+        else:
+            dist.all_reduce(out, group=self.group)
+        return out.to(x.device)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -140,11 +144,12 @@ class Collective(torch.nn.Module):
             pad = list(x.shape)
             pad[axis] = widest - x.shape[axis]
             x = torch.cat([x, x.new_zeros(pad)], axis)
-        x = x.contiguous()
+        device = x.device
+        x = x.contiguous() if self.comm_device in (None, device) else x.to(self.comm_device)
         parts = [torch.empty_like(x) for _ in range(spec.size)]
         self.issued["forward"] += 1
         dist.all_gather(parts, x, group=self.group)
-        return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], axis)
+        return torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], axis).to(device)
 
     def reduced_gradient(self, grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         """The gradient of a result not every rank reads: the first reader's, on every rank."""
@@ -204,19 +209,26 @@ class _CopyInFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         op: CopyIn = ctx.op
         op.issued["backward"] += 1
-        out = grad.contiguous().clone()
+        out = _staged(grad, op.comm_device)
         dist.all_reduce(out, group=op.group)
-        return out, None
+        return out.to(grad.device), None
 
 
 class CopyIn(torch.nn.Module):
     """Megatron's f: a replicated value entering one rank's shard of the ops. Identity forward;
     the backward all-reduces the gradient (each rank's shard contributes a part)."""
 
-    def __init__(self, *, group: Any = None, issued: dict[str, int] | None = None):
+    def __init__(
+        self,
+        *,
+        group: Any = None,
+        issued: dict[str, int] | None = None,
+        comm_device: torch.device | None = None,
+    ):
         super().__init__()
         self.group = group
         self.issued = issued if issued is not None else {"forward": 0, "backward": 0}
+        self.comm_device = comm_device
 
     def forward(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
@@ -224,6 +236,14 @@ class CopyIn(torch.nn.Module):
         if not x.requires_grad:
             return x
         return _CopyInFn.apply(x, self)
+
+
+def _staged(x: torch.Tensor, comm_device: torch.device | None) -> torch.Tensor:
+    """A contiguous buffer of ``x`` of its own on the device the collective runs on."""
+    x = x.detach()
+    if comm_device is not None and x.device != comm_device:
+        return x.to(comm_device).contiguous()
+    return x.contiguous().clone()
 
 
 def pick(args: Sequence[Any], index: int) -> Any:

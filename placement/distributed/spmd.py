@@ -125,7 +125,13 @@ def spmd_devices(model: Model) -> list[Device]:
 
 
 def split_spmd(
-    module: fx.GraphModule, model: Model, *, rank: int, group: Any = None, ordered: bool = False
+    module: fx.GraphModule,
+    model: Model,
+    *,
+    rank: int,
+    group: Any = None,
+    ordered: bool = False,
+    comm_device: torch.device | None = None,
 ) -> SpmdStage:
     """Cut the lowered tensor-parallel ``model`` down to rank ``rank``'s device (see the module).
 
@@ -136,6 +142,8 @@ def split_spmd(
         group: the process group the collectives run over (default: the world).
         ordered: all-reduces sum the partials in device order on every rank (an all-gather
             and a local sum): bitwise the emulated split at any degree, not only at two.
+        comm_device: where collective buffers must live (the host under gloo for a rank
+            computing on a GPU); default: where the values are.
 
     Raises:
         PlacementError: a value crosses devices outside a collective, or the collectives
@@ -148,7 +156,7 @@ def split_spmd(
     info = _Graph(module, model, [str(d) for d in devices])
     issued = {"forward": 0, "backward": 0}
     builder = _Builder(module, info, me, rank, group, issued)
-    builder.ordered = ordered
+    builder.ordered, builder.comm_device = ordered, comm_device
     graph, specs, copy_ins, holds = builder.build()
     stage_module = fx.GraphModule(builder.root, graph, class_name=f"TensorRank{rank}")
     log.info(
@@ -304,6 +312,7 @@ class _Builder:
         self.results: dict[int, fx.Node] = {}
         self.specs: dict[int, CollectiveSpec] = {}
         self.ordered = False
+        self.comm_device: torch.device | None = None
 
     def build(self) -> tuple[fx.Graph, list[CollectiveSpec], int, bool]:
         info = self.info
@@ -369,7 +378,9 @@ class _Builder:
         found = self.copy_ins.get(a)
         if found is None:
             name = f"copy_in_{len(self.copy_ins)}"
-            self.root.add_module(name, CopyIn(group=self.group, issued=self.issued))
+            self.root.add_module(
+                name, CopyIn(group=self.group, issued=self.issued, comm_device=self.comm_device)
+            )
             found = self.graph.call_module(name, (value,))
             self.copy_ins[a] = found
         return found
@@ -407,7 +418,14 @@ class _Builder:
             spec = self._spec(node, tag, cid)
             name = f"{tag['kind']}_{cid}"
             self.root.add_module(
-                name, Collective(spec, group=self.group, issued=self.issued, ordered=self.ordered)
+                name,
+                Collective(
+                    spec,
+                    group=self.group,
+                    issued=self.issued,
+                    ordered=self.ordered,
+                    comm_device=self.comm_device,
+                ),
             )
             self.results[cid] = self.graph.call_module(name, (self._value(own, node),))
             self.specs[cid] = spec

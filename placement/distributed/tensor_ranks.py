@@ -98,16 +98,14 @@ class DistributedTensorParallel(RankMember):
             grace=grace,
         )
         self.loss_fn = loss_fn
-        #: where collectives run: the rank's device under NCCL, else the host (gloo)
+        #: where collectives run: the rank's device under NCCL, else the host (gloo; a rank
+        #: computing on a GPU stages its partials through host memory)
         self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
-        if self.comm_device != self.device:
-            raise PlacementError(
-                f"rank {self.rank} computes on {self.device} but its collectives run on the host "
-                "(gloo); run tensor-parallel ranks on the CPU with gloo or on GPUs with NCCL"
-            )
         module = to_torch(model, device_map={str(d): str(self.device) for d in devices})
         self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
-        self.stage: SpmdStage = split_spmd(module, model, rank=self.rank, group=group, ordered=ordered)
+        self.stage: SpmdStage = split_spmd(
+            module, model, rank=self.rank, group=group, ordered=ordered, comm_device=self.comm_device
+        )
         self.module: torch.fx.GraphModule = self.stage.module
         log.info(
             "rank %d/%d runs %s on %s: %d collectives, %d copy-ins",
@@ -211,12 +209,12 @@ class DistributedTensorParallel(RankMember):
             tensors = []
             for i, (shape, dtype) in enumerate(metas):
                 if arrays is not None:
-                    tensor = torch.from_numpy(np.ascontiguousarray(arrays[i])).to(self.device)
+                    tensor = torch.from_numpy(np.ascontiguousarray(arrays[i])).to(self.comm_device)
                 else:
-                    tensor = torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), device=self.device)
+                    tensor = torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), device=self.comm_device)
                 wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
                 dist.broadcast(wire, src=self._peers[0], group=self.group)
-                tensors.append(tensor)
+                tensors.append(tensor.to(self.device))
         return tensors
 
 

@@ -152,3 +152,25 @@ def test_three_ranks_ragged_shards_ring_and_device_order(tmp_path):
     params = dict(net.named_parameters())
     checked = _check_gradients(results, model, params, {k: p.grad for k, p in params.items()})
     assert checked == set(params)
+
+
+@pytest.mark.gpu
+def test_two_ranks_sharing_one_gpu_stage_collectives_through_the_host(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    net, (idx,) = gpt.build("tiny")
+    model = pl.from_torch(net, (idx,))
+    pl.split_tensor_parallel(model, devices=[0, 1])
+    path = tmp_path / "gpt_tp2.onnx"
+    model.save(path)
+    np.savez(tmp_path / "data.npz", idx=idx.numpy())
+    codes = spawn(
+        tp_workers.gpt_on_one_gpu, 2, str(path), str(tmp_path / "data.npz"), str(tmp_path), timeout=180
+    )
+    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    assert codes == {0: 0, 1: 0}
+    # TF32 off: the ranks' GPU matmuls are the emulated split's (same shapes) up to rounding
+    np.testing.assert_allclose(results[0]["out"], results[0]["emulated"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(results[0]["out"], net(idx).detach().numpy(), rtol=1e-4, atol=1e-4)

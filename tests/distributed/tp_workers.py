@@ -99,3 +99,31 @@ def mlp_three_ranks(rank: int, world_size: int, port: int, path: str, inputs: st
     except BaseException:  # the test reads the traceback
         results["error"] = traceback.format_exc()
     Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+
+
+def gpt_on_one_gpu(rank: int, world_size: int, port: int, path: str, inputs: str, outdir: str) -> None:
+    """2 gloo ranks computing on cuda:0 (partials staged through host memory); rank 0 also
+    runs the emulated split on the GPU. TF32 off."""
+    import torch
+
+    import placement as pl
+    from placement.distributed import DistributedTensorParallel
+    from tests.distributed.harness import init
+
+    init(rank, world_size, port)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    results: dict[str, Any] = {}
+    try:
+        idx = np.load(inputs)["idx"]
+        with DistributedTensorParallel(path, device="cuda:0") as tp:
+            out = tp.run([idx] if tp.is_first else None)
+            if out is not None:
+                model = pl.load(path)
+                emulated = pl.to_torch(model, device_map={str(d): "cuda:0" for d in model.devices})
+                with torch.no_grad():
+                    results["emulated"] = emulated(torch.from_numpy(idx)).detach().cpu().numpy()
+                results["out"] = out[0]
+            tp.barrier()
+    except BaseException:  # the test reads the traceback
+        results["error"] = traceback.format_exc()
+    Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
