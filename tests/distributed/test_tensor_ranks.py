@@ -174,3 +174,21 @@ def test_two_ranks_sharing_one_gpu_stage_collectives_through_the_host(tmp_path):
     # TF32 off: the ranks' GPU matmuls are the emulated split's (same shapes) up to rounding
     np.testing.assert_allclose(results[0]["out"], results[0]["emulated"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(results[0]["out"], net(idx).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_placement_launch_runs_a_split_as_tensor_parallel_ranks(tmp_path):
+    import subprocess
+    import sys
+
+    net, (idx,) = gpt.build("tiny")
+    model = pl.from_torch(net, (idx,))
+    pl.split_tensor_parallel(model, devices=[0, 1])
+    model.save(tmp_path / "gpt_tp2.onnx")
+    np.save(tmp_path / "idx.npy", idx.numpy())
+    command = [sys.executable, "-m", "placement.cli", "launch", "gpt_tp2.onnx", "--input", "idx=idx.npy"]
+    command += ["--output", "out.npz", "--timeout", "60"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--nproc-per-node=2" in done.stdout and "rank 0 wrote" in done.stdout
+    got = np.load(tmp_path / "out.npz")[model.outputs[0]]
+    np.testing.assert_allclose(got, net(idx).detach().numpy(), rtol=1e-5, atol=1e-5)
