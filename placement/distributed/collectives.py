@@ -65,6 +65,8 @@ class CollectiveSpec:
         readers: the places in the group of the ranks that read the result (all of them
             unless the split pruned some replicas).
         dangling: this rank takes part without reading the result.
+        exclusive: the rank's contribution is read by nothing but this collective (so that
+            inference may reduce it in its own memory).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class CollectiveSpec:
     sizes: list[int] | None = None
     readers: list[int] = field(default_factory=list)
     dangling: bool = False
+    exclusive: bool = False
 
     @property
     def everywhere(self) -> bool:
@@ -109,9 +112,25 @@ class Collective(torch.nn.Module):
         self.ordered = ordered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.kind == "all_reduce":
-            return AllReduce.apply(x, self)
-        return AllGather.apply(x, self)
+        if self.spec.kind == "all_gather":
+            return AllGather.apply(x, self)
+        if not torch.is_grad_enabled() and self._in_place(x):
+            self.issued["forward"] += 1  # inference: a partial is read by its all-reduce only
+            dist.all_reduce(x, group=self.group)
+            return x
+        return AllReduce.apply(x, self)
+
+    def _in_place(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` can be reduced in its own memory: a contiguous tensor of its own (not
+        a view, not a parameter) where the collective runs, and a plain ring all-reduce."""
+        return (
+            self.spec.exclusive
+            and x._base is None
+            and x.is_contiguous()
+            and not isinstance(x, torch.nn.Parameter)
+            and self.comm_device in (None, x.device)
+            and not (self.ordered and self.spec.size > 2)
+        )
 
     def extra_repr(self) -> str:
         return f"{self.spec.kind} #{self.spec.id}, rank {self.spec.index} of {self.spec.size}"

@@ -416,6 +416,9 @@ class _Builder:
                     f"{info.device(own)}, not from {self.me}"
                 )
             spec = self._spec(node, tag, cid)
+            spec.exclusive = (
+                own.op == "call_function" and own not in info.static and _only_collectives(own, info)
+            )
             name = f"{tag['kind']}_{cid}"
             self.root.add_module(
                 name,
@@ -449,6 +452,17 @@ class _Builder:
             if sizes and all(isinstance(s, int) for s in sizes):
                 spec.sizes = [int(s) for s in sizes]
         return spec
+
+
+def _only_collectives(node: fx.Node, info: _Graph) -> bool:
+    """Whether ``node`` is read only by collectives (directly or through copies)."""
+    for user in node.users:
+        if _is_move(user):
+            if not _only_collectives(user, info):
+                return False
+        elif info.tag(user) is None:
+            return False
+    return True
 
 
 def _set_attr(root: torch.nn.Module, path: str, value: Any) -> None:

@@ -196,14 +196,17 @@ class DistributedTensorParallel(RankMember):
     # -- internals ------------------------------------------------------------------------
 
     def _broadcast_inputs(self, inputs: Any) -> list[torch.Tensor]:
-        """Rank 0's graph inputs on every rank: their shapes as an object, then the tensors."""
+        """Rank 0's graph inputs on every rank: their shapes (unless the graph fixes them all),
+        then the tensors."""
         from placement.runtime.inputs import normalize_inputs
 
         arrays = normalize_inputs(inputs, self._specs) if self.is_first else None
-        box = [[(a.shape, a.dtype.str) for a in arrays] if arrays is not None else None]
         with self._guard("sending the inputs"):
-            dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
-            metas = box[0]
+            metas = self._static_inputs()
+            if metas is None:
+                box = [[(a.shape, a.dtype.str) for a in arrays] if arrays is not None else None]
+                dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
+                metas = box[0]
             if metas is None:
                 raise InputError("rank 0 has no graph inputs")
             tensors = []
@@ -216,6 +219,18 @@ class DistributedTensorParallel(RankMember):
                 dist.broadcast(wire, src=self._peers[0], group=self.group)
                 tensors.append(tensor.to(self.device))
         return tensors
+
+    def _static_inputs(self) -> list[tuple[tuple[int, ...], str]] | None:
+        """The inputs' shapes and dtypes when the graph fixes them all (rank 0's inputs are
+        checked against them), else None."""
+        metas = []
+        for spec in self._specs:
+            if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
+                return None
+            if not all(isinstance(d, int) for d in spec.shape):
+                return None
+            metas.append((tuple(int(d) for d in spec.shape), np.dtype(spec.dtype).str))
+        return metas
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
