@@ -86,3 +86,18 @@ def test_launch_refuses_ort_and_micro_batches_for_a_split(tmp_path):
         args: argparse.Namespace = build_parser().parse_args([str(path), *extra])
         with pytest.raises(pl.InputError, match=match):
             _rank_runner(args, torch.device("cpu"), None)
+
+
+def test_pipeline_runners_refuse_a_split_naming_the_tensor_parallel_one():
+    import torch.distributed as dist
+
+    from placement.distributed import DistributedPipeline, DistributedRunner, free_port
+
+    model = _split_mlp()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for runner in (DistributedPipeline, DistributedRunner):
+            with pytest.raises(pl.InputError, match="DistributedTensorParallel"):
+                runner(model)
+    finally:
+        dist.destroy_process_group()
