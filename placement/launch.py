@@ -11,7 +11,8 @@ Every rank loads the placed model and builds its pipeline stage
 with ``--runtime ort`` :class:`placement.distributed.DistributedRunner`, its ONNX
 Runtime stage sessions: serving without model code); a model split by
 :func:`placement.split_tensor_parallel` runs one device per rank instead
-(:class:`placement.distributed.DistributedTensorParallel`, each collective one
+(:class:`placement.distributed.DistributedTensorParallel`, or on ONNX Runtime
+:class:`placement.distributed.DistributedTensorParallelRunner`: each collective one
 ``torch.distributed`` all-reduce or all-gather); rank 0 reads the inputs
 (``--input NAME=FILE.npy`` per graph input, or ``--input FILE.npy`` for a
 one-input model) and the rank holding the graph outputs (the last one of a pipeline, rank 0
@@ -255,22 +256,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _rank_runner(args: argparse.Namespace, device: Any, threads: int | None) -> Any:
     """This rank's runner: tensor-parallel ranks for a model with collectives, else a pipeline
     stage (the lowered module, or ONNX Runtime sessions with ``--runtime ort``)."""
-    from placement.distributed import DistributedPipeline, DistributedRunner, DistributedTensorParallel
+    from placement.distributed import (
+        DistributedPipeline,
+        DistributedRunner,
+        DistributedTensorParallel,
+        DistributedTensorParallelRunner,
+    )
     from placement.distributed.spmd import is_tensor_parallel
     from placement.errors import InputError
     from placement.graph.loading import load
 
     model = load(args.model)
     if is_tensor_parallel(model):
-        if args.runtime == "ort":
-            raise InputError(
-                f"{args.model} is split tensor-parallel: its ranks run on the torch runtime "
-                "(drop --runtime ort)"
-            )
         if args.chunks not in (None, 1) or args.ranks:
             raise InputError(
                 f"{args.model} is split tensor-parallel: one rank per device runs the whole batch "
                 "(no --chunks or --ranks)"
+            )
+        if args.runtime == "ort":
+            return DistributedTensorParallelRunner(
+                model, device=device, threads=threads, precision=args.precision
             )
         return DistributedTensorParallel(model, device=device)
     if args.runtime == "ort":

@@ -18,7 +18,8 @@ What this package holds:
   :class:`DistributedTensorParallel`, a tensor-parallel split (:func:`placement.split_tensor_parallel`)
   run SPMD, one device per rank, each tagged collective one ``torch.distributed``
   all-reduce or all-gather (:mod:`~placement.distributed.collectives`, Megatron's f and g
-  in training).
+  in training); :mod:`~placement.distributed.ort_tensor_ranks`:
+  :class:`DistributedTensorParallelRunner`, the same on ONNX Runtime (inference).
 * :mod:`~placement.distributed.watchdog`: heartbeats and error reports in the rendezvous
   store, so that the surviving ranks name the rank that failed.
 * :mod:`~placement.distributed.errors`: :class:`WorldSizeError`, :class:`RankFailedError`,
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from placement.distributed.errors import NotAPipelineError, RankFailedError, WorldSizeError
 from placement.distributed.ort_ranks import DistributedRunner, rank_plan
+from placement.distributed.ort_tensor_ranks import DistributedTensorParallelRunner, tensor_rank_plan
 from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
 from placement.distributed.split import RankSplit, split_by_rank
 from placement.distributed.spmd import SpmdStage, split_spmd
@@ -52,6 +54,8 @@ __all__ = [
     "DistributedPipeline",
     "DistributedRunner",
     "DistributedTensorParallel",
+    "DistributedTensorParallelRunner",
+    "tensor_rank_plan",
     "split_spmd",
     "SpmdStage",
     "rank_plan",

@@ -101,7 +101,7 @@ class RankMember:
             from placement.graph.loading import load
 
             model = load(model)
-        if kind != "tp":
+        if not kind.startswith("tp"):
             from placement.distributed.spmd import is_tensor_parallel
 
             if is_tensor_parallel(model):

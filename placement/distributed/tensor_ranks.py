@@ -39,12 +39,58 @@ from placement.distributed.spmd import SpmdStage, split_spmd, spmd_devices
 from placement.errors import InputError, PlacementError
 from placement.graph.model import Model
 
-__all__ = ["DistributedTensorParallel"]
+__all__ = ["DistributedTensorParallel", "SpmdInputs"]
 
 log = logging.getLogger(__name__)
 
 
-class DistributedTensorParallel(RankMember):
+class SpmdInputs(RankMember):
+    """What tensor-parallel ranks share: rank 0's graph inputs broadcast to every rank.
+
+    Subclasses set ``comm_device`` (where collectives run) and ``device``.
+    """
+
+    comm_device: torch.device
+
+    def _broadcast_inputs(self, inputs: Any) -> list[torch.Tensor]:
+        """Rank 0's graph inputs on every rank: their shapes (unless the graph fixes them all),
+        then the tensors."""
+        from placement.runtime.inputs import normalize_inputs
+
+        arrays = normalize_inputs(inputs, self._specs) if self.is_first else None
+        with self._guard("sending the inputs"):
+            metas = self._static_inputs()
+            if metas is None:
+                box = [[(a.shape, a.dtype.str) for a in arrays] if arrays is not None else None]
+                dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
+                metas = box[0]
+            if metas is None:
+                raise InputError("rank 0 has no graph inputs")
+            tensors = []
+            for i, (shape, dtype) in enumerate(metas):
+                if arrays is not None:
+                    tensor = torch.from_numpy(np.ascontiguousarray(arrays[i])).to(self.comm_device)
+                else:
+                    tensor = torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), device=self.comm_device)
+                wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+                dist.broadcast(wire, src=self._peers[0], group=self.group)
+                tensors.append(tensor.to(self.device))
+        return tensors
+
+    def _static_inputs(self) -> list[tuple[tuple[int, ...], str]] | None:
+        """The inputs' shapes and dtypes when the graph fixes them all (rank 0's inputs are
+        checked against them), else None."""
+        metas = []
+        for spec in self._specs:
+            if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
+                return None
+            if not all(isinstance(d, int) for d in spec.shape):
+                return None
+            metas.append((tuple(int(d) for d in spec.shape), np.dtype(spec.dtype).str))
+        return metas
+
+
+class DistributedTensorParallel(SpmdInputs):
     """This rank's device of a tensor-parallel placed model (:func:`placement.split_tensor_parallel`).
 
     Build it on every rank of ``group`` (collectively, in the same order on every rank):
@@ -194,43 +240,6 @@ class DistributedTensorParallel(RankMember):
         return f"DistributedTensorParallel(rank {self.rank}/{self.world_size}, {where})"
 
     # -- internals ------------------------------------------------------------------------
-
-    def _broadcast_inputs(self, inputs: Any) -> list[torch.Tensor]:
-        """Rank 0's graph inputs on every rank: their shapes (unless the graph fixes them all),
-        then the tensors."""
-        from placement.runtime.inputs import normalize_inputs
-
-        arrays = normalize_inputs(inputs, self._specs) if self.is_first else None
-        with self._guard("sending the inputs"):
-            metas = self._static_inputs()
-            if metas is None:
-                box = [[(a.shape, a.dtype.str) for a in arrays] if arrays is not None else None]
-                dist.broadcast_object_list(box, src=self._peers[0], group=self.group)
-                metas = box[0]
-            if metas is None:
-                raise InputError("rank 0 has no graph inputs")
-            tensors = []
-            for i, (shape, dtype) in enumerate(metas):
-                if arrays is not None:
-                    tensor = torch.from_numpy(np.ascontiguousarray(arrays[i])).to(self.comm_device)
-                else:
-                    tensor = torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), device=self.comm_device)
-                wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
-                dist.broadcast(wire, src=self._peers[0], group=self.group)
-                tensors.append(tensor.to(self.device))
-        return tensors
-
-    def _static_inputs(self) -> list[tuple[tuple[int, ...], str]] | None:
-        """The inputs' shapes and dtypes when the graph fixes them all (rank 0's inputs are
-        checked against them), else None."""
-        metas = []
-        for spec in self._specs:
-            if spec.kind != "tensor" or spec.dtype is None or spec.shape is None:
-                return None
-            if not all(isinstance(d, int) for d in spec.shape):
-                return None
-            metas.append((tuple(int(d) for d in spec.shape), np.dtype(spec.dtype).str))
-        return metas
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -77,12 +77,12 @@ def test_one_rank_world_is_refused_naming_both_sizes():
         dist.destroy_process_group()
 
 
-def test_launch_refuses_ort_and_micro_batches_for_a_split(tmp_path):
+def test_launch_refuses_micro_batches_and_rank_groups_for_a_split(tmp_path):
     from placement.launch import _rank_runner, build_parser
 
     path = tmp_path / "mlp_tp2.onnx"
     _split_mlp().save(path)
-    for extra, match in ((["--runtime", "ort"], "torch runtime"), (["--chunks", "2"], "no --chunks")):
+    for extra, match in ((["--chunks", "2"], "no --chunks"), (["--ranks", "0,1"], "no --chunks or --ranks")):
         args: argparse.Namespace = build_parser().parse_args([str(path), *extra])
         with pytest.raises(pl.InputError, match=match):
             _rank_runner(args, torch.device("cpu"), None)
@@ -101,3 +101,22 @@ def test_pipeline_runners_refuse_a_split_naming_the_tensor_parallel_one():
                 runner(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_ort_rank_plans_issue_the_collectives_in_id_order_between_stages():
+    from placement.distributed import tensor_rank_plan
+
+    model = _split_mlp((0, 1, 2))
+    for rank in range(3):
+        plan = tensor_rank_plan(model, rank)
+        assert [s[1] for s in plan.steps if s[0] == "collective"] == [0, 1]
+        assert plan.steps[0][0] == "stage" and all(
+            s[1].device == plan.device for s in plan.steps if s[0] == "stage"
+        )
+        kinds = {k: c.kind for k, c in plan.collectives.items()}
+        assert kinds == {0: "all_reduce", 1: "all_gather"} and plan.collectives[1].sizes == [3, 3, 2]
+        assert bool(plan.outputs) == (rank == 0)
+        # rank 0's Sum reads its all-reduced partial and negative zeros in the others' slots
+        if rank == 0:
+            slots = sorted(v for v in plan.sources.values() if v[0] in ("reduced", "zeros"))
+            assert slots == [("reduced", 0), ("zeros", 0), ("zeros", 0)]

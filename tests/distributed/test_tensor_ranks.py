@@ -47,6 +47,13 @@ def test_gloo_outputs_are_bitwise_the_emulated_split(gpt_run):
     np.testing.assert_allclose(out, net(idx).detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_ort_ranks_are_bitwise_the_emulated_runner(gpt_run):
+    results, net, (idx, _), _ = gpt_run
+    np.testing.assert_array_equal(results[0]["ort_out"], results[0]["ort_emulated"])
+    np.testing.assert_allclose(results[0]["ort_out"], net(idx).detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert [res["ort_issued"] for res in results] == [6, 6]  # one call per tagged collective
+
+
 def test_one_collective_per_tagged_collective(gpt_run):
     results, _, _, model = gpt_run
     tags = {tag["id"]: tag["kind"] for n in model.graph if (tag := collective_tag(n)) is not None}

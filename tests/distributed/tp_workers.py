@@ -31,11 +31,12 @@ def _counting(results: dict[str, Any]) -> None:
 
 
 def gpt_ranks(rank: int, world_size: int, port: int, path: str, inputs: str, outdir: str) -> None:
-    """Run, then train one step, a tensor-parallel gpt; rank 0 also runs the emulated split."""
+    """Run, then train one step, a tensor-parallel gpt, then run it on ONNX Runtime ranks; rank 0
+    also runs the emulated split (lowered, and with pl.Runner)."""
     import torch
 
     import placement as pl
-    from placement.distributed import DistributedTensorParallel
+    from placement.distributed import DistributedTensorParallel, DistributedTensorParallelRunner
     from tests.distributed.harness import init
 
     init(rank, world_size, port)
@@ -61,6 +62,15 @@ def gpt_ranks(rank: int, world_size: int, port: int, path: str, inputs: str, out
                 results["loss"] = float(loss)
             results["grads"] = {name: p.grad.numpy().copy() for name, p in tp.named_parameters()}
             tp.barrier()
+        with DistributedTensorParallelRunner(path, threads=1) as runner:  # the same on ONNX Runtime
+            ort_out = runner.run([idx] if runner.is_first else None)
+            results["ort_issued"] = runner.issued
+            if ort_out is not None:
+                model = pl.load(path)
+                emulated_ort = pl.Runner(
+                    model, device_map={str(d): "cpu" for d in model.devices}, fold=False, threads=1
+                )
+                results["ort_out"], results["ort_emulated"] = ort_out[0], emulated_ort.run([idx])[0]
     except BaseException:  # the test reads the traceback
         results["error"] = traceback.format_exc()
     Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
