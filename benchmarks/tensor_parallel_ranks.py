@@ -14,7 +14,10 @@ by round interleaved (so a change of machine load hits every contender):
   ops one after the other, the all-reduce a ``Sum`` of copies), one thread;
 * **2 ranks**: :class:`placement.distributed.DistributedTensorParallel` on both ranks, each
   its half of the weights, one ``torch.distributed`` all-reduce (gloo) per split layer; the
-  time includes broadcasting rank 0's input.
+  time includes broadcasting rank 0's input;
+* the same on ONNX Runtime: one ``pl.Runner`` session of the unsplit model (1 thread) against
+  2 ranks of :class:`placement.distributed.DistributedTensorParallelRunner` (each its stage
+  sessions, 1 thread).
 
 Times are rank 0's wall times between barriers, the median of the rounds. ``vs 1 thread``
 is the 1-thread process over the 2 ranks (target: 1.4x). On a machine shared with other work
@@ -51,6 +54,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "tensor_parallel_ranks.json"
 TARGET = 1.4  # 2 gloo ranks against one 1-thread process
+#: the contenders, in the order both ranks run them each round
+ORDER = ("1_thread", "2_threads", "emulated", "ranks", "ort_1_thread", "ort_ranks")
 
 __all__ = ["main", "prepare"]
 
@@ -88,8 +93,10 @@ def _timed(fn: Any, barrier: Any) -> tuple[float, float]:
     return elapsed, cpu
 
 
-def _contenders(rank: int, case: dict[str, Any], tp: Any, outputs: dict[str, Any]) -> dict[str, Any]:
-    """What each contender runs on this rank (rank 1 only takes part in the ranks' run)."""
+def _contenders(
+    rank: int, case: dict[str, Any], tp: Any, ort_tp: Any, outputs: dict[str, Any]
+) -> dict[str, Any]:
+    """What each contender runs on this rank (rank 1 only takes part in the ranks' runs)."""
     import torch
 
     import placement as pl
@@ -100,8 +107,17 @@ def _contenders(rank: int, case: dict[str, Any], tp: Any, outputs: dict[str, Any
     def ranks() -> None:
         outputs["ranks"] = tp.run([x] if rank == 0 else None)
 
+    def ort_ranks() -> None:
+        outputs["ort_ranks"] = ort_tp.run([x] if rank == 0 else None)
+
     if rank != 0:
-        return {"1_thread": lambda: None, "2_threads": lambda: None, "emulated": lambda: None, "ranks": ranks}
+        idle = {k: (lambda: None) for k in ("1_thread", "2_threads", "emulated", "ort_1_thread")}
+        return {**idle, "ranks": ranks, "ort_ranks": ort_ranks}
+    session = pl.Runner(pl.load(case["base"]), device_map="cpu", threads=1)
+
+    def ort_one() -> None:
+        outputs["ort_1_thread"] = session.run([x])[0]
+
     base = pl.to_torch(pl.load(case["base"]), device_map="cpu")
     split = pl.load(case["split"])
     emulated = pl.to_torch(split, device_map={str(d): "cpu" for d in split.devices})
@@ -122,6 +138,8 @@ def _contenders(rank: int, case: dict[str, Any], tp: Any, outputs: dict[str, Any
         "2_threads": local("2_threads", base, 2),
         "emulated": local("emulated", emulated, 1),
         "ranks": ranks,
+        "ort_1_thread": ort_one,
+        "ort_ranks": ort_ranks,
     }
 
 
@@ -147,7 +165,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], round
     import torch
     import torch.distributed as dist
 
-    from placement.distributed import DistributedTensorParallel
+    from placement.distributed import DistributedTensorParallel, DistributedTensorParallelRunner
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -160,24 +178,30 @@ def _worker(rank: int, world: int, port: int, cases: list[dict[str, Any]], round
     rows = []
     for case in cases:
         tp = DistributedTensorParallel(case["split"], heartbeat=0)
+        ort_tp = DistributedTensorParallelRunner(case["split"], heartbeat=0, threads=1)
         outputs: dict[str, Any] = {}
-        contenders = _contenders(rank, case, tp, outputs)
-        wall: dict[str, list[float]] = {k: [] for k in contenders}
-        cpu: dict[str, list[float]] = {k: [] for k in contenders}
+        contenders = _contenders(rank, case, tp, ort_tp, outputs)
+        wall: dict[str, list[float]] = {k: [] for k in ORDER}
+        cpu: dict[str, list[float]] = {k: [] for k in ORDER}
         for i in range(rounds + 1):  # the first round warms up
-            for key, fn in contenders.items():
+            for key in ORDER:  # one order on both ranks: the barriers and collectives pair up
+                fn = contenders[key]
                 elapsed, used = _timed(fn, dist.barrier)
                 if i:
                     wall[key].append(elapsed)
                     cpu[key].append(used)
         transport = _transport(tp, case, rounds)
-        cpu_ranks = [None, None]
-        dist.all_gather_object(cpu_ranks, statistics.median(cpu["ranks"]))
+        cpu_ranks: list[Any] = [None, None]
+        dist.all_gather_object(
+            cpu_ranks, (statistics.median(cpu["ranks"]), statistics.median(cpu["ort_ranks"]))
+        )
+
         if rank == 0:
             rows.append(
                 _row(case, wall, cpu, cpu_ranks, outputs, transport, tp.issued["forward"] // (rounds + 1))
             )
         tp.close()
+        ort_tp.close()
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(rows))
     dist.barrier()
@@ -197,6 +221,8 @@ def _row(
     ranks_out = outputs["ranks"][0]
     ms = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
     cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+    cpu_ranks_ort = [c[1] for c in cpu_ranks]
+    cpu_ranks = [c[0] for c in cpu_ranks]
     return {
         **{k: case[k] for k in ("model", "tokens", "d_model", "all_reduces")},
         "ms": ms,
@@ -208,6 +234,12 @@ def _row(
         "vs_emulated": ms["emulated"] / ms["ranks"],
         # what the measured CPU costs allow when each rank has a core of its own
         "free_cores_vs_1_thread": cpu_ms["1_thread"] / (max(cpu_ranks) * 1e3),
+        "ort_vs_1_thread": ms["ort_1_thread"] / ms["ort_ranks"],
+        "ort_free_cores_vs_1_thread": cpu_ms["ort_1_thread"] / (max(cpu_ranks_ort) * 1e3),
+        "ort_max_rel_diff": float(
+            np.abs(outputs["ort_ranks"][0] - outputs["ort_1_thread"]).max()
+            / np.abs(outputs["ort_1_thread"]).max()
+        ),
         "max_rel_diff": float(np.abs(ranks_out - reference).max() / np.abs(reference).max()),
         "bitwise_emulated": bool(np.array_equal(ranks_out, outputs["emulated"])),
         "collectives_per_forward": collectives,
@@ -245,6 +277,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{ms['ranks']:>8.1f}ms {r['vs_1_thread']:>8.2f}x {r['vs_2_threads']:>8.2f}x "
             f"{r['free_cores_vs_1_thread']:>9.2f}x {r['all_reduce_ms']:>8.2f}ms "
             f"{r['max_rel_diff']:>9.1e} {str(r['bitwise_emulated']):>8}   target: vs 1 thread >= {TARGET}"
+        )
+    print(
+        f"\nONNX Runtime: {'model':<11} {'1 thread':>10} {'2 ranks':>10} "
+        f"{'vs 1 thr':>9} {'free cores':>10} {'rel diff':>9}"
+    )
+    for r in rows:
+        ms = r["ms"]
+        print(
+            f"              {r['model']:<11} {ms['ort_1_thread']:>8.1f}ms {ms['ort_ranks']:>8.1f}ms "
+            f"{r['ort_vs_1_thread']:>8.2f}x {r['ort_free_cores_vs_1_thread']:>9.2f}x "
+            f"{r['ort_max_rel_diff']:>9.1e}"
         )
     print(
         f"median of {args.rounds} interleaved rounds, {args.tokens} tokens; load average "
