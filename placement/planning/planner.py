@@ -244,6 +244,7 @@ def auto_place(
     throughput: Mapping[str, float] | None = None,
     batch: int | Mapping[str, int] | None = None,
     kv_cache: tuple[int, int] | None = None,
+    tensor_parallel: int | str | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -312,6 +313,16 @@ def auto_place(
         kv_cache: ``(batch, max_length)`` for a model with a KV cache
             (:func:`placement.from_causal_lm`): each layer's cache at that batch and length
             counts in the memory of the device of the op making its ``present``.
+        tensor_parallel: split stages *through* their ops over groups of devices
+            (:func:`placement.split_tensor_parallel`), with the degree from the cost model
+            (:mod:`placement.planning.tp_planner`): ``"auto"`` weighs every degree that can be
+            applied (1, the ordinary plan, and the device count: one stage split over all
+            devices) and keeps the best for ``objective``; an int applies that degree. Op
+            costs are times (``cost="flops"`` turns FLOPs into times at the device's speed,
+            ``throughput``), collectives cost their copies over ``links`` plus a fixed latency
+            each. None (default): no tensor parallelism. The plan's ``tensor_parallel``,
+            ``collective_time`` and ``tp_choices`` say what was chosen and why; a split
+            model has its copies injected.
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -321,6 +332,8 @@ def auto_place(
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
             smallest uniform budget that would.
         PlanError: bad arguments, or the model already has copies.
+        InputError: a tensor-parallel degree that cannot be applied (stages split inside a
+            pipeline), or a model the split pass cannot split (it names the op).
 
     Example:
         >>> import placement as pl
@@ -353,7 +366,89 @@ def auto_place(
             throughput=throughput,
             batch=batch,
             kv_cache=kv_cache,
+            tensor_parallel=tensor_parallel,
         )
+
+
+def _pipeline_plan(
+    info: GraphInfo,
+    costs: Sequence[int],
+    device_list: list[Device],
+    budgets: list[int | None],
+    *,
+    allowed: list[bool],
+    cuts: Any,
+    links: Any,
+    objective: str,
+    cost_kind: str,
+    fp: str,
+) -> Plan:
+    """The exact contiguous plan of ``costs`` over ``device_list`` (not applied)."""
+    links_in = None
+    if links is not None:
+        links_in = [links.link(device_list[max(k - 1, 0)], device_list[k]) for k in range(len(device_list))]
+        if not links.uniform_into(device_list):
+            log.info(
+                "auto_place: links into some device differ by source; copies are planned on the "
+                "link from the previous device (exact only when all links into a device are alike)"
+            )
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
+    if objective == "throughput":
+        bound = problem.min_bottleneck()
+        ends = problem.min_transfer(bound)
+    else:
+        ends = problem.min_transfer(None)
+    return build_plan(
+        info,
+        costs,
+        ends,
+        device_list,
+        budgets,
+        cost_kind=cost_kind,
+        objective=objective,
+        fp=fp,
+        links=links,
+        cut_costs=cuts,
+    )
+
+
+def _cuts(
+    model: Model, info: GraphInfo, *, fusion: bool, runtime: str, repeats: int
+) -> tuple[list[bool], list[tuple[int, int]] | None]:
+    """Where parts may end, and what cuts cost (see ``auto_place``'s ``fusion``)."""
+    allowed = constant_glue(info)
+    cuts = None
+    if fusion:
+        from placement.planning.fusion import fused_cuts, fusion_cut_costs
+
+        if runtime == "ort":
+            allowed = [a and f for a, f in zip(allowed, fused_cuts(model, info))]
+        else:
+            cuts = fusion_cut_costs(model, info, repeats=repeats)
+    return allowed, cuts
+
+
+def _check_tensor_parallel(budgets: list[int | None], cost: str, offload: bool | None) -> None:
+    if any(b is not None for b in budgets):
+        raise PlanError(
+            "tensor_parallel= with max_memory= is not planned yet: budgets are not checked on split "
+            "stages; leave out max_memory (pl.summary shows each device's share of the weights)"
+        )
+    if cost == "size":
+        raise PlanError("tensor_parallel= weighs times: use cost='time' or cost='flops' (at device speeds)")
+    if offload:
+        raise PlanError("tensor_parallel= does not combine with offload=True")
+
+
+def _flops_as_ns(flops: Sequence[int], device: Device, throughput: Mapping[str, float] | None) -> list[int]:
+    """FLOPs as nanoseconds at ``device``'s speed (given, measured here, or the default)."""
+    from placement.planning.speeds import device_speeds
+
+    rate = device_speeds(throughput, gpu_index=device.index or 0).rates.get(device.type)
+    if rate is None:
+        raise PlanError(f"no speed is known for device type {device.type!r}: pass throughput=")
+    log.info("auto_place: FLOPs as times at %.3g TFLOP/s on %s", rate / 1e12, device.type)
+    return [round(f * 1e9 / rate) for f in flops]
 
 
 def _auto_place(
@@ -373,9 +468,16 @@ def _auto_place(
     throughput: Mapping[str, float] | None,
     batch: int | Mapping[str, int] | None,
     kv_cache: tuple[int, int] | None,
+    tensor_parallel: int | str | None = None,
+    apply: bool = True,
 ) -> Plan:
+    """``auto_place``'s work; ``apply=False`` (predictions) leaves the model unplaced and may
+    weigh stages split inside a pipeline."""
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    if tensor_parallel is not None:
+        _check_tensor_parallel(budgets, cost, offload)
+        offload = False
     feeds = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     dims = planned_dims(model, sample_inputs=feeds, batch=batch)
     if offload is None:
@@ -385,24 +487,16 @@ def _auto_place(
 
         if cost == "time":
             cost = _time_or_flops(model)
-        return auto_offload(
-            model,
-            device_list,
-            budgets,
-            cost=cost,
-            objective=objective,
-            links=links,
-            sample_inputs=feeds,
-            repeats=repeats,
-            runtime=runtime,
-            throughput=throughput,
-            dims=dims,
+        options = dict(
+            objective=objective, links=links, repeats=repeats, runtime=runtime, throughput=throughput
         )
-    if cost != "time" and links is not None and links is not False and links != "auto":
+        return auto_offload(model, device_list, budgets, cost=cost, sample_inputs=feeds, dims=dims, **options)
+    timed = cost == "time" or tensor_parallel is not None  # tensor parallelism plans in times
+    if not timed and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
     if cost == "time":
         cost = _time_or_flops(model)
-    link_model = resolve_links(links) if cost == "time" else None
+    link_model = resolve_links(links) if timed else None
     prof = profile(
         model,
         sample_inputs=feeds,
@@ -417,46 +511,52 @@ def _auto_place(
         add_kv_cache(info, model, kv_cache)
     if op_costs is not None:
         costs = _override_costs(info, costs, op_costs)
-    allowed = constant_glue(info)
-    cuts = None
-    if fusion and cost == "time" and len(device_list) > 1:
-        from placement.planning.fusion import fused_cuts, fusion_cut_costs
-
-        if runtime == "ort":
-            allowed = [a and f for a, f in zip(allowed, fused_cuts(model, info))]
-        else:
-            cuts = fusion_cut_costs(model, info, repeats=repeats)
-    links_in = None
-    if link_model is not None:
-        links_in = [
-            link_model.link(device_list[max(k - 1, 0)], device_list[k]) for k in range(len(device_list))
-        ]
-        if not link_model.uniform_into(device_list):
-            log.info(
-                "auto_place: links into some device differ by source; copies are planned on the "
-                "link from the previous device (exact only when all links into a device are alike)"
-            )
-    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
-    if objective == "throughput":
-        bound = problem.min_bottleneck()
-        ends = problem.min_transfer(bound)
-    else:
-        ends = problem.min_transfer(None)
-    plan = build_plan(
+    allowed, cuts = _cuts(
+        model,
         info,
-        costs,
-        ends,
-        device_list,
-        budgets,
-        cost_kind=cost,
-        objective=objective,
-        fp=prof.fingerprint,
-        links=link_model,
-        cut_costs=cuts,
+        fusion=fusion and cost == "time" and len(device_list) > 1,
+        runtime=runtime,
+        repeats=repeats,
     )
+
+    def pipeline(plan_costs: Sequence[int] = costs, kind: str = cost) -> Plan:
+        return _pipeline_plan(
+            info,
+            plan_costs,
+            device_list,
+            budgets,
+            allowed=allowed,
+            cuts=cuts,
+            links=link_model,
+            objective=objective,
+            cost_kind=kind,
+            fp=prof.fingerprint,
+        )
+
+    if tensor_parallel is None:
+        plan = pipeline()
+    else:
+        from placement.planning.tp_planner import plan_tensor_parallel
+
+        ns = costs if cost == "time" else _flops_as_ns(costs, device_list[0], throughput)
+        plan = plan_tensor_parallel(
+            model,
+            info,
+            ns,
+            device_list,
+            tensor_parallel,
+            pipeline=lambda: pipeline(ns, "time"),
+            objective=objective,
+            links=link_model,
+            allowed=allowed,
+            dims=dims,
+            fp=prof.fingerprint,
+            allow_2d=not apply,
+        )
     plan.runtime = runtime
     plan.dims = dict(dims)
-    plan.apply(model)
+    if apply:
+        plan.apply(model)
     log.info(
         "auto_place: %d ops on %d devices, bottleneck %.3f x lower bound, %d bytes copied per step",
         len(info),
