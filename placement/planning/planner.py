@@ -103,13 +103,13 @@ from placement.planning.dims import called_as, planned_dims
 from placement.planning.evaluate import build_plan, evaluate_assignment
 from placement.planning.frontend import check_no_copies
 from placement.planning.graph_info import GraphInfo
-from placement.planning.link_model import LinksLike, resolve_links
+from placement.planning.link_model import Links, LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
 from placement.planning.plan import Plan
 from placement.planning.profile import COST_KINDS, _normalise_inputs, profile
 
-__all__ = ["auto_place", "build_plan", "evaluate_assignment", "OBJECTIVES", "RUNTIMES"]
+__all__ = ["auto_place", "build_plan", "evaluate_assignment", "unapplied_plan", "OBJECTIVES", "RUNTIMES"]
 
 log = logging.getLogger(__name__)
 
@@ -428,27 +428,38 @@ def _cuts(
     return allowed, cuts
 
 
-def _check_tensor_parallel(budgets: list[int | None], cost: str, offload: bool | None) -> None:
-    if any(b is not None for b in budgets):
-        raise PlanError(
-            "tensor_parallel= with max_memory= is not planned yet: budgets are not checked on split "
-            "stages; leave out max_memory (pl.summary shows each device's share of the weights)"
-        )
-    if cost == "size":
-        raise PlanError("tensor_parallel= weighs times: use cost='time' or cost='flops' (at device speeds)")
-    if offload:
-        raise PlanError("tensor_parallel= does not combine with offload=True")
-
-
-def _flops_as_ns(flops: Sequence[int], device: Device, throughput: Mapping[str, float] | None) -> list[int]:
-    """FLOPs as nanoseconds at ``device``'s speed (given, measured here, or the default)."""
-    from placement.planning.speeds import device_speeds
-
-    rate = device_speeds(throughput, gpu_index=device.index or 0).rates.get(device.type)
-    if rate is None:
-        raise PlanError(f"no speed is known for device type {device.type!r}: pass throughput=")
-    log.info("auto_place: FLOPs as times at %.3g TFLOP/s on %s", rate / 1e12, device.type)
-    return [round(f * 1e9 / rate) for f in flops]
+def unapplied_plan(
+    model: Model,
+    devices: int,
+    *,
+    links: Links | None,
+    tensor_parallel: int | str,
+    op_costs: Mapping[str, float] | None = None,
+    throughput: Mapping[str, float] | None = None,
+    objective: str = "throughput",
+) -> Plan:
+    """The plan ``auto_place(model, devices, tensor_parallel=...)`` would make, stages split
+    inside a pipeline weighed too, without applying it (what :func:`placement.predict` asks).
+    ``throughput`` (FLOP/s per device type) plans on FLOPs at that speed instead of times."""
+    return _auto_place(
+        model,
+        devices,
+        None,
+        sample_inputs=None,
+        cost="time" if throughput is None else "flops",
+        objective=objective,
+        repeats=5,
+        links=links,
+        fusion=True,
+        runtime="ort",
+        op_costs=op_costs,
+        offload=False,
+        throughput=throughput,
+        batch=None,
+        kv_cache=None,
+        tensor_parallel=tensor_parallel,
+        apply=False,
+    )
 
 
 def _auto_place(
@@ -476,7 +487,9 @@ def _auto_place(
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
     if tensor_parallel is not None:
-        _check_tensor_parallel(budgets, cost, offload)
+        from placement.planning.tp_planner import check_tensor_parallel
+
+        check_tensor_parallel(budgets, cost, offload)
         offload = False
     feeds = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     dims = planned_dims(model, sample_inputs=feeds, batch=batch)
@@ -536,9 +549,9 @@ def _auto_place(
     if tensor_parallel is None:
         plan = pipeline()
     else:
-        from placement.planning.tp_planner import plan_tensor_parallel
+        from placement.planning.tp_planner import flops_as_ns, plan_tensor_parallel
 
-        ns = costs if cost == "time" else _flops_as_ns(costs, device_list[0], throughput)
+        ns = costs if cost == "time" else flops_as_ns(costs, device_list[0], throughput)
         plan = plan_tensor_parallel(
             model,
             info,

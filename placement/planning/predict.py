@@ -553,8 +553,7 @@ def _plan_for(
     throughput: Mapping[str, float] | None = None,
     objective: str = "throughput",
 ) -> Plan:
-    from placement.planning.planner import auto_place
-    from placement.planning.tp_planner import unapplied_plan
+    from placement.planning.planner import auto_place, unapplied_plan
 
     work = model.copy()
     _unplace(work)

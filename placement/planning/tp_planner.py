@@ -49,7 +49,14 @@ from placement.planning.partition import PartitionProblem
 from placement.planning.plan import DevicePlan, Plan
 from placement.planning.tp_cost import COLLECTIVE_LATENCY_S, analyse_split
 
-__all__ = ["candidate_degrees", "objective_ns", "plan_tensor_parallel", "stage_rows", "unapplied_plan"]
+__all__ = [
+    "candidate_degrees",
+    "check_tensor_parallel",
+    "flops_as_ns",
+    "objective_ns",
+    "plan_tensor_parallel",
+    "stage_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -173,40 +180,27 @@ def plan_tensor_parallel(
     return plan
 
 
-def unapplied_plan(
-    model: Model,
-    devices: int,
-    *,
-    links: Links | None,
-    tensor_parallel: int | str,
-    op_costs: Mapping[str, float] | None = None,
-    throughput: Mapping[str, float] | None = None,
-    objective: str = "throughput",
-) -> Plan:
-    """The plan ``auto_place(model, devices, tensor_parallel=...)`` would make, stages split
-    inside a pipeline weighed too, without applying it (what :func:`placement.predict` asks).
-    ``throughput`` (FLOP/s per device type) plans on FLOPs at that speed instead of times."""
-    from placement.planning.planner import _auto_place
+def check_tensor_parallel(budgets: list[int | None], cost: str, offload: bool | None) -> None:
+    if any(b is not None for b in budgets):
+        raise PlanError(
+            "tensor_parallel= with max_memory= is not planned yet: budgets are not checked on split "
+            "stages; leave out max_memory (pl.summary shows each device's share of the weights)"
+        )
+    if cost == "size":
+        raise PlanError("tensor_parallel= weighs times: use cost='time' or cost='flops' (at device speeds)")
+    if offload:
+        raise PlanError("tensor_parallel= does not combine with offload=True")
 
-    return _auto_place(
-        model,
-        devices,
-        None,
-        sample_inputs=None,
-        cost="time" if throughput is None else "flops",
-        objective=objective,
-        repeats=5,
-        links=links,
-        fusion=True,
-        runtime="ort",
-        op_costs=op_costs,
-        offload=False,
-        throughput=throughput,
-        batch=None,
-        kv_cache=None,
-        tensor_parallel=tensor_parallel,
-        apply=False,
-    )
+
+def flops_as_ns(flops: Sequence[int], device: Device, throughput: Mapping[str, float] | None) -> list[int]:
+    """FLOPs as nanoseconds at ``device``'s speed (given, measured here, or the default)."""
+    from placement.planning.speeds import device_speeds
+
+    rate = device_speeds(throughput, gpu_index=device.index or 0).rates.get(device.type)
+    if rate is None:
+        raise PlanError(f"no speed is known for device type {device.type!r}: pass throughput=")
+    log.info("auto_place: FLOPs as times at %.3g TFLOP/s on %s", rate / 1e12, device.type)
+    return [round(f * 1e9 / rate) for f in flops]
 
 
 def _unsplit(plan: Plan) -> Plan:
