@@ -1,4 +1,4 @@
-"""``docs/tensor-parallel.md`` shows exactly what ``benchmarks/tp_predict.py`` computes with ``pl.predict``."""
+"""``docs/tensor-parallel.md`` shows what ``benchmarks/tp_predict.py`` computes with ``pl.predict``."""
 
 from __future__ import annotations
 
