@@ -150,3 +150,28 @@ def test_predict_weighs_degrees_on_nvlink(many_tokens, few_tokens):
         assert p.step_s == pytest.approx(p.stage_s[0]) and 0 < p.extra["collective_s"][0] < p.stage_s[0]
     fixed = pl.predict(many_tokens[2], gpus=4, tensor_parallel=2, **nvlink)[0]
     assert fixed.extra["tensor_parallel"][0] == 2 and all(len(g) == 2 for g in fixed.extra["groups"])
+
+
+def test_a_degree_the_pass_cannot_split_is_left_out_of_auto(few_tokens):
+    """2 heads over 3 devices: ``"auto"`` keeps degree 1; the degree asked for is an error."""
+    _, _, original = few_tokens
+    plan = pl.auto_place(original.copy(), devices=3, tensor_parallel="auto", cost="flops")
+    assert plan.tensor_parallel == [1] and list(plan.tp_choices) == ["1"]
+    model = original.copy()
+    with pytest.raises(InputError, match="2 heads cannot be spread over 3 devices"):
+        pl.auto_place(model, devices=3, tensor_parallel=3, cost="flops")
+    assert [str(d) for d in model.devices] == ["cuda:0"] and not any(op.is_copy for op in model.ops)
+
+
+def test_measured_times_and_typical_links():
+    """``cost="time"``: profiled op times; GPUs named in a list talk over PCIe by default."""
+    from placement.models import mlp
+
+    net, (x,) = mlp.build("tiny")
+    model = pl.from_torch(net, (x,))
+    plan = pl.auto_place(model, devices=["cuda:0", "cuda:1"], tensor_parallel=2, repeats=2)
+    assert plan.cost_kind == "time" and plan.tensor_parallel == [2]
+    # two collectives, each at least a PCIe copy's latency plus the fixed latency
+    assert plan.collectives == 2 and plan.collective_time >= 2 * (10_000 + 50_000)
+    (out,) = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run([x])
+    np.testing.assert_allclose(out, net(x).detach().numpy(), rtol=1e-5, atol=1e-6)
