@@ -320,9 +320,11 @@ def auto_place(
             devices) and keeps the best for ``objective``; an int applies that degree. Op
             costs are times (``cost="flops"`` turns FLOPs into times at the device's speed,
             ``throughput``), collectives cost their copies over ``links`` plus a fixed latency
-            each. None (default): no tensor parallelism. The plan's ``tensor_parallel``,
-            ``collective_time`` and ``tp_choices`` say what was chosen and why; a split
-            model has its copies injected.
+            each. Under ``max_memory`` a degree whose devices do not fit is left out (a split
+            device holds its shards, the replicated parameters and the stage's peak
+            activations, counted unsplit). None (default): no tensor parallelism. The
+            plan's ``tensor_parallel``, ``collective_time`` and ``tp_choices`` say what was
+            chosen and why; a split model has its copies injected.
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -489,7 +491,7 @@ def _auto_place(
     if tensor_parallel is not None:
         from placement.planning.tp_planner import check_tensor_parallel
 
-        check_tensor_parallel(budgets, cost, offload)
+        check_tensor_parallel(cost, offload)
         offload = False
     feeds = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     dims = planned_dims(model, sample_inputs=feeds, batch=batch)
@@ -565,6 +567,7 @@ def _auto_place(
             dims=dims,
             fp=prof.fingerprint,
             allow_2d=not apply,
+            budgets=budgets,
         )
     plan.runtime = runtime
     plan.dims = dict(dims)

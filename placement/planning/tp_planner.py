@@ -39,9 +39,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from placement.errors import InputError, PlanError
+from placement.errors import InfeasiblePlacementError, InputError, PlanError
 from placement.graph.device import Device
 from placement.graph.model import Model
+from placement.graph.sizes import format_bytes
 from placement.planning.evaluate import build_plan
 from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Links
@@ -123,6 +124,7 @@ def plan_tensor_parallel(
     fp: str = "",
     allow_2d: bool = False,
     latency_s: float = COLLECTIVE_LATENCY_S,
+    budgets: Sequence[int | None] | None = None,
 ) -> Plan:
     """The best plan over the candidate degrees (see the module docstring); not applied.
 
@@ -140,18 +142,23 @@ def plan_tensor_parallel(
         fp: the model's fingerprint.
         allow_2d: also weigh stages split inside a pipeline (predictions only).
         latency_s: the fixed cost of each collective.
+        budgets: per device, its memory budget in bytes or None. A split device holds its
+            shards and the replicated parameters (counted from the split graph) plus the
+            stage's peak activations unsplit (an upper bound: sharded activations are smaller).
 
     Raises:
         PlanError: a bad ``tensor_parallel``.
         InputError: a degree that cannot be applied, or (an int) a model the pass cannot split.
+        InfeasiblePlacementError: no degree weighed fits the budgets (the message says why).
     """
     degrees = candidate_degrees(len(devices), tensor_parallel, allow_2d=allow_2d)
     plans: dict[int, Plan] = {}
+    reasons: list[str] = []
     for t in degrees:
-        if t == 1:
-            plans[t] = _unsplit(pipeline())
-            continue
         try:
+            if t == 1:
+                plans[t] = _unsplit(pipeline())
+                continue
             plans[t] = _split_plan(
                 model,
                 info,
@@ -165,10 +172,15 @@ def plan_tensor_parallel(
                 fp=fp,
                 latency_s=latency_s,
             )
-        except InputError as err:
+            _check_budgets(plans[t], devices, budgets)
+        except (InputError, InfeasiblePlacementError) as err:
             if tensor_parallel != "auto":
                 raise
-            log.info("tensor_parallel='auto': degree %d cannot be applied: %s", t, err)
+            plans.pop(t, None)
+            reasons.append(f"degree {t}: {err}")
+            log.info("tensor_parallel='auto': degree %d is out: %s", t, err)
+    if not plans:
+        raise InfeasiblePlacementError("no tensor-parallel degree fits: " + "; ".join(reasons))
     scores = {t: objective_ns(p, objective) for t, p in plans.items()}
     best = min(scores, key=lambda t: (scores[t], t))
     plan = plans[best]
@@ -180,12 +192,8 @@ def plan_tensor_parallel(
     return plan
 
 
-def check_tensor_parallel(budgets: list[int | None], cost: str, offload: bool | None) -> None:
-    if any(b is not None for b in budgets):
-        raise PlanError(
-            "tensor_parallel= with max_memory= is not planned yet: budgets are not checked on split "
-            "stages; leave out max_memory (pl.summary shows each device's share of the weights)"
-        )
+def check_tensor_parallel(cost: str, offload: bool | None) -> None:
+    """Options that do not combine with ``tensor_parallel=``."""
     if cost == "size":
         raise PlanError("tensor_parallel= weighs times: use cost='time' or cost='flops' (at device speeds)")
     if offload:
@@ -201,6 +209,21 @@ def flops_as_ns(flops: Sequence[int], device: Device, throughput: Mapping[str, f
         raise PlanError(f"no speed is known for device type {device.type!r}: pass throughput=")
     log.info("auto_place: FLOPs as times at %.3g TFLOP/s on %s", rate / 1e12, device.type)
     return [round(f * 1e9 / rate) for f in flops]
+
+
+def _check_budgets(plan: Plan, devices: Sequence[Device], budgets: Sequence[int | None] | None) -> None:
+    """Give a split plan's rows their budgets; raise where one does not fit."""
+    if budgets is None or not plan.groups or all(len(g) == 1 for g in plan.groups):
+        return  # a degree-1 plan was planned under the budgets already
+    index = {str(d): k for k, d in enumerate(devices)}
+    for row in plan.devices:
+        row.budget = budgets[index[row.device]]
+        if not row.fits:
+            raise InfeasiblePlacementError(
+                f"split over {plan.groups[0]}, {row.device} needs {format_bytes(row.memory)} "
+                f"(parameters {format_bytes(row.param_bytes)}, peak activations "
+                f"{format_bytes(row.activation_bytes)}) against a budget of {format_bytes(row.budget or 0)}"
+            )
 
 
 def _unsplit(plan: Plan) -> Plan:

@@ -118,7 +118,6 @@ def test_stages_split_inside_a_pipeline_are_refused(few_tokens):
         ({"devices": 4, "tensor_parallel": 3}, "positive divisor of the device count 4"),
         ({"devices": 2, "tensor_parallel": "yes"}, "must be 'auto' or a degree"),
         ({"devices": 2, "tensor_parallel": True}, "must be 'auto' or a degree"),
-        ({"max_memory": {0: "1GB", 1: "1GB"}, "tensor_parallel": 2}, "with max_memory= is not planned"),
         ({"devices": 2, "tensor_parallel": 2, "cost": "size"}, "weighs times"),
     ],
 )
@@ -175,3 +174,25 @@ def test_measured_times_and_typical_links():
     assert plan.collectives == 2 and plan.collective_time >= 2 * (10_000 + 50_000)
     (out,) = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run([x])
     np.testing.assert_allclose(out, net(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_bigger_than_a_device_fits_when_split():
+    """A 256 KiB linear against 200 KiB per device: no pipeline fits, a split over 2 does."""
+    from placement.errors import InfeasiblePlacementError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8)).eval()
+    x = torch.randn(4, 64)
+    model = pl.from_torch(net, (x,))
+    with pytest.raises(InfeasiblePlacementError):
+        pl.auto_place(model.copy(), max_memory={0: "200KiB", 1: "200KiB"}, cost="flops")
+    plan = pl.auto_place(model, max_memory={0: "200KiB", 1: "200KiB"}, tensor_parallel="auto", cost="flops")
+    assert plan.tensor_parallel == [2] and list(plan.tp_choices) == ["2"] and plan.fits
+    assert all(r.budget == 200 * 1024 and r.memory <= r.budget for r in plan.devices)
+    (out,) = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run([x])
+    np.testing.assert_allclose(out, net(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(
+        InfeasiblePlacementError, match="no tensor-parallel degree fits: degree 1: .*degree 2:"
+    ):
+        pl.auto_place(pl.from_torch(net, (x,)), max_memory={0: "100KiB", 1: "100KiB"}, tensor_parallel="auto",
+                      cost="flops")  # fmt: skip
