@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import placement as pl
-from placement.models import gpt
 from placement.report.collectives import collective_rows
 from placement.report.colours import COLLECTIVE_COLOUR, device_colour
 from placement.report.draw import dot_available
+from tests.conftest import export_once
 
 needs_dot = pytest.mark.skipif(not dot_available(), reason="Graphviz 'dot' is not installed")
 
@@ -20,11 +20,16 @@ HIDDEN, LOGITS = 2 * 8 * 32 * 4, 2 * 8 * 64 * 4
 
 
 @pytest.fixture(scope="module")
-def split():
-    net, (idx,) = gpt.build("tiny")
-    model = pl.from_torch(net, (idx,))
-    pl.split_tensor_parallel(model, devices=[0, 1])
-    return model
+def planned():
+    """tiny GPT split over 2 devices by the planner, and its plan"""
+    model = export_once("gpt")[0].copy()  # the session's tiny GPT export
+    plan = pl.auto_place(model, devices=2, tensor_parallel=2, cost="flops", links="nvlink")
+    return model, plan
+
+
+@pytest.fixture(scope="module")
+def split(planned):
+    return planned[0]
 
 
 def test_rows_give_each_collective_and_the_bytes_each_device_reads(split):
@@ -63,20 +68,15 @@ def test_svg_hexagons_keep_the_device_colour(split, tmp_path):
     assert all(fill == colour and stroke == COLLECTIVE_COLOUR for fill, stroke, colour in found)
 
 
-def test_report_lists_collectives_with_bytes_per_device(split, tmp_path):
-    report = pl.write_report(split, tmp_path / "r.html")
+def test_report_lists_collectives_with_bytes_per_device(planned, tmp_path):
+    model, plan = planned
+    report = pl.write_report(model, tmp_path / "r.html", plan=plan)
     text = (tmp_path / "r.html").read_text()
+    # the planner's section says the degree and the stages
+    assert "Tensor parallel 2, 6 collectives" in text and "[[&#x27;cuda:0&#x27;, &#x27;cuda:1&#x27;]]" in text
     assert len(report.collectives) == 6 and "Tensor-parallel collectives" in text
     assert "5 all-reduces" in text and "1 all-gathers" in text
     assert text.count('<tr class="collective">') == 6
     assert "<th>read by cuda:0</th><th>read by cuda:1</th>" in text
     totals = re.search(r"<b>per step</b></td><td>([^<]+)</td><td>([^<]+)</td>", text)
     assert totals is not None and totals.groups() == ("12.0 KiB", "10.0 KiB")  # 5 x 2 KiB (+ 4 KiB / 2)
-
-
-def test_plan_section_says_the_degree(tmp_path):
-    net, (idx,) = gpt.build("tiny")
-    model = pl.from_torch(net, (idx,))
-    plan = pl.auto_place(model, devices=2, tensor_parallel=2, cost="flops", links="nvlink")
-    text = pl.write_report(model, tmp_path / "r.html", plan=plan).path.read_text()
-    assert "Tensor parallel 2, 6 collectives" in text and "[[&#x27;cuda:0&#x27;, &#x27;cuda:1&#x27;]]" in text
