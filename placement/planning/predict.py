@@ -430,7 +430,7 @@ def predict(
         raise PlanError("predict: throughput= (FLOPs at a speed) and measured stage_times exclude each other")
     results = []
     for count in counts:
-        objective = "latency" if chunks == 1 else "throughput"  # one batch's time, or a stream's
+        objective = "latency" if chunks == 1 and tensor_parallel else "throughput"  # one batch, or a stream
         plan = _plan_for(model, count, link_model, op_costs, tensor_parallel, throughput, objective)
         fwd = stage_times.get(count) if isinstance(stage_times, Mapping) else None
         back = backward_times.get(count) if isinstance(backward_times, Mapping) else None
