@@ -14,7 +14,10 @@ Pipelined generation (``chunks=k``, ONNX Runtime): the batch is split into ``k``
 each with its own cache, and one worker thread per stage runs whichever group reaches
 it: while the last stage computes group 0's step, the first computes group 1's, so
 every stage is busy. Each group's tokens are the ones it would get alone (greedy
-decoding gives the same tokens for every ``chunks``). The torch runtime runs ``chunks=1``.
+decoding gives the same tokens for every ``chunks``). On the torch runtime, ``chunks=k``
+lowers the model as a pipelined module (``pl.to_torch(chunks=k)``): each step's batch
+runs through the stages as ``k`` micro-batches (fill-drain within the step), with the same
+tokens.
 
 Example:
     >>> import numpy as np
@@ -64,8 +67,8 @@ class Generator:
         runtime: ``"ort"`` (one ONNX Runtime session per stage) or ``"torch"``.
         device_map: logical -> physical devices (``"auto"``: GPUs, else each logical device
             emulated on the CPU; ``"cpu"``: everything folded into the CPU).
-        chunks: groups of sequences in flight (pipelined generation, ONNX Runtime), see the
-            module docstring.
+        chunks: groups of sequences in flight (pipelined generation; on torch, micro-batches
+            of each step), see the module docstring.
         cuda_graphs: torch runtime on GPUs: replay decode steps as CUDA graphs.
         cache_dims: sizes of cache dimensions the file leaves symbolic (``{"kv_cache_dim":
             64}``), or a ``genai_config.json`` to read them from; :func:`placement.load` reads
@@ -99,10 +102,6 @@ class Generator:
             raise InputError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks must be a positive integer, got {chunks!r}")
-        if runtime == "torch" and chunks > 1:
-            raise InputError(
-                "chunks > 1 (pipelined generation) runs on the ONNX Runtime runtime; use runtime='ort'"
-            )
         self.runtime = runtime
         self.chunks = chunks
         self.spec = decoder_model(model, cache_dims=cache_dims)
