@@ -8,6 +8,9 @@ import placement as pl
 from placement.graph.causal_lm import kv_layers
 from tests.generation.conftest import build_llama
 
+# one worker builds the module-scoped export once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("planning_kv_cache")
+
 
 @pytest.fixture(scope="module")
 def llama() -> pl.Model:
