@@ -150,15 +150,20 @@ class StaticSteps:
         self.devices = dict(devices)
         self.capture = capture
         self._index: torch.Tensor = getattr(module, INDEX_ATTRIBUTE)
-        self._static: dict[tuple[int, int], _Inputs] = {}
         #: decode steps replayed from a CUDA graph, graphs captured, steps run with static shapes
         self.replays = self.captures = self.static_steps = 0
 
     def call(
-        self, buffers: Mapping[str, torch.Tensor], batch: int, past: int, arrays: Mapping[str, np.ndarray]
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        static_inputs: dict[int, Any],
+        batch: int,
+        past: int,
+        arrays: Mapping[str, np.ndarray],
     ) -> Any:
-        """One step: the prompt (or any step of several tokens) eagerly on views of the cache
-        as long as the past; a decode step on the slot's static inputs (replayed when captured)."""
+        """One step on a slot's cache ``buffers``: the prompt (or any step of several tokens)
+        eagerly on views of the cache as long as the past; a decode step on the slot's static
+        inputs (``static_inputs``: kept with the slot, by batch; replayed when captured)."""
         self._index.fill_(past)
         new_tokens = arrays["input_ids"].shape[1]
         max_length = next(iter(buffers.values())).shape[2]
@@ -169,7 +174,9 @@ class StaticSteps:
             ]
             with torch.no_grad():
                 return self.module(*args)
-        static = self._inputs(buffers, batch)
+        if batch not in static_inputs:
+            static_inputs[batch] = self._inputs(buffers, batch)
+        static = static_inputs[batch]
         for name, tensor in static.fed.items():
             value = arrays[name]
             if name == "attention_mask":  # over the whole buffer: 0 where nothing is written yet
@@ -188,21 +195,17 @@ class StaticSteps:
         return static.outputs
 
     def _inputs(self, buffers: Mapping[str, torch.Tensor], batch: int) -> _Inputs:
-        first = next(iter(buffers.values()))
-        key = (first.data_ptr(), batch)
-        if key not in self._static:
-            max_length = first.shape[2]
-            args: list[torch.Tensor] = []
-            fed: dict[str, torch.Tensor] = {}
-            for name in self.inputs:
-                if name in buffers:
-                    args.append(buffers[name][:batch, :, : max_length - 1])
-                    continue
-                width = max_length if name == "attention_mask" else 1
-                fed[name] = torch.zeros(batch, width, dtype=torch.int64, device=self.devices[name])
-                args.append(fed[name])
-            self._static[key] = _Inputs(args, fed)
-        return self._static[key]
+        max_length = next(iter(buffers.values())).shape[2]
+        args: list[torch.Tensor] = []
+        fed: dict[str, torch.Tensor] = {}
+        for name in self.inputs:
+            if name in buffers:
+                args.append(buffers[name][:batch, :, : max_length - 1])
+                continue
+            width = max_length if name == "attention_mask" else 1
+            fed[name] = torch.zeros(batch, width, dtype=torch.int64, device=self.devices[name])
+            args.append(fed[name])
+        return _Inputs(args, fed)
 
     def _captured(self, args: list[torch.Tensor]) -> tuple[Any, Any]:
         """(graph, its outputs) of a decode step on ``args``; (False, None) where the capture

@@ -16,7 +16,7 @@ rewrite is not applied), the present is a new tensor, copied into the buffer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,6 +92,8 @@ class TorchSlot:
     max_length: int
     active: int = 0
     past: int = 0
+    #: static decode inputs by batch (:class:`~placement.generation.static_steps.StaticSteps`)
+    static: dict[int, Any] = field(default_factory=dict)
 
 
 class TorchDecoder:
@@ -190,7 +192,7 @@ class TorchDecoder:
         if past + new_tokens > slot.max_length:
             raise PlacementError(f"the cache holds {slot.max_length} tokens; step needs {past + new_tokens}")
         if self.static_steps is not None:
-            results = self.static_steps.call(slot.buffers, batch, past, arrays)
+            results = self.static_steps.call(slot.buffers, slot.static, batch, past, arrays)
         else:
             args = []
             for name in self.inputs:
