@@ -5,12 +5,14 @@ left on the devices that made them) and rewrites the lowered graph so that each
 ``present = Concat(past, new)`` writes the new tokens into the cache buffer the past
 is a view of, and returns the longer view (:func:`static_append`): each layer's cache is
 one ``(batch, heads, max_length, head_dim)`` tensor on its stage's device, allocated once
-and never copied; a step only writes its new tokens' keys and values. The step's
-allocations do not depend on the past length's buffer, so with ``cuda_graphs=True`` (on a
-GPU) the lowered module replays captured graphs (:mod:`placement.runtime.torch.cuda_graphs`).
+and never copied; a step only writes its new tokens' keys and values. With
+``cuda_graphs=True`` (one GPU) decode steps run on static inputs and replay one captured CUDA
+graph (:mod:`placement.generation.static_steps`: the appends then write at a position held
+by a device tensor).
 
-Where the lowered graph makes a present some other way, or with ``cuda_graphs=True`` (the
-rewrite is not applied), the present is a new tensor, copied into the buffer.
+Where the lowered graph makes a present some other way (a fused attention op such as
+``GroupQueryAttention``), or with ``chunks > 1`` (the pipelined module concatenates its
+micro-batches), the present is a new tensor, copied into the buffer.
 """
 
 from __future__ import annotations
