@@ -102,7 +102,7 @@ from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.dims import called_as, planned_dims
 from placement.planning.evaluate import build_plan, evaluate_assignment
 from placement.planning.frontend import check_no_copies
-from placement.planning.graph_info import GraphInfo
+from placement.planning.graph_info import GraphInfo, add_kv_cache
 from placement.planning.link_model import Links, LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
@@ -193,38 +193,6 @@ def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str
             raise PlanError(f"op_costs[{name!r}] must be a finite non-negative number, got {value!r}")
         result[info.position[name]] = round(value)
     return result
-
-
-def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
-    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
-    present (where the cache lives); the bytes added.
-
-    Raises:
-        PlanError: a bad ``kv_cache`` or a model without a cache.
-    """
-    from placement.graph.causal_lm import kv_layers
-
-    try:
-        batch, length = (int(v) for v in kv_cache)
-    except (TypeError, ValueError) as err:
-        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
-    if batch < 1 or length < 1:
-        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
-    layers = kv_layers(model)
-    if not layers:
-        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
-    outputs = {v.name: v for v in model.graph.outputs}
-    added = 0
-    for layer in layers:
-        for name in (layer.present_key, layer.present_value):
-            producer = outputs[name].producer()
-            position = info.position.get(producer.name or "") if producer is not None else None
-            if position is None:
-                raise PlanError(f"cache output {name!r} is not made by a planned op")
-            nbytes = layer.bytes_for(batch, length) // 2
-            info.add_state(position, nbytes)
-            added += nbytes
-    return added
 
 
 def auto_place(
@@ -505,7 +473,10 @@ def _auto_place(
         options = dict(
             objective=objective, links=links, repeats=repeats, runtime=runtime, throughput=throughput
         )
-        return auto_offload(model, device_list, budgets, cost=cost, sample_inputs=feeds, dims=dims, **options)
+        return auto_offload(
+            model, device_list, budgets, cost=cost, sample_inputs=feeds, dims=dims, kv_cache=kv_cache,
+            **options,
+        )
     timed = cost == "time" or tensor_parallel is not None  # tensor parallelism plans in times
     if not timed and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
