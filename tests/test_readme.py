@@ -107,6 +107,7 @@ def _is_launch(line: str) -> bool:
     return line.startswith("placement launch")
 
 
+@pytest.mark.slow
 def test_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
     """Each ``placement`` line through the CLI's entry point, each ``python -c`` line in a fresh
     interpreter, in README order in one empty folder (later commands read earlier ones' files).

@@ -13,6 +13,7 @@ from tests.generation.conftest import build_llama, greedy_reference
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_generate_a_saved_model_on_two_devices(tmp_path):
     net = build_llama(layers=2)
     pl.from_causal_lm(net, torch.tensor([[1, 2, 3]])).save(tmp_path / "llama.onnx")
@@ -34,6 +35,7 @@ def test_generate_a_saved_model_on_two_devices(tmp_path):
     assert "tokens/s" in done.stdout
 
 
+@pytest.mark.slow
 def test_generate_from_a_hugging_face_folder_with_a_tokenizer(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -66,6 +68,7 @@ def test_generate_from_a_hugging_face_folder_with_a_tokenizer(tmp_path):
     assert done.stdout.splitlines()[0].split() == [words[t] for t in expected]
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_model_without_a_cache(tmp_path):
     net = torch.nn.Linear(3, 3)
     pl.from_torch(net, (torch.randn(1, 3),)).save(tmp_path / "linear.onnx")

@@ -133,6 +133,7 @@ def testparse_dims():
     assert parse_dims(None) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="emulation is announced only without GPUs")
 def test_emulation_warning_on_stderr_once(tmp_path):
     from placement.models import mlp

@@ -57,6 +57,7 @@ def test_missing_file_is_a_clear_error(tmp_path, capsys):
     assert "gone.onnx" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     result = subprocess.run(
         [sys.executable, "-m", "placement.cli", "--help"], capture_output=True, text=True, check=False
@@ -73,6 +74,7 @@ def _no_activation_model(path):
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
+@pytest.mark.slow
 def test_place_without_activations_is_one_line_and_exit_2(tmp_path):
     source = tmp_path / "const.onnx"
     _no_activation_model(source)

@@ -58,6 +58,7 @@ def _ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_help_lists_every_command(tmp_path):
     out = _ok(cli("--help", cwd=tmp_path))
     for command in ("models", "inspect", "plan", "place", "run", "draw", "report", "demo"):
@@ -66,6 +67,7 @@ def test_help_lists_every_command(tmp_path):
         assert "usage: placement " + command in _ok(cli(command, "--help", cwd=tmp_path))
 
 
+@pytest.mark.slow
 def test_plan_then_place_with_the_plan(work):
     out = _ok(cli("plan", "mlp.onnx", "--devices", "2", "--cost", "flops", "-o", "plan.json", cwd=work))
     assert "lower bound" in out and "cuda:1" in out
@@ -80,6 +82,7 @@ def test_plan_then_place_with_the_plan(work):
             assert str(op.device) == plan.assignment[op.name]
 
 
+@pytest.mark.slow
 def test_place_auto_with_budgets_prints_its_plan(work):
     out = _ok(cli("place", "mlp.onnx", "--auto", "--max-memory", "0=2GiB,1=6GiB", "-o", "p.onnx", cwd=work))
     assert "plan (throughput" in out and "lower bound" in out and "6.0 GiB" in out
@@ -87,6 +90,7 @@ def test_place_auto_with_budgets_prints_its_plan(work):
     pl.verify(pl.load(work / "p.onnx"))
 
 
+@pytest.mark.slow
 def test_place_calibrated_times_stage_sessions(work):
     out = _ok(
         cli("place", "mlp.onnx", "--calibrate", "--cost", "time", "--devices", "2", "-o", "c.onnx", cwd=work)
@@ -95,18 +99,21 @@ def test_place_calibrated_times_stage_sessions(work):
     pl.verify(pl.load(work / "c.onnx"))  # (the tiny mlp is best left on one device: copies cost more)
 
 
+@pytest.mark.slow
 def test_calibrate_for_torch_times_lowered_stages(work):
     args = ("--calibrate", "--runtime", "torch", "--cost", "time", "--devices", "2", "-o", "p.json")
     assert "saved p.json" in _ok(cli("plan", "mlp.onnx", *args, cwd=work))
     assert json.loads((work / "p.json").read_text())["runtime"] == "torch"
 
 
+@pytest.mark.slow
 def test_calibrate_needs_measured_costs(work):
     result = cli("plan", "mlp.onnx", "--calibrate", "--cost", "flops", "-o", "p.json", cwd=work)
     assert result.returncode == 2 and "--calibrate" in result.stderr and "--cost time" in result.stderr
     assert not (work / "p.json").exists()
 
 
+@pytest.mark.slow
 def test_run_a_placed_file_matches_torch(work, files):
     out = _ok(
         cli(
@@ -131,6 +138,7 @@ def test_run_a_placed_file_matches_torch(work, files):
         np.testing.assert_allclose(saved[name], np.load(files / "mlp_expected.npy"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_run_chunks_names_an_input_without_a_batch_axis(work):
     """(Pipelining a dynamic batch through the command: tests/test_cli_inputs.py.)"""
     result = cli("run", "mlp_placed.onnx", "--input", "x.npy", "--chunks", "2", "--repeat", "1", cwd=work)
@@ -139,6 +147,7 @@ def test_run_chunks_names_an_input_without_a_batch_axis(work):
     assert len(errors) == 1 and errors[0].startswith("error:")
 
 
+@pytest.mark.slow
 def test_inspect_a_torchscript_export_shows_scopes_and_parameters(work):
     out = _ok(cli("inspect", "resnet_ts.onnx", cwd=work))
     assert "ops per module scope" in out and "layer1.0" in out and "layer2.0" in out
@@ -150,6 +159,7 @@ def test_inspect_a_torchscript_export_shows_scopes_and_parameters(work):
     assert all(p["device"] == "cuda:0" for p in data["parameters"])
 
 
+@pytest.mark.slow
 def test_another_exporters_file_places_runs_and_draws(work, files):
     _ok(cli("place", "resnet_ts.onnx", "--auto", "--devices", "2", "-o", "r.onnx", cwd=work))
     out = _ok(
@@ -167,6 +177,7 @@ def test_another_exporters_file_places_runs_and_draws(work, files):
         assert "cluster_layer1" in svg or "layer1" in svg
 
 
+@pytest.mark.slow
 def test_draw_and_report_a_zoo_model(work):
     out = _ok(
         cli(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+@pytest.mark.slow
 def test_conformance_benchmark_table(tmp_path, capsys):
     from benchmarks import conformance
 

@@ -72,6 +72,7 @@ def _alive(pid: int) -> bool:
     return state != b"Z"
 
 
+@pytest.mark.slow
 def test_single_node_launch_listens_on_loopback_only(tmp_path):
     """One real 2-rank launch: every socket the launcher's processes listen on is loopback."""
     from placement.distributed.loopback import listening_addresses
@@ -165,6 +166,7 @@ def test_single_node_command_binds_loopback_and_bounds_shutdown():
         torchrun_command("m.onnx", nproc=1, nnodes="2")
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_ends_what_it_started(tmp_path):
     """kill -9 of the launcher: torchrun (here a stand-in) gets SIGTERM; a rank tied to its
     parent (as placement.launch ties itself to torchrun's agent) gets SIGKILL when that dies."""

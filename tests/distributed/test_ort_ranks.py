@@ -99,6 +99,7 @@ def test_killed_rank_is_named(served):
     assert seconds < 15, f"rank 0 took {seconds:.1f} s to notice"  # not the 30 s timeout
 
 
+@pytest.mark.slow
 def test_placement_launch_runtime_ort(tmp_path):
     """``placement launch --runtime ort``: torchrun, 2 ranks of ORT sessions, 2 micro-batches."""
     model, batch = place("gpt", 2)
@@ -125,6 +126,7 @@ def test_placement_launch_runtime_ort(tmp_path):
         np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rank_programs_chained_in_one_process_equal_pl_run():
     """Three ranks' programs, fed by their wires in one process: skips go straight to their reader."""
     model, batch = place("unet", 3)

@@ -176,6 +176,7 @@ def test_auto_placed_equals_the_original(name: str, exported: Any) -> None:
     np.testing.assert_allclose(_lowered_output(model, args), expected, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_randomly_placed_equals_the_original(name: str, exported: Any) -> None:
     model, args, expected = exported(name)
@@ -188,6 +189,7 @@ def test_randomly_placed_equals_the_original(name: str, exported: Any) -> None:
     np.testing.assert_allclose(_lowered_output(model, args), expected, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "llama", "vit", "swin"])
 def test_pipelined_over_microbatches(name: str, exported: Any) -> None:
     model, args, expected = exported(name, dynamic_batch=True)
@@ -251,6 +253,7 @@ def _first_output_loss(out: Any) -> torch.Tensor:
     return y.float().square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_train_step_on_three_devices_with_uneven_microbatches(name: str, exported: Any) -> None:
     """Three stages (the middle one defers its weight gradients), a batch of 4 in 3 micro-batches."""

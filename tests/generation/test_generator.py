@@ -30,6 +30,7 @@ def _random_placement(model: pl.Model, devices: int, seed: int) -> None:
 
 
 # Each runtime meets 2 and 3 devices and both placements (not the whole cross product: time).
+@pytest.mark.slow
 @pytest.mark.parametrize(("runtime", "devices"), [("ort", 2), ("torch", 3)])
 def test_planner_placement_generates_the_greedy_tokens(causal_lm, runtime: str, devices: int) -> None:
     net, model = causal_lm("llama")
@@ -49,6 +50,7 @@ def test_random_placement_generates_the_greedy_tokens(causal_lm, runtime: str, d
     np.testing.assert_array_equal(out, greedy_reference(net, ids, mask, STEPS))
 
 
+@pytest.mark.slow
 def test_gpt2_folded_and_torch_ids(causal_lm) -> None:
     net, model = causal_lm("gpt2")
     pl.auto_place(model, devices=2, cost="flops")
@@ -85,6 +87,7 @@ def test_end_of_sequence_per_sequence(causal_lm) -> None:
     assert out.shape[1] <= ids.shape[1] + STEPS
 
 
+@pytest.mark.slow
 def test_no_eos_generates_exactly_max_new_tokens(causal_lm) -> None:
     _, model = causal_lm("gpt2")
     out = pl.generate(model, np.array([[1, 2]]), max_new_tokens=9, device_map="cpu")
@@ -169,7 +172,13 @@ def test_bad_input_is_refused(causal_lm) -> None:
         pl.Generator(pl.from_torch(torch.nn.Linear(2, 2), (torch.randn(1, 2),)))
 
 
-def test_torch_runtime_pipelining_is_refused(causal_lm) -> None:
-    _, model = causal_lm("gpt2")
-    with pytest.raises(pl.InputError, match="runtime='ort'"):
-        pl.Generator(model, runtime="torch", chunks=2)
+def test_torch_runtime_pipelined_gives_the_tokens_of_one_chunk(causal_lm) -> None:
+    net, model = causal_lm("llama")
+    pl.auto_place(model, devices=2, cost="flops")
+    ids, mask = left_padded()
+    ids, mask = np.concatenate([ids, ids[::-1]]), np.concatenate([mask, mask[::-1]])
+    one = pl.generate(model, ids, attention_mask=mask, max_new_tokens=STEPS, runtime="torch")
+    generator = pl.Generator(model, runtime="torch", chunks=2)
+    assert len(generator.decoder.module.stages) >= 2  # split into stages, micro-batches in flight
+    np.testing.assert_array_equal(generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS), one)
+    np.testing.assert_array_equal(one, greedy_reference(net, ids, mask, STEPS))

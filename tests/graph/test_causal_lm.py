@@ -94,6 +94,7 @@ def _check_cached_logits(arch: str) -> None:
     assert second["present.0.key"].shape == (2, heads, 7, dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_cached_logits_equal_the_module(arch: str) -> None:
     _check_cached_logits(arch)
@@ -110,6 +111,7 @@ def test_cached_logits_equal_the_module_other_architectures(arch: str) -> None:
         raise
 
 
+@pytest.mark.slow
 def test_cache_names_and_dynamic_dims() -> None:
     model = pl.from_causal_lm(_build("llama"), torch.tensor([[1, 2, 3]]))
     inputs = [v.name for v in model.graph.inputs]

@@ -50,7 +50,11 @@ def _skip_reason() -> str | None:
 
 
 _SKIP = _skip_reason()
-pytestmark = [pytest.mark.bigmodel, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [
+    pytest.mark.bigmodel,
+    pytest.mark.slow,
+    pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
+]
 
 # load + shift + inject + save in a fresh process, so its peak resident memory is
 # the pipeline's own (the last layer moves to cuda:1).

@@ -34,6 +34,7 @@ def test_calibrate_arguments(exported):
     assert len(result.trials) == 1 and result.chosen == 0
 
 
+@pytest.mark.slow
 def test_torch_calibration_times_lowered_stages_and_keeps_the_pipeline_exact():
     import torch
 

@@ -25,6 +25,7 @@ def _run(tmp_path, *argv):
     return code, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_offload_benchmark_smoke(tmp_path, capsys):
     code, result = _run(tmp_path, "--size", "tiny", "--repeats", "1")
     assert code == 0

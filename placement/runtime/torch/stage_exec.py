@@ -249,9 +249,20 @@ def value_devices(envs: Sequence[dict[str, Any]], keys: Sequence[str] | None = N
 
 def signal(env: dict[str, Any], device: torch.device) -> None:
     """Record, in ``env``, an event after the work this thread queued so far on ``device``'s
-    current stream (devices with streams only)."""
+    current stream (devices with streams only).
+
+    A stage on a device without streams (the host) can still queue work on a GPU: the
+    backward of its copy from a GPU input is a copy of the gradient back to that GPU, queued
+    on this thread's current stream there, whose DMA can still be running when the call
+    returns. Its consumer (the GPU stage before it) must wait for that stream, so a host
+    stage records the event on this thread's current stream of the first stream device its
+    values live on, behind the others' (:func:`signal_all`)."""
     if has_streams(device):
         env["__event__"] = record_event(current_stream(device))
+        return
+    devices = value_devices([env])
+    if devices:
+        signal_all([env], devices)
 
 
 def signal_all(envs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> None:
