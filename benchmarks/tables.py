@@ -379,6 +379,42 @@ def _tensor_parallel() -> str:
     )
 
 
+def _tensor_parallel_ranks() -> str:
+    data = _load("tensor_parallel_ranks.json")
+    torch_rows, ort_rows = [], []
+    for r in data["rows"]:
+        ms = r["ms"]
+        torch_rows.append([
+            r["model"], f"{ms['1_thread']:.1f}", f"{ms['2_threads']:.1f}", f"{ms['emulated']:.1f}",
+            f"{ms['ranks']:.1f}", f"{r['vs_1_thread']:.2f}", f"{r['vs_2_threads']:.2f}",
+            f"{r['free_cores_vs_1_thread']:.2f}", f"{r['all_reduce_ms']:.2f}", f"{r['max_rel_diff']:.1e}",
+            "yes" if r["bitwise_emulated"] else "**no**",
+        ])
+        ort_rows.append([
+            r["model"], f"{ms['ort_1_thread']:.1f}", f"{ms['ort_ranks']:.1f}", f"{r['ort_vs_1_thread']:.2f}",
+            f"{r['ort_free_cores_vs_1_thread']:.2f}", f"{r['ort_max_rel_diff']:.1e}",
+        ])
+    load = data["load_average"]
+    return (
+        "`pl.split_tensor_parallel(model, devices=[0, 1])` run as 2 gloo ranks (1 thread each, one "
+        "`dist.all_reduce` per split layer, the input broadcast included) against one process running the "
+        f"unsplit model; median of {data['rounds']} interleaved rounds, load average {load[0]:.2f} "
+        f"before and {load[1]:.2f} after, {data['cpus']} CPUs. torch: `DistributedTensorParallel` against the unsplit "
+        f"model lowered by `pl.to_torch` (target: 2 ranks at least {data['target_vs_1_thread']}x one "
+        "1-thread process); `free cores` is the ratio the ranks' CPU times allow:\n\n"
+        + _table(
+            ["model", "1 thread ms", "2 threads ms", "emulated split ms", "2 ranks ms", "vs 1 thread",
+             "vs 2 threads", "free cores", "all-reduce ms", "max rel diff", "bitwise = emulated"],
+            torch_rows,
+        )
+        + "\n\nONNX Runtime: `DistributedTensorParallelRunner` (each rank its stage sessions, 1 thread) "
+        "against one `pl.Runner` session of the unsplit model (1 thread):\n\n"
+        + _table(
+            ["model", "1 thread ms", "2 ranks ms", "vs 1 thread", "free cores", "max rel diff"], ort_rows
+        )
+    )
+
+
 _CONFORMANCE_NAMES = {
     "ort": "ONNX Runtime, one session",
     "placed_last": "`pl.run`, last op moved to device 1",
@@ -478,6 +514,11 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
         "torch.distributed ranks",
         "python benchmarks/distributed.py --micro-batches 2 8 16 --chunks 8",
         _distributed,
+    ),
+    (
+        "Tensor-parallel ranks",
+        "python benchmarks/tensor_parallel_ranks.py --models mlp gpt_blocks",
+        _tensor_parallel_ranks,
     ),
     ("ONNX node-test conformance", "python benchmarks/conformance.py", _conformance),
     ("Big models", "python benchmarks/bigmodel.py", _bigmodel),
