@@ -401,7 +401,8 @@ def _tensor_parallel_ranks() -> str:
         f"unsplit model; median of {data['rounds']} interleaved rounds, load average {load[0]:.2f} "
         f"before and {load[1]:.2f} after, {data['cpus']} CPUs. torch: `DistributedTensorParallel` "
         "against the unsplit model lowered by `pl.to_torch` (target: 2 ranks at least "
-        f"{data['target_vs_1_thread']}x one 1-thread process); `free cores` is the ratio the ranks' CPU times allow:\n\n"
+        f"{data['target_vs_1_thread']}x one 1-thread process); `free cores` is the ratio the ranks' "
+        "CPU times allow:\n\n"
         + _table(
             ["model", "1 thread ms", "2 threads ms", "emulated split ms", "2 ranks ms", "vs 1 thread",
              "vs 2 threads", "free cores", "all-reduce ms", "max rel diff", "bitwise = emulated"],
