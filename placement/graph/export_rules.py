@@ -13,7 +13,10 @@ Two small tables, each entry one known gap between a library's default and what
   ``<experts module>.<expert index>``, so experts of one layer can be placed apart
   (``pl.assign_modules(model, {"...mlp.experts.3": 1})``). Their routers count tokens per
   expert with ``aten.histc``, which some torch releases' exporters lack: it becomes a
-  one-hot count (:func:`histc`).
+  one-hot count (:func:`histc`). ``aten.as_strided`` with static sizes becomes a
+  ``Reshape``, ``Slice`` or ``Gather`` of constant indices (:func:`as_strided`): some
+  onnxscript releases write a ``Loop`` over a sequence, which ``to_torch`` cannot lower
+  (torch 2.11 decomposes ``AdaptiveAvgPool2d`` in ConvNeXt and Swin to such a view).
 * :data:`EXPORTABLE_SETTINGS`: module settings whose value cannot be exported, and the
   exportable value used instead, per exporter (``experts_implementation="eager"``
   stops ``torch.export`` on a data-dependent guard; the dynamo exporter gets
