@@ -9,9 +9,14 @@ and the rendezvous)::
 Every rank loads the placed model and builds its pipeline stage
 (:class:`placement.distributed.DistributedPipeline`, the lowered torch module; or
 with ``--runtime ort`` :class:`placement.distributed.DistributedRunner`, its ONNX
-Runtime stage sessions: serving without model code); rank 0 reads the inputs
+Runtime stage sessions: serving without model code); a model split by
+:func:`placement.split_tensor_parallel` runs one device per rank instead
+(:class:`placement.distributed.DistributedTensorParallel`, or on ONNX Runtime
+:class:`placement.distributed.DistributedTensorParallelRunner`: each collective one
+``torch.distributed`` all-reduce or all-gather); rank 0 reads the inputs
 (``--input NAME=FILE.npy`` per graph input, or ``--input FILE.npy`` for a
-one-input model) and the last rank writes the graph outputs to ``--output``
+one-input model) and the rank holding the graph outputs (the last one of a pipeline, rank 0
+of a tensor-parallel split) writes them to ``--output``
 (an ``.npz`` keyed by graph-output name, written to a temporary file first so a
 failed run never clobbers an existing one). Inputs with ``k`` times the graph's
 batch size run as ``k`` micro-batches. ``placement launch`` runs torchrun for you.
@@ -175,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from placement.distributed import DistributedPipeline, DistributedRunner, RankFailedError
+    from placement.distributed import RankFailedError
     from placement.distributed.backend import choose_backend
     from placement.errors import PlacementError
 
@@ -215,21 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    pipe: DistributedPipeline | DistributedRunner | None = None
+    pipe: Any = None
     try:
-        if args.runtime == "ort":
-            pipe = DistributedRunner(
-                args.model,
-                ranks=args.ranks,
-                chunks=args.chunks,
-                device=device,
-                threads=threads,
-                precision=args.precision,
-            )
-        else:
-            pipe = DistributedPipeline(
-                args.model, ranks=args.ranks, schedule=args.schedule, chunks=args.chunks, device=device
-            )
+        pipe = _rank_runner(args, device, threads)
         inputs = read_inputs(args.input, pipe.input_names) if pipe.is_first else None
         outputs = pipe.run(inputs)
         if pipe.is_last and outputs is not None:
@@ -258,6 +251,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         if pipe is not None:
             pipe.close()
         dist.destroy_process_group()
+
+
+def _rank_runner(args: argparse.Namespace, device: Any, threads: int | None) -> Any:
+    """This rank's runner: tensor-parallel ranks for a model with collectives, else a pipeline
+    stage (the lowered module, or ONNX Runtime sessions with ``--runtime ort``)."""
+    from placement.distributed import (
+        DistributedPipeline,
+        DistributedRunner,
+        DistributedTensorParallel,
+        DistributedTensorParallelRunner,
+    )
+    from placement.distributed.spmd import is_tensor_parallel
+    from placement.errors import InputError
+    from placement.graph.loading import load
+
+    model = load(args.model)
+    if is_tensor_parallel(model):
+        if args.chunks not in (None, 1) or args.ranks:
+            raise InputError(
+                f"{args.model} is split tensor-parallel: one rank per device runs the whole batch "
+                "(no --chunks or --ranks)"
+            )
+        if args.runtime == "ort":
+            return DistributedTensorParallelRunner(
+                model, device=device, threads=threads, precision=args.precision
+            )
+        return DistributedTensorParallel(model, device=device)
+    if args.runtime == "ort":
+        return DistributedRunner(
+            model,
+            ranks=args.ranks,
+            chunks=args.chunks,
+            device=device,
+            threads=threads,
+            precision=args.precision,
+        )
+    return DistributedPipeline(
+        model, ranks=args.ranks, schedule=args.schedule, chunks=args.chunks, device=device
+    )
 
 
 def _fail(rank: int, message: str, *, code: int, own: bool) -> int:

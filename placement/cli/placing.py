@@ -29,8 +29,27 @@ def parse_max_memory(text: str | None) -> dict[str, str] | None:
     return budgets
 
 
+def parse_tensor_parallel(text: str) -> int | str:
+    """``--tensor-parallel``: ``"auto"`` or a degree.
+
+    Example:
+        >>> parse_tensor_parallel("auto"), parse_tensor_parallel("4")
+        ('auto', 4)
+    """
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a degree (an integer), got {text!r}") from None
+
+
 def auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
-    """Run the planner on ``model`` (in place) from --devices / --max-memory / --cost / --objective."""
+    """Run the planner on ``model`` (in place) from --devices / --max-memory / --cost / --objective
+    / --tensor-parallel."""
+    tensor_parallel = getattr(args, "tensor_parallel", None)
+    if args.cost is None:  # a split is weighed in times: FLOPs at the device's speed, unless --cost time
+        args.cost = "size" if tensor_parallel is None else "flops"
     budgets = parse_max_memory(getattr(args, "max_memory", None))
     devices = args.devices if args.devices is not None or budgets is None else None
     if devices is None and budgets is None:
@@ -60,6 +79,7 @@ def auto_plan(model: Any, args: argparse.Namespace, console: Any) -> Any:
             runtime=runtime,
             sample_inputs=sample_inputs,
             batch=batch,
+            tensor_parallel=tensor_parallel,
         )
 
 
@@ -68,8 +88,9 @@ def is_placed(model: Any) -> bool:
 
 
 def wants_planner(args: argparse.Namespace) -> bool:
-    """Whether the options ask for the automatic planner (--auto, --max-memory or --calibrate)."""
-    return bool(args.auto or args.max_memory or args.calibrate)
+    """Whether the options ask for the automatic planner (--auto, --max-memory, --calibrate or
+    --tensor-parallel)."""
+    return bool(args.auto or args.max_memory or args.calibrate or getattr(args, "tensor_parallel", None))
 
 
 def wants_placement(args: argparse.Namespace) -> bool:
@@ -115,15 +136,23 @@ def add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | No
     )
     p.add_argument(
         "--cost",
-        default="size",
+        default=None,
         choices=["time", "size", "flops"],
-        help="planner cost: measured time, parameter+output bytes, or FLOPs (default size)",
+        help="planner cost: measured time, parameter+output bytes, or FLOPs (default size; flops with "
+        "--tensor-parallel, at the device's speed)",
     )
     p.add_argument(
         "--objective",
         default="throughput",
         choices=["throughput", "latency"],
         help="planner objective (default throughput: smallest bottleneck)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=parse_tensor_parallel,
+        metavar="auto|T",
+        help="split stages through their layers over T devices (pl.split_tensor_parallel; implies the "
+        "planner); auto weighs 1 and --devices from the cost model and keeps the best for --objective",
     )
     p.add_argument(
         "--runtime",

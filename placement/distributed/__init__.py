@@ -14,6 +14,12 @@ What this package holds:
 * :mod:`~placement.distributed.ort_ranks`: :class:`DistributedRunner`, the same ranks on
   ONNX Runtime for inference (each rank runs its stage sessions; activations cross
   ranks with ``torch.distributed`` send/recv): a placed ONNX served without model code.
+* :mod:`~placement.distributed.spmd` and :mod:`~placement.distributed.tensor_ranks`:
+  :class:`DistributedTensorParallel`, a tensor-parallel split (:func:`placement.split_tensor_parallel`)
+  run SPMD, one device per rank, each tagged collective one ``torch.distributed``
+  all-reduce or all-gather (:mod:`~placement.distributed.collectives`, Megatron's f and g
+  in training); :mod:`~placement.distributed.ort_tensor_ranks`:
+  :class:`DistributedTensorParallelRunner`, the same on ONNX Runtime (inference).
 * :mod:`~placement.distributed.watchdog`: heartbeats and error reports in the rendezvous
   store, so that the surviving ranks name the rank that failed.
 * :mod:`~placement.distributed.errors`: :class:`WorldSizeError`, :class:`RankFailedError`,
@@ -37,13 +43,21 @@ from __future__ import annotations
 
 from placement.distributed.errors import NotAPipelineError, RankFailedError, WorldSizeError
 from placement.distributed.ort_ranks import DistributedRunner, rank_plan
+from placement.distributed.ort_tensor_ranks import DistributedTensorParallelRunner, tensor_rank_plan
 from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
 from placement.distributed.split import RankSplit, split_by_rank
+from placement.distributed.spmd import SpmdStage, split_spmd
+from placement.distributed.tensor_ranks import DistributedTensorParallel
 from placement.distributed.torch_ranks import SCHEDULES, DistributedPipeline, free_port, rank_device
 
 __all__ = [
     "DistributedPipeline",
     "DistributedRunner",
+    "DistributedTensorParallel",
+    "DistributedTensorParallelRunner",
+    "tensor_rank_plan",
+    "split_spmd",
+    "SpmdStage",
     "rank_plan",
     "SCHEDULES",
     "rank_device",

@@ -91,6 +91,7 @@ class RankMember:
         Raises:
             RuntimeError: ``torch.distributed`` is not initialized.
             WorldSizeError: the group size differs from the placement's number of ranks.
+            InputError: a pipeline member is given a tensor-parallel split.
         """
         from placement.runtime.inputs import input_specs
 
@@ -100,6 +101,14 @@ class RankMember:
             from placement.graph.loading import load
 
             model = load(model)
+        if not kind.startswith("tp"):
+            from placement.distributed.spmd import is_tensor_parallel
+
+            if is_tensor_parallel(model):
+                raise InputError(
+                    "the model is split tensor-parallel (it has collectives): run it with "
+                    "placement.distributed.DistributedTensorParallel, one rank per device, not as a pipeline"
+                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

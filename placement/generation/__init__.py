@@ -8,6 +8,7 @@ Sits on both runtimes (:mod:`placement.runtime.ort` and :mod:`placement.runtime.
 - :mod:`~placement.generation.sampling`: greedy or sampled next tokens;
 - :mod:`~placement.generation.ort_decoder`: steps on ONNX Runtime, caches in device buffers;
 - :mod:`~placement.generation.torch_decoder`: steps on the torch runtime, a static cache;
+- :mod:`~placement.generation.static_steps`: decode steps on static inputs (CUDA graphs);
 - :mod:`~placement.generation.generator`: :class:`Generator` and :func:`generate`.
 
 Example:

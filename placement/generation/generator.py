@@ -14,7 +14,10 @@ Pipelined generation (``chunks=k``, ONNX Runtime): the batch is split into ``k``
 each with its own cache, and one worker thread per stage runs whichever group reaches
 it: while the last stage computes group 0's step, the first computes group 1's, so
 every stage is busy. Each group's tokens are the ones it would get alone (greedy
-decoding gives the same tokens for every ``chunks``). The torch runtime runs ``chunks=1``.
+decoding gives the same tokens for every ``chunks``). On the torch runtime, ``chunks=k``
+lowers the model as a pipelined module (``pl.to_torch(chunks=k)``): each step's batch
+runs through the stages as ``k`` micro-batches (fill-drain within the step), with the same
+tokens.
 
 Example:
     >>> import numpy as np
@@ -35,18 +38,18 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
 from placement.errors import InputError, PlacementError
-from placement.generation.prepare import decoder_model
+from placement.generation.prepare import CacheDims, decoder_model
 from placement.generation.sampling import Sampler
 from placement.generation.sequences import Sequences
 from placement.graph.model import Model
 from placement.runtime.device_map import DeviceMapLike
 
-__all__ = ["RUNTIMES", "Generator", "generate"]
+__all__ = ["RUNTIMES", "GenerateOptions", "Generator", "generate"]
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +67,12 @@ class Generator:
         runtime: ``"ort"`` (one ONNX Runtime session per stage) or ``"torch"``.
         device_map: logical -> physical devices (``"auto"``: GPUs, else each logical device
             emulated on the CPU; ``"cpu"``: everything folded into the CPU).
-        chunks: groups of sequences in flight (pipelined generation, ONNX Runtime), see the
-            module docstring.
+        chunks: groups of sequences in flight (pipelined generation; on torch, micro-batches
+            of each step), see the module docstring.
         cuda_graphs: torch runtime on GPUs: replay decode steps as CUDA graphs.
+        cache_dims: sizes of cache dimensions the file leaves symbolic (``{"kv_cache_dim":
+            64}``), or a ``genai_config.json`` to read them from; :func:`placement.load` reads
+            the ``genai_config.json`` beside a file by itself.
 
     Raises:
         InputError: the model is not a causal LM with a cache, or an option is invalid.
@@ -90,18 +96,15 @@ class Generator:
         device_map: DeviceMapLike = "auto",
         chunks: int = 1,
         cuda_graphs: bool = False,
+        cache_dims: CacheDims = None,
     ) -> None:
         if runtime not in RUNTIMES:
             raise InputError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks must be a positive integer, got {chunks!r}")
-        if runtime == "torch" and chunks > 1:
-            raise InputError(
-                "chunks > 1 (pipelined generation) runs on the ONNX Runtime runtime; use runtime='ort'"
-            )
         self.runtime = runtime
         self.chunks = chunks
-        self.spec = decoder_model(model)
+        self.spec = decoder_model(model, cache_dims=cache_dims)
         self.decoder: Any
         if runtime == "ort":
             from placement.generation.ort_decoder import OrtDecoder
@@ -139,7 +142,8 @@ class Generator:
         seed: int | None = None,
         streamer: Any = None,
     ) -> Any:
-        """Prompt plus up to ``max_new_tokens`` new tokens per sequence (see :func:`generate`)."""
+        """Prompt plus up to ``max_new_tokens`` new tokens per sequence (the options: see
+        :func:`generate`)."""
         ids, mask, as_torch = _prompt(input_ids, attention_mask)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -278,24 +282,31 @@ def _prompt(input_ids: Any, attention_mask: Any) -> tuple[np.ndarray, np.ndarray
     return ids, mask, as_torch
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The options of :meth:`Generator.generate` that :func:`generate` passes on (see there)."""
+
+    attention_mask: Any
+    eos_token_id: int | Sequence[int] | None
+    pad_token_id: int | None
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    streamer: Any
+
+
 def generate(
     model: Model,
     input_ids: Any,
     *,
     max_new_tokens: int,
-    attention_mask: Any = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
     runtime: str = "ort",
     device_map: DeviceMapLike = "auto",
     chunks: int = 1,
     cuda_graphs: bool = False,
-    streamer: Any = None,
+    cache_dims: CacheDims = None,
+    **options: Unpack[GenerateOptions],
 ) -> Any:
     """Generate with a placed causal LM: prompt plus new tokens (numpy, or torch for torch ids).
 
@@ -303,21 +314,26 @@ def generate(
     calls without rebuilding sessions and caches.
 
     Args:
-        model: a placed model with a KV cache (:func:`placement.from_causal_lm`).
+        model: a placed model with a KV cache (:func:`placement.from_causal_lm`, or a file in
+            the same convention, such as one built by onnxruntime-genai, loaded by
+            :func:`placement.load`).
         input_ids: prompt token ids ``(batch, length)``, left padded for batches of mixed length.
         max_new_tokens: new tokens per sequence at most.
-        attention_mask: ``(batch, length)``, 0 on left padding (default: all ones).
-        eos_token_id: end-of-sequence id(s): a sequence ends after one; ``None`` generates
-            exactly ``max_new_tokens``. Ended sequences are padded with ``pad_token_id``
-            (default: the first end-of-sequence id).
-        do_sample, temperature, top_k, top_p, seed: sampling (default greedy); see
-            :class:`~placement.generation.sampling.Sampler`.
         runtime: ``"ort"`` or ``"torch"``.
         device_map: logical -> physical devices (``"auto"``, ``"cpu"``, a dict).
         chunks: groups of sequences in flight through the stages (pipelined generation).
         cuda_graphs: torch runtime on GPUs: decode steps as CUDA graphs.
-        streamer: an object with ``put(tokens)`` and ``end()`` (``transformers``' streamers):
-            given the prompt, then each step's new tokens.
+        cache_dims: sizes of cache dimensions the file leaves symbolic (see :class:`Generator`).
+        **options: as :meth:`Generator.generate`:
+
+            * ``attention_mask``: ``(batch, length)``, 0 on left padding (default: all ones);
+            * ``eos_token_id``: end-of-sequence id(s): a sequence ends after one; ``None``
+              generates exactly ``max_new_tokens``. Ended sequences are padded with
+              ``pad_token_id`` (default: the first end-of-sequence id);
+            * ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``: sampling (default
+              greedy); see :class:`~placement.generation.sampling.Sampler`;
+            * ``streamer``: an object with ``put(tokens)`` and ``end()`` (``transformers``'
+              streamers): given the prompt, then each step's new tokens.
 
     Raises:
         InputError: bad ids, mask or options, or a model without a KV cache.
@@ -333,18 +349,11 @@ def generate(
         (1, 5)
     """
     generator = Generator(
-        model, runtime=runtime, device_map=device_map, chunks=chunks, cuda_graphs=cuda_graphs
+        model,
+        runtime=runtime,
+        device_map=device_map,
+        chunks=chunks,
+        cuda_graphs=cuda_graphs,
+        cache_dims=cache_dims,
     )
-    return generator.generate(
-        input_ids,
-        max_new_tokens=max_new_tokens,
-        attention_mask=attention_mask,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        streamer=streamer,
-    )
+    return generator.generate(input_ids, max_new_tokens=max_new_tokens, **options)

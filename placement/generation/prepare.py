@@ -22,18 +22,25 @@ Example:
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import onnx_ir as ir
 
 from placement.errors import InputError
 from placement.graph.causal_lm import KVLayer, kv_layers
+from placement.graph.genai_config import bind_dims, cache_dims_from_config, read_genai_config
 from placement.graph.model import Model
 from placement.graph.nodes import node_device, set_node_device
 from placement.passes.copies import inject_cross_device_copies
 
-__all__ = ["DecoderSpec", "FEEDS", "decoder_model"]
+__all__ = ["CacheDims", "DecoderSpec", "FEEDS", "decoder_model"]
+
+#: Sizes of symbolic cache dimensions: by symbol, or a ``genai_config.json`` path (or its folder).
+CacheDims = Union[Mapping[str, int], str, os.PathLike, None]
 
 #: Graph inputs a decode loop feeds besides the cache (``input_ids`` is required).
 FEEDS = ("input_ids", "attention_mask", "position_ids")
@@ -48,8 +55,13 @@ class DecoderSpec:
     feeds: tuple[str, ...]
 
 
-def decoder_model(model: Model) -> DecoderSpec:
+def decoder_model(model: Model, *, cache_dims: CacheDims = None) -> DecoderSpec:
     """A copy of ``model`` ready for decoding (see the module docstring).
+
+    ``cache_dims``: sizes of cache dimensions the graph leaves symbolic, by symbol
+    (``{"kv_cache_dim": 16}``), or the path of a ``genai_config.json`` (or its folder) to read
+    them from (:mod:`placement.graph.genai_config`; :func:`placement.load` reads the one beside
+    a file by itself). They are bound on the copy.
 
     Raises:
         InputError: the graph lacks ``input_ids``, ``logits`` or a KV cache, has an input a
@@ -57,9 +69,17 @@ def decoder_model(model: Model) -> DecoderSpec:
     """
     if not isinstance(model, Model):
         raise InputError(f"generation needs a placement.Model, got {type(model).__name__}")
-    layers = kv_layers(model)
-    inputs = [v.name for v in model.graph.inputs if v.name not in model.graph.initializers]
-    outputs = [v.name for v in model.graph.outputs]
+    copy = model.copy()
+    if cache_dims is not None:
+        dims = (
+            cache_dims
+            if isinstance(cache_dims, Mapping)
+            else cache_dims_from_config(copy, read_genai_config(cache_dims))
+        )
+        bind_dims(copy, dims)
+    layers = kv_layers(copy)
+    inputs = [v.name for v in copy.graph.inputs if v.name not in copy.graph.initializers]
+    outputs = [v.name for v in copy.graph.outputs]
     if "input_ids" not in inputs or "logits" not in outputs:
         raise InputError(f"a causal LM graph needs an 'input_ids' input and a 'logits' output; got {inputs}")
     if not layers:
@@ -73,8 +93,12 @@ def decoder_model(model: Model) -> DecoderSpec:
         raise InputError(f"graph inputs {unknown} are neither the cache nor one of {FEEDS}")
     for layer in layers:
         if layer.kv_heads is None or layer.head_dim is None:
-            raise InputError(f"cache input {layer.past_key!r} needs static head count and head size")
-    copy = model.copy()
+            shape = copy.value(layer.past_key).shape
+            raise InputError(
+                f"cache input {layer.past_key!r} {shape} needs a static head count and head size: give "
+                "their sizes by name (cache_dims={'kv_cache_dim': 64}) or the genai_config.json that "
+                "onnxruntime-genai wrote beside the file (cache_dims='folder/genai_config.json')"
+            )
     _last_position_logits(copy)
     inject_cross_device_copies(copy)
     return DecoderSpec(copy, tuple(layers), tuple(name for name in FEEDS if name in inputs))

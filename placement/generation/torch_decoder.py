@@ -5,25 +5,28 @@ left on the devices that made them) and rewrites the lowered graph so that each
 ``present = Concat(past, new)`` writes the new tokens into the cache buffer the past
 is a view of, and returns the longer view (:func:`static_append`): each layer's cache is
 one ``(batch, heads, max_length, head_dim)`` tensor on its stage's device, allocated once
-and never copied; a step only writes its new tokens' keys and values. The step's
-allocations do not depend on the past length's buffer, so with ``cuda_graphs=True`` (on a
-GPU) the lowered module replays captured graphs (:mod:`placement.runtime.torch.cuda_graphs`).
+and never copied; a step only writes its new tokens' keys and values. With
+``cuda_graphs=True`` (one GPU) decode steps run on static inputs and replay one captured CUDA
+graph (:mod:`placement.generation.static_steps`: the appends then write at a position held
+by a device tensor).
 
-Where the lowered graph makes a present some other way, or with ``cuda_graphs=True`` (the
-rewrite is not applied), the present is a new tensor, copied into the buffer.
+Where the lowered graph makes a present some other way (a fused attention op such as
+``GroupQueryAttention``), or with ``chunks > 1`` (the pipelined module concatenates its
+micro-batches), the present is a new tensor, copied into the buffer.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from placement.errors import PlacementError
+from placement.errors import CUDAGraphError, PlacementError
 from placement.generation.prepare import DecoderSpec
+from placement.generation.static_steps import StaticSteps, longer_view, make_indexed
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.torch import to_torch
 
@@ -47,20 +50,10 @@ def static_append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tens
         >>> out.shape, out.data_ptr() == buffer.data_ptr(), buffer[0, 0, :, 0].tolist()
         (torch.Size([1, 1, 3, 2]), True, [0.0, 1.0, 1.0, 0.0])
     """
-    axis = dim % past.dim()
-    if axis != 2 or past.dim() != 4 or new.dim() != 4 or new.dtype != past.dtype or new.device != past.device:
+    out = longer_view(past, new, dim)
+    if out is None:
         return torch.cat([past, new], dim)
-    batch, heads, length, width = past.shape
-    total = length + new.shape[2]
-    strides = past.stride()
-    end = (
-        past.storage_offset() + (batch - 1) * strides[0] + (heads - 1) * strides[1] + (total - 1) * strides[2]
-    )
-    room = past.untyped_storage().nbytes() // past.element_size()
-    fits = strides[3] == 1 and strides[2] == width and strides[1] >= total * width and end + width <= room
-    if not fits or tuple(new.shape[:2]) != (batch, heads) or new.shape[3] != width:
-        return torch.cat([past, new], dim)
-    out = past.as_strided((batch, heads, total, width), strides, past.storage_offset())
+    length = past.shape[2]
     out[:, :, length:].copy_(new)
     return out
 
@@ -101,6 +94,8 @@ class TorchSlot:
     max_length: int
     active: int = 0
     past: int = 0
+    #: static decode inputs by batch (:class:`~placement.generation.static_steps.StaticSteps`)
+    static: dict[int, Any] = field(default_factory=dict)
 
 
 class TorchDecoder:
@@ -110,7 +105,10 @@ class TorchDecoder:
         spec: the decoder-ready model.
         device_map: logical -> physical devices (as :func:`placement.to_torch`).
         chunks: micro-batches per step (the runtime's pipelined module).
-        cuda_graphs: replay each step as CUDA graphs (GPUs only; see :func:`placement.to_torch`).
+        cuda_graphs: replay each decode step as a CUDA graph (one GPU; :mod:`.static_steps`;
+            with ``chunks > 1``, the pipelined module's stages as :func:`placement.to_torch` does).
+        static_shapes: run decode steps on static inputs, as a capture would (default:
+            ``cuda_graphs``); on the CPU it shows what a capture would see.
     """
 
     def __init__(
@@ -120,13 +118,19 @@ class TorchDecoder:
         device_map: DeviceMapLike = "auto",
         chunks: int = 1,
         cuda_graphs: bool = False,
+        static_shapes: bool | None = None,
     ) -> None:
         self.spec = spec
+        # chunks=1: the decoder captures its own decode steps (static cache, static inputs)
         self.module = to_torch(
-            spec.model, device_map=device_map, outputs_on="last", chunks=chunks, cuda_graphs=cuda_graphs
+            spec.model,
+            device_map=device_map,
+            outputs_on="last",
+            chunks=chunks,
+            cuda_graphs=cuda_graphs and chunks > 1,
         )
         presents = {name for layer in spec.layers for name in (layer.present_key, layer.present_value)}
-        self.static = _make_static(self.module, presents) if chunks == 1 and not cuda_graphs else 0
+        self.static = _make_static(self.module, presents) if chunks == 1 else 0
         self.inputs = list(getattr(self.module, "input_names", []))
         self.outputs = list(getattr(self.module, "output_names", []))
         physical = getattr(self.module, "device_map", {})
@@ -134,6 +138,8 @@ class TorchDecoder:
         self._shapes: dict[str, tuple[int, int, Any]] = {}
         self._present_of: dict[str, str] = {}
         model = spec.model
+        for name in spec.feeds:
+            self._devices[name] = torch.device(physical.get(str(model.blob_device(model.value(name))), "cpu"))
         for layer in spec.layers:
             for past, present in (
                 (layer.past_key, layer.present_key),
@@ -144,6 +150,28 @@ class TorchDecoder:
                 dtype = getattr(torch, str(np.dtype(layer.dtype)))
                 self._shapes[past] = (int(layer.kv_heads or 0), int(layer.head_dim or 0), dtype)
                 self._present_of[present] = past
+        wanted = cuda_graphs if static_shapes is None else static_shapes
+        self.static_steps = self._static_steps(len(presents), cuda_graphs) if chunks == 1 and wanted else None
+
+    def _static_steps(self, presents: int, cuda_graphs: bool) -> StaticSteps | None:
+        """Decode steps on static inputs (:mod:`placement.generation.static_steps`), captured as
+        CUDA graphs with ``cuda_graphs`` where every device is one GPU."""
+        devices = set(self._devices.values())
+        if cuda_graphs and (not torch.cuda.is_available() or not any(d.type == "cuda" for d in devices)):
+            raise CUDAGraphError(f"cuda_graphs=True needs the model on a CUDA GPU; its devices: {devices}")
+        if self.static < presents:
+            log.warning(
+                "%d of %d cache outputs are not appended in place in the lowered graph: decode steps "
+                "run with growing shapes%s", presents - self.static, presents,
+                ", not as CUDA graphs" if cuda_graphs else "",
+            )  # fmt: skip
+            return None
+        capture = cuda_graphs and len(devices) == 1
+        if cuda_graphs and not capture:
+            log.warning("cuda_graphs: a decode step is captured on one GPU; on %s it runs eagerly", devices)
+        first = self._devices[self.spec.layers[0].past_key]
+        make_indexed(self.module, static_append, device=first)
+        return StaticSteps(self.module, self.inputs, self._devices, capture=capture)
 
     def new_slot(self, batch: int, max_length: int) -> TorchSlot:
         """A group's cache buffers for up to ``batch`` sequences of ``max_length`` tokens (allocated once)."""
@@ -165,15 +193,18 @@ class TorchDecoder:
         new_tokens = arrays["input_ids"].shape[1]
         if past + new_tokens > slot.max_length:
             raise PlacementError(f"the cache holds {slot.max_length} tokens; step needs {past + new_tokens}")
-        args = []
-        for name in self.inputs:
-            buffer = slot.buffers.get(name)
-            if buffer is not None:
-                args.append(buffer[:batch, :, :past])
-            else:
-                args.append(torch.from_numpy(arrays[name]))
-        with torch.no_grad():
-            results = self.module(*args)
+        if self.static_steps is not None:
+            results = self.static_steps.call(slot.buffers, slot.static, batch, past, arrays)
+        else:
+            args = []
+            for name in self.inputs:
+                buffer = slot.buffers.get(name)
+                if buffer is not None:
+                    args.append(buffer[:batch, :, :past])
+                else:
+                    args.append(torch.from_numpy(arrays[name]))
+            with torch.no_grad():
+                results = self.module(*args)
         results = results if isinstance(results, (tuple, list)) else (results,)
         logits = None
         for name, value in zip(self.outputs, results):

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from placement.errors import ModelLoadError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.external_data import _check_data_pairing, _check_external_data, _without_external_data
+from placement.graph.genai_config import apply_genai_config
 from placement.graph.model import Model
 from placement.graph.nodes import DEVICE_KEY
 from placement.graph.ort_ops import checkable, has_ort_registry, ort_only_ops, session_decides
@@ -185,6 +186,8 @@ def _from_proto(
         ir.external_data.set_base_dir(ir_model.graph, path.parent)
     ir_model.metadata_props.pop(DATA_CHECK_KEY, None)
     model = _from_ir(ir_model, device, stages)
+    if path is not None:  # a cache's sizes that onnxruntime-genai's files leave symbolic
+        apply_genai_config(model, path.parent)
     if not has_ort_registry() and ort_only_ops(proto):
         session_decides(model, origin=origin)
     return model

@@ -64,6 +64,7 @@ def auto_offload(
     runtime: str,
     throughput: Mapping[str, float] | None = None,
     dims: Mapping[str, int] | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> Plan:
     """Plan ``model`` on one GPU plus the host (in place) and report it as a :class:`Plan`.
 
@@ -90,6 +91,7 @@ def auto_offload(
         repeats=repeats,
         throughput=speeds.rates,
         batch=dims,
+        kv_cache=kv_cache,
     )
     plan = offload_report(model, offload, links=links, objective=objective, runtime=runtime)
     plan.offload["speeds"] = dict(speeds.rates)
@@ -143,10 +145,13 @@ def offload_report(
     host_row.cost = sum(layer.host_ns for layer, mode in zip(offload.layers, modes) if mode == "host")
     streamed = offload.streamed_parameters()
     streamed_bytes = sum(info.param_bytes[info.param_names.index(name)] for name in streamed)
-    gpu_row.param_bytes = offload.gpu_bytes - gpu_activations(info, offload.layers)(modes)
+    gpu_row.kv_cache_bytes, host_row.kv_cache_bytes = offload.kv_cache_bytes()
+    gpu_row.param_bytes = (
+        offload.gpu_bytes - gpu_activations(info, offload.layers)(modes) - gpu_row.kv_cache_bytes
+    )
     gpu_row.bytes_in += streamed_bytes
     gpu_row.transfer_time += offload.copy_ns
-    host_row.param_bytes = offload.host_bytes
+    host_row.param_bytes = offload.host_bytes - host_row.kv_cache_bytes
     host_row.bytes_out += streamed_bytes
     plan.bottleneck = offload.predicted_ns
     plan.lower_bound = sum(min(layer.gpu_ns, layer.host_ns) for layer in offload.layers)

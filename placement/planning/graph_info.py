@@ -47,12 +47,14 @@ import onnx_ir as ir
 
 from placement.analysis.dependence import copy_origin, load_time_values
 from placement.analysis.shapes import infer_shapes
+from placement.errors import PlanError
+from placement.graph.causal_lm import kv_layers
 from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import is_copy_node, node_device
 from placement.planning.dims import planned_dims
 
-__all__ = ["GraphInfo", "peak_activation_bytes"]
+__all__ = ["GraphInfo", "add_kv_cache", "peak_activation_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -465,3 +467,33 @@ def peak_activation_bytes(model: Model, *, dims: Mapping[str, int] | None = None
     index = {d: k for k, d in enumerate(devices)}
     part = [index[node_device(n)] for n in info.nodes]
     return dict(zip(devices, info.peak_activations(part, len(devices))))
+
+
+def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
+    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
+    present (where the cache lives); the bytes added.
+
+    Raises:
+        PlanError: a bad ``kv_cache`` or a model without a cache.
+    """
+    try:
+        batch, length = (int(v) for v in kv_cache)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
+    if batch < 1 or length < 1:
+        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
+    layers = kv_layers(model)
+    if not layers:
+        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
+    outputs = {v.name: v for v in model.graph.outputs}
+    added = 0
+    for layer in layers:
+        for name in (layer.present_key, layer.present_value):
+            producer = outputs[name].producer()
+            position = info.position.get(producer.name or "") if producer is not None else None
+            if position is None:
+                raise PlanError(f"cache output {name!r} is not made by a planned op")
+            nbytes = layer.bytes_for(batch, length) // 2
+            info.add_state(position, nbytes)
+            added += nbytes
+    return added

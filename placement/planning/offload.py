@@ -55,7 +55,7 @@ from placement.graph.model import Model
 from placement.graph.nodes import STREAMED_KEY, set_node_device
 from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.dims import called_as, caller, planned_dims
-from placement.planning.graph_info import GraphInfo
+from placement.planning.graph_info import GraphInfo, add_kv_cache
 from placement.planning.link_model import Link, LinksLike, resolve_links
 from placement.planning.offload_layers import Layer, aligned, layers_of
 from placement.planning.offload_search import gpu_activations, search_modes
@@ -109,6 +109,9 @@ class OffloadPlan:
         activation_bytes: peak live activations at the planned batch.
         workspace_bytes: the margin for the framework's workspace (cuBLAS, allocator rounding).
         bindings: the symbolic dimensions planned for (``{"batch": 8}``).
+        kv_cache: the ``(batch, max_length)`` the KV caches are counted at (None: not counted);
+            each layer's cache is on the device its ops run on (:attr:`Layer.state_bytes`), in
+            ``gpu_bytes`` or ``host_bytes``.
     """
 
     gpu: Device
@@ -127,6 +130,13 @@ class OffloadPlan:
     activation_bytes: int = 0
     workspace_bytes: int = 0
     bindings: dict[str, int] = field(default_factory=dict)
+    kv_cache: tuple[int, int] | None = None
+
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        """KV cache bytes on the GPU and on the host."""
+        on_host = [self.modes[layer.name] == "host" for layer in self.layers]
+        gpu = sum(layer.state_bytes for layer, host in zip(self.layers, on_host) if not host)
+        return gpu, sum(layer.state_bytes for layer in self.layers) - gpu
 
     @property
     def fits(self) -> bool:
@@ -250,12 +260,15 @@ def _memory(
 ) -> tuple[int, int, int]:
     """(GPU bytes, host bytes, window) of an assignment of modes: the GPU holds the weights of
     resident layers and the shared weights any GPU layer reads, the window, the peak activations
-    of the ops it runs (``activations``: bytes, or a function of the modes) and the workspace; the
-    host holds every weight a streamed or host layer reads."""
+    of the ops it runs (``activations``: bytes, or a function of the modes), the KV caches of the
+    layers it runs and the workspace; the host holds every weight a streamed or host layer reads
+    and the KV caches of the host layers."""
     window = window_bytes(layers, modes, depth)
     resident: dict[str, int] = {}
     hosted: dict[str, int] = {}
+    state = [0, 0]  # KV caches on the GPU, on the host
     for layer, mode in zip(layers, modes):
+        state[mode == "host"] += layer.state_bytes
         if mode == "resident":
             resident.update(layer.weights)
         else:
@@ -264,7 +277,8 @@ def _memory(
                 resident.update({name: layer.weights[name] for name in layer.shared})
     if callable(activations):  # the GPU holds the activations of the ops it runs
         activations = activations(modes)
-    return sum(resident.values()) + window + activations + workspace, sum(hosted.values()), window
+    gpu = sum(resident.values()) + window + activations + workspace + state[0]
+    return gpu, sum(hosted.values()) + state[1], window
 
 
 def _memory_floor(
@@ -349,11 +363,13 @@ def _choose(
         if callable(activations):
             activations = activations(every)
         fixed = activations + workspace
+        cache = sum(layer.state_bytes for layer in layers)
+        held = f", and the KV caches ({format_bytes(cache)} in all) where their layers run" if cache else ""
         raise InfeasiblePlacementError(
             f"no offload plan fits the budgets (GPU {format_bytes(gpu_budget)}, host "
             f"{format_bytes(host_budget)}): streaming needs at least {format_bytes(fixed + largest)} on "
             f"the GPU (peak activations and workspace {format_bytes(fixed)}, and the largest layer's "
-            "weights), and every weight must fit on the host"
+            f"weights), and every weight must fit on the host{held}"
         )
     return best[2], best[0], best[1]
 
@@ -429,6 +445,7 @@ def plan_offload(
     apply: bool = True,
     batch: int | Mapping[str, int] | None = None,
     workspace: int | str | None = None,
+    kv_cache: tuple[int, int] | None = None,
 ) -> OffloadPlan:
     """Plan one GPU plus host memory: per layer resident, streamed or on the host (see the module doc).
 
@@ -456,6 +473,10 @@ def plan_offload(
             workspace, the allocator's rounding); default :func:`default_workspace`: cuBLAS's
             32 MiB where the budget is at least 64 MiB (at most half of it), else
             :data:`WORKSPACE_SHARE` of a toy budget.
+        kv_cache: ``(batch, max_length)`` for a model with a KV cache
+            (:func:`placement.from_causal_lm`): each layer's cache at that batch and length is
+            counted on the device its layer runs on (the GPU for resident and streamed layers,
+            the host for host layers), as :func:`placement.auto_place` does.
 
     Raises:
         PlanError: the budget is not one GPU plus a host, or bad arguments.
@@ -504,6 +525,8 @@ def plan_offload(
     with called_as(caller() if caller() != "profile" else "plan_offload"):
         prof = profile(model, sample_inputs=feeds, time=cost == "time", repeats=repeats, dims=bindings)
     info = GraphInfo(model, dims=bindings)
+    if kv_cache is not None:
+        add_kv_cache(info, model, kv_cache)
     flops = prof.costs("flops")
     if cost == "time":
         host_ns = list(prof.costs("time"))
@@ -551,6 +574,7 @@ def plan_offload(
         activation_bytes=peak_activations,
         workspace_bytes=workspace_bytes,
         bindings=bindings,
+        kv_cache=None if kv_cache is None else (int(kv_cache[0]), int(kv_cache[1])),
     )
     if apply:
         assignment = {name: Device.parse(dev) for name, dev in plan.assignment(info).items()}

@@ -70,6 +70,8 @@ class Layer:
             layers read from it.
         weights: every weight it reads (owned or not) -> bytes.
         shared: the weights it reads that other layers read too (never streamed).
+        state_bytes: the KV caches its ops hold at the planned batch and length
+            (``plan_offload(kv_cache=)``): on the GPU where its ops run there, else on the host.
     """
 
     name: str
@@ -83,6 +85,7 @@ class Layer:
     out_bytes: int
     weights: dict[str, int] = field(default_factory=dict)
     shared: set[str] = field(default_factory=set)
+    state_bytes: int = 0
 
     @property
     def streamable(self) -> dict[str, int]:
@@ -171,6 +174,7 @@ def layers_of(model: Model, info: GraphInfo, gpu_ns: Sequence[int], host_ns: Seq
                 out_bytes=0,
                 weights=weights,
                 shared=shared & set(weights),
+                state_bytes=info.segment_state_bytes(start, end),
             )
         )
     for k, layer in enumerate(layers):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from placement.errors import PlanError, UnknownOpError
+from placement.errors import InputError, PlanError, UnknownOpError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import STREAM_WINDOW_KEY, STREAMED_KEY, set_node_device
@@ -33,7 +33,7 @@ from placement.planning.dims import describe, store_dims
 from placement.planning.frontend import check_no_copies, transaction
 from placement.planning.profile import fingerprint
 
-__all__ = ["Plan", "DevicePlan", "format_cost", "offload_title", "offload_caption"]
+__all__ = ["Plan", "DevicePlan", "format_cost", "offload_title", "offload_caption", "tp_headline"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,10 @@ class DevicePlan:
         cut_cost: nanoseconds its cuts cost it (fusions lost at a cut; 0 without).
         kv_cache_bytes: KV caches of its attention layers at the planned batch and length
             (``auto_place(kv_cache=(batch, max_length))``; 0 without).
+        degree: the tensor-parallel degree of its stage (1: the stage is this device alone).
+        collective_time: nanoseconds its stage's all-reduces and all-gathers take per step
+            (``auto_place(tensor_parallel=...)``; 0 without).
+        collective_bytes: bytes those collectives copy into this device per step.
     """
 
     device: str
@@ -80,11 +84,14 @@ class DevicePlan:
     transfer_time: int = 0
     cut_cost: int = 0
     kv_cache_bytes: int = 0
+    degree: int = 1
+    collective_time: int = 0
+    collective_bytes: int = 0
 
     @property
     def stage_cost(self) -> int:
-        """What the planner minimises the largest of: op costs, transfers in, cut costs."""
-        return self.cost + self.transfer_time + self.cut_cost
+        """What the planner minimises the largest of: op costs, transfers in, cut costs, collectives."""
+        return self.cost + self.transfer_time + self.cut_cost + self.collective_time
 
     @property
     def memory(self) -> int:
@@ -152,6 +159,11 @@ class Plan:
     stream_window: int | None = None
     offload: dict[str, Any] | None = None
     dims: dict[str, int] = field(default_factory=dict)
+    tensor_parallel: list[int] = field(default_factory=list)
+    groups: list[list[str]] = field(default_factory=list)
+    collective_time: int = 0
+    collectives: int = 0
+    tp_choices: dict[str, int] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -173,10 +185,23 @@ class Plan:
     def apply(self, model: Model) -> None:
         """Place ``model``'s ops as planned, in place (transactional).
 
+        A plan with a tensor-parallel stage splits the model over that stage's group
+        (:func:`placement.split_tensor_parallel`, which also injects the copies).
+
         Raises:
             UnknownOpError: the plan names an op the model lacks.
             PlanError: the model has ops the plan does not cover, or copies.
+            InputError: the plan splits stages of a pipeline over groups of devices (tensor
+                inside pipeline parallelism, which :func:`placement.split_tensor_parallel`
+                does not do yet), or the split fails (the model is unchanged).
         """
+        split = [g for g in self.groups if len(g) > 1]
+        if split and len(self.groups) > 1:
+            raise InputError(
+                f"the plan splits {len(self.groups)} pipeline stages over groups of devices "
+                f"{self.groups}: tensor parallelism inside pipeline stages is not supported yet; "
+                "plan with tensor_parallel=1 or with tensor_parallel equal to the device count"
+            )
         check_no_copies(model, "Plan.apply")
         names = {node.name for node in model.graph}
         for op in self.assignment:
@@ -191,6 +216,10 @@ class Plan:
         with transaction(model):
             for node in model.graph:
                 set_node_device(node, parsed[node.name or ""])
+            if split:
+                from placement.passes.tensor_parallel import split_tensor_parallel
+
+                split_tensor_parallel(model, devices=split[0])
         store_dims(model, self.dims)
         if self.streamed:  # the plan keeps these weights on the host (see plan_offload)
             props = model.ir_model.metadata_props
@@ -283,6 +312,9 @@ class Plan:
             )
         if self.dims:
             title += f" (sizes at {describe(self.dims)})"
+        tp = bool(self.tensor_parallel)
+        if tp:
+            title += "; " + tp_headline(self)
         table = Table(title=title, caption=caption)
         for col in (
             "device",
@@ -296,6 +328,7 @@ class Plan:
             "in",
             "out",
             *(("transfers", "cut cost") if self.links is not None or self.overhead else ()),
+            *(("TP", "collectives") if tp else ()),
         ):
             table.add_column(col, justify="left" if col in ("device", "first op", "last op") else "right")
         for d in self.devices:
@@ -315,6 +348,14 @@ class Plan:
                     if self.links is not None or self.overhead
                     else ()
                 ),
+                *(
+                    (
+                        str(d.degree),
+                        f"{format_cost(d.collective_time, 'time')} ({format_bytes(d.collective_bytes)})",
+                    )
+                    if tp
+                    else ()
+                ),
             )
         return table
 
@@ -326,6 +367,27 @@ class Plan:
         text = console.export_text()
         console.file.close()
         return text.rstrip("\n")
+
+
+def tp_headline(plan: Plan) -> str:
+    """What a plan says about tensor parallelism: the degree per stage, the collectives' time,
+    and the degrees weighed with ``tensor_parallel="auto"``.
+
+    Example:
+        >>> plan = Plan({}, [], "time", "latency", 0, 0, 0, 0, tensor_parallel=[2],
+        ...             groups=[["cuda:0", "cuda:1"]], collective_time=250_000, collectives=5,
+        ...             tp_choices={"1": 900_000, "2": 600_000})
+        >>> tp_headline(plan)
+        'tensor parallel 2 (chosen from 1: 0.900 ms, 2: 0.600 ms), 5 collectives 0.250 ms per step'
+    """
+    degrees = sorted(set(plan.tensor_parallel))
+    text = "tensor parallel " + (
+        str(degrees[0]) if len(degrees) == 1 else "/".join(map(str, plan.tensor_parallel))
+    )
+    if plan.tp_choices:
+        weighed = ", ".join(f"{k}: {format_cost(v, 'time')}" for k, v in plan.tp_choices.items())
+        text += f" (chosen from {weighed})"
+    return text + f", {plan.collectives} collectives {format_cost(plan.collective_time, 'time')} per step"
 
 
 def offload_title(plan: Plan) -> str:

@@ -102,14 +102,14 @@ from placement.graph.sizes import format_bytes, parse_bytes
 from placement.planning.dims import called_as, planned_dims
 from placement.planning.evaluate import build_plan, evaluate_assignment
 from placement.planning.frontend import check_no_copies
-from placement.planning.graph_info import GraphInfo
-from placement.planning.link_model import LinksLike, resolve_links
+from placement.planning.graph_info import GraphInfo, add_kv_cache
+from placement.planning.link_model import Links, LinksLike, resolve_links
 from placement.planning.offload import is_offload_budget
 from placement.planning.partition import PartitionProblem, constant_glue
 from placement.planning.plan import Plan
 from placement.planning.profile import COST_KINDS, _normalise_inputs, profile
 
-__all__ = ["auto_place", "build_plan", "evaluate_assignment", "OBJECTIVES", "RUNTIMES"]
+__all__ = ["auto_place", "build_plan", "evaluate_assignment", "unapplied_plan", "OBJECTIVES", "RUNTIMES"]
 
 log = logging.getLogger(__name__)
 
@@ -195,38 +195,6 @@ def _override_costs(info: GraphInfo, costs: Sequence[int], op_costs: Mapping[str
     return result
 
 
-def add_kv_cache(info: GraphInfo, model: Model, kv_cache: tuple[int, int]) -> int:
-    """Count each layer's KV cache at ``kv_cache = (batch, max_length)`` on the op making its
-    present (where the cache lives); the bytes added.
-
-    Raises:
-        PlanError: a bad ``kv_cache`` or a model without a cache.
-    """
-    from placement.graph.causal_lm import kv_layers
-
-    try:
-        batch, length = (int(v) for v in kv_cache)
-    except (TypeError, ValueError) as err:
-        raise PlanError(f"kv_cache must be (batch, max_length), got {kv_cache!r}") from err
-    if batch < 1 or length < 1:
-        raise PlanError(f"kv_cache must be positive (batch, max_length), got {kv_cache!r}")
-    layers = kv_layers(model)
-    if not layers:
-        raise PlanError("kv_cache= needs a model with a KV cache (pl.from_causal_lm)")
-    outputs = {v.name: v for v in model.graph.outputs}
-    added = 0
-    for layer in layers:
-        for name in (layer.present_key, layer.present_value):
-            producer = outputs[name].producer()
-            position = info.position.get(producer.name or "") if producer is not None else None
-            if position is None:
-                raise PlanError(f"cache output {name!r} is not made by a planned op")
-            nbytes = layer.bytes_for(batch, length) // 2
-            info.add_state(position, nbytes)
-            added += nbytes
-    return added
-
-
 def auto_place(
     model: Model,
     devices: int | Sequence[DeviceLike] | None = None,
@@ -244,6 +212,7 @@ def auto_place(
     throughput: Mapping[str, float] | None = None,
     batch: int | Mapping[str, int] | None = None,
     kv_cache: tuple[int, int] | None = None,
+    tensor_parallel: int | str | None = None,
 ) -> Plan:
     """Plan and apply an optimal contiguous placement; return the :class:`Plan`.
 
@@ -312,6 +281,18 @@ def auto_place(
         kv_cache: ``(batch, max_length)`` for a model with a KV cache
             (:func:`placement.from_causal_lm`): each layer's cache at that batch and length
             counts in the memory of the device of the op making its ``present``.
+        tensor_parallel: split stages *through* their ops over groups of devices
+            (:func:`placement.split_tensor_parallel`), with the degree from the cost model
+            (:mod:`placement.planning.tp_planner`): ``"auto"`` weighs every degree that can be
+            applied (1, the ordinary plan, and the device count: one stage split over all
+            devices) and keeps the best for ``objective``; an int applies that degree. Op
+            costs are times (``cost="flops"`` turns FLOPs into times at the device's speed,
+            ``throughput``), collectives cost their copies over ``links`` plus a fixed latency
+            each. Under ``max_memory`` a degree whose devices do not fit is left out (a split
+            device holds its shards, the replicated parameters and the stage's peak
+            activations, counted unsplit). None (default): no tensor parallelism. The
+            plan's ``tensor_parallel``, ``collective_time`` and ``tp_choices`` say what was
+            chosen and why; a split model has its copies injected.
         op_costs: op name -> cost (in ``cost``'s unit: ns for ``"time"``) replacing
             the profiled cost of those ops; other ops keep theirs. Calibration
             (:func:`placement.runtime.calibrate.calibrate`) re-plans this way with
@@ -321,6 +302,8 @@ def auto_place(
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
             smallest uniform budget that would.
         PlanError: bad arguments, or the model already has copies.
+        InputError: a tensor-parallel degree that cannot be applied (stages split inside a
+            pipeline), or a model the split pass cannot split (it names the op).
 
     Example:
         >>> import placement as pl
@@ -353,7 +336,100 @@ def auto_place(
             throughput=throughput,
             batch=batch,
             kv_cache=kv_cache,
+            tensor_parallel=tensor_parallel,
         )
+
+
+def _pipeline_plan(
+    info: GraphInfo,
+    costs: Sequence[int],
+    device_list: list[Device],
+    budgets: list[int | None],
+    *,
+    allowed: list[bool],
+    cuts: Any,
+    links: Any,
+    objective: str,
+    cost_kind: str,
+    fp: str,
+) -> Plan:
+    """The exact contiguous plan of ``costs`` over ``device_list`` (not applied)."""
+    links_in = None
+    if links is not None:
+        links_in = [links.link(device_list[max(k - 1, 0)], device_list[k]) for k in range(len(device_list))]
+        if not links.uniform_into(device_list):
+            log.info(
+                "auto_place: links into some device differ by source; copies are planned on the "
+                "link from the previous device (exact only when all links into a device are alike)"
+            )
+    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
+    if objective == "throughput":
+        bound = problem.min_bottleneck()
+        ends = problem.min_transfer(bound)
+    else:
+        ends = problem.min_transfer(None)
+    return build_plan(
+        info,
+        costs,
+        ends,
+        device_list,
+        budgets,
+        cost_kind=cost_kind,
+        objective=objective,
+        fp=fp,
+        links=links,
+        cut_costs=cuts,
+    )
+
+
+def _cuts(
+    model: Model, info: GraphInfo, *, fusion: bool, runtime: str, repeats: int
+) -> tuple[list[bool], list[tuple[int, int]] | None]:
+    """Where parts may end, and what cuts cost (see ``auto_place``'s ``fusion``)."""
+    allowed = constant_glue(info)
+    cuts = None
+    if fusion:
+        from placement.planning.fusion import fused_cuts, fusion_cut_costs
+
+        if runtime == "ort":
+            allowed = [a and f for a, f in zip(allowed, fused_cuts(model, info))]
+        else:
+            cuts = fusion_cut_costs(model, info, repeats=repeats)
+    return allowed, cuts
+
+
+def unapplied_plan(
+    model: Model,
+    devices: int,
+    *,
+    links: Links | None,
+    tensor_parallel: int | str,
+    op_costs: Mapping[str, float] | None = None,
+    throughput: Mapping[str, float] | None = None,
+    objective: str = "throughput",
+) -> Plan:
+    """The plan ``auto_place(model, devices, tensor_parallel=...)`` would make, stages split
+    inside a pipeline weighed too, without applying it (what :func:`placement.predict` asks).
+    ``throughput`` (FLOP/s per device type) plans on FLOPs at that speed instead of times."""
+    return _auto_place(
+        model,
+        devices,
+        None,
+        sample_inputs=None,
+        cost="time" if throughput is None else "flops",
+        objective=objective,
+        repeats=5,
+        links=links,
+        fusion=True,
+        runtime="ort",
+        op_costs=op_costs,
+        offload=False,
+        throughput=throughput,
+        batch=None,
+        kv_cache=None,
+        tensor_parallel=tensor_parallel,
+        apply=False,
+    )
 
 
 def _auto_place(
@@ -373,9 +449,18 @@ def _auto_place(
     throughput: Mapping[str, float] | None,
     batch: int | Mapping[str, int] | None,
     kv_cache: tuple[int, int] | None,
+    tensor_parallel: int | str | None = None,
+    apply: bool = True,
 ) -> Plan:
+    """``auto_place``'s work; ``apply=False`` (predictions) leaves the model unplaced and may
+    weigh stages split inside a pipeline."""
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
+    if tensor_parallel is not None:
+        from placement.planning.tp_planner import check_tensor_parallel
+
+        check_tensor_parallel(cost, offload)
+        offload = False
     feeds = None if sample_inputs is None else _normalise_inputs(model, sample_inputs)
     dims = planned_dims(model, sample_inputs=feeds, batch=batch)
     if offload is None:
@@ -385,24 +470,19 @@ def _auto_place(
 
         if cost == "time":
             cost = _time_or_flops(model)
-        return auto_offload(
-            model,
-            device_list,
-            budgets,
-            cost=cost,
-            objective=objective,
-            links=links,
-            sample_inputs=feeds,
-            repeats=repeats,
-            runtime=runtime,
-            throughput=throughput,
-            dims=dims,
+        options = dict(
+            objective=objective, links=links, repeats=repeats, runtime=runtime, throughput=throughput
         )
-    if cost != "time" and links is not None and links is not False and links != "auto":
+        return auto_offload(
+            model, device_list, budgets, cost=cost, sample_inputs=feeds, dims=dims, kv_cache=kv_cache,
+            **options,
+        )
+    timed = cost == "time" or tensor_parallel is not None  # tensor parallelism plans in times
+    if not timed and links is not None and links is not False and links != "auto":
         raise PlanError(f"links are times: they need cost='time', not cost={cost!r}")
     if cost == "time":
         cost = _time_or_flops(model)
-    link_model = resolve_links(links) if cost == "time" else None
+    link_model = resolve_links(links) if timed else None
     prof = profile(
         model,
         sample_inputs=feeds,
@@ -417,46 +497,53 @@ def _auto_place(
         add_kv_cache(info, model, kv_cache)
     if op_costs is not None:
         costs = _override_costs(info, costs, op_costs)
-    allowed = constant_glue(info)
-    cuts = None
-    if fusion and cost == "time" and len(device_list) > 1:
-        from placement.planning.fusion import fused_cuts, fusion_cut_costs
-
-        if runtime == "ort":
-            allowed = [a and f for a, f in zip(allowed, fused_cuts(model, info))]
-        else:
-            cuts = fusion_cut_costs(model, info, repeats=repeats)
-    links_in = None
-    if link_model is not None:
-        links_in = [
-            link_model.link(device_list[max(k - 1, 0)], device_list[k]) for k in range(len(device_list))
-        ]
-        if not link_model.uniform_into(device_list):
-            log.info(
-                "auto_place: links into some device differ by source; copies are planned on the "
-                "link from the previous device (exact only when all links into a device are alike)"
-            )
-    problem = PartitionProblem(costs, budgets, info, allowed_cuts=allowed, links_in=links_in, cut_costs=cuts)
-    if objective == "throughput":
-        bound = problem.min_bottleneck()
-        ends = problem.min_transfer(bound)
-    else:
-        ends = problem.min_transfer(None)
-    plan = build_plan(
+    allowed, cuts = _cuts(
+        model,
         info,
-        costs,
-        ends,
-        device_list,
-        budgets,
-        cost_kind=cost,
-        objective=objective,
-        fp=prof.fingerprint,
-        links=link_model,
-        cut_costs=cuts,
+        fusion=fusion and cost == "time" and len(device_list) > 1,
+        runtime=runtime,
+        repeats=repeats,
     )
+
+    def pipeline(plan_costs: Sequence[int] = costs, kind: str = cost) -> Plan:
+        return _pipeline_plan(
+            info,
+            plan_costs,
+            device_list,
+            budgets,
+            allowed=allowed,
+            cuts=cuts,
+            links=link_model,
+            objective=objective,
+            cost_kind=kind,
+            fp=prof.fingerprint,
+        )
+
+    if tensor_parallel is None:
+        plan = pipeline()
+    else:
+        from placement.planning.tp_planner import flops_as_ns, plan_tensor_parallel
+
+        ns = costs if cost == "time" else flops_as_ns(costs, device_list[0], throughput)
+        plan = plan_tensor_parallel(
+            model,
+            info,
+            ns,
+            device_list,
+            tensor_parallel,
+            pipeline=lambda: pipeline(ns, "time"),
+            objective=objective,
+            links=link_model,
+            allowed=allowed,
+            dims=dims,
+            fp=prof.fingerprint,
+            allow_2d=not apply,
+            budgets=budgets,
+        )
     plan.runtime = runtime
     plan.dims = dict(dims)
-    plan.apply(model)
+    if apply:
+        plan.apply(model)
     log.info(
         "auto_place: %d ops on %d devices, bottleneck %.3f x lower bound, %d bytes copied per step",
         len(info),

@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -343,6 +344,8 @@ def predict(
     overlap: bool = True,
     call_overhead_s: float = 0.0,
     fixed_cost_s: float | None = None,
+    tensor_parallel: int | str | None = None,
+    throughput: Mapping[str, float] | None = None,
 ) -> list[Prediction]:
     """Predict a plan's step time and throughput on N devices from measured stage times.
 
@@ -375,6 +378,12 @@ def predict(
             stage (host work done one stage at a time). None: :data:`FIXED_COST_S`,
             ``"torch"`` for a training step, ``"ort"`` otherwise (measured on a 2-core CPU;
             a GPU machine's own figure from ``benchmarks/pipeline.py --fixed-cost`` is better).
+        tensor_parallel: for a model and ``gpus``: plan each count with tensor parallelism
+            (:mod:`placement.planning.tp_planner`; ``"auto"`` weighs every divisor of the
+            count, for one batch's time at ``chunks=1``, else a stream's). ``extra`` gets
+            ``tensor_parallel`` and ``collective_s`` per stage, and ``groups``.
+        throughput: for a model and ``gpus``: FLOP/s per device type (``{"cuda": 50e12}``):
+            op times are FLOPs at that speed, not times measured here (None).
 
     Returns:
         One :class:`Prediction` per device count, in the order given.
@@ -417,9 +426,12 @@ def predict(
     op_costs = None
     if stage_times is not None and not isinstance(stage_times, Mapping):
         op_costs = _scaled_op_costs(model, stage_times, link_model)
+    if throughput is not None and op_costs is not None:
+        raise PlanError("predict: throughput= (FLOPs at a speed) and measured stage_times exclude each other")
     results = []
     for count in counts:
-        plan = _plan_for(model, count, link_model, op_costs)
+        objective = "latency" if chunks == 1 and tensor_parallel else "throughput"  # one batch, or a stream
+        plan = _plan_for(model, count, link_model, op_costs, tensor_parallel, throughput, objective)
         fwd = stage_times.get(count) if isinstance(stage_times, Mapping) else None
         back = backward_times.get(count) if isinstance(backward_times, Mapping) else None
         if backward_times is not None and not isinstance(backward_times, Mapping):
@@ -438,7 +450,10 @@ def _times_for(times: StageTimes | None, count: int, what: str) -> Sequence[floa
 
 
 def _used(plan: Plan) -> list[Any]:
-    return [row for row in plan.devices if row.ops]
+    """One row per stage: a used device, or a split stage's first device."""
+    from placement.planning.tp_planner import stage_rows
+
+    return stage_rows(plan)
 
 
 def _predict_plan(
@@ -455,11 +470,13 @@ def _predict_plan(
     rows = _used(plan)
     if not rows:
         raise PlanError("the plan places no op")
+    single = plan.total_cost * 1e-9 if plan.collectives and stage_times is None else None  # unsplit
     if stage_times is None:
         if plan.cost_kind != "time":
             raise PlanError(f"the plan's costs are {plan.cost_kind}, not times: pass stage_times=")
         stage_times = [(row.cost + row.cut_cost) * 1e-9 for row in rows]
-    times = [float(t) for t in stage_times]
+    collective_s = [row.collective_time * 1e-9 for row in rows]  # split stages: added to their compute
+    times = [float(t) + c for t, c in zip(stage_times, collective_s)]
     if len(times) != len(rows):
         raise PlanError(
             f"the plan has {len(rows)} stages ({', '.join(row.device for row in rows)}) "
@@ -484,8 +501,13 @@ def _predict_plan(
         fixed_cost_s=overheads[1],
         link=described,
     )
+    prediction = prediction if single is None else dataclasses.replace(prediction, single_s=single)
     prediction.extra["cut_bytes"] = cut[: len(rows) - 1]
     prediction.extra["devices"] = [row.device for row in rows]
+    if plan.tensor_parallel:
+        prediction.extra["tensor_parallel"] = list(plan.tensor_parallel)
+        prediction.extra["collective_s"] = collective_s
+        prediction.extra["groups"] = [list(g) for g in plan.groups]
     return prediction
 
 
@@ -522,12 +544,23 @@ def _own_plan(model: Model, links: Links | None, *, timed: bool = True) -> Plan:
     )
 
 
-def _plan_for(model: Model, count: int, links: Links | None, op_costs: Mapping[str, float] | None) -> Plan:
-    from placement.planning.planner import auto_place
+def _plan_for(
+    model: Model,
+    count: int,
+    links: Links | None,
+    op_costs: Mapping[str, float] | None,
+    tensor_parallel: int | str | None = None,
+    throughput: Mapping[str, float] | None = None,
+    objective: str = "throughput",
+) -> Plan:
+    from placement.planning.planner import auto_place, unapplied_plan
 
     work = model.copy()
     _unplace(work)
-    return auto_place(work, devices=count, links=links, op_costs=op_costs)
+    if tensor_parallel is None and throughput is None:
+        return auto_place(work, devices=count, links=links, op_costs=op_costs)
+    options = dict(links=links, op_costs=op_costs, throughput=throughput, objective=objective)
+    return unapplied_plan(work, count, tensor_parallel=tensor_parallel or 1, **options)
 
 
 def _unplace(model: Model) -> None:

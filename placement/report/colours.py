@@ -11,7 +11,14 @@ import logging
 
 from placement.graph.device import Device, DeviceLike
 
-__all__ = ["device_colour", "DEVICE_PALETTE", "CPU_COLOUR", "COPY_EDGE_COLOUR", "STREAMED_COLOUR"]
+__all__ = [
+    "device_colour",
+    "DEVICE_PALETTE",
+    "CPU_COLOUR",
+    "COPY_EDGE_COLOUR",
+    "STREAMED_COLOUR",
+    "COLLECTIVE_COLOUR",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,10 @@ COPY_EDGE_COLOUR = "#d62728"
 
 #: Border of an op that reads weights streamed from the host every run.
 STREAMED_COLOUR = "#1f4fd6"
+
+
+#: Border of a tensor-parallel collective (an all-reduce or all-gather, drawn as a hexagon).
+COLLECTIVE_COLOUR = "#7b1fa2"
 
 
 def device_colour(device: DeviceLike) -> str:

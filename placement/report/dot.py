@@ -27,10 +27,11 @@ import onnx_ir as ir
 
 from placement.graph.device import Device
 from placement.graph.model import Model, value_nbytes
-from placement.graph.nodes import COPY_KEY, is_copy_node, node_device, node_scope
+from placement.graph.nodes import COPY_KEY, collective_tag, is_copy_node, node_device, node_scope
 from placement.graph.sizes import format_bytes
 from placement.planning.dims import planned_dims
-from placement.report.colours import COPY_EDGE_COLOUR, STREAMED_COLOUR, device_colour
+from placement.report.collectives import received_bytes
+from placement.report.colours import COLLECTIVE_COLOUR, COPY_EDGE_COLOUR, STREAMED_COLOUR, device_colour
 
 __all__ = ["DotBuilder", "scope_of"]
 
@@ -286,6 +287,11 @@ class DotBuilder:
         cls = f"op dev_{device.type}_{device.index if device.index is not None else 0}"
         stage_ids = sorted({stages[n.name] for n in nodes if n.name in stages})
         stage_text = f" stage {','.join(map(str, stage_ids))}" if stage_ids else ""
+        if all(collective_tag(n) is not None for n in nodes):
+            self._emit_collective(
+                g, box, nodes, device, cls, stage_text, title=info["name"] if collapsed else None
+            )
+            return
         if collapsed:
             scope = info["name"] or "(top level)"
             types: dict[str, int] = {}
@@ -327,6 +333,41 @@ class DotBuilder:
             **_streamed_style(bool(streamed)),
         )
 
+    def _emit_collective(
+        self,
+        g: Any,
+        box: str,
+        nodes: list[ir.Node],
+        device: Device,
+        cls: str,
+        stage_text: str,
+        *,
+        title: str | None,
+    ) -> None:
+        """A collective (or, collapsed, a scope's collectives on one device): a hexagon with a thick
+        border, labelled with the kind and the bytes of the value it makes."""
+        kinds: dict[str, int] = {}
+        for n in nodes:
+            kind = str((collective_tag(n) or {}).get("kind", "collective"))
+            kinds[kind] = kinds.get(kind, 0) + 1
+        nbytes = sum(int(value_nbytes(n.outputs[0], self.dims) or 0) for n in nodes if n.outputs)
+        read = sum(received_bytes(n, self.dims) for n in nodes)
+        what = ", ".join(k if c == 1 else f"{c} x {k}" for k, c in kinds.items()).replace("_", "-")
+        ids = sorted({str((collective_tag(n) or {}).get("id")) for n in nodes})
+        g.node(
+            box,
+            label=_label(*((title,) if title else ()), what, format_bytes(nbytes)),
+            shape="hexagon",
+            style="filled,bold",
+            fillcolor=device_colour(device),
+            color=COLLECTIVE_COLOUR,
+            penwidth="2.5",
+            tooltip=f"{what} on {device}{stage_text} (id {', '.join(ids[:10])}): "
+            f"{format_bytes(nbytes)} made, {format_bytes(read)} read from other devices per step",
+            id=box,
+            **{"class": cls + " collective"},
+        )
+
     def _groups(self, collapsed: bool, max_nodes: int) -> dict[int, tuple[str, Device, str, str]]:
         """Op -> (scope of its cluster, device, box key, box title)."""
         scopes = {id(n): scope_of(n) or "" for n in self.ops}
@@ -337,12 +378,12 @@ class DotBuilder:
         deepest = max((len(s.split(".")) for s in scopes.values() if s), default=0)
         best: dict[int, tuple[str, Device, str]] = {}
         for depth in range(0, deepest + 1):
-            keys: dict[tuple[str, Device], str] = {}
+            keys: dict[tuple[str, Device, bool], str] = {}
             trial: dict[int, tuple[str, Device, str]] = {}
             for n in self.ops:
                 scope = ".".join(scopes[id(n)].split(".")[:depth]) if scopes[id(n)] else ""
                 dev = self.device[id(n)]
-                box = keys.setdefault((scope, dev), f"g{len(keys)}")
+                box = keys.setdefault((scope, dev, collective_tag(n) is not None), f"g{len(keys)}")
                 trial[id(n)] = (scope, dev, box)
             if best and len(keys) > max_nodes:
                 break
@@ -378,6 +419,14 @@ class DotBuilder:
             f"copy between devices (blob, bytes per step); dotted: load-time values; "
             f"copies done once at load time: {static}</TD></TR>"
         )
+        collectives = [n for n in self.ops if collective_tag(n) is not None]
+        if collectives:
+            ids = {str((collective_tag(n) or {}).get("id")) for n in collectives}
+            rows.append(
+                f'<TR><TD COLSPAN="3" ALIGN="LEFT"><FONT COLOR="{COLLECTIVE_COLOUR}"><B>hexagon</B></FONT>: '
+                f"tensor-parallel collective (kind, bytes of its value): {len(ids)} collectives, "
+                f"{len(collectives)} nodes</TD></TR>"
+            )
         streamed = [n for n in self.model.graph if n.metadata_props.get(COPY_KEY) == "streamed"]
         if streamed:
             sources = [n.inputs[0] for n in streamed if n.inputs and n.inputs[0] is not None]

@@ -7,6 +7,8 @@
 * bar charts (matplotlib, embedded as PNG ``data:`` images) of time and memory per
   device, memory against each device's budget when a plan has budgets;
 * the bytes copied per step between each pair of devices (every cut);
+* the tensor-parallel collectives (:mod:`placement.report.collectives`): each all-reduce and
+  all-gather with its module, group, the bytes of its value and the bytes each device reads;
 * with a :class:`placement.Plan`: the planner's bottleneck against its lower bound
   (no placement can beat the bound) and its per-device predictions;
 * the graph picture of :func:`placement.report.draw.draw` as inline SVG (or the DOT
@@ -35,7 +37,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from placement.graph.model import Model, value_nbytes
 from placement.graph.nodes import COPY_KEY, node_device
 from placement.graph.sizes import format_bytes
 from placement.planning.dims import describe, planned_dims, stored_dims
+from placement.report.collectives import CollectiveRow, collective_rows, collectives_html
 from placement.report.colours import device_colour
 from placement.report.draw import Drawing, draw
 from placement.report.summary import Summary, summary
@@ -75,12 +78,14 @@ class Report:
         summary: the per-device table.
         drawing: the graph picture (its ``note`` says when Graphviz was missing).
         traffic: bytes copied per step, by (source device, target device).
+        collectives: the tensor-parallel collectives (empty without them).
     """
 
     path: Path
     summary: Summary
     drawing: Drawing
     traffic: dict[tuple[str, str], int]
+    collectives: list[CollectiveRow] = field(default_factory=list)
 
 
 def copy_traffic(model: Model, *, dims: Mapping[str, int] | None = None) -> dict[tuple[str, str], int]:
@@ -176,6 +181,9 @@ def write_report(
         "<h2>Bytes copied per step, per cut</h2>",
         _traffic_section(traffic),
     ]
+    collectives = collective_rows(model, dims=dims)
+    if collectives:
+        parts += ["<h2>Tensor-parallel collectives</h2>", collectives_html(collectives)]
     streamed = _streamed_section(model)
     if streamed:
         parts += ["<h2>Weights streamed from the host</h2>", streamed]
@@ -190,7 +198,7 @@ def write_report(
     parts.append("</body></html>")
     write_file(target, "\n".join(parts).encode("utf-8"))
     log.info("wrote the report to %s", target)
-    return Report(path=target, summary=report, drawing=drawing, traffic=traffic)
+    return Report(path=target, summary=report, drawing=drawing, traffic=traffic, collectives=collectives)
 
 
 # --- sections ---------------------------------------------------------------------
@@ -286,6 +294,12 @@ def _plan_section(plan: Any) -> str:
         f"{format_cost(plan.total_cost, kind)}; {format_bytes(plan.transfer_bytes)} copied per step "
         f"(cuts: {', '.join(format_bytes(b) for b in plan.cut_bytes) or 'none'}).</p>"
     ]
+    if getattr(plan, "tensor_parallel", None):
+        from placement.planning.plan import tp_headline
+
+        lines.append(
+            f"<p>{html.escape(tp_headline(plan).capitalize())}; stages: {html.escape(str(plan.groups))}.</p>"
+        )
     if not plan.fits:
         lines.append('<p class="bad">Some device exceeds its memory budget.</p>')
     head = "".join(

@@ -172,7 +172,13 @@ def test_bad_input_is_refused(causal_lm) -> None:
         pl.Generator(pl.from_torch(torch.nn.Linear(2, 2), (torch.randn(1, 2),)))
 
 
-def test_torch_runtime_pipelining_is_refused(causal_lm) -> None:
-    _, model = causal_lm("gpt2")
-    with pytest.raises(pl.InputError, match="runtime='ort'"):
-        pl.Generator(model, runtime="torch", chunks=2)
+def test_torch_runtime_pipelined_gives_the_tokens_of_one_chunk(causal_lm) -> None:
+    net, model = causal_lm("llama")
+    pl.auto_place(model, devices=2, cost="flops")
+    ids, mask = left_padded()
+    ids, mask = np.concatenate([ids, ids[::-1]]), np.concatenate([mask, mask[::-1]])
+    one = pl.generate(model, ids, attention_mask=mask, max_new_tokens=STEPS, runtime="torch")
+    generator = pl.Generator(model, runtime="torch", chunks=2)
+    assert len(generator.decoder.module.stages) >= 2  # split into stages, micro-batches in flight
+    np.testing.assert_array_equal(generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS), one)
+    np.testing.assert_array_equal(one, greedy_reference(net, ids, mask, STEPS))

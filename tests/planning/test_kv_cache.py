@@ -54,3 +54,34 @@ def test_bad_kv_cache_is_refused(llama: pl.Model) -> None:
     mlp = pl.from_torch(*pl.models.mlp.build("tiny"))
     with pytest.raises(pl.PlanError, match="KV cache"):
         pl.auto_place(mlp, devices=2, cost="flops", kv_cache=(1, 10))
+
+
+def test_plan_offload_counts_the_cache_where_its_layers_run(llama: pl.Model) -> None:
+    opts = {"cost": "flops", "links": "host", "apply": False, "workspace": "64KiB"}
+    free = pl.plan_offload(llama.copy(), {0: "1GiB", "cpu": "1GiB"}, **opts)
+    assert set(free.modes.values()) == {"resident"} and free.kv_cache_bytes() == (0, 0)
+    cache = sum(layer.bytes_for(16, 4096) for layer in kv_layers(llama))
+    # the whole model fits on the GPU without its cache, not with it
+    budget = free.gpu_bytes + cache // 2
+    assert pl.plan_offload(llama.copy(), {0: budget, "cpu": "1GiB"}, **opts).modes == free.modes
+    planned = pl.plan_offload(llama.copy(), {0: budget, "cpu": "1GiB"}, kv_cache=(16, 4096), **opts)
+    assert planned.fits and planned.kv_cache == (16, 4096)
+    on_gpu, on_host = planned.kv_cache_bytes()
+    assert on_gpu + on_host == cache and 0 < on_host and on_gpu <= budget
+    assert "host" in planned.modes.values()
+    assert planned.host_bytes >= on_host and planned.gpu_bytes <= budget
+    # nowhere to put it: the host's budget holds the weights only
+    tight = {0: budget, "cpu": free.host_bytes + sum(layer.param_bytes for layer in free.layers)}
+    assert pl.plan_offload(llama.copy(), tight, **opts).fits
+    with pytest.raises(pl.InfeasiblePlacementError, match="no offload plan fits"):
+        pl.plan_offload(llama.copy(), tight, kv_cache=(16, 4096), **opts)
+
+
+def test_auto_place_on_one_gpu_and_the_host_counts_the_cache(llama: pl.Model) -> None:
+    model = llama.copy()
+    plan = pl.auto_place(model, max_memory={0: "1GiB", "cpu": "1GiB"}, cost="flops", kv_cache=(16, 4096))
+    gpu, host = plan.devices
+    assert gpu.kv_cache_bytes + host.kv_cache_bytes == sum(
+        layer.bytes_for(16, 4096) for layer in kv_layers(llama)
+    )
+    assert gpu.memory >= gpu.kv_cache_bytes + gpu.param_bytes

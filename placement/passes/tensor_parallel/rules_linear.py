@@ -137,7 +137,10 @@ def _batch_operand(rw: Rewriter, value: ir.Value, out: Layout, rank: int, d: int
 def _columns(node: ir.Node, n: int, degree: int) -> tuple[tuple[int, ...], ...] | None:
     """The column plan of a column-parallel op, or None where it has fewer columns than devices
     (it stays whole)."""
-    parts = column_plan(node.outputs[0], n, degree)
+    try:
+        parts = column_plan(node.outputs[0], n, degree)
+    except InputError as error:
+        raise InputError(f"op {node.name!r} ({node.op_type}): {error}") from None
     if any(not p for p in parts) or (
         n < degree and all(len(p) == 1 for p in parts) and len(set(parts)) < degree
     ):

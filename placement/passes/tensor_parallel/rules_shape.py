@@ -264,7 +264,7 @@ def _reshape(rw: Rewriter, node: ir.Node) -> bool:
     if found is None:
         return False
     lay, _ = found
-    ins, outs = dims(node.inputs[0]), dims(node.outputs[0])
+    ins, outs = _named_dims(node.inputs[0]), _named_dims(node.outputs[0])
     if outs is None:
         return False
     mapped = _map_axis(ins, outs, lay)
@@ -287,14 +287,42 @@ def _relabel(rw: Rewriter, node: ir.Node, out: Layout) -> bool:
     return True
 
 
-def _map_axis(ins: list[int | None] | None, outs: list[int | None], lay: Layout) -> tuple[int, Layout] | None:
+def _named_dims(value: ir.Value) -> list[int | str | None] | None:
+    """The value's dims: an int, a symbolic dim's name (``"batch"``), or None for an unnamed
+    one; None when its rank is unknown."""
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else getattr(d, "value", None) for d in value.shape]
+
+
+def _extent(values: list[int | str | None]) -> tuple[int, tuple[str, ...]] | None:
+    """The number of elements spanned by ``values`` as (product of the static dims, the
+    symbolic names, sorted): equal extents span the same number for every size the symbols
+    take. None when a dim is unnamed (no extent can be compared)."""
+    total, names = 1, []
+    for v in values:
+        if isinstance(v, int):
+            total *= v
+        elif isinstance(v, str):
+            names.append(v)
+        else:
+            return None
+    return total, tuple(sorted(names))
+
+
+def _map_axis(
+    ins: list[int | str | None] | None, outs: list[int | str | None], lay: Layout
+) -> tuple[int, Layout] | None:
     """Where the shard of a reshape's input lands: the same axis, whole heads of a split one,
-    or a merge with the axes after it."""
+    or a merge with the axes after it. The axes before the shard must span the same extent in
+    and out (a dynamic batch matches by its symbol's name)."""
     if ins is None:
         return None
-    prefix = _product(ins[: lay.axis])
+    prefix = _extent(ins[: lay.axis])
+    if prefix is None:
+        return None
     for b in range(len(outs) + 1):
-        if _product(outs[:b]) == prefix and b < len(outs):
+        if _extent(outs[:b]) == prefix and b < len(outs):
             n, m = lay.size, outs[b]
             if not isinstance(m, int):
                 return None
@@ -315,7 +343,7 @@ def _map_axis(ins: list[int | None] | None, outs: list[int | None], lay: Layout)
     return None
 
 
-def _tail_is(outs: list[int | None], b: int, n: int) -> bool:
+def _tail_is(outs: list[int | str | None], b: int, n: int) -> bool:
     total = 1
     for v in outs[b:]:
         if not isinstance(v, int):
@@ -326,7 +354,7 @@ def _tail_is(outs: list[int | None], b: int, n: int) -> bool:
     return False
 
 
-def _merges(ins: list[int | None], axis: int, inner: int) -> bool:
+def _merges(ins: list[int | str | None], axis: int, inner: int) -> bool:
     total = 1
     for v in ins[axis + 1 :]:
         if not isinstance(v, int):

@@ -116,7 +116,8 @@ def split_stages(
     # Keep the numbering dense and in order.
     parts = sorted(set(assigned.values()))
     order = {s: k for k, s in enumerate(parts)}
-    split = split_module(module, module, lambda node: order[assigned[node]], keep_original_order=True)
+    staged, assigned = _in_stage_order(module, assigned)
+    split = split_module(staged, module, lambda node: order[assigned[node]], keep_original_order=True)
     stages: list[TorchStage] = []
     by_call: dict[str, TorchStage] = {}
     attrs: dict[str, Any] = {}
@@ -155,6 +156,28 @@ def split_stages(
             raise LoweringError(f"cannot pipeline a graph output that is not a tensor ({item!r})")
         keys.append(item.name)
     return stages, inputs, keys
+
+
+def _in_stage_order(
+    module: fx.GraphModule, assigned: Mapping[fx.Node, int]
+) -> tuple[fx.GraphModule, dict[fx.Node, int]]:
+    """A copy of ``module``'s graph (sharing its parameters) whose nodes run stage by stage, each
+    stage's nodes in their order, with the stages of the copy's nodes.
+
+    ``split_module(keep_original_order=True)`` emits the stages in the order the graph first
+    touches them; in the lowered graph a stage can be touched before a stage it reads from (a
+    cache's ``Shape`` on the device of its layer, read by the mask of every layer before it),
+    and the split then reads a value not made yet. The stages are numbered in topological
+    order and no node reads a later stage, so this order is a topological one too.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    ordered = [n for n in module.graph.nodes if n.op in ("placeholder", "get_attr")]
+    ordered += sorted((n for n in module.graph.nodes if n in assigned), key=lambda n: assigned[n])
+    ordered += [n for n in module.graph.nodes if n.op == "output"]
+    for node in ordered:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(module, graph), {env[n]: stage for n, stage in assigned.items()}
 
 
 def traced_stage(stage: TorchStage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:
