@@ -88,7 +88,6 @@ def test_a_decode_step_is_captured_once_and_replayed(causal_lm) -> None:
 def _decoder_without_mask() -> pl.Model:
     """A one-layer decoder taking only ``input_ids`` and its cache: attention over the whole
     cache, no mask, no positions."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
