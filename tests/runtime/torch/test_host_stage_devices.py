@@ -57,3 +57,22 @@ def test_host_stage_after_a_stage_on_another_gpu_than_the_current_one():
         out = module(emu.place(x.clone(), CUDA1))
         emu.check()
     torch.testing.assert_close(out, net(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("executor", ["inline", "threads"])
+@pytest.mark.parametrize("defer", [False, True])
+def test_gpu_then_host_one_f_one_b(executor, defer):
+    """1F1B over a GPU stage and a host stage: the input gradient the host stage copies back
+    to the GPU is waited for before the GPU stage reads it; gradients equal the unsplit module."""
+    module, net, (x,) = _module([CUDA0, HOST], executor=executor, chunks=2)
+    with StreamEmulator() as emu:
+        loss = module.train_step(
+            emu.place(x.clone(), CUDA0), loss_fn=lambda out: out.square().mean(), defer_weights=defer
+        )
+        [p.grad.sum() for p in module.parameters()]
+        emu.check()
+    torch.testing.assert_close(loss.detach(), net(x).square().mean().detach(), atol=1e-6, rtol=1e-5)
+    net.zero_grad()
+    net(x).square().mean().backward()
+    for got, want in zip(module.parameters(), net.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-4)
