@@ -211,6 +211,14 @@ class TorchDecoder:
                 ", not as CUDA graphs" if cuda_graphs else "",
             )  # fmt: skip
             return None
+        missing = [name for name in ("attention_mask", "position_ids") if name not in self.inputs]
+        if missing:  # a step over the whole buffer needs the mask to hide the unwritten positions,
+            # and positions that do not come from the past's length (the buffer's, there)
+            log.warning(
+                "the model takes no %s: decode steps run with growing shapes%s",
+                " or ".join(missing), ", not as CUDA graphs" if cuda_graphs else "",
+            )  # fmt: skip
+            return None
         capture = cuda_graphs and len(devices) == 1
         if cuda_graphs and not capture:
             log.warning("cuda_graphs: a decode step is captured on one GPU; on %s it runs eagerly", devices)
