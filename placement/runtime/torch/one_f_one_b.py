@@ -87,7 +87,7 @@ from placement.runtime.torch.stage_exec import (
     stage_name,
     static_grads,
     trainable_params,
-    wait_for,
+    wait_for_stage,
     worker_context,
     write_grads,
 )
@@ -480,7 +480,7 @@ class _StageLoop:
         (its activations are never held across other work, so they are never recomputed)."""
         stage, shared = self.stage, self.shared
         env = self.forward_ready.pop(i)
-        wait_for(env)
+        wait_for_stage(env, stage.device)
         args = stage_args(stage, env, shared.tracked)
         if self.last:
             with torch.enable_grad():
@@ -534,7 +534,7 @@ class _StageLoop:
         now or deferred; the input gradients go to the stage before. On the last stage it
         starts from ``loss`` (``saved`` its forward's), elsewhere from the gradients in ``genv``."""
         shared, stage = self.shared, self.stage
-        wait_for(genv)
+        wait_for_stage(genv, stage.device)
         args, outs = saved if saved is not None else self.saved.pop(i)
         params = shared.params[self.j]
         leaf_keys = [k for k, leaf in (leaves or {}).items() if leaf.requires_grad]

@@ -118,6 +118,7 @@ from placement.runtime.torch.stage_exec import (
     trainable_params,
     value_devices,
     wait_for,
+    wait_for_stage,
     worker_context,
 )
 from placement.runtime.torch.stage_graphs import graph_stages
@@ -450,7 +451,7 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any], executor: str)
 
     def make(stage: TorchStage) -> Any:
         def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
-            wait_for(env)
+            wait_for_stage(env, stage.device)
             env.update(call_stage(stage, stage_args(stage, env)))
             signal(env, stage.device)
             return env
@@ -499,7 +500,7 @@ class _PipelineFunction(torch.autograd.Function):
 
         def make(stage: TorchStage) -> Any:
             def fn(i: int, env: dict[str, Any]) -> dict[str, Any]:
-                wait_for(env)
+                wait_for_stage(env, stage.device)
                 args = stage_args(stage, env, tracked)
                 keep = keeps_activations(module.checkpoint, i, n_mb)
                 outs, saved = forward_for_backward(stage, args, keep)
@@ -540,7 +541,7 @@ class _PipelineFunction(torch.autograd.Function):
             params = trainable_params(stage)
 
             def fn(i: int, genv: dict[str, Any]) -> dict[str, Any]:
-                wait_for(genv)
+                wait_for_stage(genv, stage.device)
                 args, outs = run.saved.pop((stage.index, i))
                 with autocast_like(run.casts):
                     outputs, seeds, arg_slots = backward_operands(stage, args, outs, genv, params, run.stats)

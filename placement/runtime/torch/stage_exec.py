@@ -71,6 +71,7 @@ __all__ = [
     "trainable_params",
     "value_devices",
     "wait_for",
+    "wait_for_stage",
     "worker_context",
     "write_grads",
 ]
@@ -235,6 +236,17 @@ def wait_for(env: dict[str, Any], *devices: torch.device) -> None:
         wait_event(current_stream(device), event)
 
 
+def wait_for_stage(env: dict[str, Any], device: torch.device) -> None:
+    """:func:`wait_for` as a stage on ``device`` needs it: a stage with streams waits on its
+    current stream; a host stage on this thread's current stream of every stream device its
+    values live on, since its copies of them to the host run there (a value on ``cuda:1``
+    read by a host stage whose current device is ``cuda:0``)."""
+    if has_streams(device):
+        wait_for(env)
+    else:
+        wait_for(env, *value_devices([env]))
+
+
 def value_devices(envs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[torch.device]:
     """The stream devices the tensors under ``keys`` (all keys when None) of ``envs`` live on,
     each once, in order of first appearance."""
@@ -346,9 +358,8 @@ def stage_args(
     requires grad where ``tracked(key)``."""
     if tracked is None:
         args = [stage.consts[a] if a in stage.consts else env[a] for a in stage.args]
-        if has_streams(stage.device):
-            for arg in args:
-                hand_over(arg)
+        for arg in args:  # a host stage's copies of GPU values to the host read them there too
+            hand_over(arg)
         return args
     return [stage.consts[a] if a in stage.consts else detached(env[a], tracked(a)) for a in stage.args]
 

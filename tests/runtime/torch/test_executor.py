@@ -154,14 +154,15 @@ def test_every_hand_over_carries_its_producers_event(monkeypatch, executor):
         recorded.append(event)
         env["__event__"] = event
 
-    def wait_for(env):
+    def wait_for(env, *devices):
         event = env.pop("__event__", None)
         if event is not None:
             waited.append(event)
 
     for module in (one_f_one_b, pipelined):
         monkeypatch.setattr(module, "signal", signal)
-        monkeypatch.setattr(module, "wait_for", wait_for)
+        monkeypatch.setattr(module, "wait_for_stage", wait_for)
+    monkeypatch.setattr(pipelined, "wait_for", wait_for)  # the join's
     model, _, (x,) = placed_zoo("mlp")
     piped = pl.to_torch(model, device_map="cpu", chunks=3, executor=executor)
     piped.train_step(x, loss_fn=_loss)

@@ -44,14 +44,9 @@ def test_gpu_then_host_training_on_the_current_device(executor):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a host stage's wait_for(env) waits on the current device's stream (cuda:0) only: its "
-    "read of a GPU input on cuda:1 (the copy to the host, on cuda:1's current stream) is not "
-    "ordered after the cuda:1 stage that made it",
-)
 def test_host_stage_after_a_stage_on_another_gpu_than_the_current_one():
+    """A host stage waits on the stream of the device its GPU input lives on (cuda:1), not only
+    on the current device's (cuda:0): its copy to the host runs there."""
     module, net, (x,) = _module([CUDA1, HOST], executor="inline", chunks=2)
     with StreamEmulator() as emu, torch.no_grad():
         out = module(emu.place(x.clone(), CUDA1))

@@ -116,15 +116,12 @@ def test_one_f_one_b_losses_from_host_inputs(executor):
 
 def test_mutation_stage_without_wait_is_a_race(monkeypatch):
     module, _, (x,) = _module(TWO_GPUS, executor="inline")
-    real = pipelined.wait_for
     calls = []
 
-    def skip_stage_waits(env, *devices):  # the stages' waits vanish; the join keeps its own
-        if devices:
-            return real(env, *devices)
+    def skip_stage_waits(env, device):  # the stages' waits vanish; the join keeps its own
         calls.append(env.pop("__event__", None))
 
-    monkeypatch.setattr(pipelined, "wait_for", skip_stage_waits)
+    monkeypatch.setattr(pipelined, "wait_for_stage", skip_stage_waits)
     with StreamEmulator() as emu, torch.no_grad():
         module(emu.place(x.clone(), CUDA0))
         with pytest.raises(AssertionError, match="before any wait"):
