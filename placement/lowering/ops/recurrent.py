@@ -234,6 +234,34 @@ def _gru_step(
     return step
 
 
+def _lstm_cell(
+    gates: Tensor,
+    c: Tensor,
+    peephole: tuple[Tensor | None, Tensor | None, Tensor | None],
+    bias: Tensor | None,
+    act: list[Activation],
+    clip: Callable[[Tensor], Tensor],
+    input_forget: bool,
+) -> tuple[Tensor, Tensor]:
+    """One LSTM step from the summed products ``gates`` (``iofc``) and the cell ``c``:
+    peephole terms, then ``bias`` when given, ``clip`` and the activations; ``(H, C)``."""
+    f, g, h_act = act
+    p_i, p_o, p_f = peephole
+    i, o, fg, cell = gates.chunk(4, -1)
+    if p_i is not None:
+        i = i + p_i * c
+        fg = fg + p_f * c
+    if bias is not None:
+        b_i, b_o, b_f, b_c = bias.chunk(4)
+        i, o, fg, cell = i + b_i, o + b_o, fg + b_f, cell + b_c
+    i = f(clip(i))
+    fg = 1 - i if input_forget else f(clip(fg))
+    c_new = fg * c + i * g(clip(cell))
+    if p_o is not None:
+        o = o + p_o * c_new
+    return f(clip(o)) * h_act(c_new), c_new
+
+
 def _lstm_step(
     R: Tensor,
     P: Tensor | None,
@@ -241,21 +269,11 @@ def _lstm_step(
     clip: Callable[[Tensor], Tensor],
     input_forget: bool,
 ) -> Callable[..., Any]:
-    f, g, h_act = act
-    p_i, p_o, p_f = P.chunk(3) if P is not None else (None, None, None)
+    peephole = P.chunk(3) if P is not None else (None, None, None)
 
     def step(xw: Tensor, states: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         h, c = states
-        i, o, fg, cell = (xw + h @ R.t()).chunk(4, -1)
-        if p_i is not None:
-            i = i + p_i * c
-            fg = fg + p_f * c
-        i = f(clip(i))
-        fg = 1 - i if input_forget else f(clip(fg))
-        c_new = fg * c + i * g(clip(cell))
-        if p_o is not None:
-            o = o + p_o * c_new
-        return f(clip(o)) * h_act(c_new), c_new
+        return _lstm_cell(xw + h @ R.t(), c, peephole, None, act, clip, input_forget)
 
     return step
 
