@@ -115,7 +115,9 @@ def average_pool(
     """ONNX AveragePool (1-3 spatial dims, ``count_include_pad``, asymmetric pads, dilations)."""
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
-    dilated = _dilated_sums(X, X, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad)
+    dilated = _dilated_sums(
+        X, X, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad
+    )
     if dilated is not None:
         return dilated[0] / dilated[1]
     p = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
