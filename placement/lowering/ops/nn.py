@@ -104,7 +104,9 @@ def batch_normalization(
     axes = [d for d in range(X.dim()) if d != 1]
     mean = X.mean(axes)
     var = X.var(axes, correction=0)
-    y = F.batch_norm(X, mean, var, scale, B, False, 0.0, epsilon)
+    shape = [1, -1] + [1] * (X.dim() - 2)
+    y = (X - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + epsilon) * scale.reshape(shape)
+    y = y + B.reshape(shape)
     if num_outputs == 1:
         return y
     running_mean = input_mean * momentum + mean * (1 - momentum)
