@@ -134,3 +134,41 @@ def test_tree_ensemble_refusals_name_the_op() -> None:
     model = pl.load(helper.make_model(graph, opset_imports=opsets, ir_version=8))
     with pytest.raises(pl.LoweringError, match="TreeEnsembleRegressor.*MIN"):
         pl.to_torch(model, device_map="cpu")(torch.from_numpy(_tree_input()))
+
+
+@pytest.mark.parametrize(("aggregate", "transform"), [(1, 0), (0, 0), (1, 2)])
+def test_opset5_tree_ensemble_matches_ort(aggregate: int, transform: int) -> None:
+    # tree 0: x0 <= 0.25 ? (x2 in {1, 2} ? leaf 0 : leaf 1) : leaf 2; tree 1: x1 < 0.1 ? leaf 3 : leaf 4
+    node = helper.make_node(
+        "TreeEnsemble", ["X"], ["Y"], domain="ai.onnx.ml",
+        nodes_featureids=[0, 2, 1], nodes_modes=numpy_helper.from_array(np.array([0, 6, 1], np.uint8)),
+        nodes_splits=numpy_helper.from_array(np.array([0.25, 0.0, 0.1], np.float32)),
+        nodes_truenodeids=[1, 0, 3], nodes_trueleafs=[0, 1, 1],
+        nodes_falsenodeids=[2, 1, 4], nodes_falseleafs=[1, 1, 1],
+        nodes_missing_value_tracks_true=[1, 0, 0],
+        membership_values=numpy_helper.from_array(np.array([1.0, 2.0, np.nan], np.float32)),
+        tree_roots=[0, 2], leaf_targetids=[0, 1, 0, 1, 0],
+        leaf_weights=numpy_helper.from_array(np.array([1.5, -2.0, 0.25, 3.0, -0.5], np.float32)),
+        n_targets=2, aggregate_function=aggregate, post_transform=transform,
+    )  # fmt: skip
+    x = _tree_input()
+    x[3:6, 2] = [1.0, 2.0, 3.0]  # members and not
+    graph = helper.make_graph(
+        [node],
+        "trees",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 2])],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("ai.onnx.ml", 5)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - an ONNX Runtime without ai.onnx.ml opset 5
+        pytest.skip(f"ONNX Runtime lacks TreeEnsemble: {err}")
+    want = session.run(None, {"X": x})[0]
+    if transform:  # ORT reads the codes 1/2 swapped against the specification: refused
+        with pytest.raises(pl.LoweringError, match="TreeEnsemble: post_transform=2"):
+            pl.to_torch(pl.load(model), device_map="cpu")(torch.from_numpy(x))
+        return
+    got = pl.to_torch(pl.load(model), device_map="cpu")(torch.from_numpy(x))
+    np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-6, atol=1e-6)

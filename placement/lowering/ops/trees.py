@@ -38,7 +38,16 @@ from placement.errors import LoweringError
 from placement.lowering.ops._registry import Tensor, op
 
 _DOMAIN = "ai.onnx.ml"
-_MODES = ("LEAF", "BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ")
+_MODES = (
+    "LEAF",
+    "BRANCH_LEQ",
+    "BRANCH_LT",
+    "BRANCH_GTE",
+    "BRANCH_GT",
+    "BRANCH_EQ",
+    "BRANCH_NEQ",
+    "BRANCH_MEMBER",
+)
 _TRANSFORMS = ("NONE", "LOGISTIC", "SOFTMAX")
 
 
@@ -47,87 +56,112 @@ def _text(value: Any) -> str:
 
 
 class _Forest:
-    """The node arrays of an ensemble, indexed by global node number."""
+    """The nodes of an ensemble as flat arrays indexed by global node number: mode (an index
+    into ``_MODES``, 0 a leaf, 7 set membership), children, feature, value, and per leaf the
+    weights of every target."""
 
-    def __init__(self, op_type: str, nodes: dict[str, Sequence[Any]], n_targets: int) -> None:
-        self.op_type = op_type
-        trees, ids = list(nodes["treeids"]), list(nodes["nodeids"])
-        count = len(ids)
-        for key, values in nodes.items():
-            if values is not None and len(values) != count:
-                raise LoweringError(f"{op_type}: nodes_{key} has {len(values)} entries, not {count}")
-        self.index = {(t, n): i for i, (t, n) in enumerate(zip(trees, ids))}
-        modes = [_text(m) for m in nodes["modes"]]
-        unknown = sorted(set(modes) - set(_MODES))
-        if unknown:
-            raise LoweringError(f"{op_type}: node modes {unknown} are not known")
-        self.modes = [_MODES.index(m) for m in modes]
-        self.true = [
-            self._child(t, c) if m else i
-            for i, (t, c, m) in enumerate(zip(trees, nodes["truenodeids"], self.modes))
-        ]
-        self.false = [
-            self._child(t, c) if m else i
-            for i, (t, c, m) in enumerate(zip(trees, nodes["falsenodeids"], self.modes))
-        ]
-        children = {c for i, c in enumerate(self.true + self.false) if self.modes[i % count]}
-        self.roots = sorted({trees[i]: i for i in reversed(range(count)) if i not in children}.values())
-        self.tree_count = len(set(trees))
-        if len(self.roots) != self.tree_count:
-            raise LoweringError(f"{op_type}: the nodes do not form {self.tree_count} trees")
+    def __init__(
+        self,
+        op_type: str,
+        modes: list[int],
+        children: tuple[list[int], list[int]],
+        roots: list[int],
+        features: list[int],
+        values: list[float],
+        missing_true: list[bool],
+        n_targets: int,
+        members: list[list[float]] | None = None,
+    ) -> None:
+        self.op_type, self.modes, self.roots = op_type, modes, roots
+        self.true, self.false = children
+        self.features, self.values, self.missing_true = features, values, missing_true
+        self.n_targets, self.members = n_targets, members
+        self.tree_count = len(roots)
+        self.leaf_weights = [[0.0] * n_targets for _ in modes]
         self.depth = self._depth()
-        self.features = list(nodes["featureids"])
-        self.values = [float(v) for v in nodes["values"]]
-        self.missing_true = [bool(v) for v in (nodes.get("missing_value_tracks_true") or [0] * count)]
-        self.n_targets = n_targets
-        self.leaf_weights = [[0.0] * n_targets for _ in range(count)]
-
-    def _child(self, tree: int, node: int) -> int:
-        if (tree, node) not in self.index:
-            raise LoweringError(f"{self.op_type}: tree {tree} has no node {node}")
-        return self.index[(tree, node)]
 
     def _depth(self) -> int:
         depth, level = 0, list(self.roots)
         while level:
             level = [c for i in level if self.modes[i] for c in (self.true[i], self.false[i])]
             depth += 1
-            if depth > len(self.modes):
+            if depth > len(self.modes) + 1:
                 raise LoweringError(f"{self.op_type}: the trees have a cycle")
         return depth
 
-    def add_weights(
-        self, treeids: Sequence[int], nodeids: Sequence[int], ids: Sequence[int], weights: Sequence[float]
-    ) -> None:
-        for t, n, k, w in zip(treeids, nodeids, ids, weights, strict=True):
-            if not 0 <= k < self.n_targets:
-                raise LoweringError(f"{self.op_type}: target {k} is outside 0..{self.n_targets - 1}")
-            self.leaf_weights[self._child(t, n)][k] += float(w)
+    def add_weight(self, leaf: int, target: int, weight: float) -> None:
+        if not 0 <= target < self.n_targets:
+            raise LoweringError(f"{self.op_type}: target {target} is outside 0..{self.n_targets - 1}")
+        self.leaf_weights[leaf][target] += float(weight)
 
-    def scores(self, X: Tensor) -> Tensor:
-        """The per-tree leaf weights summed over trees: ``[N, n_targets]``, float32."""
+    def scores(self, X: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The per-tree leaf weights summed over trees: ``[N, n_targets]`` in ``dtype``."""
         x = X.reshape(X.shape[0], -1) if X.dim() != 1 else X.reshape(1, -1)
-        device, dtype = x.device, x.dtype if x.dtype.is_floating_point else torch.float32
-        x = x.to(dtype)
+        device = x.device
+        x = x.to(x.dtype if x.dtype.is_floating_point else torch.float32)
 
         def tensor(values: Sequence[Any], kind: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=kind, device=device)
 
         modes, feats = tensor(self.modes, torch.int64), tensor(self.features, torch.int64)
-        values, missing = tensor(self.values, torch.float32).to(dtype), tensor(self.missing_true, torch.bool)
+        values, missing = tensor(self.values, dtype).to(x.dtype), tensor(self.missing_true, torch.bool)
         true, false = tensor(self.true, torch.int64), tensor(self.false, torch.int64)
+        sets = None
+        if self.members:
+            width = max(1, max(len(m) for m in self.members))
+            padded = [m + [float("nan")] * (width - len(m)) for m in self.members]
+            sets = tensor(padded, dtype).to(x.dtype)
         node = tensor(self.roots, torch.int64).expand(x.shape[0], -1)
         for _ in range(self.depth):
             v = x.gather(1, feats[node])
-            t = values[node]
-            m = modes[node]
-            cmp = torch.stack([v <= t, v <= t, v < t, v >= t, v > t, v == t, v != t]).gather(
-                0, m.unsqueeze(0)
-            )[0]
-            go = cmp | (torch.isnan(v) & missing[node])
+            t, m = values[node], modes[node]
+            member = (v.unsqueeze(-1) == sets[node]).any(-1) if sets is not None else v != v
+            tests = torch.stack([v <= t, v <= t, v < t, v >= t, v > t, v == t, v != t, member])
+            go = tests.gather(0, m.unsqueeze(0))[0] | (torch.isnan(v) & missing[node])
             node = torch.where(m == 0, node, torch.where(go, true[node], false[node]))
-        weights = tensor(self.leaf_weights, torch.float32)
-        return weights[node].sum(1)
+        return tensor(self.leaf_weights, dtype)[node].sum(1)
+
+
+def _forest_v3(
+    op_type: str, nodes: dict[str, Sequence[Any]], n_targets: int
+) -> tuple[_Forest, dict[Any, int]]:
+    """The forest of opset-3 attributes (nodes named by tree and node id) and that naming."""
+    trees, ids = list(nodes["treeids"]), list(nodes["nodeids"])
+    count = len(ids)
+    for key, values in nodes.items():
+        if values is not None and len(values) != count:
+            raise LoweringError(f"{op_type}: nodes_{key} has {len(values)} entries, not {count}")
+    index = {(t, n): i for i, (t, n) in enumerate(zip(trees, ids))}
+    names = [_text(m) for m in nodes["modes"]]
+    unknown = sorted(set(names) - set(_MODES[:7]))
+    if unknown:
+        raise LoweringError(f"{op_type}: node modes {unknown} are not known")
+    modes = [_MODES.index(m) for m in names]
+
+    def child(tree: int, node: int) -> int:
+        if (tree, node) not in index:
+            raise LoweringError(f"{op_type}: tree {tree} has no node {node}")
+        return index[(tree, node)]
+
+    true = [child(t, c) if m else i for i, (t, c, m) in enumerate(zip(trees, nodes["truenodeids"], modes))]
+    false = [child(t, c) if m else i for i, (t, c, m) in enumerate(zip(trees, nodes["falsenodeids"], modes))]
+    children = {c for i in range(count) if modes[i] for c in (true[i], false[i])}
+    roots = sorted({trees[i]: i for i in reversed(range(count)) if i not in children}.values())
+    if len(roots) != len(set(trees)):
+        raise LoweringError(f"{op_type}: the nodes do not form {len(set(trees))} trees")
+    missing = [bool(v) for v in (nodes.get("missing_value_tracks_true") or [0] * count)]
+    values = [float(v) for v in nodes["values"]]
+    forest = _Forest(
+        op_type, modes, (true, false), roots, list(nodes["featureids"]), values, missing, n_targets
+    )
+    return forest, index
+
+
+def _add_weights(forest: _Forest, index: dict[Any, int], entries: Sequence[Sequence[Any]]) -> None:
+    for t, n, k, w in zip(*entries, strict=True):
+        if (t, n) not in index:
+            raise LoweringError(f"{forest.op_type}: tree {t} has no node {n}")
+        forest.add_weight(index[(t, n)], k, w)
 
 
 def _nodes(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -176,8 +210,9 @@ def tree_ensemble_regressor(
     aggregate = _text(aggregate_function)
     if aggregate not in ("SUM", "AVERAGE"):
         raise LoweringError(f"TreeEnsembleRegressor: aggregate_function={aggregate!r} is not supported")
-    forest = _Forest("TreeEnsembleRegressor", _nodes(local), int(n_targets))
-    forest.add_weights(target_treeids or [], target_nodeids or [], target_ids or [], target_weights or [])
+    forest, index = _forest_v3("TreeEnsembleRegressor", _nodes(local), int(n_targets))
+    entries = [target_treeids or [], target_nodeids or [], target_ids or [], target_weights or []]
+    _add_weights(forest, index, entries)
     scores = forest.scores(X).float()
     if aggregate == "AVERAGE":
         scores = scores / forest.tree_count
@@ -220,8 +255,9 @@ def tree_ensemble_classifier(
             f"TreeEnsembleClassifier: the weights score {len(set(class_ids or []))} of {len(labels)} classes "
             "(ONNX Runtime's binary special case is not lowered)"
         )
-    forest = _Forest("TreeEnsembleClassifier", _nodes(local), len(labels))
-    forest.add_weights(class_treeids or [], class_nodeids or [], class_ids or [], class_weights or [])
+    forest, index = _forest_v3("TreeEnsembleClassifier", _nodes(local), len(labels))
+    entries = [class_treeids or [], class_nodeids or [], class_ids or [], class_weights or []]
+    _add_weights(forest, index, entries)
     raw = forest.scores(X).float()
     if base_values:
         raw = raw + torch.tensor(list(base_values), dtype=raw.dtype, device=raw.device)
@@ -230,4 +266,100 @@ def tree_ensemble_classifier(
     return label if num_outputs == 1 else (label, scores)
 
 
-__all__ = ["tree_ensemble_classifier", "tree_ensemble_regressor"]
+def _values(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else list(value)
+
+
+def _forest_v5(attrs: dict[str, Any], n_targets: int) -> _Forest:
+    """The forest of opset-5 attributes: nodes ``0..n-1``, then the leaves."""
+    modes = [int(m) + 1 for m in _values(attrs["nodes_modes"])]
+    count, leaves = len(modes), len(_values(attrs["leaf_targetids"]))
+    if any(not 1 <= m <= 7 for m in modes):
+        raise LoweringError("TreeEnsemble: nodes_modes holds a mode outside 0..6")
+
+    def child(ids: str, is_leaf: str) -> list[int]:
+        flags = _values(attrs[is_leaf]) or [0] * count
+        return [int(c) + (count if f else 0) for c, f in zip(_values(attrs[ids]), flags, strict=True)]
+
+    true, false = (
+        child("nodes_truenodeids", "nodes_trueleafs"),
+        child("nodes_falsenodeids", "nodes_falseleafs"),
+    )
+    if any(not 0 <= c < count + leaves for c in true + false):
+        raise LoweringError("TreeEnsemble: a child id is outside the nodes and leaves")
+    sets: list[list[float]] = [[]]
+    for v in _values(attrs.get("membership_values")):
+        if v != v:
+            sets.append([])
+        else:
+            sets[-1].append(float(v))
+    member_sets = iter(sets)
+    members = [next(member_sets, []) if m == 7 else [] for m in modes] + [[] for _ in range(leaves)]
+    missing = [bool(v) for v in _values(attrs.get("nodes_missing_value_tracks_true"))] or [False] * count
+    forest = _Forest(
+        "TreeEnsemble",
+        modes + [0] * leaves,
+        (true + list(range(count, count + leaves)), false + list(range(count, count + leaves))),
+        [int(r) for r in _values(attrs["tree_roots"])],
+        [int(f) for f in _values(attrs["nodes_featureids"])] + [0] * leaves,
+        [float(v) for v in _values(attrs["nodes_splits"])] + [0.0] * leaves,
+        missing + [False] * leaves,
+        n_targets,
+        members if 7 in modes else None,
+    )
+    for leaf, (k, w) in enumerate(
+        zip(_values(attrs["leaf_targetids"]), _values(attrs["leaf_weights"]), strict=True)
+    ):
+        forest.add_weight(count + leaf, int(k), w)
+    return forest
+
+
+@op("TreeEnsemble", domain=_DOMAIN)
+def tree_ensemble(
+    X: Tensor,
+    *,
+    aggregate_function: int = 1,
+    leaf_targetids: Sequence[int] | None = None,
+    leaf_weights: Tensor | None = None,
+    membership_values: Tensor | None = None,
+    n_targets: int | None = None,
+    nodes_falseleafs: Sequence[int] | None = None,
+    nodes_falsenodeids: Sequence[int] | None = None,
+    nodes_featureids: Sequence[int] | None = None,
+    nodes_hitrates: Tensor | None = None,
+    nodes_missing_value_tracks_true: Sequence[int] | None = None,
+    nodes_modes: Tensor | None = None,
+    nodes_splits: Tensor | None = None,
+    nodes_trueleafs: Sequence[int] | None = None,
+    nodes_truenodeids: Sequence[int] | None = None,
+    post_transform: int = 0,
+    tree_roots: Sequence[int] | None = None,
+) -> Tensor:
+    """ONNX-ML TreeEnsemble (opset 5; modes ``LEQ, LT, GTE, GT, EQ, NEQ, MEMBER`` as 0-6):
+    ``[N, n_targets]`` in ``X``'s type, ``SUM`` or ``AVERAGE`` over trees, no post-transform."""
+    attrs = dict(locals())
+    required = ("leaf_targetids", "leaf_weights", "n_targets", "nodes_falsenodeids", "nodes_featureids",
+                "nodes_modes", "nodes_splits", "nodes_truenodeids", "tree_roots")  # fmt: skip
+    absent = [k for k in required if attrs[k] is None]
+    if absent:
+        raise LoweringError(f"TreeEnsemble: attribute {absent[0]} is required")
+    if int(aggregate_function) not in (0, 1):
+        raise LoweringError(
+            f"TreeEnsemble: aggregate_function={aggregate_function} (MIN/MAX) is not supported"
+        )
+    if int(post_transform) != 0:  # ONNX names 1 SOFTMAX and 2 LOGISTIC; ORT applies them swapped
+        raise LoweringError(
+            f"TreeEnsemble: post_transform={post_transform} is not supported (ONNX Runtime and the "
+            "ONNX specification disagree on its codes)"
+        )
+    forest = _forest_v5(attrs, int(n_targets))  # type: ignore[arg-type]
+    dtype = X.dtype if X.dtype.is_floating_point else torch.float32
+    scores = forest.scores(X, dtype)
+    if int(aggregate_function) == 0:
+        scores = scores / forest.tree_count
+    return scores
+
+
+__all__ = ["tree_ensemble", "tree_ensemble_classifier", "tree_ensemble_regressor"]
