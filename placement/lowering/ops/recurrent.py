@@ -442,9 +442,14 @@ def _run_fused(
     return [Y, *out[1:]]
 
 
-def _attrs(**kwargs: Any) -> dict[str, Any]:
-    defaults = {"linear_before_reset": 0, "input_forget": 0}
-    return {**defaults, **kwargs}
+_ATTRS = ("activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size", "layout")
+
+
+def _attrs(values: dict[str, Any]) -> dict[str, Any]:
+    """The recurrent attributes among a rule's arguments (``locals()``), with the defaults of
+    those only GRU (``linear_before_reset``) and LSTM (``input_forget``) have."""
+    picked = {k: values[k] for k in (*_ATTRS, "linear_before_reset", "input_forget") if k in values}
+    return {"linear_before_reset": 0, "input_forget": 0, **picked}
 
 
 @op("RNN", check=_check("RNN"))
@@ -466,15 +471,7 @@ def rnn(
     num_outputs: int = 2,
 ) -> Any:
     """ONNX RNN: ``H_t = f(X_t W^T + H_{t-1} R^T + Wb + Rb)``; outputs ``Y``, ``Y_h``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-    )
+    attrs = _attrs(locals())
     return _recurrent("RNN", X, W, R, B, sequence_lens, [initial_h], None, attrs, num_outputs)
 
 
@@ -498,16 +495,7 @@ def gru(
     num_outputs: int = 2,
 ) -> Any:
     """ONNX GRU (gates ``zrh``): outputs ``Y``, ``Y_h``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-        linear_before_reset=linear_before_reset,
-    )
+    attrs = _attrs(locals())
     return _recurrent("GRU", X, W, R, B, sequence_lens, [initial_h], None, attrs, num_outputs)
 
 
@@ -533,14 +521,5 @@ def lstm(
     num_outputs: int = 3,
 ) -> Any:
     """ONNX LSTM (gates ``iofc``, peepholes ``iof``): outputs ``Y``, ``Y_h``, ``Y_c``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-        input_forget=input_forget,
-    )
+    attrs = _attrs(locals())
     return _recurrent("LSTM", X, W, R, B, sequence_lens, [initial_h, initial_c], P, attrs, num_outputs)
