@@ -43,6 +43,7 @@ from placement.graph.output_names import rename_outputs, structure_names
 __all__ = [
     "CONSTANTS_KEY",
     "COUNTERS_KEY",
+    "CUMULATIVE_KEY",
     "EXPORTER_KEY",
     "MODE_MODULES_KEY",
     "TRAINING_KEY",
@@ -72,6 +73,9 @@ MODE_MODULES_KEY = "placement.mode_modules"
 #: Model metadata key of a training export: BatchNorm module path -> its ``num_batches_tracked``
 #: (JSON), so the lowered module keeps and counts that buffer under the module's name.
 COUNTERS_KEY = "placement.batch_counters"
+#: Model metadata key of a training export: the paths of the BatchNorm modules with
+#: ``momentum=None`` (a cumulative moving average, ``1 / num_batches_tracked``), as JSON.
+CUMULATIVE_KEY = "placement.cumulative_batchnorms"
 _EXPORTERS = ("auto", "dynamo", "torchscript")
 
 log = logging.getLogger(__name__)
@@ -290,6 +294,9 @@ def _mark_mode(ir_model: Any, module: Any, training: bool) -> None:
         }
         if counters:
             ir_model.metadata_props[COUNTERS_KEY] = json.dumps(counters)
+        cumulative = [name for name in counters if getattr(module.get_submodule(name), "momentum", 0) is None]
+        if cumulative:
+            ir_model.metadata_props[CUMULATIVE_KEY] = json.dumps(cumulative)
         return
     layers = sorted({type(m).__name__ for m in module.modules() if _MODE_LAYERS.search(type(m).__name__)})
     if layers:

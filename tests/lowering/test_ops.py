@@ -197,6 +197,13 @@ CASES: list[tuple[str, list[Any], dict[str, Any], int]] = [
     ("LayerNormalization", [f32(2, 3, 4), f32(3, 4), f32(3, 4)], {"axis": 1}, 1),
     ("LayerNormalization", [f32(2, 3, 4), f32(4)], {}, 1),
     ("BatchNormalization", [X4, f32(3), f32(3), f32(3), np.abs(f32(3)) + 0.5], {}, 1),
+    ("BatchNormalization", [X4, f32(3), f32(3), f32(3), np.abs(f32(3)) + 0.5], {"training_mode": 1}, 1),
+    (
+        "BatchNormalization",
+        [X4, f32(3), f32(3), f32(3), np.abs(f32(3)) + 0.5],
+        {"training_mode": 1, "momentum": 0.7, "epsilon": 1e-3},
+        3,
+    ),
     ("InstanceNormalization", [X4, f32(3), f32(3)], {"epsilon": 1e-3}, 1),
     ("GroupNormalization", [f32(2, 4, 3, 3), f32(4), f32(4)], {"num_groups": 2}, 1),
     ("LpNormalization", [f32(2, 3)], {"axis": 1}, 1),

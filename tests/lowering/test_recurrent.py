@@ -272,12 +272,14 @@ def test_sequence_lengths_zero_the_tail_and_keep_the_last_valid_state() -> None:
 def test_fast_path_is_taken_exactly_when_torch_has_the_semantics(op_type: str) -> None:
     x = torch.zeros(2, 1, 2)
     base = recurrent._attrs(
-        activations=None,
-        activation_alpha=None,
-        activation_beta=None,
-        clip=None,
-        direction="forward",
-        layout=0,
+        dict(
+            activations=None,
+            activation_alpha=None,
+            activation_beta=None,
+            clip=None,
+            direction="forward",
+            layout=0,
+        )
     )
     plain = {**base, "linear_before_reset": 1}
     assert recurrent._fused_kernel(op_type, x, None, None, plain) is not None

@@ -40,7 +40,8 @@ Families: :mod:`.elementwise`, :mod:`.linalg`, :mod:`.nn`, :mod:`.conv`, :mod:`.
 :mod:`.deform` (DeformConv), :mod:`.recurrent_state` (LinearAttention,
 CausalConvWithState), :mod:`.optimizers` (the training domain's optimizer steps), :mod:`.text`
 (TfIdfVectorizer), :mod:`.flex_attention` (FlexAttention with its subgraphs),
-:mod:`.ml` (ai.onnx.ml Binarizer, ArrayFeatureExtractor), :mod:`.shape`,
+:mod:`.ml` (ai.onnx.ml Binarizer, ArrayFeatureExtractor), :mod:`.trees` (ai.onnx.ml tree
+ensembles), :mod:`.shape`,
 :mod:`.reduction`, :mod:`.random`, :mod:`.attention`, :mod:`.recurrent`
 (RNN, GRU, LSTM), :mod:`.quantized_recurrent` (ORT's DynamicQuantizeLSTM),
 :mod:`.control`, :mod:`.quantized` (integer quantization, also ONNX
@@ -87,6 +88,7 @@ from placement.lowering.ops import (
     shape,
     signal,
     text,
+    trees,
 )
 from placement.lowering.ops._registry import (
     DEFAULT_RULE,
@@ -130,4 +132,5 @@ __all__ = [
     "shape",
     "signal",
     "text",
+    "trees",
 ]

@@ -65,12 +65,10 @@ def layer_normalization(
     return (y, mean_, inv_std)[:num_outputs] if num_outputs > 1 else y
 
 
-def _inference_only(attrs: dict[str, Any]) -> str | None:
-    return "training_mode=1 (only inference is lowered)" if attrs.get("training_mode") else None
-
-
 def _direct_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Shapes) -> FxCall | None:
-    if set(kwargs) - {"epsilon", "momentum"} or len(args) != 5:
+    if kwargs.get("training_mode") or set(kwargs) - {"epsilon", "momentum", "num_outputs", "training_mode"}:
+        return None
+    if kwargs.get("num_outputs", 1) != 1 or len(args) != 5:
         return None
     x, scale, bias, mean_, var = args
     if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in (mean_, var)):
@@ -81,7 +79,6 @@ def _direct_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Sh
 
 @op(
     "BatchNormalization",
-    check=_inference_only,
     buffer_inputs=(3, 4),
     direct=_direct_batch_norm,
     emit=emit_mode_op,
@@ -96,9 +93,25 @@ def batch_normalization(
     epsilon: float = 1e-5,
     momentum: float = 0.9,
     training_mode: int = 0,
-) -> Tensor:
-    """ONNX BatchNormalization in inference mode (running statistics)."""
-    return F.batch_norm(X, input_mean.detach(), input_var.detach(), scale, B, False, 0.0, epsilon)
+    num_outputs: int = 1,
+) -> Any:
+    """ONNX BatchNormalization: in inference mode with the running statistics; with
+    ``training_mode=1`` with the batch's (mean and biased variance over every axis but 1), and
+    the outputs ``Y, running_mean, running_var``, the running ones ``input * momentum + batch *
+    (1 - momentum)``, as ONNX Runtime's CPU kernel and the reference evaluator compute them."""
+    if not training_mode:
+        return F.batch_norm(X, input_mean.detach(), input_var.detach(), scale, B, False, 0.0, epsilon)
+    axes = [d for d in range(X.dim()) if d != 1]
+    mean = X.mean(axes)
+    var = X.var(axes, correction=0)
+    shape = [1, -1] + [1] * (X.dim() - 2)
+    y = (X - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + epsilon) * scale.reshape(shape)
+    y = y + B.reshape(shape)
+    if num_outputs == 1:
+        return y
+    running_mean = input_mean * momentum + mean * (1 - momentum)
+    running_var = input_var * momentum + var * (1 - momentum)
+    return (y, running_mean, running_var)[:num_outputs]
 
 
 @op("InstanceNormalization")

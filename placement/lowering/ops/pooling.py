@@ -79,6 +79,27 @@ def max_pool(
     return out
 
 
+def _dilated_sums(
+    values: Tensor,
+    X: Tensor,
+    kernel_shape: Sequence[int],
+    strides: list[int],
+    dilations: Sequence[int] | None,
+    pads: Sequence[int] | None,
+    auto_pad: str,
+    ceil_mode: int,
+    count_include_pad: int,
+) -> tuple[Tensor, Tensor] | None:
+    """Window sums of ``values`` and their counts when ``dilations`` are not all 1 (``None``
+    otherwise), padded as ``X`` is by ``pads``/``auto_pad``."""
+    if not dilations or all(d == 1 for d in dilations):
+        return None
+    p = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
+    return _dilated_window_sums(
+        values, kernel_shape, strides, list(dilations), p, bool(ceil_mode), bool(count_include_pad)
+    )
+
+
 @op("AveragePool")
 def average_pool(
     X: Tensor,
@@ -94,12 +115,11 @@ def average_pool(
     """ONNX AveragePool (1-3 spatial dims, ``count_include_pad``, asymmetric pads, dilations)."""
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
-    if dilations and any(d != 1 for d in dilations):
-        p = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
-        sums, counts = _dilated_window_sums(
-            X, kernel_shape, strides, list(dilations), p, bool(ceil_mode), bool(count_include_pad)
-        )
-        return sums / counts
+    dilated = _dilated_sums(
+        X, X, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad
+    )
+    if dilated is not None:
+        return dilated[0] / dilated[1]
     p = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
     if _symmetric(p) and all(v <= k // 2 for v, k in zip(p[:n], kernel_shape)):
         return _AVG_POOL[n](X, list(kernel_shape), strides, p[:n], bool(ceil_mode), bool(count_include_pad))
@@ -187,12 +207,9 @@ def lp_pool(
     """ONNX LpPool: ``(sum |x|^p)^(1/p)`` per window, zero padding, dilations."""
     n = len(kernel_shape)
     strides = list(strides or [1] * n)
-    if dilations and any(d != 1 for d in dilations):
-        pad = _spatial_pads(X.shape[2:], kernel_shape, strides, list(dilations), pads, auto_pad)
-        sums, _ = _dilated_window_sums(
-            X.abs() ** p, kernel_shape, strides, list(dilations), pad, bool(ceil_mode), False
-        )
-        return sums ** (1.0 / p)
+    dilated = _dilated_sums(X.abs() ** p, X, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, 0)
+    if dilated is not None:
+        return dilated[0] ** (1.0 / p)
     pad = _spatial_pads(X.shape[2:], kernel_shape, strides, [1] * n, pads, auto_pad)
     padded = F.pad(X.abs() ** p, _torch_pads(pad, X.dim()))
     window = math.prod(kernel_shape)

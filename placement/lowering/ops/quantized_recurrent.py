@@ -47,7 +47,7 @@ import torch
 from placement.errors import LoweringError
 from placement.lowering.ops._registry import Tensor, op
 from placement.lowering.ops.quantized import dynamic_quantize_linear
-from placement.lowering.ops.recurrent import _activations, _clipped
+from placement.lowering.ops.recurrent import _activations, _clipped, _lstm_cell, _run
 
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 
@@ -85,28 +85,14 @@ def _direction(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One direction over time-major ``x``: ``(Y (seq, batch, hidden), H, C)``."""
     steps, batch = x.shape[0], x.shape[1]
-    f, g, h_act = acts
     xw = _quantized_gemm(x.reshape(steps * batch, -1), *w).reshape(steps, batch, -1)
-    p_i, p_o, p_f = peephole.chunk(3) if peephole is not None else (None, None, None)
-    h, c = states
-    outputs: list[Tensor] = []
-    for t in range(steps):
-        gates = xw[t] + _quantized_gemm(h, *r)
-        i, o, fg, cell = gates.chunk(4, -1)
-        if p_i is not None:
-            i = i + p_i * c
-            fg = fg + p_f * c
-        if bias is not None:
-            b_i, b_o, b_f, b_c = bias.chunk(4)
-            i, o, fg, cell = i + b_i, o + b_o, fg + b_f, cell + b_c
-        i = f(clip(i))
-        fg = 1 - i if input_forget else f(clip(fg))
-        c = fg * c + i * g(clip(cell))
-        if p_o is not None:
-            o = o + p_o * c
-        h = f(clip(o)) * h_act(c)
-        outputs.append(h)
-    y = torch.stack(outputs) if outputs else x.new_zeros((0, batch, h.shape[-1]))
+    chunks = peephole.chunk(3) if peephole is not None else (None, None, None)
+
+    def step(xw_t: Tensor, hc: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        gates = xw_t + _quantized_gemm(hc[0], *r)
+        return _lstm_cell(gates, hc[1], chunks, bias, acts, clip, input_forget)
+
+    y, (h, c) = _run(step, xw, states, None)
     return y, h, c
 
 

@@ -234,6 +234,34 @@ def _gru_step(
     return step
 
 
+def _lstm_cell(
+    gates: Tensor,
+    c: Tensor,
+    peephole: tuple[Tensor | None, Tensor | None, Tensor | None],
+    bias: Tensor | None,
+    act: list[Activation],
+    clip: Callable[[Tensor], Tensor],
+    input_forget: bool,
+) -> tuple[Tensor, Tensor]:
+    """One LSTM step from the summed products ``gates`` (``iofc``) and the cell ``c``:
+    peephole terms, then ``bias`` when given, ``clip`` and the activations; ``(H, C)``."""
+    f, g, h_act = act
+    p_i, p_o, p_f = peephole
+    i, o, fg, cell = gates.chunk(4, -1)
+    if p_i is not None:
+        i = i + p_i * c
+        fg = fg + p_f * c
+    if bias is not None:
+        b_i, b_o, b_f, b_c = bias.chunk(4)
+        i, o, fg, cell = i + b_i, o + b_o, fg + b_f, cell + b_c
+    i = f(clip(i))
+    fg = 1 - i if input_forget else f(clip(fg))
+    c_new = fg * c + i * g(clip(cell))
+    if p_o is not None:
+        o = o + p_o * c_new
+    return f(clip(o)) * h_act(c_new), c_new
+
+
 def _lstm_step(
     R: Tensor,
     P: Tensor | None,
@@ -241,21 +269,11 @@ def _lstm_step(
     clip: Callable[[Tensor], Tensor],
     input_forget: bool,
 ) -> Callable[..., Any]:
-    f, g, h_act = act
-    p_i, p_o, p_f = P.chunk(3) if P is not None else (None, None, None)
+    peephole = P.chunk(3) if P is not None else (None, None, None)
 
     def step(xw: Tensor, states: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         h, c = states
-        i, o, fg, cell = (xw + h @ R.t()).chunk(4, -1)
-        if p_i is not None:
-            i = i + p_i * c
-            fg = fg + p_f * c
-        i = f(clip(i))
-        fg = 1 - i if input_forget else f(clip(fg))
-        c_new = fg * c + i * g(clip(cell))
-        if p_o is not None:
-            o = o + p_o * c_new
-        return f(clip(o)) * h_act(c_new), c_new
+        return _lstm_cell(xw + h @ R.t(), c, peephole, None, act, clip, input_forget)
 
     return step
 
@@ -424,9 +442,14 @@ def _run_fused(
     return [Y, *out[1:]]
 
 
-def _attrs(**kwargs: Any) -> dict[str, Any]:
-    defaults = {"linear_before_reset": 0, "input_forget": 0}
-    return {**defaults, **kwargs}
+_ATTRS = ("activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size", "layout")
+
+
+def _attrs(values: dict[str, Any]) -> dict[str, Any]:
+    """The recurrent attributes among a rule's arguments (``locals()``), with the defaults of
+    those only GRU (``linear_before_reset``) and LSTM (``input_forget``) have."""
+    picked = {k: values[k] for k in (*_ATTRS, "linear_before_reset", "input_forget") if k in values}
+    return {"linear_before_reset": 0, "input_forget": 0, **picked}
 
 
 @op("RNN", check=_check("RNN"))
@@ -448,15 +471,7 @@ def rnn(
     num_outputs: int = 2,
 ) -> Any:
     """ONNX RNN: ``H_t = f(X_t W^T + H_{t-1} R^T + Wb + Rb)``; outputs ``Y``, ``Y_h``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-    )
+    attrs = _attrs(locals())
     return _recurrent("RNN", X, W, R, B, sequence_lens, [initial_h], None, attrs, num_outputs)
 
 
@@ -480,16 +495,7 @@ def gru(
     num_outputs: int = 2,
 ) -> Any:
     """ONNX GRU (gates ``zrh``): outputs ``Y``, ``Y_h``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-        linear_before_reset=linear_before_reset,
-    )
+    attrs = _attrs(locals())
     return _recurrent("GRU", X, W, R, B, sequence_lens, [initial_h], None, attrs, num_outputs)
 
 
@@ -515,14 +521,5 @@ def lstm(
     num_outputs: int = 3,
 ) -> Any:
     """ONNX LSTM (gates ``iofc``, peepholes ``iof``): outputs ``Y``, ``Y_h``, ``Y_c``."""
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-        input_forget=input_forget,
-    )
+    attrs = _attrs(locals())
     return _recurrent("LSTM", X, W, R, B, sequence_lens, [initial_h, initial_c], P, attrs, num_outputs)

@@ -35,8 +35,9 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
+from placement.errors import LoweringError
 from placement.graph.nodes import SCOPE_KEY
-from placement.graph.torch_import import COUNTERS_KEY, TRAINING_KEY
+from placement.graph.torch_import import COUNTERS_KEY, CUMULATIVE_KEY, TRAINING_KEY
 
 __all__ = [
     "MODE_OP_TYPES",
@@ -120,11 +121,13 @@ class ModeDropout(torch.nn.Module):
 
 class ModeBatchNorm(torch.nn.Module):
     """ONNX ``BatchNormalization`` of a training export: batch statistics and running-buffer
-    updates in train mode (``momentum`` in torch's convention), running statistics in eval mode."""
+    updates in train mode (``momentum`` in torch's convention; ``None``: the cumulative moving
+    average ``1 / num_batches_tracked``, as ``torch.nn.BatchNorm2d(momentum=None)``), running
+    statistics in eval mode."""
 
-    def __init__(self, momentum: float, eps: float) -> None:
+    def __init__(self, momentum: float | None, eps: float) -> None:
         super().__init__()
-        self.momentum = float(momentum)
+        self.momentum = None if momentum is None else float(momentum)
         self.eps = float(eps)
 
     def forward(
@@ -140,9 +143,14 @@ class ModeBatchNorm(torch.nn.Module):
             return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, self.eps)
         if _recomputing():  # the same batch statistics, the buffers already updated once
             return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        factor = self.momentum
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
-        return F.batch_norm(x, running_mean, running_var, weight, bias, True, self.momentum, self.eps)
+            if factor is None:  # as torch's BatchNorm: reads the count on the host
+                factor = 1.0 / float(num_batches_tracked)
+        if factor is None:
+            raise RuntimeError("a cumulative-average BatchNorm needs its num_batches_tracked buffer")
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, factor, self.eps)
 
     def extra_repr(self) -> str:
         return f"momentum={self.momentum}, eps={self.eps}"
@@ -151,9 +159,10 @@ class ModeBatchNorm(torch.nn.Module):
 def emit_mode_op(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> bool:
     """Lower a ``Dropout`` or ``BatchNormalization`` of a training export as a call of its
     mode module (see the module docstring); False (the ordinary rule) anywhere else."""
-    if not is_training_export(lowering.model) or len([o for o in node.outputs if o is not None]) != 1:
+    if not is_training_export(lowering.model) or not _only_first_output_used(lowering, node):
         return False
     attrs = {name: attr.value for name, attr in node.attributes.items()}
+    cumulative = False
     name = node.outputs[0].name or node.op_type.lower()
     if node.op_type == "Dropout":
         ratio = lowering.constant(ins[1]) if len(ins) > 1 else None
@@ -165,16 +174,45 @@ def emit_mode_op(lowering: Any, node: ir.Node, ins: list[Any], phys: str) -> boo
     else:
         if len(ins) != 5 or any(v is None for v in ins):
             return False
-        module = ModeBatchNorm(1.0 - float(attrs.get("momentum", 0.9)), float(attrs.get("epsilon", 1e-5)))
+        cumulative = _cumulative(lowering, node)
+        momentum = None if cumulative else 1.0 - float(attrs.get("momentum", 0.9))
+        module = ModeBatchNorm(momentum, float(attrs.get("epsilon", 1e-5)))
         args = ins
     path = lowering.add_module(f"{name}_{node.op_type.lower()}", module)
     nodes = [lowering.on(v, phys) for v in args]
     counter = _counter(lowering, node, phys) if node.op_type == "BatchNormalization" else None
     if counter is not None:
         nodes.append(counter)
+    elif node.op_type == "BatchNormalization" and cumulative:
+        raise LoweringError(
+            f"BatchNormalization {node.name!r}: a cumulative-average BatchNorm (momentum=None) "
+            "needs the exporter's num_batches_tracked record"
+        )
     call = lowering.emit("call_module", path, tuple(nodes), {}, name)
     lowering.define(name, call, lowering.current_device)
     return True
+
+
+def _only_first_output_used(lowering: Any, node: ir.Node) -> bool:
+    """Whether the node's outputs past the first (a training BatchNorm's running statistics, as
+    the TorchScript exporter writes them) are absent or unused: the mode module updates the
+    running buffers in place instead."""
+    graph_outputs = {id(v) for v in lowering.model.ir_model.graph.outputs}
+    return node.outputs[0] is not None and all(
+        o is None or (not o.uses() and id(o) not in graph_outputs) for o in node.outputs[1:]
+    )
+
+
+def _cumulative(lowering: Any, node: ir.Node) -> bool:
+    """Whether the exporter recorded the node's BatchNorm module with ``momentum=None``."""
+    import json
+
+    scope = node.metadata_props.get(SCOPE_KEY, "")
+    try:
+        cumulative = json.loads(lowering.model.ir_model.metadata_props.get(CUMULATIVE_KEY) or "[]")
+    except ValueError:
+        return False
+    return bool(scope) and scope in cumulative
 
 
 def _counter(lowering: Any, node: ir.Node, phys: str) -> Any:

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import placement as pl
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchNorm(momentum=None) (a cumulative average, 1/num_batches_tracked) defeats the "
-    "dynamo export with training=True (data-dependent factor); the TorchScript fallback emits "
-    "BatchNormalization training_mode=1, which lowering/ops/training.py does not lower "
-    "(LoweringError): such a net cannot be trained placed",
-)
 def test_a_cumulative_average_batchnorm_trains_its_running_stats_like_torch():
+    """BatchNorm(momentum=None) exports through the TorchScript fallback (the dynamo export
+    refuses the data-dependent ``1 / num_batches_tracked``); its lowered mode module keeps the
+    count and averages cumulatively, as torch does."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=None))
     x = torch.randn(8, 3)
