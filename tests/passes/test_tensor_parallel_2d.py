@@ -125,3 +125,18 @@ def test_groups_are_checked_and_the_model_is_left_unchanged() -> None:
             pl.split_tensor_parallel(model, devices=devices)
     assert [op.device for op in model.ops] == [op.device for op in before.ops]
     assert model.parameters.keys() == before.parameters.keys()
+
+
+def test_train_step_gives_the_unsplit_gradients(gpt_2d) -> None:
+    net, idx, model, _ = gpt_2d
+    lowered = pl.to_torch(model, chunks=2)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    loss = lowered.train_step(idx, loss_fn=loss_fn)
+    net.zero_grad()
+    expected = loss_fn(net(idx))
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), **TOL)
+    _shard_grads_match(net, lowered)
