@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["genai_tokens_per_s", "measure", "ENV"]
+__all__ = ["ENV", "GenaiServer", "build_genai_model", "genai_tokens_per_s", "measure", "serve"]
 
 #: The environment variable naming the Python of a venv with onnxruntime-genai.
 ENV = "PLACEMENT_GENAI_PYTHON"
@@ -108,6 +108,84 @@ def measure(folder: str, *, prompt: int, new_tokens: int, batch: int, repeats: i
     }
 
 
+def serve(folder: str, *, ids_file: str, new_tokens: int) -> None:
+    """Inside the genai venv: load ``folder`` once, then for each ``run`` line on stdin,
+    generate greedily from the prompt in ``ids_file`` (a ``.npy`` of int64 ``(batch, prompt)``)
+    and print one JSON line: its ``seconds`` and ``tokens`` (prompt plus new, per sequence).
+    A benchmark drives it (:class:`GenaiServer`) to time genai in rounds beside its other
+    contenders."""
+    import sys
+
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(folder)
+    ids = np.load(ids_file).astype(np.int64)
+    batch, prompt = ids.shape
+    total = prompt + new_tokens
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        start = time.perf_counter()
+        params = og.GeneratorParams(model)
+        # min_length: exactly ``new_tokens`` per sequence, as the other contenders (no end of sequence)
+        params.set_search_options(do_sample=False, max_length=total, min_length=total, batch_size=batch)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        seconds = time.perf_counter() - start
+        tokens = [list(map(int, generator.get_sequence(b))) for b in range(batch)]
+        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+
+
+class GenaiServer:
+    """A genai process serving timed generations (see :func:`serve`), from the Python named by
+    ``PLACEMENT_GENAI_PYTHON``."""
+
+    def __init__(self, python: str, folder: str | os.PathLike[str], ids_file: str, new_tokens: int) -> None:
+        cmd = [python, str(Path(__file__).resolve()), str(folder), "--serve", "--ids-file", ids_file]
+        cmd += ["--new-tokens", str(new_tokens)]
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def run(self) -> dict[str, Any]:
+        """One generation: ``{"seconds": ..., "tokens": [[...], ...]}``."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            error = self.process.stderr.read() if self.process.stderr is not None else ""
+            last = (error.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"onnxruntime-genai failed: {last}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def build_genai_model(python: str, hf_folder: Path, out: Path, *, timeout: float = 1800.0) -> str | None:
+    """Run onnxruntime-genai's model builder (fp32, CPU) in ``python`` on a Hugging Face folder;
+    None when it worked, else why not."""
+    cmd = [python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out)]
+    cmd += ["-p", "fp32", "-e", "cpu", "-c", str(out / "cache")]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return f"the genai model builder ran past {timeout:.0f} s"
+    if done.returncode != 0:
+        return "the genai model builder failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="a model folder built by onnxruntime-genai's builder")
@@ -116,7 +194,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--serve", action="store_true", help="serve timed runs on stdin (see serve())")
+    parser.add_argument("--ids-file", help="--serve: the prompt, a .npy of int64 (batch, prompt)")
     args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.folder, ids_file=args.ids_file, new_tokens=args.new_tokens)
+        return
     options = {
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,

@@ -16,24 +16,38 @@ the first:
   session's buffers, the hidden state handed over per token);
 * ``placed torch``: ``pl.Generator(runtime="torch", device_map="cpu")`` (static cache);
 * batch 8 only: ``placed ort 2 dev chunks=2`` (two groups of 4 in flight) against the
-  ``chunks=1`` row.
+  ``chunks=1`` row;
+* ``genai``: onnxruntime-genai's ``og.Generator`` on a model its own builder made from the same
+  weights (``save_pretrained``, then ``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``).
+  genai brings plain ``onnxruntime``, so it runs in a Python of its own, named by
+  ``PLACEMENT_GENAI_PYTHON`` (or ``--genai-python``): a server process there times each of its
+  generations in the same rounds as the others (:class:`benchmarks.genai_anchor.GenaiServer`).
+  Without that Python the column is empty and the reason is printed. Its tokens are compared
+  with the others' (``genai_tokens_equal``) but not required to match: its graph fuses attention
+  differently, and a near tie can pick another token;
+* ``placed ort folded, genai file`` and ``placed ort 2 dev, genai file``: placement's loop on
+  genai's own file (``pl.load``), which must give genai's tokens; empty, with the reason in the
+  results, where placement cannot generate from that file.
 
-:data:`CONTENDERS` maps a column to the function measuring it (``setup -> tokens/s``); a
-contender that cannot run here (onnxruntime-genai needs a venv of its own, see
-``--genai-python``) registers with :func:`contender` and returns None. Ratios are to
-``ort loop``. Writes ``benchmarks/results/generate.json`` with the load average.
+:data:`CONTENDERS` maps a column to the function measuring it; a contender that cannot run here
+returns None. Ratios: placed ORT to genai (the targets: 0.9 folded, 0.7 on 2 devices on the tiny
+model, 0.9 on 2 devices on the d=1024 one) and to the ORT loop, placed torch to transformers,
+chunks=2 to chunks=1. Writes ``benchmarks/results/generate.json`` with the load average.
 
 Usage::
 
-    python benchmarks/generate.py                      # both models, batch 1 and 8
+    PLACEMENT_GENAI_PYTHON=/path/to/genai-venv/bin/python python benchmarks/generate.py
+    python benchmarks/generate.py --quick              # tiny model only, 2 rounds: ~3 minutes
     python benchmarks/generate.py --models tiny --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -50,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import placement as pl  # noqa: E402
+from benchmarks.genai_anchor import ENV  # noqa: E402
 
 PROMPT, NEW = 16, 64
 MODELS = {
@@ -68,9 +83,13 @@ MODELS = {
         "num_key_value_heads": 8,
     },
 }
-TARGETS = {
-    "placed ort folded": 0.9,
-    "placed ort 2 dev": 0.7,
+TARGETS: dict[str, float | None] = {
+    "placed ort folded / genai": 0.9,
+    "placed ort 2 dev / genai": 0.7,  # 0.9 on the d=1024 model
+    "placed ort folded, genai file / genai": 0.9,
+    "placed ort 2 dev, genai file / genai": 0.7,
+    "placed ort folded / ort loop": None,
+    "placed ort 2 dev / ort loop": None,
     "placed torch / transformers": 1.0,
     "chunks=2 / chunks=1": 1.6,
 }
@@ -88,9 +107,12 @@ class Setup:
     ids: np.ndarray
     reference: np.ndarray | None = None
     generators: dict[str, Any] = field(default_factory=dict)
+    genai: Path | str | None = None  # the genai-built folder, or why there is none
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
-Run = Callable[[], np.ndarray]
+#: A warmed-up contender: one generation, its tokens (or tokens and the seconds it timed itself).
+Run = Callable[[], "np.ndarray | tuple[np.ndarray, float]"]
 Contender = Callable[[Setup, int], "Run | None"]
 CONTENDERS: dict[str, Contender] = {}
 
@@ -106,7 +128,7 @@ def contender(name: str) -> Callable[[Contender], Contender]:
     return register
 
 
-def _best(run: Run, setup: Setup, repeats: int) -> Run:
+def _best(run: Callable[[], np.ndarray], setup: Setup, repeats: int) -> Run:
     """Warm ``run`` up (sessions, caches), check its tokens against the first contender's, hand it back
     (:func:`main` times the contenders in turn, one run each per round, so load swings hit all alike)."""
     out = run()
@@ -197,12 +219,68 @@ def placed_chunks(setup: Setup, repeats: int) -> Run | None:
 
 @contender("genai")
 def genai(setup: Setup, repeats: int) -> Run | None:
-    """onnxruntime-genai brings plain onnxruntime: it runs from a venv of its own (``--genai-python``);
-    the column is filled by the genai runner where one is set up (None here otherwise)."""
-    return None
+    """onnxruntime-genai in its own Python (see the module docstring); None where there is none."""
+    from benchmarks.genai_anchor import GenaiServer
+
+    if not isinstance(setup.genai, Path):
+        return None
+    ids_file = setup.genai / f"ids_{setup.ids.shape[0]}.npy"
+    np.save(ids_file, setup.ids)
+    server = GenaiServer(os.environ[ENV], setup.genai, str(ids_file), NEW)
+    atexit.register(server.close)
+    first = server.run()
+    tokens = np.array(first["tokens"], np.int64)
+    setup.notes["genai_tokens"] = tokens
+    setup.notes["genai_tokens_equal"] = setup.reference is not None and np.array_equal(
+        tokens, setup.reference
+    )
+
+    def run() -> tuple[np.ndarray, float]:
+        out = server.run()
+        return np.array(out["tokens"], np.int64), float(out["seconds"])
+
+    return run
 
 
-def _setup(name: str, batch: int) -> Setup:
+def _on_genai_file(setup: Setup, key: str, devices: int) -> Run | None:
+    """placement's ORT loop on genai's own file (the same graph genai runs), placed on
+    ``devices`` (1: folded); None where there is no genai file or placement cannot generate
+    from it (the reason goes to the row). Its tokens must be genai's."""
+    tokens = setup.notes.get("genai_tokens")
+    if not isinstance(setup.genai, Path) or tokens is None:
+        return None
+    try:
+        model = pl.load(setup.genai / "model.onnx")
+        if devices > 1:
+            pl.auto_place(model, devices=devices, cost="flops")
+        generator = pl.Generator(model, device_map="cpu" if devices == 1 else "auto")
+        out = generator.generate(setup.ids, max_new_tokens=NEW)
+    except pl.PlacementError as err:
+        setup.notes[f"{key} skipped"] = str(err).splitlines()[0]
+        return None
+    if not np.array_equal(out, tokens):
+        raise AssertionError(f"{key}: tokens differ from genai's on its own file")
+    return lambda: generator.generate(setup.ids, max_new_tokens=NEW)
+
+
+@contender("placed ort folded, genai file")
+def placed_folded_genai_file(setup: Setup, repeats: int) -> Run | None:
+    return _on_genai_file(setup, "placed ort folded, genai file", 1)
+
+
+@contender("placed ort 2 dev, genai file")
+def placed_two_genai_file(setup: Setup, repeats: int) -> Run | None:
+    return _on_genai_file(setup, "placed ort 2 dev, genai file", 2)
+
+
+_MODELS: dict[str, tuple[Any, pl.Model, pl.Model, Path, Path | str | None]] = {}
+
+
+def _model(name: str) -> tuple[Any, pl.Model, pl.Model, Path, Path | str | None]:
+    """The module, its export, the placed copy, the export's file and the genai folder (or why
+    none) of model ``name``: built once per run, files in a folder removed at exit."""
+    if name in _MODELS:
+        return _MODELS[name]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -211,12 +289,82 @@ def _setup(name: str, batch: int) -> Setup:
     net.generation_config.eos_token_id = None  # exactly NEW tokens, as every contender
     net.generation_config.pad_token_id = 0
     model = pl.from_causal_lm(net, torch.randint(0, 1000, (1, 3)))
-    folder = Path(tempfile.mkdtemp(prefix="generate_bench_"))
+    folder = Path(tempfile.mkdtemp(prefix=f"generate_bench_{name}_"))
+    atexit.register(shutil.rmtree, folder, True)
     model.save(folder / "model.onnx")
     placed = model.copy()
     pl.auto_place(placed, devices=2, cost="flops")
+    _MODELS[name] = (net, model, placed, folder / "model.onnx", _genai_folder(net, folder))
+    return _MODELS[name]
+
+
+def _genai_folder(net: Any, folder: Path) -> Path | str:
+    """genai's build of ``net`` (same weights) under ``folder``, or why there is none."""
+    from benchmarks.genai_anchor import build_genai_model
+
+    python = os.environ.get(ENV)
+    if not python or not Path(python).exists():
+        return f"{ENV} names no Python with onnxruntime-genai ({python!r})"
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_genai_files import save_tiny_tokenizer  # the builder reads a tokenizer
+
+    hf = folder / "hf"
+    net.save_pretrained(hf)
+    save_tiny_tokenizer(hf, net.config.vocab_size)
+    out = folder / "genai"
+    reason = build_genai_model(python, hf, out)
+    return out if reason is None else reason
+
+
+def _setup(name: str, batch: int) -> Setup:
+    net, model, placed, path, genai_folder = _model(name)
     ids = np.random.default_rng(0).integers(1, 1000, (batch, PROMPT)).astype(np.int64)
-    return Setup(name, net, model, placed, folder / "model.onnx", ids)
+    return Setup(name, net, model, placed, path, ids, genai=genai_folder)
+
+
+def _ratios(tps: dict[str, float | None]) -> dict[str, float]:
+    """The ratios of one row (those whose contenders both ran)."""
+    pairs = {
+        "placed ort folded / genai": ("placed ort folded", "genai"),
+        "placed ort 2 dev / genai": ("placed ort 2 dev", "genai"),
+        "placed ort folded, genai file / genai": ("placed ort folded, genai file", "genai"),
+        "placed ort 2 dev, genai file / genai": ("placed ort 2 dev, genai file", "genai"),
+        "placed ort folded / ort loop": ("placed ort folded", "ort loop"),
+        "placed ort 2 dev / ort loop": ("placed ort 2 dev", "ort loop"),
+        "placed torch / transformers": ("placed torch", "transformers"),
+        "chunks=2 / chunks=1": ("placed ort 2 dev chunks=2", "placed ort 2 dev"),
+    }
+    return {
+        key: round(tps[a] / tps[b], 3)  # type: ignore[operator]
+        for key, (a, b) in pairs.items()
+        if tps.get(a) and tps.get(b)
+    }
+
+
+def _measure(name: str, batch: int, repeats: int) -> dict[str, Any]:
+    """One row: every contender warmed up, then ``repeats`` rounds, each timing every contender once."""
+    setup = _setup(name, batch)
+    row: dict[str, Any] = {"model": name, "batch": batch, "tokens_per_s": {}}
+    runs = {column: fn(setup, repeats) for column, fn in CONTENDERS.items()}
+    best = {column: float("inf") for column in runs}
+    for _ in range(repeats):
+        for column, run in runs.items():
+            if run is not None:
+                start = time.perf_counter()
+                out = run()
+                seconds = out[1] if isinstance(out, tuple) else time.perf_counter() - start
+                best[column] = min(best[column], seconds)
+    for column, run in runs.items():
+        value = None if run is None else batch * NEW / best[column]
+        row["tokens_per_s"][column] = None if value is None else round(value, 1)
+        shown = "-" if value is None else f"{value:.1f}"
+        print(f"{name} batch {batch} {column}: {shown} tokens/s", flush=True)
+    row["ratios"] = _ratios(row["tokens_per_s"])
+    if isinstance(setup.genai, str):
+        row["genai"] = setup.genai
+        print(f"{name}: no genai column: {setup.genai}", flush=True)
+    row.update({k: v for k, v in setup.notes.items() if k != "genai_tokens"})
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,40 +372,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only, 2 rounds (a smoke run)")
+    parser.add_argument(
+        "--genai-python", help=f"the Python of a venv with onnxruntime-genai (default: ${ENV})"
+    )
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "generate.json"))
     args = parser.parse_args(argv)
+    if args.genai_python:
+        os.environ[ENV] = args.genai_python
+    if args.quick:
+        args.models, args.repeats = ["tiny"], 2
     load_before = os.getloadavg()
-    results = []
-    for name in args.models:
-        for batch in args.batches:
-            setup = _setup(name, batch)
-            row: dict[str, Any] = {"model": name, "batch": batch, "tokens_per_s": {}}
-            runs = {column: fn(setup, args.repeats) for column, fn in CONTENDERS.items()}
-            best = {column: float("inf") for column in runs}
-            for _ in range(args.repeats):  # rounds: each contender once per round
-                for column, run in runs.items():
-                    if run is not None:
-                        start = time.perf_counter()
-                        run()
-                        best[column] = min(best[column], time.perf_counter() - start)
-            for column, run in runs.items():
-                value = None if run is None else batch * NEW / best[column]
-                row["tokens_per_s"][column] = None if value is None else round(value, 1)
-                shown = "-" if value is None else f"{value:.1f}"
-                print(f"{name} batch {batch} {column}: {shown} tokens/s", flush=True)
-            tps = row["tokens_per_s"]
-            loop = tps["ort loop"]
-            row["ratios"] = {
-                "placed ort folded": tps["placed ort folded"] / loop,
-                "placed ort 2 dev": tps["placed ort 2 dev"] / loop,
-                "placed torch / transformers": tps["placed torch"] / tps["transformers"],
-            }
-            if tps.get("placed ort 2 dev chunks=2"):
-                row["ratios"]["chunks=2 / chunks=1"] = (
-                    tps["placed ort 2 dev chunks=2"] / tps["placed ort 2 dev"]
-                )
-            row["ratios"] = {k: round(v, 3) for k, v in row["ratios"].items()}
-            results.append(row)
+    results = [_measure(name, batch, args.repeats) for name in args.models for batch in args.batches]
     data = {
         "prompt": PROMPT,
         "new_tokens": NEW,

@@ -8,10 +8,11 @@
 #   bash scripts/test-env.sh newest LANG=C OMP_NUM_THREADS=1 --all   # with these settings for the run
 #
 # Creates .venv-NAME from scratch when it is missing (the Python named by the file's
-# `# python: X.Y` line: $PYTHON, else pythonX.Y on PATH, else pyenv's), installs `-e .[test]` under
-# the file's constraints (again whenever pyproject.toml or the file is newer than the install), prints
-# the versions it got, then runs pytest on 2 workers. PLACEMENT_ENV_UNPINNED=1 installs without the
-# file's pins (the newest releases of the day) into .venv-NAME-unpinned.
+# `# python: X.Y` line: $PYTHON, else pythonX.Y on PATH, else pyenv's), installs `-e .[test]` and the
+# extras its `# extras: a, b` line names (`vision`: torchvision and timm) under the file's constraints
+# (again whenever pyproject.toml or the file is newer than the install), prints the versions it got,
+# then runs pytest on 2 workers. PLACEMENT_ENV_UNPINNED=1 installs without the file's pins (the
+# newest releases of the day) into .venv-NAME-unpinned.
 # A machine-wide pip configuration (constraints capping torch) is bypassed: the env's file decides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ done
 
 version=$(sed -n 's/^# python: *\([0-9.]*\).*/\1/p' "$pins" | head -1)
 [ -n "$version" ] || { echo "test-env: $pins has no '# python: X.Y' line" >&2; exit 2; }
+extras=$(sed -n 's/^# extras: *//p' "$pins" | head -1 | tr -d ' ')
 venv=.venv-$name
 constraint=(-c "$pins")
 if [ -n "${PLACEMENT_ENV_UNPINNED:-}" ]; then
@@ -55,7 +57,7 @@ fi
 stamp=$venv/.placement-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$pins" -nt "$stamp" ]; then
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -e ".[test]"
+    "$venv/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -e ".[test${extras:+,$extras}]"
     touch "$stamp"
 fi
 install_s=$((SECONDS - start))
@@ -67,6 +69,7 @@ import sys
 
 name, seconds = sys.argv[1], sys.argv[2]
 dists = ["torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime-gpu", "onnxruntime"]
+dists += ["torchvision", "timm"]  # the vision extra, where the env installs it
 got = []
 for dist in dists:
     try:
@@ -79,11 +82,12 @@ PY
 # the tests that depend on versions and pass in every environment CI proves: export and saving
 # (tests/graph), launch and distributed, the command line, the zoo, Hugging Face models and their
 # mixture-of-experts exports, ONNX's node tests against the conformance lists (entries with
-# version conditions: docs/testing.md), the README's examples, the demo.
+# version conditions: docs/testing.md), the torchvision/timm sweep (the `vision` extra; it skips
+# without it), the README's examples, the demo. No `-m` here: `slow` tests run too.
 # `--all` runs the whole suite (what CI runs in the gpu-image env).
 default=(
     tests/test_ci_envs.py tests/graph tests/distributed tests/cli tests/models tests/external/test_moe.py
-    tests/external/test_transformers.py tests/conformance
+    tests/external/test_transformers.py tests/external/test_vision_sweep.py tests/conformance
     tests/test_readme.py tests/test_demo.py
 )
 args=()

@@ -22,10 +22,11 @@ LINUX = {"platform_system": "Linux", "platform_machine": "x86_64"}
 
 
 def _declared() -> dict[str, SpecifierSet]:
-    """Each requirement (dependencies and the test extra) that applies on Linux x86-64, by name."""
+    """Each requirement (dependencies and every extra) that applies on Linux x86-64, by name."""
     project = PYPROJECT["project"]
     found: dict[str, SpecifierSet] = {}
-    for line in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+    extras = [line for group in project["optional-dependencies"].values() for line in group]
+    for line in [*project["dependencies"], *extras]:
         req = Requirement(line)
         if req.marker is None or req.marker.evaluate(LINUX):
             found[canonicalize_name(req.name)] = req.specifier
@@ -45,6 +46,12 @@ def _pins(path: Path) -> tuple[str | None, dict[str, Version]]:
             assert spec.operator == "==", f"{path.name}: {line} is not an exact pin"
             pins[canonicalize_name(req.name)] = Version(spec.version)
     return (python.group(1) if python else None), pins
+
+
+def _extras(path: Path) -> list[str]:
+    """The extras a CI env file's ``# extras: a, b`` line names (scripts/test-env.sh installs them)."""
+    found = re.search(r"^# extras: *(.+)$", path.read_text(), re.M)
+    return [name.strip() for name in found.group(1).split(",")] if found else []
 
 
 def _lower(spec: SpecifierSet) -> Version | None:
@@ -85,6 +92,35 @@ def test_declared_lower_bounds_are_versions_ci_tests():
     assert declared_python is not None and declared_python <= min(pythons)
 
 
+def test_optional_extras_are_pinned_where_ci_installs_them():
+    """An env's extras exist and each of their packages is pinned there; the pinned .venv and the
+    required dependencies carry none of them (torchvision's wheels need PyPI's CUDA build of torch,
+    the pinned .venv has the CPU build). Each extra's lower bounds are versions some env pins."""
+    groups = PYPROJECT["project"]["optional-dependencies"]
+    optional = {name for name in groups if name != "test"}
+    assert "vision" in optional
+    required = {canonicalize_name(Requirement(line).name) for line in PYPROJECT["project"]["dependencies"]}
+    lowest: dict[str, Version] = {}
+    for path in ENVS:
+        pins = _pins(path)[1]
+        for extra in _extras(path):
+            assert extra in optional, f"{path.name} names extra {extra!r}, which pyproject.toml lacks"
+            for line in groups[extra]:
+                name = canonicalize_name(Requirement(line).name)
+                assert name in pins, f"{path.name} installs {name} (extra {extra}) unpinned"
+                lowest[name] = min(pins[name], lowest.get(name, pins[name]))
+    assert {"gpu-image", "newest"} <= {p.stem for p in ENVS if "vision" in _extras(p)}
+    pinned = _pins(ROOT / "constraints.txt")[1]
+    for extra in optional:
+        for line in groups[extra]:
+            req = Requirement(line)
+            name = canonicalize_name(req.name)
+            assert name not in required and name not in pinned, (extra, name)
+            assert _lower(req.specifier) == lowest[name], (extra, line, str(lowest[name]))
+    script = (ROOT / "scripts" / "test-env.sh").read_text()
+    assert "# extras:" in script and "test${extras:+,$extras}" in script
+
+
 def test_ci_runs_the_whole_suite_where_users_do():
     """The GPU image's users run the whole suite, so CI runs it there (``--all``); the other envs
     run the version-sensitive set, which holds the conformance suite (its lists carry version
@@ -94,4 +130,6 @@ def test_ci_runs_the_whole_suite_where_users_do():
     script = (ROOT / "scripts" / "test-env.sh").read_text()
     default = script.split("\ndefault=(", 1)[1].split("\n)", 1)[0].split()
     assert "tests/conformance" in default
+    assert "tests/external/test_vision_sweep.py" in default  # slow, and no -m leaves it out there
+    assert "-m pytest" in script and " -m \"" not in script and "-m '" not in script
     assert all((ROOT / path).exists() for path in default if not path.startswith(("-", "#")))

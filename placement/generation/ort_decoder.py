@@ -15,6 +15,17 @@ itself for every decode step:
   through the program's transfers (only the new tokens' activations cross a device);
 * only the last position's logits come back to the host.
 
+The hot path (one stage call per stage per token) is kept short: each stage keeps one
+``IOBinding`` per slot for a whole generation, so what does not change between steps is
+bound once. A host input that is the same array as in the last step (the loop updates
+its token, position and mask buffers in place, see
+:class:`~placement.generation.sequences.Sequences`) is not bound again; on the CPU the
+last position's logits are written straight into a host buffer of the slot; aliases
+between emulated devices are resolved once; the step's caches are bound with
+onnxruntime's native calls by address, shapes built once per step. What changes per
+step is bound again: each cache (its length grows), the attention mask (a longer
+view) and the values that cross from stage to stage.
+
 :attr:`OrtDecoder.stats` counts the bytes the transfers moved, so tests can check that a
 decode step moves the new tokens' hidden state and not the cache.
 
@@ -31,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as _C
 
 from placement.errors import PlacementError
 from placement.generation.prepare import DecoderSpec
@@ -38,11 +50,24 @@ from placement.graph.causal_lm import KVLayer
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.ort import Runner
 from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
-from placement.runtime.ort.values import ortvalue
+from placement.runtime.ort.values import ALIAS, move, ortvalue
 
 __all__ = ["CopyStats", "OrtDecoder", "Slot"]
 
 log = logging.getLogger(__name__)
+
+#: ONNX element types of the numpy dtypes a cache or logits buffer may have (onnxruntime's
+#: native binding takes the number; other dtypes are passed as numpy dtypes).
+_ELEMENT = {
+    np.dtype(np.float32): 1,
+    np.dtype(np.uint8): 2,
+    np.dtype(np.int8): 3,
+    np.dtype(np.int32): 6,
+    np.dtype(np.int64): 7,
+    np.dtype(np.float16): 10,
+    np.dtype(np.float64): 11,
+}
+_CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 
 
 @dataclass
@@ -55,24 +80,22 @@ class CopyStats:
     names: set[str] = field(default_factory=set)
 
     def add(self, name: str, value: Any) -> None:
-        """Count one transfer of ``value`` (an ``OrtValue`` or array) under blob ``name``."""
-        if isinstance(value, ort.OrtValue):
-            size = int(np.prod(value.shape())) * _itemsize(value.data_type())
+        """Count one transfer of ``value`` (an ``OrtValue``, native or not, or an array) as ``name``."""
+        if type(value) is _C.OrtValue:
+            size = value.tensor_size_in_bytes()
+        elif isinstance(value, ort.OrtValue):
+            size = value._ortvalue.tensor_size_in_bytes()
         else:
             size = int(getattr(value, "nbytes", 0))
         self.transfers += 1
         self.bytes += size
-        self.largest = max(self.largest, size)
+        if size > self.largest:
+            self.largest = size
         self.names.add(name)
 
     def reset(self) -> None:
         self.transfers = self.bytes = self.largest = 0
         self.names = set()
-
-
-def _itemsize(data_type: str) -> int:
-    table = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8, "int32": 4, "bool": 1}
-    return table.get(data_type.removeprefix("tensor(").removesuffix(")"), 4)
 
 
 @dataclass
@@ -95,6 +118,17 @@ class _Cache:
 
 
 @dataclass
+class _Bound:
+    """A stage's ``IOBinding`` for one slot during one generation, and what it holds."""
+
+    native: Any  # onnxruntime's native SessionIOBinding
+    held: dict[str, Any] = field(default_factory=dict)  # input -> host array bound by address
+    inputs: tuple[tuple[tuple[Any, ...], ...], ...] = ((), ())  # cache inputs, per buffer holding the past
+    outputs: tuple[tuple[tuple[Any, ...], ...], ...] = ((), ())  # cache outputs, likewise
+    fresh: bool = True  # nothing bound yet: the first step binds every output, in order
+
+
+@dataclass
 class Slot:
     """One group of sequences decoding together: its cache buffers and current past length."""
 
@@ -104,6 +138,31 @@ class Slot:
     active: int = 0  # sequences of the current generation (at most ``batch``)
     past: int = 0
     current: int = 0  # which buffer of each pair holds the past
+    logits: np.ndarray | None = None  # host buffer the last stage writes the logits into
+    bound: dict[int, _Bound] = field(default_factory=dict)
+    table: dict[str, Any] = field(default_factory=dict)  # the step's values (sequential runs)
+
+
+@dataclass(frozen=True)
+class _StagePlan:
+    """How one stage step binds and runs (see :meth:`OrtDecoder._plan`).
+
+    ``feeds``: (input, key) of host inputs; ``values``: (input, key) of values from earlier
+    steps; ``caches``: (input, past key) of cache inputs; ``outputs``: per stage output in
+    order, ``"cache"``, ``"logits"`` (into the slot's host buffer) or ``"fresh"``
+    (allocated by the run); ``stores``: (output index, key) of outputs later steps read.
+    """
+
+    index: int
+    step: StageStep
+    host: bool  # a CPU stage: host inputs bound by address
+    feeds: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, str], ...]
+    caches: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+    stores: tuple[tuple[int, str], ...]
+    device: Any  # native device of the run's own outputs
+    groups: tuple[tuple[int, int], ...]  # the (heads, dim) of its caches, each once
 
 
 class OrtDecoder:
@@ -121,23 +180,24 @@ class OrtDecoder:
         self.runner = Runner(spec.model, device_map=device_map, auto_update=False, chunks=chunks)
         program = self.runner.program
         self.stats = CopyStats()
-        self._feeds = [(name, physical) for name, physical in program.feeds]
-        self._logits = next(
-            key for (key, _), out in zip(program.outputs, self.runner.output_names) if out == "logits"
-        )
         self._steps: list[Any] = list(program.steps)
-        self._bindings: dict[int, Any] = {}
-        self._homes = self._cache_homes()
-        self._needed = {self._logits}
+        self._alias = {}
         for step in self._steps:
-            if isinstance(step, TransferStep):
-                self._needed.add(step.source)
-            else:
-                self._needed.update(key for _, key in step.bind)
+            if isinstance(step, TransferStep) and step.kind == ALIAS:
+                self._alias[step.target] = self._alias.get(step.source, step.source)
+        self._feeds = [(name, physical) for name, physical in program.feeds]
+        self._device_feeds = tuple((name, physical) for name, physical in self._feeds if physical.is_cuda)
+        self._resident = {key: value._ortvalue for key, value in program.resident.items()}
+        named = zip(program.outputs, self.runner.output_names)
+        logits = next(key for (key, _), out in named if out == "logits")
+        self._logits = self._alias.get(logits, logits)
+        self._logits_type = _logits_type(spec)
+        self._homes = self._cache_homes()
         self._past_of = {}
         for layer in spec.layers:
             self._past_of[layer.present_key] = layer.past_key
             self._past_of[layer.present_value] = layer.past_value
+        self._host_logits = False
         self.parts = self._split_parts()
 
     # -- setup ------------------------------------------------------------------------------
@@ -174,12 +234,25 @@ class OrtDecoder:
             homes[past] = (readers[past], layer)
         return homes
 
-    def _split_parts(self) -> list[list[Any]]:
-        """The program's steps cut before each stage step (a transfer goes with the stage after it)."""
-        parts: list[list[Any]] = []
-        pending: list[Any] = []
+    def _split_parts(self) -> list[list[tuple[str, Any]]]:
+        """The program's steps as the decoder runs them, cut before each stage step (a
+        transfer goes with the stage after it): ``("stage", plan)``, ``("alias", step)``
+        (counted, not run: the aliases are resolved), ``("move", step)``, ``("host", step)``."""
+        reads: set[str] = {self._logits}
         for step in self._steps:
-            pending.append(step)
+            if isinstance(step, TransferStep):
+                reads.add(self._alias.get(step.source, step.source))
+            else:
+                reads.update(self._alias.get(key, key) for _, key in step.bind)
+        parts: list[list[tuple[str, Any]]] = []
+        pending: list[tuple[str, Any]] = []
+        for step in self._steps:
+            if isinstance(step, StageStep):
+                pending.append(("stage", self._plan(len(parts), step, reads)))
+            elif isinstance(step, HostStep):
+                pending.append(("host", step))
+            else:
+                pending.append(("alias" if step.kind == ALIAS else "move", step))
             if isinstance(step, (StageStep, HostStep)):
                 parts.append(pending)
                 pending = []
@@ -189,6 +262,39 @@ class OrtDecoder:
             else:
                 parts.append(pending)
         return parts
+
+    def _plan(self, index: int, step: StageStep, reads: set[str]) -> _StagePlan:
+        """How ``step`` binds: each input by what it reads, each output by where it goes."""
+        host = not step.exec.physical.is_cuda
+        fed = {name for name, _ in self._feeds}
+        feeds, values, caches = [], [], []
+        for name, key in step.bind:
+            key = self._alias.get(key, key)
+            if key in self._homes:
+                caches.append((name, key))
+            elif host and key in fed:
+                feeds.append((name, key))
+            else:
+                values.append((name, key))
+        outputs, stores = [], []
+        for position, name in enumerate(step.outputs):
+            if name in self._past_of:
+                outputs.append((name, "cache"))
+            elif name == self._logits and host and self._logits_type is not None:
+                outputs.append((name, "logits"))
+                self._host_logits = True
+            else:
+                outputs.append((name, "fresh"))
+                if name in reads:
+                    stores.append((position, name))
+        keys = [key for _, key in caches] + [self._past_of[name] for name, kind in outputs if kind == "cache"]
+        layers = [self._homes[key][1] for key in keys]
+        groups = tuple(sorted({(int(layer.kv_heads or 0), int(layer.head_dim or 0)) for layer in layers}))
+        device = ort.OrtDevice.make(*step.exec.out_device)._get_c_device()
+        return _StagePlan(
+            index, step, host, tuple(feeds), tuple(values), tuple(caches),
+            tuple(outputs), tuple(stores), device, groups,
+        )  # fmt: skip
 
     def new_slot(self, batch: int, max_length: int) -> Slot:
         """A group's cache buffers for up to ``batch`` sequences of ``max_length`` tokens (allocated once)."""
@@ -204,7 +310,10 @@ class OrtDecoder:
             caches[past] = _Cache(
                 past, present, pair, device, int(layer.kv_heads), int(layer.head_dim), dtype
             )  # type: ignore[arg-type]
-        return Slot(caches=caches, batch=batch, max_length=max_length)
+        logits = None
+        if self._host_logits and self._logits_type is not None:
+            logits = np.zeros((batch, 1, self._logits_type[1]), self._logits_type[0])
+        return Slot(caches=caches, batch=batch, max_length=max_length, logits=logits)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -214,28 +323,41 @@ class OrtDecoder:
             raise PlacementError(f"slot holds {slot.batch} sequences, asked for {batch}")
         slot.past, slot.current = 0, 0
         slot.active = batch
+        slot.bound = {}
+        slot.table = dict(self._resident)
 
     def feed(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-        """A step's value table: the non-cache inputs as ``OrtValue`` s on their devices."""
-        return {name: ortvalue(arrays[name], physical) for name, physical in self._feeds if name in arrays}
+        """A step's value table: the non-cache inputs (host arrays; copies on their devices
+        for inputs fed on a GPU) and the streamed parameters."""
+        values = dict(self._resident)
+        values.update(arrays)
+        for name, physical in self._device_feeds:
+            if name in arrays:
+                values[name] = ortvalue(arrays[name], physical)._ortvalue
+        return values
 
     def run_part(self, index: int, slot: Slot, values: dict[str, Any], new_tokens: int) -> None:
         """Run part ``index`` of the steps for ``slot`` on ``values`` (``new_tokens`` per sequence)."""
-        for step in self.parts[index]:
-            if isinstance(step, StageStep):
-                self._run_stage(step, slot, values, new_tokens)
-            elif isinstance(step, TransferStep):
-                step.run(values)
-                if step.target in values:
-                    self.stats.add(step.source, values[step.target])
+        for kind, item in self.parts[index]:
+            if kind == "stage":
+                self._run_stage(item, slot, values, new_tokens)
+            elif kind == "alias":
+                self.stats.add(item.source, values[self._alias.get(item.source, item.source)])
+            elif kind == "move":
+                self._move(item, values)
             else:
-                step.run(values)
+                self._run_host(item, values)
 
     def finish(self, slot: Slot, values: dict[str, Any], new_tokens: int) -> np.ndarray:
-        """After every part: swap the slot's buffers, return the last position's logits ``(batch, vocab)``."""
+        """After every part: swap the slot's buffers, return the last position's logits ``(batch, vocab)``
+        (on the CPU a view of the slot's logits buffer, valid until its next step)."""
         slot.past += new_tokens
         slot.current = 1 - slot.current
+        if slot.logits is not None:
+            return slot.logits[: slot.active, 0]
         logits = values[self._logits]
+        if type(logits) is _C.OrtValue:
+            logits = ort.OrtValue(logits)
         array = logits.numpy() if isinstance(logits, ort.OrtValue) else np.asarray(logits)
         return array.reshape(array.shape[0], -1)
 
@@ -246,53 +368,133 @@ class OrtDecoder:
             raise PlacementError(
                 f"the cache holds {slot.max_length} tokens; step needs {slot.past + new_tokens}"
             )
-        values = self.feed(arrays)
+        values = slot.table
+        values.update(arrays)
+        for name, physical in self._device_feeds:
+            values[name] = ortvalue(arrays[name], physical)._ortvalue
         for index in range(len(self.parts)):
             self.run_part(index, slot, values, new_tokens)
         return self.finish(slot, values, new_tokens)
 
-    def _run_stage(self, step: StageStep, slot: Slot, values: dict[str, Any], new_tokens: int) -> None:
-        """Run one stage session with its caches bound to the slot's buffers (onnxruntime's
-        native binding: this runs once per stage per token, so its Python is kept short)."""
-        ex = step.exec
-        found = self._bindings.get(id(step))
-        if found is None:
-            binding = ex.session.io_binding()
-            device = ort.OrtDevice.make(*ex.out_device)._get_c_device()
-            found = self._bindings[id(step)] = (binding, binding._iobinding, device)
-        binding, native, device = found
-        batch, past, current = slot.active, slot.past, slot.current
-        caches, past_of = slot.caches, self._past_of
-        for name, key in step.bind:
-            cache = caches.get(key)
-            if cache is None:
-                value = values[key]
-                if isinstance(value, ort.OrtValue):
-                    native.bind_ortvalue_input(name, value._ortvalue)
-                else:
-                    binding.bind_ortvalue_input(name, ortvalue(value, ex.physical))
-                continue
-            shape = [batch, cache.heads, past, cache.dim]
-            native.bind_input(name, cache.c_device, cache.dtype, shape, cache.pointers[current])
-        for name in step.outputs:
-            cache = caches.get(past_of.get(name, ""))
-            if cache is None:
-                native.bind_output(name, device)
-            else:
-                shape = [batch, cache.heads, past + new_tokens, cache.dim]
-                native.bind_output(name, cache.c_device, cache.dtype, shape, cache.pointers[1 - current])
+    def _bind(self, plan: _StagePlan, slot: Slot) -> _Bound:
+        """A new ``IOBinding`` of ``plan``'s stage for ``slot``, with its cache inputs' and
+        outputs' (name, device, element type, shape group, address) for either buffer of
+        each pair holding the past."""
+        native = plan.step.exec.session.io_binding()._iobinding
+        inputs: list[list[tuple[Any, ...]]] = [[], []]
+        outputs: list[list[tuple[Any, ...]]] = [[], []]
+        caches = [(name, key, inputs, 0) for name, key in plan.caches]
+        caches += [(name, self._past_of[name], outputs, 1) for name, kind in plan.outputs if kind == "cache"]
+        for name, key, rows, side in caches:
+            cache = slot.caches[key]
+            element = _ELEMENT.get(cache.dtype, cache.dtype)
+            group = plan.groups.index((cache.heads, cache.dim))
+            for current in (0, 1):
+                at = cache.pointers[current if side == 0 else 1 - current]
+                rows[current].append((name, cache.c_device, element, group, at))
+        bound = _Bound(native, inputs=(tuple(inputs[0]), tuple(inputs[1])))
+        bound.outputs = (tuple(outputs[0]), tuple(outputs[1]))
+        slot.bound[plan.index] = bound
+        return bound
+
+    def _run_stage(self, plan: _StagePlan, slot: Slot, values: dict[str, Any], new_tokens: int) -> None:
+        """Run one stage session with its caches bound to the slot's buffers (this runs once
+        per stage per token: see the module docstring for what it binds again)."""
+        bound = slot.bound.get(plan.index)
+        if bound is None:
+            bound = self._bind(plan, slot)
+        native, held = bound.native, bound.held
+        batch, past = slot.active, slot.past
+        for name, key in plan.feeds:  # host arrays, bound by address while the same array
+            array = values[key]
+            if held.get(name) is not array:
+                native.bind_ortvalue_input(name, _C.OrtValue.ortvalue_from_numpy(array, _CPU))
+                held[name] = array
+        for name, key in plan.values:
+            value = values[key]
+            if type(value) is not _C.OrtValue:
+                value = _native(value, plan.step.exec.physical)
+            native.bind_ortvalue_input(name, value)
+        shapes = [
+            ([batch, heads, past, dim], [batch, heads, past + new_tokens, dim]) for heads, dim in plan.groups
+        ]
+        current = slot.current
+        for name, device, element, group, at in bound.inputs[current]:
+            native.bind_input(name, device, element, shapes[group][0], at)
+        if bound.fresh:  # first step: every output bound, in the stage's order (stores index them)
+            self._bind_outputs(plan, slot, native, bound, shapes)
+            bound.fresh = False
+        else:
+            for name, device, element, group, at in bound.outputs[current]:
+                native.bind_output(name, device, element, shapes[group][1], at)
+            for name, kind in plan.outputs:
+                if kind == "fresh":  # a new buffer per run: the last one may still be read
+                    native.bind_output(name, plan.device)
         try:
-            ex.session._sess.run_with_iobinding(native, None)
+            plan.step.exec.session._sess.run_with_iobinding(native, None)
         except Exception as err:  # ORT raises Fail, InvalidArgument, RuntimeException...
-            native.clear_binding_inputs()
-            native.clear_binding_outputs()
-            raise ex.error(err) from err
-        outputs = native.get_outputs()
-        needed = self._needed
-        for index, name in enumerate(step.outputs):
-            if name in needed:  # a present too (a view of its buffer) when a later step reads it
-                values[name] = ort.OrtValue(outputs[index])
-        native.clear_binding_inputs()
-        native.clear_binding_outputs()
-        for key in step.free:
-            values.pop(key, None)
+            slot.bound.pop(plan.index, None)
+            raise plan.step.exec.error(err) from err
+        if plan.stores:
+            outputs = native.get_outputs()
+            for position, key in plan.stores:
+                values[key] = outputs[position]
+
+    def _bind_outputs(self, plan: _StagePlan, slot: Slot, native: Any, bound: _Bound, shapes: list) -> None:
+        """Bind every output of ``plan``'s stage, in the stage's order (later steps bind them
+        again by name, which keeps each in its place)."""
+        caches = {row[0]: row for row in bound.outputs[slot.current]}
+        for name, kind in plan.outputs:
+            if kind == "fresh":
+                native.bind_output(name, plan.device)
+            elif kind == "logits":
+                logits = slot.logits
+                assert logits is not None  # a host-logits stage: every slot has the buffer
+                shape, element = [slot.active, *logits.shape[1:]], _ELEMENT.get(logits.dtype, logits.dtype)
+                native.bind_output(name, _CPU, element, shape, logits.ctypes.data)
+            else:
+                _, device, element, group, at = caches[name]
+                native.bind_output(name, device, element, shapes[group][1], at)
+
+    def _move(self, step: TransferStep, values: dict[str, Any]) -> None:
+        """A transfer that moves data (to or from a GPU, or between GPUs)."""
+        value = values[self._alias.get(step.source, step.source)]
+        self.stats.add(step.source, value)
+        if isinstance(value, np.ndarray):
+            values[step.target] = ortvalue(value, step.physical)._ortvalue
+            return
+        wrapped = ort.OrtValue(value) if type(value) is _C.OrtValue else value
+        try:
+            values[step.target] = move(wrapped, step.kind, step.physical)._ortvalue
+        except PlacementError:
+            raise
+        except Exception as err:  # an allocation on the destination device failed
+            raise PlacementError(f"moving blob {step.source!r} to {step.physical} failed: {err}") from err
+
+    def _run_host(self, step: HostStep, values: dict[str, Any]) -> None:
+        """A stage with host values at its boundary (sequences, optionals, strings)."""
+        table = {}
+        for _, key in step.bind:
+            value = values[self._alias.get(key, key)]
+            table[key] = ort.OrtValue(value) if type(value) is _C.OrtValue else value
+        outputs = step.call(step.inputs(table))
+        values.update(zip(step.outputs, outputs))
+
+
+def _native(value: Any, physical: Any) -> Any:
+    """``value`` (an ``OrtValue`` or a host array) as a native ``OrtValue`` on ``physical``."""
+    if isinstance(value, ort.OrtValue):
+        return value._ortvalue
+    return ortvalue(np.ascontiguousarray(value), physical)._ortvalue
+
+
+def _logits_type(spec: DecoderSpec) -> tuple[np.dtype, int] | None:
+    """(numpy dtype, vocabulary size) of the ``logits`` output, where both are static."""
+    value = next(v for v in spec.model.graph.outputs if v.name == "logits")
+    shape = list(value.shape) if value.shape is not None else []
+    if len(shape) != 3 or not isinstance(shape[2], int) or value.dtype is None:
+        return None
+    try:
+        return np.dtype(value.dtype.numpy()), int(shape[2])
+    except (TypeError, ValueError):
+        return None

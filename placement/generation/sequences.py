@@ -56,17 +56,39 @@ class Sequences:
         on_tokens: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
         self.prompt = input_ids
-        self.mask = attention_mask.astype(np.int64)
+        prompt_mask = attention_mask.astype(np.int64)
         self.max_new_tokens = max_new_tokens
         self.eos = np.asarray(list(eos), np.int64)
         self.pad = pad
         self.sampler = sampler
         self.on_tokens = on_tokens
-        batch = input_ids.shape[0]
-        self.new = np.full((batch, max_new_tokens), pad, np.int64)
+        batch, length = input_ids.shape
         self.count = 0
         self.ended = np.zeros(batch, bool)
-        self.next_position = self.mask.sum(-1, keepdims=True).astype(np.int64)
+        # The buffers a step's inputs are (views of), updated in place: a decode loop binds
+        # them once. Row t of ``_tokens`` holds the tokens of step t.
+        self._tokens = np.full((max_new_tokens, batch), pad, np.int64)
+        self._step_ids = np.zeros((batch, 1), np.int64)
+        self._positions = prompt_mask.sum(-1, keepdims=True) - 1
+        self._prompt_mask = prompt_mask
+        self._padded = not bool(prompt_mask.all())
+        self._mask = np.ones(batch * (length + max_new_tokens), np.int64)
+        self._step = {
+            "input_ids": self._step_ids,
+            "attention_mask": prompt_mask,
+            "position_ids": self._positions,
+        }
+        self._greedy = not sampler.do_sample
+
+    @property
+    def mask(self) -> np.ndarray:
+        """The attention mask of the tokens so far ``(batch, prompt + generated)``."""
+        return self._mask_view(self.prompt.shape[1] + self.count)
+
+    @property
+    def new(self) -> np.ndarray:
+        """The tokens generated so far, ``(batch, generated)``."""
+        return self._tokens[: self.count].T
 
     @property
     def done(self) -> bool:
@@ -75,35 +97,51 @@ class Sequences:
 
     def prefill(self) -> dict[str, np.ndarray]:
         """The prompt step's inputs."""
-        positions = np.cumsum(self.mask, -1) - 1
-        positions[self.mask == 0] = 1
+        positions = np.cumsum(self._prompt_mask, -1) - 1
+        positions[self._prompt_mask == 0] = 1
         return {
             "input_ids": np.ascontiguousarray(self.prompt, np.int64),
-            "attention_mask": self.mask,
+            "attention_mask": self._prompt_mask,
             "position_ids": positions.astype(np.int64),
         }
 
     def decode(self) -> dict[str, np.ndarray]:
-        """The next decode step's inputs (the last chosen token of each sequence)."""
-        return {
-            "input_ids": self.new[:, self.count - 1 : self.count].copy(),
-            "attention_mask": self.mask,
-            "position_ids": self.next_position - 1,
-        }
+        """The next decode step's inputs (the last chosen token of each sequence).
+
+        The same dict each step, over the same token and position buffers (updated in
+        place by :meth:`advance`) and a view of one mask buffer: valid until the next
+        :meth:`advance`.
+        """
+        self._step["attention_mask"] = self._mask_view(self.prompt.shape[1] + self.count)
+        return self._step
+
+    def _mask_view(self, length: int) -> np.ndarray:
+        """The mask of ``length`` tokens, a contiguous ``(batch, length)`` view of one buffer
+        (all ones, but for the prompt's padding, written again for each length)."""
+        batch = self._prompt_mask.shape[0]
+        view = self._mask[: batch * length].reshape(batch, length)
+        if self._padded:
+            prompt = self._prompt_mask.shape[1]
+            view[:, prompt:] = 1
+            view[:, :prompt] = self._prompt_mask
+        return view
 
     def advance(self, logits: np.ndarray) -> None:
         """Choose each sequence's next token from ``logits`` ``(batch, vocab)``; ended ones get ``pad``."""
-        tokens = self.sampler.pick(logits)
-        tokens = np.where(self.ended, self.pad, tokens)
-        self.new[:, self.count] = tokens
-        self.count += 1
+        row = self._tokens[self.count]
+        if self._greedy:
+            row[:] = logits.argmax(-1)
+        else:
+            row[:] = self.sampler.pick(logits)
         if self.eos.size:
-            self.ended |= np.isin(tokens, self.eos)
-        self.mask = np.concatenate([self.mask, np.ones((self.mask.shape[0], 1), np.int64)], axis=1)
-        self.next_position = self.next_position + 1
+            row[self.ended] = self.pad
+            self.ended |= np.isin(row, self.eos)
+        self._step_ids[:, 0] = row
+        self._positions += 1
+        self.count += 1
         if self.on_tokens is not None:
-            self.on_tokens(tokens)
+            self.on_tokens(row.copy())
 
     def result(self) -> np.ndarray:
         """Prompt plus new tokens ``(batch, prompt + generated)``."""
-        return np.concatenate([self.prompt, self.new[:, : self.count]], axis=1)
+        return np.concatenate([self.prompt, self._tokens[: self.count].T], axis=1)

@@ -85,6 +85,47 @@ def _make_static(module: Any, presents: set[str]) -> int:
     return changed
 
 
+def _trim_for_decoding(module: Any, devices: set[str]) -> int:
+    """Cut per-step Python from the lowered graph the decoder calls (its own module, built
+    for it): ``x.to("cpu")`` where every device is the CPU (a no-op a step would still
+    call), and each parameter or buffer (read through ``Module.__getattr__``, once per dot
+    of ``self.model.layers.0.mlp.weight``, every step) read from a plain attribute of the
+    root module instead. The attributes are not registered: ``parameters()`` and
+    ``state_dict()`` are unchanged. Returns the nodes changed."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return 0
+    changed = 0
+    if devices <= {"cpu"}:
+        for node in list(graph.nodes):
+            cpu = node.args[1:] in (("cpu",), (torch.device("cpu"),))
+            if (
+                node.op == "call_method"
+                and node.target == "to"
+                and cpu
+                and set(node.kwargs) <= {"non_blocking"}
+            ):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+                changed += 1
+    for node in graph.nodes:
+        if node.op == "get_attr" and not str(node.target).startswith("_decode_"):
+            flat = "_decode_" + str(node.target).replace(".", "_")
+            if flat not in module.__dict__:
+                object.__setattr__(module, flat, _attribute(module, str(node.target)))
+            node.target = flat
+            changed += 1
+    if changed:
+        module.recompile()
+    return changed
+
+
+def _attribute(module: Any, target: str) -> Any:
+    """The tensor at dotted path ``target`` of ``module``."""
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
 @dataclass
 class TorchSlot:
     """One group's cache buffers (past input name -> ``(batch, heads, max_length, head_dim)``)."""
@@ -94,6 +135,7 @@ class TorchSlot:
     max_length: int
     active: int = 0
     past: int = 0
+    held: dict[str, Any] = field(default_factory=dict)  # input -> (array, tensor over it)
     #: static decode inputs by batch (:class:`~placement.generation.static_steps.StaticSteps`)
     static: dict[int, Any] = field(default_factory=dict)
 
@@ -131,9 +173,12 @@ class TorchDecoder:
         )
         presents = {name for layer in spec.layers for name in (layer.present_key, layer.present_value)}
         self.static = _make_static(self.module, presents) if chunks == 1 else 0
+        physical = getattr(self.module, "device_map", {})
+        if self.static:
+            _trim_for_decoding(self.module, {torch.device(str(d)).type for d in physical.values()})
         self.inputs = list(getattr(self.module, "input_names", []))
         self.outputs = list(getattr(self.module, "output_names", []))
-        physical = getattr(self.module, "device_map", {})
+        self._forward = _unchecked_forward(self.module)
         self._devices: dict[str, torch.device] = {}
         self._shapes: dict[str, tuple[int, int, Any]] = {}
         self._present_of: dict[str, str] = {}
@@ -166,6 +211,14 @@ class TorchDecoder:
                 ", not as CUDA graphs" if cuda_graphs else "",
             )  # fmt: skip
             return None
+        missing = [name for name in ("attention_mask", "position_ids") if name not in self.inputs]
+        if missing:  # a step over the whole buffer needs the mask to hide the unwritten positions,
+            # and positions that do not come from the past's length (the buffer's, there)
+            log.warning(
+                "the model takes no %s: decode steps run with growing shapes%s",
+                " or ".join(missing), ", not as CUDA graphs" if cuda_graphs else "",
+            )  # fmt: skip
+            return None
         capture = cuda_graphs and len(devices) == 1
         if cuda_graphs and not capture:
             log.warning("cuda_graphs: a decode step is captured on one GPU; on %s it runs eagerly", devices)
@@ -186,9 +239,16 @@ class TorchDecoder:
         if batch > slot.batch:
             raise PlacementError(f"slot holds {slot.batch} sequences, asked for {batch}")
         slot.active, slot.past = batch, 0
+        slot.held = {}
+        slot.held = {}
 
     def step(self, slot: TorchSlot, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """One whole step (prefill or decode) for ``slot``: the last position's logits ``(batch, vocab)``."""
+        """One whole step (prefill or decode) for ``slot``: the last position's logits ``(batch, vocab)``.
+
+        A generation's first step calls the module (its input check runs); the next ones call
+        its forward directly where the check is the module's only hook: the decoder made
+        every input itself, of the dtype and shape the check passed.
+        """
         batch, past = slot.active, slot.past
         new_tokens = arrays["input_ids"].shape[1]
         if past + new_tokens > slot.max_length:
@@ -196,15 +256,21 @@ class TorchDecoder:
         if self.static_steps is not None:
             results = self.static_steps.call(slot.buffers, slot.static, batch, past, arrays)
         else:
+            buffers, held = slot.buffers, slot.held
             args = []
             for name in self.inputs:
-                buffer = slot.buffers.get(name)
+                buffer = buffers.get(name)
                 if buffer is not None:
                     args.append(buffer[:batch, :, :past])
-                else:
-                    args.append(torch.from_numpy(arrays[name]))
-            with torch.no_grad():
-                results = self.module(*args)
+                    continue
+                array = arrays[name]
+                tensor = held.get(name)
+                if tensor is None or tensor[0] is not array:  # the loop's buffers: wrapped once
+                    tensor = held[name] = (array, torch.from_numpy(array))
+                args.append(tensor[1])
+            call = self.module if past == 0 or self._forward is None else self._forward
+            with torch.inference_mode():
+                results = call(*args)
         results = results if isinstance(results, (tuple, list)) else (results,)
         logits = None
         for name, value in zip(self.outputs, results):
@@ -219,4 +285,21 @@ class TorchDecoder:
         slot.past = past + new_tokens
         if logits is None:
             raise PlacementError("the lowered module returned no 'logits'")
-        return logits.detach().reshape(logits.shape[0], -1).float().cpu().numpy()
+        logits = logits.reshape(logits.shape[0], -1)
+        if logits.dtype != torch.float32 or logits.device.type != "cpu":
+            logits = logits.float().cpu()
+        return logits.numpy()
+
+
+def _unchecked_forward(module: Any) -> Any:
+    """``module.forward`` where the module's only hook is its input check (None otherwise:
+    every call goes through ``module(...)``)."""
+    from placement.runtime.torch.input_check import _InputCheck
+
+    hooks = list(module._forward_hooks.values())
+    pre = list(module._forward_pre_hooks.values())
+    if hooks or not pre or not all(isinstance(hook, _InputCheck) for hook in pre):
+        return None
+    if torch.nn.modules.module._global_forward_pre_hooks or torch.nn.modules.module._global_forward_hooks:
+        return None
+    return module.forward

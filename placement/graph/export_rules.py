@@ -13,7 +13,10 @@ Two small tables, each entry one known gap between a library's default and what
   ``<experts module>.<expert index>``, so experts of one layer can be placed apart
   (``pl.assign_modules(model, {"...mlp.experts.3": 1})``). Their routers count tokens per
   expert with ``aten.histc``, which some torch releases' exporters lack: it becomes a
-  one-hot count (:func:`histc`).
+  one-hot count (:func:`histc`). ``aten.as_strided`` with static sizes becomes a
+  ``Reshape``, ``Slice`` or ``Gather`` of constant indices (:func:`as_strided`): some
+  onnxscript releases write a ``Loop`` over a sequence, which ``to_torch`` cannot lower
+  (torch 2.11 decomposes ``AdaptiveAvgPool2d`` in ConvNeXt and Swin to such a view).
 * :data:`EXPORTABLE_SETTINGS`: module settings whose value cannot be exported, and the
   exportable value used instead, per exporter (``experts_implementation="eager"``
   stops ``torch.export`` on a data-dependent guard; the dynamo exporter gets
@@ -47,6 +50,7 @@ __all__ = [
     "EXPORTABLE_SETTINGS",
     "TRANSLATIONS",
     "Setting",
+    "as_strided",
     "exportable_settings",
     "grouped_mm",
     "histc",
@@ -132,6 +136,53 @@ def histc(values: Any, bins: int = 100, min: float = 0.0, max: float = 0.0) -> A
     return op.CastLike(counts, values)
 
 
+def as_strided(self: Any, size: Any, stride: Any, storage_offset: Any = None) -> Any:
+    """ONNX translation of ``aten.as_strided``: one ``Reshape``, ``Slice`` or ``Gather``, no ``Loop``.
+
+    ONNX tensors have no storage, so as in the exporter's own function the view reads ``self``
+    flattened in row-major order: output element ``(i_0, ...)`` is ``flat[offset + sum(i_d *
+    stride_d)]``. With static sizes and strides the flat indices are computed here: a view that
+    reads consecutive elements (``AdaptiveAvgPool2d`` decomposes to a ``mean`` and such a view
+    in some torch releases) becomes a ``Reshape`` (a ``Slice`` first where it reads fewer
+    elements), any other a ``Gather`` of constant indices. Some onnxscript releases write a
+    ``Loop`` over a sequence instead, which ``to_torch`` cannot lower. Symbolic sizes go to the
+    exporter's function. Called by the exporter with onnxscript values, not by users.
+    """
+    import numpy as np
+    from onnxscript.onnx_opset import opset18 as op
+
+    offset = 0 if storage_offset is None else storage_offset
+    static = [*size, *stride, offset]
+    if not all(isinstance(v, int | np.integer) for v in static):
+        from onnxscript.function_libs.torch_lib.ops.core import aten_as_strided
+
+        if storage_offset is None:
+            return aten_as_strided(self, size, stride)
+        return aten_as_strided(self, size, stride, storage_offset)
+    size, stride, offset = [int(v) for v in size], [int(v) for v in stride], int(offset)
+    index = np.full(size, offset, dtype=np.int64)
+    for dim, (count, step) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[dim] = count
+        index = index + np.arange(count, dtype=np.int64).reshape(shape) * step
+    total = int(index.size)
+    flat = op.Reshape(self, op.Constant(value_ints=[-1]))
+    if total and np.array_equal(index.ravel(), np.arange(offset, offset + total)):
+        dims = None if self.shape is None else list(self.shape)
+        whole = dims is not None and all(isinstance(d, int) for d in dims) and int(np.prod(dims)) == total
+        if not whole:
+            flat = op.Slice(
+                flat,
+                op.Constant(value_ints=[offset]),
+                op.Constant(value_ints=[offset + total]),
+                op.Constant(value_ints=[0]),
+            )
+        return op.Reshape(flat, op.Constant(value_ints=size))
+    import onnx_ir as ir
+
+    return op.Gather(flat, op.Constant(value=ir.tensor(index)), axis=0)
+
+
 def _tag(value: Any, group: int) -> Any:
     """Mark the node producing ``value`` as part of expert ``group``."""
     producer = getattr(value, "producer", None)
@@ -161,6 +212,7 @@ def _onnx_dtype(dtype: Any) -> int:
 
 #: Custom op (``"namespace::name"``, its default overload) -> ONNX translation.
 TRANSLATIONS: dict[str, Callable[..., Any]] = {
+    "aten::as_strided": as_strided,
     "aten::histc": histc,
     "aten::_grouped_mm": grouped_mm,
     "transformers::grouped_mm_fallback": grouped_mm,

@@ -67,8 +67,9 @@ def _non_tensor_types(ir_model: ir.Model) -> bool:
     """Give sequence and optional values their full types (before onnx_ir's pass).
 
     Graphs that have such values (rare: sequence and optional ops) are first inferred on a
-    serialised copy, and the non-tensor types are written whole; the pass then keeps them
-    (their element type already matches). Returns whether a value got a new type.
+    serialised copy, and the non-tensor types are written whole, in the main graph and in every
+    subgraph (a ``Loop`` body's inputs and outputs carry the loop's sequences); the pass then
+    keeps them (their element type already matches). Returns whether a value got a new type.
     """
     graph = ir_model.graph
     if not any(node.op_type.startswith(_NON_TENSOR_OPS) for node in graph.all_nodes()):
@@ -80,16 +81,18 @@ def _non_tensor_types(ir_model: ir.Model) -> bool:
     except Exception as err:  # best effort: the pass below still runs
         log.debug("shape inference of non-tensor types failed: %s", err)
         return False
-    values = {v.name: v for node in graph for v in node.outputs if v.name}
-    values.update({v.name: v for v in graph.inputs if v.name})
+    inferred_model = ir.serde.deserialize_model(proto)
     changed = False
-    for info in [*proto.graph.value_info, *proto.graph.output]:
-        value = values.get(info.name)
-        if value is None or info.type.WhichOneof("value") in (None, "tensor_type"):
-            continue
-        inferred = ir.serde.deserialize_value_info_proto(info, None)
-        if inferred.type is not None and value.type != inferred.type:
-            value.type = inferred.type
-            value.shape = None
-            changed = True
+    # every graph, subgraphs included: the pass also merges into a Loop's body, whose inputs
+    # and outputs carry the loop's sequences
+    for original, inferred in zip(ir_model.graphs(), inferred_model.graphs()):
+        values = ir.convenience.create_value_mapping(original)
+        for name, found in ir.convenience.create_value_mapping(inferred).items():
+            value = values.get(name)
+            if value is None or found.type is None or isinstance(found.type, ir.TensorType):
+                continue
+            if value.type != found.type:
+                value.type = found.type
+                value.shape = None
+                changed = True
     return changed

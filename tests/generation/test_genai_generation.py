@@ -63,3 +63,22 @@ def test_without_its_config_the_sizes_are_given(tmp_path: Path) -> None:
         pl.Generator(model, cache_dims={"kv_cache_dim": 0})
     with pytest.raises(pl.InputError, match="genai_config.json"):
         pl.Generator(model, cache_dims=tmp_path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="a genai_config.json whose head_size contradicts the model's weights is bound on "
+    "pl.load without a check: torch generation then fails with a bare RuntimeError (a shape "
+    "mismatch in the lowered graph), not an InputError naming the config",
+)
+def test_a_config_contradicting_the_model_is_refused_by_name(tmp_path: Path) -> None:
+    for file in ("model.onnx", "model.onnx.data"):
+        shutil.copy(GENAI / "llama_fp32" / file, tmp_path / file)
+    config = json.loads((GENAI / "llama_fp32" / "genai_config.json").read_text())
+    config["model"]["decoder"]["head_size"] = 2 * config["model"]["decoder"]["head_size"]
+    (tmp_path / "genai_config.json").write_text(json.dumps(config))
+    model = pl.load(tmp_path / "model.onnx")
+    with pytest.raises(pl.PlacementError, match="genai_config|head_size|kv_cache_dim"):
+        generator = pl.Generator(model, runtime="torch", device_map="cpu")
+        generator.generate(np.array([[1, 2, 3]]), max_new_tokens=2)

@@ -83,3 +83,67 @@ def test_a_decode_step_is_captured_once_and_replayed(causal_lm) -> None:
     again = generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS)
     np.testing.assert_array_equal(again, out)
     assert steps.captures == 1 and steps.replays == 2 * (STEPS - 1)  # the same slot: no new capture
+
+
+def _decoder_without_mask() -> pl.Model:
+    """A one-layer decoder taking only ``input_ids`` and its cache: attention over the whole
+    cache, no mask, no positions."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "emb"),
+        numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes1"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["emb", "input_ids"], ["x"]),
+        helper.make_node("Unsqueeze", ["x", "axes1"], ["q"]),
+        helper.make_node("Concat", ["past_key_values.0.key", "q"], ["present.0.key"], axis=2),
+        helper.make_node("Concat", ["past_key_values.0.value", "q"], ["present.0.value"], axis=2),
+        helper.make_node("Transpose", ["present.0.key"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "present.0.value"], ["c"]),
+        helper.make_node("Squeeze", ["c", "axes1"], ["c2"]),
+        helper.make_node("MatMul", ["c2", "w"], ["logits"]),
+    ]
+
+    def cache(name: str, length: str) -> Any:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 1, length, 4])
+
+    graph = helper.make_graph(
+        nodes,
+        "no_mask",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            cache("past_key_values.0.key", "past"),
+            cache("past_key_values.0.value", "past"),
+        ],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 8]),
+            cache("present.0.key", "total"),
+            cache("present.0.value", "total"),
+        ],
+        inits,
+    )
+    return pl.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
+
+
+def test_a_model_without_attention_mask_decodes_with_growing_shapes() -> None:
+    """A step over the whole preallocated buffer reads its unwritten positions unless a mask
+    hides them: a model that takes no attention_mask (or no position_ids) keeps eager steps,
+    its logits those of growing shapes."""
+    from placement.generation.prepare import decoder_model
+
+    def logits(static: bool) -> list[np.ndarray]:
+        decoder = TorchDecoder(decoder_model(_decoder_without_mask()), device_map="cpu", static_shapes=static)
+        assert (decoder.static_steps is None) or not static
+        slot = decoder.new_slot(1, 8)
+        decoder.start(slot, 1)
+        out = [decoder.step(slot, {"input_ids": np.array([[1, 2, 3]])})]
+        out += [decoder.step(slot, {"input_ids": np.array([[t]])}) for t in (4, 5)]
+        return out
+
+    for got, want in zip(logits(True), logits(False)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -189,3 +189,39 @@ def test_histc_exports_and_counts_like_torch(low, high):
     model = pl.from_torch(Count(), (ids,))
     (got,) = pl.run(model, [ids.numpy()], device_map="cpu")
     np.testing.assert_array_equal(got, Count()(ids).numpy())
+
+
+class Strided(torch.nn.Module):
+    """``x.as_strided`` after an op (ONNX tensors are row-major: the view reads ``x`` flattened)."""
+
+    def __init__(self, size: list[int], stride: list[int], offset: int = 0) -> None:
+        super().__init__()
+        self.size, self.stride, self.offset = size, stride, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).as_strided(self.size, self.stride, self.offset) + 1
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset", "op_type"),
+    [
+        ([1, 24, 1, 1], [24, 1, 24, 24], 0, "Reshape"),  # pooling's view: strides of size-1 dims vary
+        ([6, 4], [4, 1], 0, "Reshape"),
+        ([2, 4], [4, 1], 8, "Slice"),  # consecutive elements past an offset
+        ([3, 3], [1, 2], 1, "Gather"),  # overlapping windows
+        ([4, 6], [1, 4], 0, "Gather"),  # a transposed read
+    ],
+)
+def test_as_strided_exports_without_a_loop(size, stride, offset, op_type) -> None:
+    """``aten.as_strided`` with static sizes is a Reshape, Slice or Gather of constant flat indices,
+    never onnxscript's ``SequenceEmpty``/``Loop``, and both runtimes compute what torch does."""
+    assert torch.ops.aten.as_strided.default in translation_table()
+    net = Strided(size, stride, offset)
+    x = torch.randn(1, 24, 1, 1) if size[1] == 24 else torch.randn(4, 6)
+    model = pl.from_torch(net, (x,), exporter="dynamo")
+    ops = {op.op_type for op in model.ops}
+    assert op_type in ops and not ops & {"Loop", "SequenceEmpty"}, ops
+    expected = net(x).numpy()
+    np.testing.assert_array_equal(pl.run(model, [x.numpy()])[0], expected)
+    with torch.no_grad():
+        np.testing.assert_array_equal(pl.to_torch(model)(x).numpy(), expected)

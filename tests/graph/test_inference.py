@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
-from onnx import TensorProto, helper
+from onnx import TensorProto, TypeProto, helper
 
 import placement as pl
 from placement.graph import torch_import
 from placement.graph.inference import infer_types
 
 
-def _sequence_loop() -> ir.Model:
+def _sequence_loop(*, typed_body: bool = True) -> ir.Model:
     """``SequenceEmpty -> Loop`` (the sequence loop-carried, one insert per step) ->
     ``ConcatFromSequence``, as torch's exporter writes a list built in a loop; the values
-    outside the body carry no type, as the exporter leaves them."""
-    seq = helper.make_tensor_sequence_value_info
+    outside the body carry no type, as the exporter leaves them, and without ``typed_body``
+    neither do the body's sequence input and output (as torch 2.11's exporter writes
+    ``as_strided``'s loop)."""
+
+    def seq(name: str, dtype: int, shape: list[int]) -> Any:
+        if typed_body:
+            return helper.make_tensor_sequence_value_info(name, dtype, shape)
+        return helper.make_value_info(name, TypeProto())
+
     body = helper.make_graph(
         [
             helper.make_node("SequenceInsert", ["seq_in", "x"], ["seq_out"]),
@@ -66,4 +75,18 @@ def test_from_torch_pipeline_gives_onnx_runtime_a_sequence():
     assert isinstance(model.value("one_seq").type, ir.SequenceType)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     (y,) = pl.run(model, [x], device_map="cpu")
+    np.testing.assert_array_equal(y, np.concatenate([x, x, x]))
+
+
+def test_untyped_loop_body_sequences_become_sequences():
+    """The body's loop-carried sequence gets the sequence type, not the tensor type onnx_ir's
+    merge would give it (ORT: "Type mismatch. Current=1 Input=4" on the Loop)."""
+    ir_model = _sequence_loop(typed_body=False)
+    torch_import._fold_shape_arithmetic(ir_model)
+    loop = next(node for node in ir_model.graph if node.op_type == "Loop")
+    body = loop.attributes["body"].as_graph()
+    assert isinstance(body.inputs[2].type, ir.SequenceType), body.inputs[2].type
+    assert isinstance(body.outputs[1].type, ir.SequenceType), body.outputs[1].type
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (y,) = pl.run(pl.load(ir_model), [x], device_map="cpu")
     np.testing.assert_array_equal(y, np.concatenate([x, x, x]))

@@ -196,3 +196,21 @@ def test_a_layer_bigger_than_a_device_fits_when_split():
     ):
         pl.auto_place(pl.from_torch(net, (x,)), max_memory={0: "100KiB", 1: "100KiB"}, tensor_parallel="auto",
                       cost="flops")  # fmt: skip
+
+
+@pytest.mark.parametrize("tensor_parallel", ["auto", 2])
+def test_a_failed_plan_leaves_the_model_unchanged(tensor_parallel):
+    """No degree fits the budgets: the error leaves the user's model as it was (no split, no
+    copies, no devices assigned), whether the degree was weighed or asked for."""
+    from placement.errors import InfeasiblePlacementError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8)).eval()
+    model = pl.from_torch(net, (torch.randn(4, 64),))
+    ops = [(op.name, str(op.device)) for op in model.ops]
+    with pytest.raises(InfeasiblePlacementError):
+        pl.auto_place(
+            model, max_memory={0: "100KiB", 1: "100KiB"}, tensor_parallel=tensor_parallel, cost="flops"
+        )
+    assert [(op.name, str(op.device)) for op in model.ops] == ops
+    assert [str(d) for d in model.devices] == ["cuda:0"] and not any(op.is_copy for op in model.ops)

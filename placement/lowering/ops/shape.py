@@ -225,7 +225,22 @@ def gather_nd(data: Tensor, indices: Tensor, *, batch_dims: int = 0) -> Tensor:
 @op("Expand", shape_inputs=(1,))
 def expand(input: Tensor, shape: IntsLike) -> Tensor:  # noqa: A002
     """ONNX Expand: broadcast ``input`` and ``shape`` both ways."""
-    return input.expand(torch.broadcast_shapes(tuple(input.shape), tuple(_ints(shape))))
+    return input.expand(_broadcast(tuple(input.shape), tuple(_ints(shape))))
+
+
+def _broadcast(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``torch.broadcast_shapes(a, b)``, in plain Python where both are Python ints (that
+    function's symbolic-shape machinery costs tens of microseconds a call)."""
+    if not all(type(d) is int for d in (*a, *b)):
+        return tuple(torch.broadcast_shapes(a, b))
+    rank = max(len(a), len(b))
+    a, b = (1,) * (rank - len(a)) + a, (1,) * (rank - len(b)) + b
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            return tuple(torch.broadcast_shapes(a, b))  # raises torch's own error
+        out.append(y if x == 1 else x)
+    return tuple(out)
 
 
 @op("Tile", shape_inputs=(1,))
