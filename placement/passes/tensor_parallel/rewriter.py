@@ -75,9 +75,19 @@ class Rewriter:
         self._names: set[str] = set(self._taken_names())
         self._shards: dict[tuple[int, int, tuple[int, ...], int], ir.Value] = {}
         self._whole: dict[ir.Value, list[ir.Value]] = {}
-        self._slices: dict[tuple[int, int, tuple[int, ...]], ir.Value] = {}
+        self._slices: dict[tuple[int, int, tuple[int, ...], str], ir.Value] = {}
         self.collectives = 0
         self.split: list[str] = []  # original ops split through their weights
+        self.group = [str(d) for d in self.devices]
+        self.homes: dict[ir.Value, list[Device]] = {}  # the group that holds each local value
+
+    def use_group(self, devices: Sequence[Device]) -> None:
+        """Emit the next ops on ``devices`` (a pipeline stage's group; same size as the first)."""
+        if len(devices) != self.t:
+            raise InputError(
+                f"groups must have one size, got {[str(d) for d in devices]} beside {self.group}"
+            )
+        self.devices = list(devices)
         self.group = [str(d) for d in self.devices]
 
     # -- names -----------------------------------------------------------------------------
@@ -120,6 +130,7 @@ class Rewriter:
         """Record the layout of an original value and what each device holds of it."""
         self.layouts[value] = layout
         self.locals[value] = per_device
+        self.homes[value] = self.devices
 
     def replicated(self, value: ir.Value | None, d: int) -> ir.Value | None:
         """``value`` whole on device ``d``: partials are all-reduced, shards all-gathered."""
@@ -130,10 +141,12 @@ class Rewriter:
             return self.local(value, d)
         whole = self._whole.get(value)
         if whole is None:
-            if layout.kind == "P":
-                whole = self._all_reduce(value)
-            else:
-                whole = self._all_gather(value, layout)
+            here = self.devices
+            self.use_group(self.homes.get(value, here))  # a collective runs where its parts are
+            try:
+                whole = self._all_reduce(value) if layout.kind == "P" else self._all_gather(value, layout)
+            finally:
+                self.use_group(here)
             self._whole[value] = whole
         return whole[d]
 
@@ -340,7 +353,7 @@ class Rewriter:
 
     def _take(self, source: ir.Value, axis: int, index: tuple[int, ...], d: int) -> ir.Value:
         """``source``'s elements ``index`` along ``axis`` on device ``d`` (``Slice`` for a range)."""
-        key = (id(source), axis, index)
+        key = (id(source), axis, index, str(self.devices[d]))
         found = self._slices.get(key)
         if found is not None:
             return found

@@ -21,7 +21,7 @@ from placement.analysis.dependence import independent_values
 from placement.errors import DeviceError, InputError
 from placement.graph.device import Device, DeviceLike
 from placement.graph.model import Model
-from placement.graph.nodes import DEVICE_KEY, collective_tag, is_copy_node
+from placement.graph.nodes import DEVICE_KEY, collective_tag, is_copy_node, node_device
 from placement.passes.copies import inject_cross_device_copies
 from placement.passes.tensor_parallel.rewriter import Rewriter
 from placement.passes.tensor_parallel.rules_linear import LINEAR_RULES, Policy
@@ -42,9 +42,11 @@ class TensorParallelResult:
         all_reduces: all-reduces made (each is one ``Sum`` per device).
         all_gathers: all-gathers made (each is one ``Concat`` per device).
         shards: sliced parameters made (one initializer per device and slice).
+        groups: one group per pipeline stage (a single group: ``[devices]``).
     """
 
     devices: list[Device]
+    groups: list[list[Device]] = field(default_factory=list)
     split: list[str] = field(default_factory=list)
     all_reduces: int = 0
     all_gathers: int = 0
@@ -57,7 +59,7 @@ class TensorParallelResult:
 
 def split_tensor_parallel(
     model: Model,
-    devices: Sequence[DeviceLike] = (0, 1),
+    devices: Sequence[DeviceLike] | Sequence[Sequence[DeviceLike]] = (0, 1),
     *,
     scopes: Sequence[str] | None = None,
 ) -> TensorParallelResult:
@@ -73,9 +75,21 @@ def split_tensor_parallel(
     are injected (:func:`placement.inject_cross_device_copies`). Graph outputs are whole, on the
     first device.
 
+    Tensor inside pipeline (2D): ``devices`` may be a list of groups, one per pipeline stage
+    (``[[0, 1], [2, 3]]``, all of one size). The model is then an already pipelined placement:
+    each op runs on a device of exactly one group (its stage: ops on device 2 split over
+    ``[2, 3]``), copies already made are dropped and made again. Each stage's ops are split
+    over its group with the collectives inside the group. Across a stage boundary, device
+    ``k`` of the next group reads from device ``k`` of the previous one only (a replicated
+    activation is sent once per receiving device, each from one source; a partial is reduced
+    in its own stage first); graph outputs are whole on the first device of the last group
+    that makes them.
+
     Args:
-        model: a model whose ops all run on one device, without copies (changed in place).
-        devices: the group, at least two distinct devices (``[0, 1]``, ``["cuda:0", "cuda:1"]``).
+        model: a model whose ops all run on one device, without copies (changed in place);
+            with groups, a pipelined placement whose every device lies in one group.
+        devices: the group, at least two distinct devices (``[0, 1]``, ``["cuda:0", "cuda:1"]``),
+            or a list of such groups (one per pipeline stage, disjoint, one size).
         scopes: module scopes whose weighted ops may be split (``["blocks.0.mlp"]``; a scope
             covers its submodules); None: every op. Ops outside still run on every device.
 
@@ -99,10 +113,17 @@ def split_tensor_parallel(
         >>> bool(np.allclose(out, net(idx).detach().numpy(), rtol=1e-5, atol=1e-5))
         True
     """
-    group = _group(devices)
-    _check_model(model)
+    groups = _groups(devices)
+    group = groups[0]
     work = model.ir_model.clone()
-    result = _rewrite(work, group, Policy(list(scopes) if scopes is not None else None))
+    if len(groups) == 1 and not _nested(devices):
+        _check_model(model)
+        stage_of: dict[Device, list[Device]] = {}
+    else:
+        _strip_copies(work.graph)
+        stage_of = _stage_groups(work.graph, groups)
+    result = _rewrite(work, group, Policy(list(scopes) if scopes is not None else None), stage_of)
+    result.groups = groups
     model.ir_model = work
     model._op_index, model._value_index = {}, {}
     inject_cross_device_copies(model)
@@ -114,6 +135,62 @@ def split_tensor_parallel(
         result.all_gathers,
     )
     return result
+
+
+def _nested(devices: object) -> bool:
+    return (
+        isinstance(devices, Sequence)
+        and not isinstance(devices, str)
+        and any(isinstance(g, Sequence) and not isinstance(g, str) for g in devices)
+    )
+
+
+def _groups(devices: Sequence[DeviceLike] | Sequence[Sequence[DeviceLike]]) -> list[list[Device]]:
+    """One group, or one group per pipeline stage (disjoint, all of one size)."""
+    if not _nested(devices):
+        return [_group(devices)]  # type: ignore[arg-type]
+    groups = [_group(g) for g in devices]  # type: ignore[arg-type]
+    flat = [d for g in groups for d in g]
+    if len(set(flat)) != len(flat):
+        raise InputError(f"device groups must be disjoint, got {[[str(d) for d in g] for g in groups]}")
+    if len({len(g) for g in groups}) != 1:
+        raise InputError(f"device groups must have one size, got {[[str(d) for d in g] for g in groups]}")
+    return groups
+
+
+def _strip_copies(graph: ir.Graph) -> None:
+    """Drop the copies of a placed graph (made again after the split); readers read the source."""
+    for node in list(graph):
+        if collective_tag(node) is not None:
+            raise InputError(f"op {node.name!r} is a collective: the model is split already")
+        if not is_copy_node(node):
+            continue
+        src, out = node.inputs[0], node.outputs[0]
+        for user, index in list(out.uses()):
+            user.replace_input_with(index, src)
+        for i, value in enumerate(graph.outputs):
+            if value is out:
+                if src.is_graph_input() or src in graph.outputs:
+                    raise InputError(f"graph output {out.name!r} is a copy of an input or another output")
+                name = out.name
+                out.name = None
+                src.name = name
+                graph.outputs[i] = src
+        graph.remove(node, safe=False)
+        node.replace_input_with(0, None)
+
+
+def _stage_groups(graph: ir.Graph, groups: list[list[Device]]) -> dict[Device, list[Device]]:
+    """The group of each device the ops run on; an op whose device lies in no group is an error."""
+    home = {d: g for g in groups for d in g}
+    for node in graph:
+        device = node_device(node)
+        if device not in home:
+            raise InputError(
+                f"op {node.name!r} runs on {device}, which lies in none of the groups "
+                f"{[[str(d) for d in g] for g in groups]}"
+            )
+    return home
 
 
 def _group(devices: Sequence[DeviceLike]) -> list[Device]:
@@ -142,14 +219,18 @@ def _check_model(model: Model) -> None:
         )
 
 
-def _rewrite(work: ir.Model, group: list[Device], policy: Policy) -> TensorParallelResult:
+def _rewrite(
+    work: ir.Model, group: list[Device], policy: Policy, stage_of: dict[Device, list[Device]]
+) -> TensorParallelResult:
     graph = work.graph
     static = independent_values(graph)
     rw = Rewriter(graph, group, static)
     originals = list(graph)
     for node in originals:
+        if stage_of:
+            rw.use_group(stage_of[node_device(node)])
         if all(out in static for out in node.outputs) and node.outputs:
-            node.metadata_props[DEVICE_KEY] = str(group[0])
+            node.metadata_props[DEVICE_KEY] = str(rw.devices[0])
             rw.nodes.append(node)
             continue
         if not _apply_rule(rw, node, policy):
@@ -168,7 +249,7 @@ def _rewrite(work: ir.Model, group: list[Device], policy: Policy) -> TensorParal
     result = TensorParallelResult(devices=group, split=rw.split)
     for node in graph:
         tag = collective_tag(node)
-        if tag is not None and str(group[0]) == node.metadata_props.get(DEVICE_KEY):
+        if tag is not None and tag["group"][0] == node.metadata_props.get(DEVICE_KEY):
             if tag["kind"] == "all_reduce":
                 result.all_reduces += 1
             else:
