@@ -298,3 +298,32 @@ def test_training_gives_the_unsplit_gradients() -> None:
     down = [n for n in paths if n.startswith("down.weight.tp")]
     torch.testing.assert_close(torch.cat([grad(n) for n in sorted(down)], 1), module.down.weight.grad)
     torch.testing.assert_close(grad("down.bias"), module.down.bias.grad)
+
+
+class _GroupedConvs(nn.Module):
+    """A column conv, then a depthwise and a grouped conv on its channel shards, then a row conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(3, 8, 1)
+        self.depthwise = nn.Conv2d(8, 16, 3, padding=1, groups=8)
+        self.grouped = nn.Conv2d(16, 8, 3, padding=1, groups=4)
+        self.out = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.depthwise(h))
+        return self.out(torch.relu(self.grouped(h)))
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_grouped_and_depthwise_convs_split_by_groups(degree: int) -> None:
+    torch.manual_seed(0)
+    module, args = _GroupedConvs().eval(), (torch.randn(2, 3, 6, 6),)
+    model, expected = _split(module, args, list(range(degree)))
+    convs = [n for n in model.graph if n.op_type == "Conv"]
+    groups = {n.attributes["group"].value for n in convs if "group" in n.attributes}
+    assert groups - {1} == {8 // degree, 4 // degree} - {1}  # each device convolves its own groups
+    assert len(_collectives(model, "all_reduce")) == 1  # only after the last (row) conv
+    got = pl.run(model, _feeds(model, args), device_map="cpu")[0]
+    np.testing.assert_allclose(got, expected, **TOL)

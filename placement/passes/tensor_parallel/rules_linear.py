@@ -222,13 +222,10 @@ def _conv(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     lx = rw.layout(x)
-    if (
-        weight_view(w) is None
-        or w.producer() is not None
-        or attr_value(node, "group", 1) != 1
-        or lx.kind == "P"
-    ):
+    if weight_view(w) is None or w.producer() is not None or lx.kind == "P":
         return False
+    if attr_value(node, "group", 1) != 1:
+        return _grouped_conv(rw, node, lx, bias)
     shape = dims(w)
     if lx.kind == "R":
         if not policy.allows(node):
@@ -264,6 +261,38 @@ def _conv(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
         rw.split.append(node.name or "")
         return True
     return False
+
+
+def _grouped_conv(rw: Rewriter, node: ir.Node, lx: Layout, bias: ir.Value | None) -> bool:
+    """A grouped (or depthwise) convolution whose input is split on its channels along whole
+    groups: each device convolves its own groups, its output split the same way."""
+    x, w = node.inputs[0], node.inputs[1]
+    groups, shape = attr_value(node, "group", 1), dims(w)
+    if lx.kind != "S" or lx.axis != 1 or not _disjoint(lx) or not shape or lx.size % groups:
+        return False
+    per_in, per_out = lx.size // groups, shape[0] // groups
+    owned = []
+    for part in lx.parts:
+        mine = sorted({c // per_in for c in part})
+        if list(part) != [g * per_in + j for g in mine for j in range(per_in)]:
+            return False  # a part cuts a group, or holds channels out of group order
+        owned.append(mine)
+    if any(not mine for mine in owned):
+        return False
+    rows = tuple(tuple(g * per_out + j for g in mine for j in range(per_out)) for mine in owned)
+    out = Layout("S", 1, shape[0], rows)
+    clones = []
+    for d in range(rw.t):
+        inputs = [
+            rw.local(x, d),
+            rw.param_shard(w, 0, rows[d], d),
+            None if bias is None else rw.param_shard(bias, 0, rows[d], d),
+        ]
+        attrs = {**node.attributes, "group": ir.AttrInt64("group", len(owned[d]))}
+        clones.append(rw.clone(node, inputs, d, [out], attributes=attrs))
+    rw.set_outputs(node, [out], clones)
+    rw.split.append(node.name or "")
+    return True
 
 
 def _columns_conv(channels: int, degree: int) -> tuple[tuple[int, ...], ...] | None:

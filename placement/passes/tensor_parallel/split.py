@@ -70,8 +70,9 @@ def split_tensor_parallel(
     row parallel (a partial sum per device, then an all-reduce, then the bias); attention
     splits by heads (fused or separate QKV, grouped-query attention with KV heads split or
     replicated); vocabulary-sized embeddings and a tied LM head by rows; convolutions by output
-    then input channels. Collectives are standard ONNX over copies: an all-reduce is, on each
-    device, a ``Sum`` of the copied partials in device order; an all-gather a ``Concat``. Copies
+    then input channels, grouped and depthwise ones by whole groups. Collectives are standard
+    ONNX over copies: an all-reduce is, on each device, a ``Sum`` of the copied partials in
+    device order; an all-gather a ``Concat``. Copies
     are injected (:func:`placement.inject_cross_device_copies`). Graph outputs are whole, on the
     first device.
 
