@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import shutil
 import sys
@@ -65,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 import placement as pl  # noqa: E402
 from benchmarks.genai_anchor import ENV  # noqa: E402
+from benchmarks.harness import write_results  # noqa: E402
 
 PROMPT, NEW = 16, 64
 MODELS = {
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
         "results": results,
     }
-    Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
+    write_results(Path(args.output), data)
     header = ["model", "batch", *CONTENDERS, *TARGETS]
     print(" | ".join(header))
     for r in results:

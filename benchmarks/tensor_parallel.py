@@ -25,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,7 +38,12 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "tensor_parallel.json"
+
+from benchmarks.harness import write_results  # noqa: E402
+
 TARGETS = {"mlp": {"vs_1_thread": 1.7, "vs_2_threads": 0.9}, "gpt_blocks": {"vs_1_thread": 1.5}}
 
 __all__ = ["main", "build", "measure"]
@@ -136,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "machine": platform.machine(),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, args.output)
-    print(f"wrote {args.output}")
+    write_results(args.output, payload)
     return 0
 
 

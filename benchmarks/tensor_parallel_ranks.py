@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import platform
@@ -53,6 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "tensor_parallel_ranks.json"
+
+from benchmarks.harness import write_results  # noqa: E402
+
 TARGET = 1.4  # 2 gloo ranks against one 1-thread process
 #: the contenders, in the order both ranks run them each round
 ORDER = ("1_thread", "2_threads", "emulated", "ranks", "ort_1_thread", "ort_ranks")
@@ -303,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "machine": platform.machine(),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = args.output.with_suffix(".json.tmp")
-    tmp_path.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp_path, args.output)
-    print(f"wrote {args.output}")
+    write_results(args.output, payload)
     return 0
 
 
