@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from placement.distributed.backend import uses_nccl
 from placement.distributed.spmd import spmd_devices
 from placement.distributed.tensor_ranks import SpmdInputs
 from placement.errors import PlacementError
@@ -222,22 +221,9 @@ class DistributedTensorParallelRunner(SpmdInputs):
         from placement.runtime.device_map import PhysicalDevice
         from placement.runtime.ort.sessions import stage_session
 
-        if not isinstance(model, Model):
-            from placement.graph.loading import load
-
-            model = load(model)
-        devices = spmd_devices(model)
-        model = self._join_group(
-            model,
-            kind="tp-ort",
-            ranks=[[d] for d in devices],
-            chunks=None,
-            group=group,
-            device=device,
-            heartbeat=heartbeat,
-            grace=grace,
+        model, _ = self._join_split(
+            model, "tp-ort", group=group, device=device, heartbeat=heartbeat, grace=grace
         )
-        self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
         self.plan = tensor_rank_plan(model, self.rank)
         physical = PhysicalDevice(self.device.type, self.device.index or 0)
         self.sessions = {

@@ -52,6 +52,30 @@ class SpmdInputs(RankMember):
 
     comm_device: torch.device
 
+    def _join_split(
+        self, model: Model | str | Path, kind: str, *, group: Any, device: Any, heartbeat: float, grace: float
+    ) -> tuple[Model, list[Any]]:
+        """Load ``model`` (a path) if needed, join the group as one rank per device of the split,
+        and set ``comm_device``: the rank's device under NCCL, else the host (gloo; a rank
+        computing on a GPU stages its partials through host memory). The model and its devices."""
+        if not isinstance(model, Model):
+            from placement.graph.loading import load
+
+            model = load(model)
+        devices = spmd_devices(model)
+        model = self._join_group(
+            model,
+            kind=kind,
+            ranks=[[d] for d in devices],
+            chunks=None,
+            group=group,
+            device=device,
+            heartbeat=heartbeat,
+            grace=grace,
+        )
+        self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
+        return model, devices
+
     def _broadcast_inputs(self, inputs: Any) -> list[torch.Tensor]:
         """Rank 0's graph inputs on every rank: their shapes (unless the graph fixes them all),
         then the tensors."""
@@ -128,25 +152,10 @@ class DistributedTensorParallel(SpmdInputs):
     ) -> None:
         from placement.runtime import to_torch
 
-        if not isinstance(model, Model):
-            from placement.graph.loading import load
-
-            model = load(model)
-        devices = spmd_devices(model)
-        model = self._join_group(
-            model,
-            kind="tp",
-            ranks=[[d] for d in devices],
-            chunks=None,
-            group=group,
-            device=device,
-            heartbeat=heartbeat,
-            grace=grace,
+        model, devices = self._join_split(
+            model, "tp", group=group, device=device, heartbeat=heartbeat, grace=grace
         )
         self.loss_fn = loss_fn
-        #: where collectives run: the rank's device under NCCL, else the host (gloo; a rank
-        #: computing on a GPU stages its partials through host memory)
-        self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
         module = to_torch(model, device_map={str(d): str(self.device) for d in devices})
         self.initializer_paths: dict[str, str] = dict(module.initializer_paths)
         self.stage: SpmdStage = split_spmd(
