@@ -141,7 +141,7 @@ class DagWorkers:
         self._running = True
         for j in range(len(self._fns)):
             thread = threading.Thread(
-                target=self._loop, args=(j,), name=f"placement-dag-{self.names[j]}", daemon=True
+                target=self._loop, args=(j,), name=f"placement-pipeline-dag-{self.names[j]}", daemon=True
             )
             thread.start()
             self._threads.append(thread)

@@ -243,7 +243,8 @@ class PipelinedModule(torch.nn.Module):
         """Split the lowered module into its stages (threads, traces and CUDA graphs are per
         object: a copy builds its own, over the copy's tensors)."""
         stage_of_op, untraceable = self._pl_split
-        stages, env_inputs, outputs = split_stages(self._pl_source, stage_of_op)
+        host = not any(str(d).startswith("cuda") for d in self.device_map.values())
+        stages, env_inputs, outputs = split_stages(self._pl_source, stage_of_op, own_input_moves=host)
         for stage in stages:
             stage.call = traced_stage(stage, warmup=self.chunks, untraceable=untraceable)
         self._pl_inputs = env_inputs
