@@ -384,34 +384,19 @@ def _tensor_parallel() -> str:
 
 
 def _tensor_parallel_torch(data: dict) -> str:
+    keys = ["eager_1_thread", "eager_2_threads", "to_torch_split", "to_torch_split_chain"]
     rows = [
-        [
-            r["model"],
-            r["tokens"],
-            f"{r['ms']['eager_1_thread']:.1f}",
-            f"{r['ms']['eager_2_threads']:.1f}",
-            f"{r['ms']['to_torch_split']:.1f}",
-            f"{r['ms']['to_torch_split_chain']:.1f}",
-            f"{r['vs_1_thread']:.2f}",
-            f"{r['vs_2_threads']:.2f}",
-            f"{r['vs_chain']:.2f}",
-            f"{r['max_rel_diff']:.1e}",
-        ]
+        [r["model"], r["tokens"], *(f"{r['ms'][k]:.1f}" for k in keys),
+         *(f"{r[k]:.2f}" for k in ("vs_1_thread", "vs_2_threads", "vs_chain")), f"{r['max_rel_diff']:.1e}"]
         for r in data.get("torch_rows", [])
     ]
-    if not rows:
-        return ""
-    return (
+    head = ["model", "tokens", "eager 1 thread ms", "eager 2 threads ms", "split ms", "split chain ms",
+            "vs 1 thread", "vs 2 threads", "vs chain", "max rel diff"]
+    return "" if not rows else (
         "\nThe torch runtime in the same run: eager torch with 1 and 2 intra-op threads against "
         "`pl.to_torch` of the split model, its branches at once (a worker thread per stage, one "
         "intra-op thread each) and as a chain (`concurrent=False`, 2 threads), under `torch.no_grad()`, "
-        "in alternating blocks:\n\n"
-        + _table(
-            ["model", "tokens", "eager 1 thread ms", "eager 2 threads ms", "split ms", "split chain ms",
-             "vs 1 thread", "vs 2 threads", "vs chain", "max rel diff"],
-            rows,
-        )
-        + "\n"
+        "in alternating blocks:\n\n" + _table(head, rows) + "\n"
     )
 
 
