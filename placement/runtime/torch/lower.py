@@ -220,6 +220,8 @@ def to_torch(
             "or keep these weights resident"
         )
     module = _ModelLowering(model, dmap).build()
+    physical = [str(dmap[d]) for d in devices if d in dmap]
+    as_dag = chunks == 1 and not cuda_graphs and concurrent_pays(model, physical, concurrent, executor)
     if chunks == 1:  # a pipelined module's batch may be several graph batches: its stages check
         from placement.runtime.inputs import input_specs
         from placement.runtime.torch.input_check import install_input_check
@@ -228,8 +230,6 @@ def to_torch(
         keywords = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"][: len(specs)]
         install_input_check(module, specs, keywords)
     layers = mode_modules(model)
-    physical = [str(dmap[d]) for d in devices if d in dmap]
-    as_dag = chunks == 1 and not cuda_graphs and concurrent_pays(model, physical, concurrent, executor)
     if chunks != 1 or as_dag:  # several micro-batches, or one through stages that run at once
         from placement.runtime.torch.pipelined import pipeline_module
 
@@ -243,6 +243,8 @@ def to_torch(
             executor=executor,
             concurrent=concurrent,
         )
+        if as_dag:  # one micro-batch is one graph batch: checked as the plain module is
+            install_input_check(pipelined, specs, keywords)
         return install_mode_warning(install_outputs_on(pipelined, outputs_on), layers)
     if cuda_graphs:
         from placement.runtime.torch.cuda_graphs import cuda_graph_module

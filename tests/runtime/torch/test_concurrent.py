@@ -257,3 +257,16 @@ def test_a_2d_split_pipelines_its_micro_batches_and_runs_each_stage_group_at_onc
     loss = module.train_step(idx, loss_fn=lambda o: o.square().mean())
     torch.testing.assert_close(loss, expected.square().mean().detach(), **TOL)
     assert _shard_grads_match(net, module) >= 8
+
+
+def test_a_one_micro_batch_dag_checks_its_inputs_and_survives_a_copy():
+    import copy
+
+    net, (x,) = mlp.build("tiny")
+    module = pl.to_torch(_split(net, x, dynamic=False), device_map=CPUS, concurrent=True)
+    with pytest.raises(InputError, match="input"):
+        module(x.double())
+    twin = copy.deepcopy(module)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), net(x), **TOL)
+    assert twin.stats.concurrent == 2
