@@ -113,12 +113,16 @@ def _plan(node: ir.Node, degree: int) -> _Heads | None:
         attr_value(node, "kv_cache_bit_width", 0)
         or any(attr_value(node, k, "NONE") not in ("NONE", b"NONE") for k in ("k_quant_type", "v_quant_type"))
     ):
-        raise InputError(f"op {node.name!r} (GroupQueryAttention): a quantized KV cache cannot be split by heads")
+        raise InputError(
+            f"op {node.name!r} (GroupQueryAttention): a quantized KV cache cannot be split by heads"
+        )
     q_parts, kv_parts = head_plan(node.name, node.op_type, heads, kv, degree)
     return _Heads(heads, kv, rank, packed, q_parts, kv_parts)
 
 
-def attention_sections(node: ir.Node, index: int, off: int, length: int, degree: int) -> list[tuple[int, int, int]]:
+def attention_sections(
+    node: ir.Node, index: int, off: int, length: int, degree: int
+) -> list[tuple[int, int, int]]:
     """The (offset, length, block) sections of the last axis of ``node``'s input ``index``
     (``length`` long, at ``off`` in the column-parallel output feeding it): the query
     section in blocks of one KV group's query heads (where the KV heads spread over the
@@ -196,7 +200,9 @@ def _input_layout(node: ir.Node, role: str, value: ir.Value, plan: _Heads) -> La
             return _head_axis(value, 1, plan.heads, plan.q)
         return _hidden(value, plan.heads, plan.q)
     if role in ("k", "v"):
-        heads, parts = (plan.heads, plan.q) if node.op_type == "MultiHeadAttention" else (plan.kv_heads, plan.kv)
+        heads, parts = (
+            (plan.heads, plan.q) if node.op_type == "MultiHeadAttention" else (plan.kv_heads, plan.kv)
+        )
         if plan.rank == 4 or len(dims(value) or []) == 4:
             return _head_axis(value, 1, heads, parts)
         return _hidden(value, heads, parts)
@@ -226,7 +232,10 @@ def _local_input(rw: Rewriter, node: ir.Node, index: int, plan: _Heads, d: int) 
     if role == "mha_bias":
         rows = _mha_bias(value, plan)
         if rows is None or value.const_value is None:
-            raise InputError(f"op {node.name!r} (MultiHeadAttention): its bias {value.name!r} is not a (3 * hidden) constant")
+            raise InputError(
+                f"op {node.name!r} (MultiHeadAttention): its bias {value.name!r} "
+                "is not a (3 * hidden) constant"
+            )
         return rw.param_shard(value, 0, rows[d], d)
     layout = _input_layout(node, role, value, plan)
     if layout is None:

@@ -165,7 +165,9 @@ def column_plan(value: ir.Value, size: int, degree: int) -> Parts:
     return tuple(tuple(sorted(p)) for p in parts)
 
 
-def _sections(value: ir.Value, off: int, length: int, depth: int, degree: int = 1) -> list[tuple[int, int, int]]:
+def _sections(
+    value: ir.Value, off: int, length: int, depth: int, degree: int = 1
+) -> list[tuple[int, int, int]]:
     """(offset, length, head size) of the sections of the last axis the ops after ``value``
     make heads of (a ``Reshape`` to (..., heads, head size), or an attention op reading it:
     see :func:`~.rules_attention.attention_sections`)."""
