@@ -280,6 +280,8 @@ class OrtDecoder:
         for position, name in enumerate(step.outputs):
             if name in self._past_of:
                 outputs.append((name, "cache"))
+                if name in reads:  # a split cache a device reads whole (its shards gathered)
+                    stores.append((position, name))
             elif name == self._logits and host and self._logits_type is not None:
                 outputs.append((name, "logits"))
                 self._host_logits = True

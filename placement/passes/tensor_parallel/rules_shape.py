@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -295,6 +296,11 @@ def _named_dims(value: ir.Value) -> list[int | str | None] | None:
     return [d if isinstance(d, int) else getattr(d, "value", None) for d in value.shape]
 
 
+#: A symbolic dim the exporter names as a product of symbols (``s10*s70``: batch times
+#: sequence, a flattened ``view(-1, hidden)``).
+_PRODUCT = re.compile(r"^[A-Za-z_]\w*(\*[A-Za-z_]\w*)+$")
+
+
 def _extent(values: list[int | str | None]) -> tuple[int, tuple[str, ...]] | None:
     """The number of elements spanned by ``values`` as (product of the static dims, the
     symbolic names, sorted): equal extents span the same number for every size the symbols
@@ -304,7 +310,7 @@ def _extent(values: list[int | str | None]) -> tuple[int, tuple[str, ...]] | Non
         if isinstance(v, int):
             total *= v
         elif isinstance(v, str):
-            names.append(v)
+            names += v.split("*") if _PRODUCT.match(v) else [v]
         else:
             return None
     return total, tuple(sorted(names))
