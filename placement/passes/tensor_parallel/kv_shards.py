@@ -145,7 +145,8 @@ def _take_heads(node: ir.Node, size: int) -> tuple[int, ...] | None:
         if axis is None or axis.value != 1 or index is None or index.ndim != 1:
             return None
         return tuple(int(i) for i in index)
-    if node.op_type != "Slice" or len(node.inputs) < 4 or (len(node.inputs) > 4 and node.inputs[4] is not None):
+    stepped = len(node.inputs) > 4 and node.inputs[4] is not None
+    if node.op_type != "Slice" or len(node.inputs) < 4 or stepped:
         return None
     starts, ends, axes = (_constant(node.inputs[i]) for i in (1, 2, 3))
     if starts is None or ends is None or axes is None or axes.tolist() != [1]:
@@ -192,7 +193,8 @@ def _gathered(present: ir.Value) -> list[ir.Node] | None:
     """The all-gather making ``present``: its ``Concat`` on axis 1 (and the ordering ``Gather``)."""
     producer = present.producer()
     nodes = []
-    if producer is not None and producer.op_type == "Gather" and COLLECTIVE_KEY not in producer.metadata_props:
+    ordering = producer is not None and producer.op_type == "Gather"
+    if ordering and COLLECTIVE_KEY not in producer.metadata_props:
         nodes.append(producer)
         producer = producer.inputs[0].producer() if producer.inputs[0] is not None else None
     if producer is None or producer.op_type != "Concat":

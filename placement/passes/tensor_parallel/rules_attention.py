@@ -173,10 +173,11 @@ def _packed(value: ir.Value, plan: _Heads) -> Layout | None:
     return Layout("S", 2, shape[2], parts)
 
 
-def _head_axis(value: ir.Value, axis: int, count: int, parts: Parts) -> Layout | None:
-    """Axis ``axis`` of ``value`` by heads, where it is ``count`` long (else None: read whole)."""
+def _head_axis(value: ir.Value, axis: int, count: int, parts: Parts, *, one: bool = True) -> Layout | None:
+    """Axis ``axis`` of ``value`` by heads, where it is ``count`` long (else None: read whole).
+    ``one=False``: an axis of 1 broadcasts (a bias or mask shared by the heads), read whole."""
     shape = dims(value)
-    if shape is None or len(shape) <= axis or shape[axis] != count or count == 1:
+    if shape is None or len(shape) <= axis or shape[axis] != count or (count == 1 and not one):
         return None
     return Layout("S", axis, count, parts)
 
@@ -211,9 +212,9 @@ def _input_layout(node: ir.Node, role: str, value: ir.Value, plan: _Heads) -> La
     if role == "qcache":
         return _head_axis(value, 1, plan.heads, plan.q)
     if role == "bias4":
-        return _head_axis(value, 1, plan.heads, plan.q) if len(dims(value) or []) == 4 else None
+        return _head_axis(value, 1, plan.heads, plan.q, one=False) if len(dims(value) or []) == 4 else None
     if role == "sink":
-        return _head_axis(value, 0, plan.heads, plan.q)
+        return _head_axis(value, 0, plan.heads, plan.q, one=False)
     return None
 
 
