@@ -229,6 +229,8 @@ def _rewrite(
     rw = Rewriter(graph, group, static)
     originals = list(graph)
     for node in originals:
+        if node in rw.done:
+            continue
         if stage_of:
             rw.use_group(stage_of[node_device(node)])
         if all(out in static for out in node.outputs) and node.outputs:
