@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import placement as pl
 from placement.graph.causal_lm import kv_layers
 from placement.graph.kv_names import is_cache_input, is_cache_output
-from tests.generation.conftest import greedy_reference, left_padded
+from tests.generation.conftest import VOCAB, greedy_reference, left_padded, transformers
 
 GENAI = Path(__file__).resolve().parents[1] / "genai_files"
 STEPS = 6
@@ -100,3 +101,34 @@ def test_each_device_keeps_its_heads_of_the_cache_between_steps(causal_lm, arch:
     # the whole-boundary split moves the shards in and out every step: its bytes grow with the cache
     layer = kv_layers(whole)[0]
     assert decode_bytes < len(kv_layers(whole)) * layer.bytes_for(batch=1, length=16) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("heads", "kv", "degree"),
+    [(4, 1, 2), (6, 3, 2), (4, 2, 4)],  # one KV head on both devices; ragged 2 + 1; each KV head on 2 of 4
+)
+def test_grouped_query_llamas_split_their_caches_by_kv_heads(heads: int, kv: int, degree: int) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=8 * heads,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=128,
+    )
+    net = transformers.LlamaForCausalLM(config).eval()
+    model = pl.from_causal_lm(net, torch.tensor([[1, 2, 3]]))
+    pl.split_tensor_parallel(model, devices=list(range(degree)))
+    ids, mask = left_padded()
+    expected = greedy_reference(net, ids, mask, STEPS)
+    kv_parts = (
+        [max(1, len(p)) for p in np.array_split(np.arange(kv), degree)] if kv >= degree else [1] * degree
+    )
+    for runtime in ("ort", "torch"):
+        generator = pl.Generator(model, runtime=runtime)
+        assert [layer.kv_heads for layer in generator.spec.layers] == kv_parts * 2
+        out = generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS)
+        np.testing.assert_array_equal(out, expected)

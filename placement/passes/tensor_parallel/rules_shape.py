@@ -52,8 +52,9 @@ def _operand(rw: Rewriter, value: ir.Value | None, out: Layout, out_rank: int, d
         return None
     shape = dims(value)
     axis = out.axis - (out_rank - len(shape))
-    if axis < 0 or shape[axis] == 1:
-        return rw.replicated(value, d)
+    have = rw.layout(value)
+    if axis < 0 or (shape[axis] == 1 and not (have.kind == "S" and have.axis == axis)):
+        return rw.replicated(value, d)  # broadcast along the shard (a one-head shard is no broadcast)
     return rw.as_shard(value, Layout("S", axis, out.size, out.parts), d)
 
 

@@ -195,10 +195,11 @@ def _sections(
             last = shape[-1] if shape else None
             if not isinstance(last, int) or not last or rank is None:
                 continue
-            if last == (dims(value) or [None])[-1]:  # the last axis kept (a flatten of the rows)
+            one_head = last == length and len(shape) >= 2 and shape[-2] == 1  # (..., 1, size)
+            if len(shape) > rank and (one_head or (last < length and length % last == 0)):
+                found.append((off, length, last))  # heads
+            elif last == (dims(value) or [None])[-1]:  # the last axis kept (a flatten of the rows)
                 found += _sections(node.outputs[0], off, length, depth + 1, degree)
-            elif len(shape) > rank and last < length and length % last == 0:
-                found.append((off, length, last))
     return found
 
 
