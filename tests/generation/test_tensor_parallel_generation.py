@@ -65,6 +65,7 @@ def test_a_split_genai_file_generates_genais_tokens(runtime: str) -> None:
     out = generator.generate(prompt, max_new_tokens=len(expected["new_tokens"]))
     for row in out:
         assert row[prompt.shape[1] :].tolist() == expected["new_tokens"]
+    assert [layer.past_key for layer in kv_layers(model)] == [f"past_key_values.{i}.key" for i in (0, 1)]
     if runtime == "ort":  # each device's cache heads stayed on it
         names = generator.copy_stats.names
         assert names and not any(is_cache_input(name) or is_cache_output(name) for name in names)

@@ -77,7 +77,24 @@ def _outs(hidden: int, kv: int, size: int) -> list[tuple[str, list]]:
     return [("attn", ["B", "S", hidden]), ("present_key", cache), ("present_value", cache)]
 
 
-def _gqa(heads: int, kv: int, size: int = 16, *, packed: bool = True, rotary: bool = True) -> pl.Model:
+def _rotary_caches(g: _Graph, size: int) -> list[str]:
+    angles = np.arange(32)[:, None] * (1.0 / 10000 ** (np.arange(size // 2) / (size // 2)))[None]
+    for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
+        g.inits.append(onnx.numpy_helper.from_array(fn(angles).astype(np.float32), name))
+    return ["cos_cache", "sin_cache"]
+
+
+def _rotate(g: _Graph, name: str, heads: int, hidden: int, domain: str) -> str:
+    """``name`` through a ``RotaryEmbedding`` op (ONNX's or ``com.microsoft``'s) at ``position_ids``."""
+    inputs = ([name, "position_ids", "cos_cache", "sin_cache"] if domain == MS
+              else [name, "cos_cache", "sin_cache", "position_ids"])  # fmt: skip
+    g.node("RotaryEmbedding", inputs, [(f"{name}_rot", ["B", "S", hidden])], domain=domain, num_heads=heads)
+    return f"{name}_rot"
+
+
+def _gqa(
+    heads: int, kv: int, size: int = 16, *, packed: bool = True, rotary: bool = True, rotary_op: bool = False
+) -> pl.Model:
     g = _Graph()
     x = g.input("x", ["B", "S", E])
     past_k = g.input("past_key", ["B", kv, "P", size])
@@ -93,20 +110,20 @@ def _gqa(heads: int, kv: int, size: int = 16, *, packed: bool = True, rotary: bo
         )
         qkv = ["qkv", "", ""]
     else:
+        if rotary_op:
+            g.input("position_ids", ["B", "S"], TensorProto.INT64)
+            _rotary_caches(g, size)
         for name, n in (("q", heads), ("k", kv), ("v", kv)):
             g.node("MatMul", [x, g.weight(f"w_{name}", (E, n * size))], [(name, ["B", "S", n * size])])
-            qkv.append(name)
+            qkv.append(_rotate(g, name, n, n * size, MS) if rotary_op and name != "v" else name)
     cos_sin = ["", ""]
-    if rotary:
-        angles = np.arange(32)[:, None] * (1.0 / 10000 ** (np.arange(size // 2) / (size // 2)))[None]
-        for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
-            g.inits.append(onnx.numpy_helper.from_array(fn(angles).astype(np.float32), name))
-        cos_sin = ["cos_cache", "sin_cache"]
+    if rotary and not rotary_op:
+        cos_sin = _rotary_caches(g, size)
     g.node(
         "GroupQueryAttention",
         [*qkv, past_k, past_v, seqlens, total, *cos_sin],
         _outs(heads * size, kv, size),
-        domain=MS, num_heads=heads, kv_num_heads=kv, do_rotary=int(rotary),
+        domain=MS, num_heads=heads, kv_num_heads=kv, do_rotary=int(rotary and not rotary_op),
     )  # fmt: skip
     g.node("MatMul", ["attn", g.weight("w_o", (heads * size, E))], [("y", ["B", "S", E])])
     g.output("y", ["B", "S", E])
@@ -138,16 +155,21 @@ def _mha(heads: int, size: int = 16) -> pl.Model:
     return g.model()
 
 
-def _onnx_attention(heads: int, kv: int, size: int = 16) -> pl.Model:
+def _onnx_attention(heads: int, kv: int, size: int = 16, *, rotary_op: bool = False) -> pl.Model:
     g = _Graph(2)
     x = g.input("x", ["B", "S", E])
     past_k = g.input("past_key", ["B", kv, "P", size])
     past_v = g.input("past_value", ["B", kv, "P", size])
+    if rotary_op:
+        g.input("position_ids", ["B", "S"], TensorProto.INT64)
+        _rotary_caches(g, size)
+    qkv = []
     for name, n in (("q", heads), ("k", kv), ("v", kv)):
         g.node("MatMul", [x, g.weight(f"w_{name}", (E, n * size))], [(name, ["B", "S", n * size])])
+        qkv.append(_rotate(g, name, n, n * size, "") if rotary_op and name != "v" else name)
     g.node(
         "Attention",
-        ["q", "k", "v", "", past_k, past_v],
+        [*qkv, "", past_k, past_v],
         _outs(heads * size, kv, size),
         q_num_heads=heads, kv_num_heads=kv, is_causal=1,
     )  # fmt: skip
@@ -178,6 +200,8 @@ def _feeds(model: pl.Model, batch: int, seq: int, past: int, seed: int = 5) -> d
             feeds[name] = np.full(batch, past + seq - 1, np.int32)
         elif name == "total_sequence_length":
             feeds[name] = np.array(past + seq, np.int32)
+        elif name == "position_ids":
+            feeds[name] = np.broadcast_to(past + np.arange(seq), (batch, seq)).astype(np.int64).copy()
         else:
             shape = [
                 {"B": batch, "S": seq, "P": past, "T": past + seq}.get(getattr(d, "value", d), d)
@@ -281,3 +305,16 @@ def test_a_quantized_cache_is_refused_by_name() -> None:
     with pytest.raises(pl.InputError, match=r"GroupQueryAttention.*quantized KV cache"):
         pl.split_tensor_parallel(model, devices=[0, 1])
     assert len(model.devices) == 1
+
+
+@pytest.mark.parametrize("onnx_op", [False, True])
+def test_rotary_embedding_ops_keep_whole_heads(onnx_op: bool) -> None:
+    """``RotaryEmbedding`` on the query and key (3-D, ``num_heads``) before the attention."""
+    model = _onnx_attention(4, 2, rotary_op=True) if onnx_op else _gqa(4, 2, packed=False, rotary_op=True)
+    model = _check(model, 2, [(2, 1, 3), (1, 3, 2)])
+    rotary = [node for node in model.graph if node.op_type == "RotaryEmbedding"]
+    assert sorted(node.attributes["num_heads"].value for node in rotary) == [1, 1, 2, 2]
+    tags = [collective_tag(node) for node in model.graph]
+    assert (
+        len({tag["id"] for tag in tags if tag is not None and tag["kind"] == "all_gather"}) == 2
+    )  # presents

@@ -17,11 +17,14 @@ heads; a graph output gathers it whole). The query's columns are the ones the co
 parallel linear before it computes, so the row parallel linear after it needs no
 collective before it.
 
+``RotaryEmbedding`` (ONNX or ``com.microsoft``) between a projection and the attention keeps
+the shard of whole heads (each device its ``num_heads``), the cos/sin caches read whole.
+
 Refused with a named :class:`~placement.errors.InputError`: head counts the degree cannot
 spread, quantized KV caches, packed ``MultiHeadAttention`` QKV / KV inputs.
 
 Example:
-    >>> sorted(ATTENTION_RULES)
+    >>> sorted(HEAD_OPS)
     [('', 'Attention'), ('com.microsoft', 'GroupQueryAttention'), ('com.microsoft', 'MultiHeadAttention')]
 """
 
@@ -37,7 +40,7 @@ from placement.passes.tensor_parallel.heads import head_plan
 from placement.passes.tensor_parallel.layouts import Layout, Parts, expand_parts
 from placement.passes.tensor_parallel.rewriter import Rewriter, attr_value, dims
 
-__all__ = ["ATTENTION_RULES", "attention_sections"]
+__all__ = ["ATTENTION_RULES", "HEAD_OPS", "PER_HEAD_OPS", "attention_sections"]
 
 MS = "com.microsoft"
 
@@ -297,9 +300,61 @@ def _attention(rw: Rewriter, node: ir.Node, policy: object) -> bool:
     return True
 
 
+def _rotary(rw: Rewriter, node: ir.Node, policy: object) -> bool:
+    """``RotaryEmbedding`` (ONNX or ``com.microsoft``) rotates each head by itself: an input
+    sharded in whole heads (of its hidden axis, or the head axis of a 4-D input) stays so,
+    with ``num_heads`` each device's own; the cos/sin caches and positions are read whole."""
+    x = node.inputs[0]
+    lay, shape = rw.layout(x), dims(x) if x is not None else None
+    if (
+        lay.kind != "S"
+        or shape is None
+        or any(rw.layout(v).kind != "R" for v in node.inputs[1:] if v is not None)
+    ):
+        return False
+    attrs = [dict(node.attributes) for _ in range(rw.t)]
+    if len(shape) == 4:
+        if lay.axis != 1:
+            return False
+    else:
+        heads = attr_value(node, "num_heads", 0)
+        cos = node.inputs[2 if node.domain == MS else 1]
+        cos_dims = dims(cos) if cos is not None else None
+        if len(shape) != 3 or lay.axis != 2 or not isinstance(shape[2], int):
+            return False
+        if heads:
+            size = shape[2] // heads
+        elif cos_dims and isinstance(cos_dims[-1], int) and not attr_value(node, "rotary_embedding_dim", 0):
+            size = 2 * cos_dims[-1]
+        else:
+            return False
+        for d, part in enumerate(lay.parts):
+            owned = sorted({i // size for i in part})
+            if list(part) != [h * size + j for h in owned for j in range(size)]:
+                return False  # a shard cuts a head
+            if heads:
+                attrs[d]["num_heads"] = ir.AttrInt64("num_heads", len(owned))
+    clones = [
+        rw.clone(
+            node,
+            [rw.local(x, d), *(rw.replicated(v, d) for v in node.inputs[1:])],
+            d,
+            [lay],
+            attributes=attrs[d],
+        )
+        for d in range(rw.t)
+    ]
+    rw.set_outputs(node, [lay], clones)
+    return True
+
+
+#: Ops that make heads of their query, key and value inputs (read by the column plan).
+HEAD_OPS = frozenset({("", "Attention"), (MS, "GroupQueryAttention"), (MS, "MultiHeadAttention")})
+#: Ops that keep a shard of whole heads as it is (the column plan looks through them).
+PER_HEAD_OPS = frozenset({("", "RotaryEmbedding"), (MS, "RotaryEmbedding")})
+
 #: (domain, op type) -> rule(rewriter, node, policy) -> handled
 ATTENTION_RULES: dict[tuple[str, str], Callable[[Rewriter, ir.Node, object], bool]] = {
-    ("", "Attention"): _attention,
-    (MS, "GroupQueryAttention"): _attention,
-    (MS, "MultiHeadAttention"): _attention,
+    **dict.fromkeys(HEAD_OPS, _attention),
+    **dict.fromkeys(PER_HEAD_OPS, _rotary),
 }

@@ -171,7 +171,7 @@ def _sections(
     """(offset, length, head size) of the sections of the last axis the ops after ``value``
     make heads of (a ``Reshape`` to (..., heads, head size), or an attention op reading it:
     see :func:`~.rules_attention.attention_sections`)."""
-    from placement.passes.tensor_parallel.rules_attention import ATTENTION_RULES, attention_sections
+    from placement.passes.tensor_parallel.rules_attention import HEAD_OPS, PER_HEAD_OPS, attention_sections
 
     if depth > 8:
         return []
@@ -180,8 +180,10 @@ def _sections(
     for use in value.uses():
         node = use.node
         op = node.op_type
-        if (node.domain, op) in ATTENTION_RULES:
+        if (node.domain, op) in HEAD_OPS:
             found += attention_sections(node, use.idx, off, length, degree)
+        elif (node.domain, op) in PER_HEAD_OPS and use.idx == 0:
+            found += _sections(node.outputs[0], off, length, depth + 1, degree)
         elif op in UNARY or op in BROADCAST:
             found += _sections(node.outputs[0], off, length, depth + 1, degree)
         elif op == "Split" and rank is not None and attr_value(node, "axis", 0) % rank == rank - 1:
