@@ -42,24 +42,38 @@ def _check_groups(model: pl.Model, plan: pl.Plan) -> None:
         assert node.metadata_props[DEVICE_KEY] in tag["group"]
 
 
-def test_a_degree_inside_a_pipeline_is_applied_to_the_gpt(tiny_gpt):
-    """tensor_parallel=2 on 4 devices: 2 stages on [0, 1] and [2, 3]; ORT pipelined, one ORT
-    session, to_torch pipelined and its 1F1B train step give the unsplit model's outputs, loss
-    and gradients."""
+@pytest.fixture(scope="module")
+def placed_gpt(tiny_gpt):
+    """The tiny GPT planned and split with tensor_parallel=2 on 4 devices, and its reference logits."""
     net, idx, original = tiny_gpt
     model = original.copy()
     plan = pl.auto_place(model, devices=4, tensor_parallel=2, **FLOPS)
+    with torch.no_grad():
+        expected = net(idx).numpy()
+    return net, idx, model, plan, expected
+
+
+def test_a_degree_inside_a_pipeline_makes_two_split_stages(placed_gpt):
+    """tensor_parallel=2 on 4 devices: 2 stages on [0, 1] and [2, 3], collectives inside them;
+    ORT pipelined and one ORT session give the unsplit model's outputs."""
+    _, idx, model, plan, expected = placed_gpt
     assert plan.tensor_parallel == [2, 2] and not plan.tp_choices
     assert plan.groups == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
     assert [r.device for r in plan.devices] == plan.groups[0] + plan.groups[1]
     assert [r.degree for r in plan.devices] == [2] * 4 and all(r.ops for r in plan.devices)
     assert sum(r.collective_time for r in plan.devices[::2]) == plan.collective_time
     assert "stage groups cuda:0,cuda:1 | cuda:2,cuda:3" in tp_headline(plan)
+    assert pl.Plan.from_json(plan.to_json()) == plan
+    (p,) = pl.predict(plan, chunks=2)
+    assert p.extra["groups"] == plan.groups and p.extra["devices"] == ["cuda:0", "cuda:2"]
     _check_groups(model, plan)
-    with torch.no_grad():
-        expected = net(idx).numpy()
     np.testing.assert_allclose(pl.Runner(model, chunks=2).run([idx])[0], expected, **TOL)
     np.testing.assert_allclose(pl.Runner(model, device_map="cpu").run([idx])[0], expected, **TOL)
+
+
+def test_to_torch_and_its_train_step_through_the_2d_plan(placed_gpt):
+    """to_torch pipelined and its 1F1B train step give the unsplit outputs, loss and gradients."""
+    net, idx, model, _, expected = placed_gpt
     lowered = pl.to_torch(model, chunks=2)
     np.testing.assert_allclose(lowered(idx).detach().numpy(), expected, **TOL)
 
@@ -72,7 +86,6 @@ def test_a_degree_inside_a_pipeline_is_applied_to_the_gpt(tiny_gpt):
     reference.backward()
     torch.testing.assert_close(loss.detach(), reference.detach(), **TOL)
     _shard_grads_match(net, lowered)
-    assert pl.Plan.from_json(plan.to_json()) == plan
 
 
 def test_a_saved_2d_plan_applies_to_a_fresh_export(tiny_gpt, tmp_path):
