@@ -43,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +52,8 @@ import torch.fx as fx
 from placement.distributed.collectives import CollectiveSpec, pick
 from placement.distributed.errors import NotAPipelineError
 from placement.distributed.ranks import pipeline_devices
-from placement.distributed.spmd import _Builder, _Graph, _is_move
 from placement.distributed.split import contiguous_grad
+from placement.distributed.spmd import _Builder, _Graph, _is_move
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
@@ -361,7 +360,9 @@ class _GridBuilder(_Builder):
             list(self.specs.values()),
             len(self.copy_ins),
             holds,
-            [v.name for v in inputs] if self.position else [n.name for n in info.nodes if n.op == "placeholder"],
+            [v.name for v in inputs]
+            if self.position
+            else [n.name for n in info.nodes if n.op == "placeholder"],
             [] if last else [v.name for v in chain.boundaries[self.position]],
             issued=self.issued,
         )
@@ -386,4 +387,3 @@ class _GridBuilder(_Builder):
 
     def _foreign(self, own: fx.Node) -> bool:
         return own not in self.received and super()._foreign(own)
-

@@ -2,7 +2,8 @@
 
 :func:`placement.split_tensor_parallel` with ``devices=[[0, 1], [2, 3]]`` splits each
 pipeline stage over its own device group. :class:`DistributedTensorPipeline` runs it with one
-rank per device: rank ``g * t + k`` runs device ``k`` of group ``g`` (:func:`~placement.distributed.grid.grid_groups`).
+rank per device: rank ``g * t + k`` runs device ``k`` of group ``g``
+(:func:`~placement.distributed.grid.grid_groups`).
 
 * The ranks of a group run its collectives: each tagged collective is one
   ``torch.distributed`` all-reduce or all-gather on a ``new_group`` of the group's ranks
@@ -123,8 +124,12 @@ class DistributedTensorPipeline(DistributedPipeline):
             module, model, rank=self.rank, group=self.tp_group, ordered=ordered, comm_device=self.comm_device
         )
         self.module: torch.fx.GraphModule = self.grid_stage.module
-        self._staged = self.module if self.comm_device == self.device else _HostStaged(self.module, self.device)
-        self.stage = PipelineStage(self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group)
+        self._staged = (
+            self.module if self.comm_device == self.device else _HostStaged(self.module, self.device)
+        )
+        self.stage = PipelineStage(
+            self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group
+        )
         self._dynamic = any(not isinstance(d, int) for spec in self._specs for d in spec.shape)
         self._stages: dict[Any, Any] = {}
         self._schedules: dict[tuple[int, Any, bool], Any] = {}

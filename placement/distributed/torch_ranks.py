@@ -147,7 +147,9 @@ class DistributedPipeline(RankMember):
         on_device = self.comm_device == self.device
         self._staged = self.module if on_device else _HostStaged(self.module, self.device)
         #: this rank's torch stage (for a graph with a dynamic shape: the one of the latest shape)
-        self.stage = PipelineStage(self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group)
+        self.stage = PipelineStage(
+            self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group
+        )
         self._dynamic = any(not isinstance(d, int) for spec in self._specs for d in spec.shape)
         self._stages: dict[Any, Any] = {}  # micro-batch shapes -> stage (graphs with a dynamic shape)
         self._schedules: dict[tuple[int, Any, bool], Any] = {}
@@ -314,7 +316,9 @@ class DistributedPipeline(RankMember):
         if stage is None:
             from torch.distributed.pipelining import PipelineStage
 
-            stage = PipelineStage(self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group)
+            stage = PipelineStage(
+                self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group
+            )
             if len(self._stages) >= _KEPT_SHAPES:  # forget the oldest shape and its schedules
                 oldest = next(iter(self._stages))
                 del self._stages[oldest]
