@@ -52,13 +52,13 @@ import torch.fx as fx
 from placement.distributed.collectives import CollectiveSpec, pick
 from placement.distributed.errors import NotAPipelineError
 from placement.distributed.ranks import pipeline_devices
-from placement.distributed.split import contiguous_grad
+from placement.distributed.split import _tokenize_shape_reads, contiguous_grad
 from placement.distributed.spmd import _Builder, _Graph, _is_move
 from placement.errors import PlacementError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import collective_tag
-from placement.lowering.meta import OP_META
+from placement.lowering.meta import DEVICE_META, OP_META
 
 __all__ = ["GridStage", "grid_groups", "split_grid", "is_grid"]
 
@@ -191,7 +191,8 @@ def split_grid(
     if not 0 <= rank < t * len(groups):
         raise PlacementError(f"rank {rank} is out of range for {t * len(groups)} devices")
     position, index = divmod(rank, t)
-    info = _Graph(module, model, [[str(d) for d in g] for g in groups])
+    module, views = _with_shape_tokens(module)
+    info = _Graph(module, model, [[str(d) for d in g] for g in groups], views)
     chain = _Chain(info, [[str(d) for d in g] for g in groups], index)
     shared: dict[str, set[int]] = {}
     mine = None
@@ -219,6 +220,20 @@ def split_grid(
     return stage
 
 
+def _with_shape_tokens(module: fx.GraphModule) -> tuple[fx.GraphModule, set[fx.Node]]:
+    """``module`` whose shape reads of activations read shape tokens (as in
+    :func:`~placement.distributed.split.split_by_rank`): a token is computed on its value's
+    device and crosses stages in its place; its view and the shape arithmetic after it are
+    computed where read, like load-time values."""
+    graph, views = _tokenize_shape_reads(module.graph)
+    for view in views:
+        token = view.args[0]
+        token.meta[DEVICE_META] = token.args[0].meta.get(DEVICE_META)
+    lowered = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    lowered.initializer_paths = dict(getattr(module, "initializer_paths", {}))
+    return lowered, views
+
+
 class _Chain:
     """What crosses the stages of chain ``index``: each boundary's values, in graph order."""
 
@@ -229,6 +244,7 @@ class _Chain:
         self.output = next(n for n in reversed(info.nodes) if n.op == "output")
         self.last_read: dict[fx.Node, int] = {}
         self.order = {n: i for i, n in enumerate(info.nodes)}
+        self._walked: set[tuple[fx.Node, int]] = set()
         seen: set[int] = set()
         for node in info.nodes:
             if node.op in ("placeholder", "output") or node in info.static or _is_move(node):
@@ -289,7 +305,11 @@ class _Chain:
         if not isinstance(a, fx.Node):
             return
         s = self.source(a)
-        if s in self.info.static:
+        if s in self.info.static:  # computed where read, from shape tokens perhaps
+            if (s, here) not in self._walked:
+                self._walked.add((s, here))
+                for b in s.all_input_nodes:
+                    self._note(b, here, reader)
             return
         if s.op != "placeholder":
             where = self.info.device(s)

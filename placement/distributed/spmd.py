@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,9 +182,12 @@ def _is_move(node: fx.Node) -> bool:
 
 class _Graph:
     """Facts about the lowered graph: static (load-time) nodes, each node's device, which
-    values are local (differ per device), and each collective's readers."""
+    values are local (differ per device), and each collective's readers. ``views`` (shape
+    tokens' views) and what is computed from them only count as static too."""
 
-    def __init__(self, module: fx.GraphModule, model: Model, groups: list[list[str]]) -> None:
+    def __init__(
+        self, module: fx.GraphModule, model: Model, groups: list[list[str]], views: Collection[fx.Node] = ()
+    ) -> None:
         self.groups = groups
         #: each device's tensor-parallel group (a 2D split has one per pipeline stage)
         self.group_of = {d: g for g in groups for d in g}
@@ -211,9 +214,13 @@ class _Graph:
         self.readers = {k: sorted(groups_of[k].index(d) for d in v) for k, v in readers.items()}
         self.static: set[fx.Node] = set()
         for node in self.nodes:
-            if node.op == "get_attr" or (
-                node.op in ("call_function", "call_method", "call_module")
-                and all(a in self.static for a in node.all_input_nodes)
+            if (
+                node.op == "get_attr"
+                or node in views
+                or (
+                    node.op in ("call_function", "call_method", "call_module")
+                    and all(a in self.static for a in node.all_input_nodes)
+                )
             ):
                 self.static.add(node)
         self.local = self._locality(module, model)

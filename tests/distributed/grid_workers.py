@@ -12,9 +12,12 @@ import numpy as np
 from tests.distributed.tp_workers import cross_entropy
 
 
-def gpt_grid(rank: int, world_size: int, port: int, path: str, inputs: str, outdir: str) -> None:
-    """A 2D-split gpt on a grid of ranks: runs of 1 and 2 micro-batches, then a training
-    step of 2 micro-batches; every rank saves what it saw."""
+def gpt_grid(
+    rank: int, world_size: int, port: int, path: str, dynamic: str, inputs: str, outdir: str
+) -> None:
+    """A 2D-split gpt on a grid of ranks: runs of 1 and 2 micro-batches, then a GPipe training
+    step of 2 micro-batches; then the same split exported with a dynamic batch, one 1F1B
+    training step of 2 micro-batches. Every rank saves what it saw."""
     from placement.distributed import DistributedTensorPipeline
     from tests.distributed.harness import init
 
@@ -36,6 +39,12 @@ def gpt_grid(rank: int, world_size: int, port: int, path: str, inputs: str, outd
             if loss is not None:
                 results["loss"] = float(loss)
             results["grads"] = {name: p.grad.numpy().copy() for name, p in pipe.named_parameters()}
+            pipe.barrier()
+        with DistributedTensorPipeline(dynamic, schedule="1f1b", chunks=2, loss_fn=cross_entropy) as pipe:
+            loss = pipe.train_step([idx] if pipe.is_first else None, target if pipe.is_last else None)
+            if loss is not None:
+                results["1f1b/loss"] = float(loss)
+            results["1f1b/grads"] = {name: p.grad.numpy().copy() for name, p in pipe.named_parameters()}
             pipe.barrier()
     except BaseException:  # the test reads the traceback
         results["error"] = traceback.format_exc()

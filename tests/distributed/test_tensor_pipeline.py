@@ -27,10 +27,11 @@ pytestmark = [pytest.mark.xdist_group("distributed_tensor_parallel"), pytest.mar
 GROUPS = [[0, 1], [2, 3]]
 
 
-def _gpt_2d() -> tuple[torch.nn.Module, torch.Tensor, pl.Model]:
-    """The tiny gpt (graph batch 2) as 2 pipeline stages, each split over 2 devices."""
+def _gpt_2d(*, dynamic: bool = False) -> tuple[torch.nn.Module, torch.Tensor, pl.Model]:
+    """The tiny gpt (graph batch 2, or a dynamic batch) as 2 pipeline stages, each split over 2 devices."""
     net, (idx,) = gpt.build("tiny")
-    model = pl.from_torch(net, (idx,))
+    shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    model = pl.from_torch(net, (idx,), dynamic_shapes=shapes)
     acts = pl.get_activation_blobs(model)
     pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 2})
     pl.inject_cross_device_copies(model)
@@ -51,10 +52,14 @@ def grid_run(tmp_path_factory):
     net, idx, model = _gpt_2d()
     path = tmp / "gpt_2x2.onnx"
     model.save(path)
+    _gpt_2d(dynamic=True)[2].save(tmp / "gpt_2x2_dynamic.onnx")
     rows = np.concatenate([idx.numpy(), idx.numpy()[::-1]])  # 2 micro-batches of the graph's batch
     target = np.random.default_rng(0).integers(0, 64, rows.shape)
     np.savez(tmp / "data.npz", idx=rows, target=target)
-    codes = spawn(grid_workers.gpt_grid, 4, str(path), str(tmp / "data.npz"), str(tmp), timeout=400)
+    data = str(tmp / "data.npz")
+    codes = spawn(
+        grid_workers.gpt_grid, 4, str(path), str(tmp / "gpt_2x2_dynamic.onnx"), data, str(tmp), timeout=400
+    )
     results = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(4)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
@@ -101,6 +106,22 @@ def test_gradients_on_the_grid_equal_the_unsplit_model(grid_run):
     params = dict(net.named_parameters())
     expected = {k: p.grad for k, p in params.items()}
     checked = _check_gradients(results, model, params, expected, {"lm_head.weight": "wte.weight"})
+    assert checked == set(params)
+
+
+def test_1f1b_with_a_dynamic_batch_gives_the_unsplit_gradients(grid_run):
+    """Shape values of the dynamic batch cross stages as shape tokens; 1F1B interleaves the
+    micro-batches' forwards and backwards, each stage's collectives in one order on its group."""
+    results, net, (rows, target), model = grid_run
+    net.zero_grad()
+    loss = tp_workers.cross_entropy(net(torch.from_numpy(rows)), torch.from_numpy(target))
+    loss.backward()
+    np.testing.assert_allclose(results[2]["1f1b/loss"], float(loss.detach()), rtol=1e-5)
+    params = dict(net.named_parameters())
+    grads = [{"grads": res["1f1b/grads"]} for res in results]
+    checked = _check_gradients(
+        grads, model, params, {k: p.grad for k, p in params.items()}, {"lm_head.weight": "wte.weight"}
+    )
     assert checked == set(params)
 
 
