@@ -20,7 +20,7 @@ the ranks with one ``k`` form a pipeline (*chain* ``k``), whose stages pass valu
   without reading them (where their backward starts; see :class:`GridStage`).
 
 A value that a device reads from a device of another chain, or from a later stage, is
-refused with :class:`~placement.errors.PlacementError` naming it.
+refused with :class:`~placement.errors.InputError` naming it.
 
 Example:
     >>> import torch
@@ -54,7 +54,7 @@ from placement.distributed.errors import NotAPipelineError
 from placement.distributed.ranks import pipeline_devices
 from placement.distributed.split import _tokenize_shape_reads, contiguous_grad
 from placement.distributed.spmd import _Builder, _Graph, _is_move
-from placement.errors import PlacementError
+from placement.errors import InputError
 from placement.graph.device import Device
 from placement.graph.model import Model
 from placement.graph.nodes import collective_tag
@@ -131,7 +131,7 @@ def grid_groups(model: Model) -> list[list[Device]]:
     """The device groups of a 2D split, in pipeline order: group ``g``'s device ``k`` is rank ``g * t + k``.
 
     Raises:
-        PlacementError: the model has no collectives, its groups overlap or differ in
+        InputError: the model has no collectives, its groups overlap or differ in
             size, or a device of the model is in no group.
 
     Example:
@@ -144,18 +144,18 @@ def grid_groups(model: Model) -> list[list[Device]]:
     """
     tags = _tag_groups(model)
     if not tags:
-        raise PlacementError("the model has no tagged collectives: it is not a tensor-parallel split")
+        raise InputError("the model has no tagged collectives: it is not a tensor-parallel split")
     groups = [[Device.parse(d) for d in group] for group in tags]
     sizes = {len(g) for g in groups}
     flat = [d for g in groups for d in g]
     if len(sizes) != 1 or len(set(flat)) != len(flat):
-        raise PlacementError(
+        raise InputError(
             f"the collectives' device groups {[[str(d) for d in g] for g in groups]} must be "
             "disjoint and of one size to run as a grid of ranks"
         )
     others = sorted(str(d) for d in set(model.devices) - set(flat))
     if others:
-        raise PlacementError(
+        raise InputError(
             f"device(s) {', '.join(others)} take no part in any tensor-parallel group; "
             "ranks run a model whose every device is in one"
         )
@@ -183,13 +183,13 @@ def split_grid(
         comm_device: where collective buffers must live (default: where the values are).
 
     Raises:
-        PlacementError: a value crosses devices outside a collective and outside its chain.
+        InputError: a value crosses devices outside a collective and outside its chain.
         NotAPipelineError: a stage reads a value of a later stage.
     """
     groups = grid_groups(model)
     t = len(groups[0])
     if not 0 <= rank < t * len(groups):
-        raise PlacementError(f"rank {rank} is out of range for {t * len(groups)} devices")
+        raise InputError(f"rank {rank} is out of range for {t * len(groups)} devices")
     position, index = divmod(rank, t)
     module, views = _with_shape_tokens(module)
     info = _Graph(module, model, [[str(d) for d in g] for g in groups], views)
@@ -287,7 +287,7 @@ class _Chain:
         """The device computing the graph outputs (None: the graph inputs or constants only).
 
         Raises:
-            PlacementError: they are computed on several devices.
+            InputError: they are computed on several devices.
         """
         where = {
             self.info.device(s)
@@ -295,7 +295,7 @@ class _Chain:
             if (s := self.source(a)).op != "placeholder" and s not in self.info.static
         }
         if len(where) > 1:
-            raise PlacementError(
+            raise InputError(
                 f"the graph outputs are computed on several devices ({sorted(map(str, where))}); "
                 "a tensor-parallel model returns them from one"
             )
@@ -317,7 +317,7 @@ class _Chain:
                 return  # this stage's own value (split_spmd checks the devices within it)
             name = reader.meta.get(OP_META, reader.name)
             if where not in self.chain:
-                raise PlacementError(
+                raise InputError(
                     f"{name!r} on stage {here} of chain {self.index} reads "
                     f"{s.meta.get(OP_META, s.name)!r} from {where}, not from device {self.index} "
                     "of the earlier group: the 2D split is not a grid that ranks can run"
@@ -358,7 +358,7 @@ class _GridBuilder(_Builder):
         holds = last and chain.holder() in chain.chain
         dangling = [self.results[s.id] for s in self.specs.values() if s.dangling]
         if dangling and not (last and not holds):
-            raise PlacementError(
+            raise InputError(
                 f"{self.me} takes part in collective(s) "
                 f"{[s.id for s in self.specs.values() if s.dangling]} without reading their result "
                 "outside the last stage's ranks without the outputs: not supported by grid ranks"

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import placement as pl
 from placement.distributed import DistributedTensorPipeline, WorldSizeError, free_port
 from placement.distributed.grid import grid_groups, split_grid
-from placement.errors import PlacementError
+from placement.distributed.spmd import spmd_devices
+from placement.errors import InputError, PlacementError
 from placement.models import gpt
 from tests.distributed import grid_workers, tp_workers
 from tests.distributed.harness import spawn
@@ -139,13 +140,15 @@ def test_world_size_and_other_splits_are_refused(tmp_path):
             DistributedTensorPipeline(model, heartbeat=0)
     finally:
         dist.destroy_process_group()
+    with pytest.raises(PlacementError, match="DistributedTensorPipeline"):
+        spmd_devices(model)  # what DistributedTensorParallel (one group over every rank) says
     from placement.models import mlp
 
     flat = pl.from_torch(*mlp.build("tiny"))
     pl.split_tensor_parallel(flat, devices=[0, 1])
     module = pl.to_torch(flat, device_map="cpu")
     assert len(grid_groups(flat)) == 1
-    with pytest.raises(PlacementError, match="out of range"):
+    with pytest.raises(InputError, match="out of range"):
         split_grid(module, flat, rank=2)
 
 
