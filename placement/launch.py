@@ -13,10 +13,12 @@ Runtime stage sessions: serving without model code); a model split by
 :func:`placement.split_tensor_parallel` runs one device per rank instead
 (:class:`placement.distributed.DistributedTensorParallel`, or on ONNX Runtime
 :class:`placement.distributed.DistributedTensorParallelRunner`: each collective one
-``torch.distributed`` all-reduce or all-gather); rank 0 reads the inputs
+``torch.distributed`` all-reduce or all-gather), and a split inside pipeline stages
+(``devices=[[0, 1], [2, 3]]``) as a grid of ranks
+(:class:`placement.distributed.DistributedTensorPipeline`); rank 0 reads the inputs
 (``--input NAME=FILE.npy`` per graph input, or ``--input FILE.npy`` for a
 one-input model) and the rank holding the graph outputs (the last one of a pipeline, rank 0
-of a tensor-parallel split) writes them to ``--output``
+of a tensor-parallel split, the first of the last group of a grid) writes them to ``--output``
 (an ``.npz`` keyed by graph-output name, written to a temporary file first so a
 failed run never clobbers an existing one). Inputs with ``k`` times the graph's
 batch size run as ``k`` micro-batches. ``placement launch`` runs torchrun for you.
@@ -261,12 +263,21 @@ def _rank_runner(args: argparse.Namespace, device: Any, threads: int | None) -> 
         DistributedRunner,
         DistributedTensorParallel,
         DistributedTensorParallelRunner,
+        DistributedTensorPipeline,
     )
+    from placement.distributed.grid import is_grid
     from placement.distributed.spmd import is_tensor_parallel
     from placement.errors import InputError
     from placement.graph.loading import load
 
     model = load(args.model)
+    if is_grid(model):  # a split inside pipeline stages: a grid of ranks, one per device
+        if args.ranks or args.runtime == "ort":
+            raise InputError(
+                f"{args.model} is split tensor-parallel inside its pipeline stages: it runs one rank "
+                "per device on the torch runtime (no --ranks, no --runtime ort)"
+            )
+        return DistributedTensorPipeline(model, schedule=args.schedule, chunks=args.chunks, device=device)
     if is_tensor_parallel(model):
         if args.chunks not in (None, 1) or args.ranks:
             raise InputError(

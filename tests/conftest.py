@@ -47,8 +47,11 @@ def ort_cuda_available() -> bool:
     return cuda_device_count("ort") > 0
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook (see _keep_xdist_groups)
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip, saying why, where neither torch nor ONNX Runtime has a GPU."""
+    """``gpu`` tests skip, saying why, where neither torch nor ONNX Runtime has a GPU; tests
+    marked ``xdist_group`` keep their group under ``--dist loadgroup``."""
+    _keep_xdist_groups(config, items)
     if torch_cuda_available() or ort_cuda_available():
         return
     reason = "needs a GPU: torch.cuda sees none and onnxruntime has no usable CUDA provider"
@@ -56,6 +59,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _keep_xdist_groups(config, items) -> None:
+    """Give each ``xdist_group`` test the ``@group`` suffix that ``--dist loadgroup`` schedules by.
+
+    pytest-xdist writes the suffix into ``item._nodeid``; pytest 9.2 keeps node ids in a
+    structured ``item._id`` instead, so the suffix is lost and a module's tests spread over the
+    workers, each building the module's fixtures (pytest-xdist#1386). Where the suffix did not
+    take, write it the way this pytest stores ids; where it did (older pytest), do nothing.
+    """
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+            for m in item.iter_markers("xdist_group")
+        }
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
+            continue
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(item.nodeid + suffix)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -152,7 +152,8 @@ def add_planner_options(p: argparse.ArgumentParser, *, devices_default: int | No
         type=parse_tensor_parallel,
         metavar="auto|T",
         help="split stages through their layers over T devices (pl.split_tensor_parallel; implies the "
-        "planner); auto weighs 1 and --devices from the cost model and keeps the best for --objective",
+        "planner): --devices / T pipeline stages, each over its own group of T; auto weighs every divisor "
+        "of --devices from the cost model and keeps the best for --objective",
     )
     p.add_argument(
         "--runtime",

@@ -20,6 +20,10 @@ What this package holds:
   all-reduce or all-gather (:mod:`~placement.distributed.collectives`, Megatron's f and g
   in training); :mod:`~placement.distributed.ort_tensor_ranks`:
   :class:`DistributedTensorParallelRunner`, the same on ONNX Runtime (inference).
+* :mod:`~placement.distributed.grid` and :mod:`~placement.distributed.tensor_pipeline`:
+  :class:`DistributedTensorPipeline`, a 2D split (tensor parallelism inside pipeline
+  stages, ``devices=[[0, 1], [2, 3]]``) as a grid of ranks: each group's collectives over its
+  own process group, the stages a ``torch.distributed.pipelining`` pipeline per chain.
 * :mod:`~placement.distributed.watchdog`: heartbeats and error reports in the rendezvous
   store, so that the surviving ranks name the rank that failed.
 * :mod:`~placement.distributed.errors`: :class:`WorldSizeError`, :class:`RankFailedError`,
@@ -47,6 +51,7 @@ from placement.distributed.ort_tensor_ranks import DistributedTensorParallelRunn
 from placement.distributed.ranks import format_groups, pipeline_devices, rank_groups
 from placement.distributed.split import RankSplit, split_by_rank
 from placement.distributed.spmd import SpmdStage, split_spmd
+from placement.distributed.tensor_pipeline import DistributedTensorPipeline
 from placement.distributed.tensor_ranks import DistributedTensorParallel
 from placement.distributed.torch_ranks import SCHEDULES, DistributedPipeline, free_port, rank_device
 
@@ -54,6 +59,7 @@ __all__ = [
     "DistributedPipeline",
     "DistributedRunner",
     "DistributedTensorParallel",
+    "DistributedTensorPipeline",
     "DistributedTensorParallelRunner",
     "tensor_rank_plan",
     "split_spmd",

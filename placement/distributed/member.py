@@ -107,7 +107,8 @@ class RankMember:
             if is_tensor_parallel(model):
                 raise InputError(
                     "the model is split tensor-parallel (it has collectives): run it with "
-                    "placement.distributed.DistributedTensorParallel, one rank per device, not as a pipeline"
+                    "placement.distributed.DistributedTensorParallel (or DistributedTensorPipeline for "
+                    "a split inside pipeline stages), one rank per device, not as a pipeline"
                 )
         self.group = group
         self.rank = dist.get_rank(group)

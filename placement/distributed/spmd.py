@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +112,8 @@ def spmd_devices(model: Model) -> list[Device]:
     if len(groups) != 1:
         raise PlacementError(
             f"the model's collectives run over {len(groups)} device groups "
-            f"({sorted(groups)}); ranks run one tensor-parallel group over all devices"
+            f"({sorted(groups)}): a split inside pipeline stages runs as "
+            "placement.distributed.DistributedTensorPipeline (one rank per device)"
         )
     devices = [Device.parse(d) for d in next(iter(groups))]
     others = sorted(str(d) for d in set(model.devices) - set(devices))
@@ -153,7 +154,7 @@ def split_spmd(
     if not 0 <= rank < len(devices):
         raise PlacementError(f"rank {rank} is out of range for {len(devices)} tensor-parallel devices")
     me = str(devices[rank])
-    info = _Graph(module, model, [str(d) for d in devices])
+    info = _Graph(module, model, [[str(d) for d in devices]])
     issued = {"forward": 0, "backward": 0}
     builder = _Builder(module, info, me, rank, group, issued)
     builder.ordered, builder.comm_device = ordered, comm_device
@@ -181,10 +182,15 @@ def _is_move(node: fx.Node) -> bool:
 
 class _Graph:
     """Facts about the lowered graph: static (load-time) nodes, each node's device, which
-    values are local (differ per device), and each collective's readers."""
+    values are local (differ per device), and each collective's readers. ``views`` (shape
+    tokens' views) and what is computed from them only count as static too."""
 
-    def __init__(self, module: fx.GraphModule, model: Model, devices: list[str]) -> None:
-        self.devices = devices
+    def __init__(
+        self, module: fx.GraphModule, model: Model, groups: list[list[str]], views: Collection[fx.Node] = ()
+    ) -> None:
+        self.groups = groups
+        #: each device's tensor-parallel group (a 2D split has one per pipeline stage)
+        self.group_of = {d: g for g in groups for d in g}
         self.nodes = list(module.graph.nodes)
         self.tags: dict[str, dict[str, Any]] = {}
         self.roles: dict[str, str] = {}
@@ -204,12 +210,17 @@ class _Graph:
                 self.shapes[node.name or ""] = [
                     (v.shape[axis] if v is not None and v.shape is not None else None) for v in node.inputs
                 ]
-        self.readers = {k: sorted(devices.index(d) for d in v) for k, v in readers.items()}
+        groups_of = {int(tag["id"]): list(tag["group"]) for tag in self.tags.values()}
+        self.readers = {k: sorted(groups_of[k].index(d) for d in v) for k, v in readers.items()}
         self.static: set[fx.Node] = set()
         for node in self.nodes:
-            if node.op == "get_attr" or (
-                node.op in ("call_function", "call_method", "call_module")
-                and all(a in self.static for a in node.all_input_nodes)
+            if (
+                node.op == "get_attr"
+                or node in views
+                or (
+                    node.op in ("call_function", "call_method", "call_module")
+                    and all(a in self.static for a in node.all_input_nodes)
+                )
             ):
                 self.static.add(node)
         self.local = self._locality(module, model)
@@ -222,7 +233,7 @@ class _Graph:
 
     def _locality(self, module: fx.GraphModule, model: Model) -> set[fx.Node]:
         """The fx nodes whose values differ per device: see :func:`local_ops`."""
-        ops, inits = local_ops(model, self.devices)
+        ops, inits = local_ops(model, self.groups)
         paths = {path for name, path in getattr(module, "initializer_paths", {}).items() if name in inits}
         local: set[fx.Node] = set()
         for node in self.nodes:
@@ -239,10 +250,11 @@ class _Graph:
         return local
 
 
-def local_ops(model: Model, devices: Sequence[str]) -> tuple[set[str], set[str]]:
+def local_ops(model: Model, devices: Sequence[str] | Sequence[Sequence[str]]) -> tuple[set[str], set[str]]:
     """The ops and initializers of a tensor-parallel ``model`` whose values differ per device.
 
-    An initializer (or a constant) is *local* when not every device of the group reads it,
+    ``devices`` is the group, or one group per pipeline stage (a 2D split). An initializer
+    (or a constant) is *local* when some devices of a group read it and others do not,
     seen through copies and the load-time ops on it (a shard, a device's own index range);
     an op is local when it is tagged shard or partial or reads a local value, except a
     collective, whose result is the same everywhere; a copy is what it copies.
@@ -260,7 +272,14 @@ def local_ops(model: Model, devices: Sequence[str]) -> tuple[set[str], set[str]]
 
     graph = model.graph
     static = independent_values(graph)
-    group = set(devices)
+    if all(isinstance(d, str) for d in devices):  # one group, given as its devices
+        groups = [{str(d) for d in devices}]
+    else:
+        groups = [{str(d) for d in group} for group in devices]
+
+    def partial(seen: set[str] | None) -> bool:
+        return seen is not None and any(g & seen and not g <= seen for g in groups)
+
     readers: dict[int, set[str]] = {}  # id(value) -> devices reading it (through load-time ops)
     for node in reversed(list(graph)):
         where = str(node_device(node))
@@ -275,7 +294,7 @@ def local_ops(model: Model, devices: Sequence[str]) -> tuple[set[str], set[str]]
     local_values: set[int] = set()
     inits: set[str] = set()
     for name, value in graph.initializers.items():
-        if not group <= readers.get(id(value), group):
+        if partial(readers.get(id(value))):
             local_values.add(id(value))
             inits.add(name)
     ops: set[str] = set()
@@ -283,7 +302,7 @@ def local_ops(model: Model, devices: Sequence[str]) -> tuple[set[str], set[str]]
         if collective_tag(node) is not None:
             continue
         ins = [v for v in node.inputs if v is not None]
-        if not ins and node.outputs and not group <= readers.get(id(node.outputs[0]), group):
+        if not ins and node.outputs and partial(readers.get(id(node.outputs[0]))):
             hit = True  # a constant that only some devices read
         elif is_copy_node(node):
             hit = bool(ins) and id(ins[0]) in local_values
@@ -314,24 +333,24 @@ class _Builder:
         self.ordered = False
         self.comm_device: torch.device | None = None
 
-    def build(self) -> tuple[fx.Graph, list[CollectiveSpec], int, bool]:
-        info = self.info
+    def attach(self) -> None:
+        """Give the rank's module every parameter and buffer (those it reads are kept)."""
         for name, value in self.module.named_parameters():
             _set_attr(self.root, name, value)
         for name, value in self.module.named_buffers():
             _set_attr(self.root, name, value)
+
+    def build(self) -> tuple[fx.Graph, list[CollectiveSpec], int, bool]:
+        info = self.info
+        self.attach()
         output = None
         for node in info.nodes:
             if node.op == "placeholder":
                 self.env[node] = self.graph.placeholder(node.name)
             elif node.op == "output":
                 output = node
-            elif node in info.static or _is_move(node):
-                continue  # computed where read
-            elif info.tag(node) is not None:
-                self._collective(node)
-            elif info.device(node) == self.me:
-                self.env[node] = self.graph.node_copy(node, lambda a, n=node: self._read(a, n))
+            else:
+                self.step(node)
         assert output is not None
         holds = self._holds_outputs(output)
         outs = fx.graph.map_arg(output.args[0], lambda a: self._read(a, output)) if holds else ()
@@ -342,6 +361,16 @@ class _Builder:
         self.graph.lint()
         specs = list(self.specs.values())
         return self.graph, specs, len(self.copy_ins), holds
+
+    def step(self, node: fx.Node) -> None:
+        """Copy a computed node of the whole graph into this rank's, if it runs here."""
+        info = self.info
+        if node in info.static or _is_move(node):
+            return  # computed where read
+        if info.tag(node) is not None:
+            self._collective(node)
+        elif info.device(node) == self.me:
+            self.env[node] = self.graph.node_copy(node, lambda a, n=node: self._read(a, n))
 
     def _holds_outputs(self, output: fx.Node) -> bool:
         where = {self._home(a) for a in output.all_input_nodes}
@@ -406,11 +435,13 @@ class _Builder:
         tag = info.tag(node)
         assert tag is not None
         cid = int(tag["id"])
+        if list(tag["group"]) != info.group_of.get(self.me):
+            return  # another pipeline stage's collective (a 2D split)
         if cid not in self.results:
             own = pick(node.args, self.rank)
             while _is_move(own) and own not in info.static:
                 own = own.args[0]
-            if info.device(own) != self.me and own.op != "placeholder" and own not in info.static:
+            if self._foreign(own):
                 raise PlacementError(
                     f"collective #{cid} ({node.meta.get(OP_META)}): input {self.rank} comes from "
                     f"{info.device(own)}, not from {self.me}"
@@ -436,13 +467,18 @@ class _Builder:
             self.specs[cid].dangling = False
             self.env[node] = self.results[cid]
 
+    def _foreign(self, own: fx.Node) -> bool:
+        """Whether a collective's input for this rank is computed on another device."""
+        info = self.info
+        return info.device(own) != self.me and own.op != "placeholder" and own not in info.static
+
     def _spec(self, node: fx.Node, tag: dict[str, Any], cid: int) -> CollectiveSpec:
         readers = self.info.readers.get(cid, [])
         spec = CollectiveSpec(
             kind=str(tag["kind"]),
             id=cid,
             index=self.rank,
-            size=len(self.info.devices),
+            size=len(tag["group"]),
             readers=readers,
             dangling=self.rank not in readers,
         )

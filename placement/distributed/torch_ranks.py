@@ -143,10 +143,13 @@ class DistributedPipeline(RankMember):
         self.module: torch.fx.GraphModule = stage_module
         #: where activations and gradients cross ranks: the rank's device under NCCL, else the host
         self.comm_device = self.device if uses_nccl(self.device, group) else torch.device("cpu")
+        self._pipe_group = group
         on_device = self.comm_device == self.device
         self._staged = self.module if on_device else _HostStaged(self.module, self.device)
         #: this rank's torch stage (for a graph with a dynamic shape: the one of the latest shape)
-        self.stage = PipelineStage(self._staged, self.rank, self.world_size, self.comm_device, group=group)
+        self.stage = PipelineStage(
+            self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group
+        )
         self._dynamic = any(not isinstance(d, int) for spec in self._specs for d in spec.shape)
         self._stages: dict[Any, Any] = {}  # micro-batch shapes -> stage (graphs with a dynamic shape)
         self._schedules: dict[tuple[int, Any, bool], Any] = {}
@@ -186,11 +189,11 @@ class DistributedPipeline(RankMember):
             tensors) and keeps it alive, so no copy is made and later runs never
             overwrite it.
         """
-        args = self._inputs(inputs) if self.is_first else ()
+        args = self._stage_inputs(inputs)
         n, shapes = self._plan(chunks, args)
         schedule = self._schedule(n, shapes, training=False)
         with self._guard("run"), torch.no_grad():
-            out = schedule.eval(*args) if self.is_first else schedule.eval()
+            out = schedule.eval(*args) if self._first_stage else schedule.eval()
         if not self.is_last:
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -212,15 +215,13 @@ class DistributedPipeline(RankMember):
         """
         if self.loss_fn is None:
             raise PlacementError("train_step needs a loss_fn (DistributedPipeline(..., loss_fn=...))")
-        args = self._inputs(inputs) if self.is_first else ()
+        args = self._stage_inputs(inputs)
         n, shapes = self._plan(chunks, args)
         schedule = self._schedule(n, shapes, training=True)
         losses: list[torch.Tensor] = []
         with self._guard("train_step"):
-            if self.is_last:
-                if target is None:
-                    raise InputError("train_step needs the loss target on the last rank")
-                target_t = torch.as_tensor(np.asarray(target)).to(self.comm_device)
+            if self._last_stage:
+                target_t = self._stage_target(target, n)
                 schedule.step(*args, target=target_t, losses=losses)
             else:
                 schedule.step(*args)
@@ -236,6 +237,35 @@ class DistributedPipeline(RankMember):
         )
 
     # -- internals ------------------------------------------------------------------------
+
+    # hooks a grid of ranks (tensor_pipeline) changes: which stage this rank runs, over which group
+
+    _pipe_group: Any = None
+
+    def _stage_place(self) -> tuple[int, int]:
+        """This rank's stage index and the number of stages of its pipeline."""
+        return self.rank, self.world_size
+
+    @property
+    def _first_stage(self) -> bool:
+        return self.is_first
+
+    @property
+    def _last_stage(self) -> bool:
+        return self.is_last
+
+    def _stage_inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The inputs this rank's stage takes from the caller (rank 0's graph inputs)."""
+        return self._inputs(inputs) if self.is_first else ()
+
+    def _stage_target(self, target: Any, chunks: int) -> torch.Tensor:
+        """The loss target of the last stage's schedule."""
+        if target is None:
+            raise InputError("train_step needs the loss target on the last rank")
+        return torch.as_tensor(np.asarray(target)).to(self.comm_device)
+
+    def _stage_loss(self) -> Callable[..., torch.Tensor] | None:
+        return self.loss_fn
 
     def _inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(a).to(self.comm_device) for a in self._check_inputs(inputs))
@@ -273,7 +303,7 @@ class DistributedPipeline(RankMember):
 
             cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             stage = self._stage(shapes)
-            schedule = cls(stage, n_microbatches=chunks, loss_fn=self.loss_fn if training else None)
+            schedule = cls(stage, n_microbatches=chunks, loss_fn=self._stage_loss() if training else None)
             self._schedules[(chunks, shapes, training)] = schedule
         return schedule
 
@@ -287,7 +317,7 @@ class DistributedPipeline(RankMember):
             from torch.distributed.pipelining import PipelineStage
 
             stage = PipelineStage(
-                self._staged, self.rank, self.world_size, self.comm_device, group=self.group
+                self._staged, *self._stage_place(), self.comm_device, group=self._pipe_group
             )
             if len(self._stages) >= _KEPT_SHAPES:  # forget the oldest shape and its schedules
                 oldest = next(iter(self._stages))

@@ -212,6 +212,12 @@ class OrtDecoder:
         readers: dict[str, tuple[str, int]] = {}
         producers: dict[str, tuple[str, int]] = {}
         for step in self._steps:
+            if isinstance(step, TransferStep) and step.source in layer_of:
+                raise PlacementError(
+                    f"cache input {step.source!r} is read on more than one device: a KV cache stays on "
+                    "the device of its attention (a tensor-parallel split keeps one cache per device "
+                    "only where each device reads its own heads)"
+                )
             if isinstance(step, HostStep) and any(key in layer_of for _, key in step.bind):
                 raise PlacementError(f"stage {step.exec.stage.index} reads a KV cache through host values")
             if not isinstance(step, StageStep):
@@ -280,6 +286,8 @@ class OrtDecoder:
         for position, name in enumerate(step.outputs):
             if name in self._past_of:
                 outputs.append((name, "cache"))
+                if name in reads:  # a split cache a device reads whole (its shards gathered)
+                    stores.append((position, name))
             elif name == self._logits and host and self._logits_type is not None:
                 outputs.append((name, "logits"))
                 self._host_logits = True

@@ -32,10 +32,16 @@ import onnx_ir as ir
 
 from placement.errors import InputError
 from placement.graph.causal_lm import KVLayer, kv_layers
-from placement.graph.genai_config import bind_dims, cache_dims_from_config, read_genai_config
+from placement.graph.genai_config import (
+    bind_dims,
+    cache_dims_from_config,
+    check_cache_dims,
+    read_genai_config,
+)
 from placement.graph.model import Model
 from placement.graph.nodes import node_device, set_node_device
 from placement.passes.copies import inject_cross_device_copies
+from placement.passes.tensor_parallel.kv_shards import local_kv_caches
 
 __all__ = ["CacheDims", "DecoderSpec", "FEEDS", "decoder_model"]
 
@@ -76,6 +82,7 @@ def decoder_model(model: Model, *, cache_dims: CacheDims = None) -> DecoderSpec:
             if isinstance(cache_dims, Mapping)
             else cache_dims_from_config(copy, read_genai_config(cache_dims))
         )
+        check_cache_dims(copy, dims)
         bind_dims(copy, dims)
     layers = kv_layers(copy)
     inputs = [v.name for v in copy.graph.inputs if v.name not in copy.graph.initializers]
@@ -99,6 +106,7 @@ def decoder_model(model: Model, *, cache_dims: CacheDims = None) -> DecoderSpec:
                 "their sizes by name (cache_dims={'kv_cache_dim': 64}) or the genai_config.json that "
                 "onnxruntime-genai wrote beside the file (cache_dims='folder/genai_config.json')"
             )
+    layers = local_kv_caches(copy, layers)
     _last_position_logits(copy)
     inject_cross_device_copies(copy)
     return DecoderSpec(copy, tuple(layers), tuple(name for name in FEEDS if name in inputs))

@@ -35,7 +35,14 @@ from placement.errors import InputError
 from placement.graph.dims import _values
 from placement.graph.kv_names import is_cache_input, is_cache_output
 
-__all__ = ["GENAI_CONFIG", "apply_genai_config", "bind_dims", "cache_dims_from_config", "read_genai_config"]
+__all__ = [
+    "GENAI_CONFIG",
+    "apply_genai_config",
+    "bind_dims",
+    "cache_dims_from_config",
+    "check_cache_dims",
+    "read_genai_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +112,110 @@ def cache_dims_from_config(model: Any, config: Mapping[str, Any]) -> dict[str, i
                 raise InputError(
                     f"{GENAI_CONFIG}: the cache's symbol {symbol!r} would be {found[symbol]} and {size}"
                 )
+    keys = {str(d.value): f"{GENAI_CONFIG}'s model.decoder.{_AXES[a]}" for v, a, d in _cache_axes(graph)}
+    check_cache_dims(model, found, sources=keys)
     return found
+
+
+def _cache_axes(graph: ir.Graph) -> list[tuple[ir.Value, int, Any]]:
+    """(cache value, axis, symbolic dim) for the symbolic head-count and head-size axes of the
+    graph's cache inputs and outputs."""
+    found = []
+    for value in [*graph.inputs, *graph.outputs]:
+        if not (is_cache_input(value.name) or is_cache_output(value.name)) or value.shape is None:
+            continue
+        dims = list(value.shape)
+        for axis in _AXES:
+            if len(dims) == 4 and not isinstance(dims[axis], int) and dims[axis].value is not None:
+                found.append((value, axis, dims[axis]))
+    return found
+
+
+#: Attention ops that read a cache: op type -> (index of past_key, attribute naming its heads).
+_CACHE_READERS = {"GroupQueryAttention": (3, "kv_num_heads"), "MultiHeadAttention": (6, "num_heads")}
+
+
+def _static_last(value: ir.Value | None) -> int | None:
+    if value is None or value.shape is None or len(value.shape) != 3:
+        return None
+    last = value.shape[-1]
+    return last if isinstance(last, int) else None
+
+
+def _implied_axes(node: ir.Node) -> tuple[dict[int, int], str] | None:
+    """The head count (axis 1) and head size (axis 3) that ``node``'s weights give its cache,
+    with how they were read; ``None`` where its input widths are not static."""
+    index, heads_attr = _CACHE_READERS[node.op_type]
+    attrs = node.attributes
+    kv = attrs[heads_attr].as_int() if heads_attr in attrs else None
+    heads = attrs["num_heads"].as_int() if "num_heads" in attrs else None
+    if not kv or not heads:
+        return None
+    key = node.inputs[1] if len(node.inputs) > 1 else None
+    width = _static_last(key)
+    if width is not None:
+        how = f"its key input {key.name!r} is {width} wide = {kv} heads x {width // kv}"
+        return ({1: kv, 3: width // kv}, how) if width % kv == 0 else None
+    if node.op_type != "GroupQueryAttention":  # MultiHeadAttention packs Q, K and V otherwise
+        return None
+    width = _static_last(node.inputs[0])
+    if width is None or width % (heads + 2 * kv):
+        return None
+    head = width // (heads + 2 * kv)
+    how = f"its packed QKV input {node.inputs[0].name!r} is {width} wide"
+    how += f" = ({heads} + 2 x {kv}) heads x {head}"
+    return {1: kv, 3: head}, how
+
+
+def check_cache_dims(
+    model: Any, dims: Mapping[str, int], *, sources: Mapping[str, str] | None = None
+) -> None:
+    """Check sizes for a cache's symbolic axes against the attention ops that read the cache.
+
+    ``com.microsoft`` ``GroupQueryAttention`` and ``MultiHeadAttention`` say their head counts,
+    and their input widths (from the weights) give the head size: a ``genai_config.json`` (or a
+    ``cache_dims=``) that contradicts them would make a cache of the wrong size, which fails
+    deep in a runtime. ``sources`` names where each symbol's size came from, for the message.
+
+    Raises:
+        InputError: a size that contradicts an attention op, naming the op and the symbol.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> qkv = ir.Value(name="qkv", shape=ir.Shape(["b", "s", 128]))  # (4 + 2 x 2) heads x 16
+        >>> past = [ir.Value(name=f"past_key_values.0.{kind}", shape=ir.Shape(["b", 2, "p", "kv_cache_dim"]))
+        ...         for kind in ("key", "value")]
+        >>> gqa = ir.Node("com.microsoft", "GroupQueryAttention", [qkv, None, None, *past], name="attn",
+        ...               attributes=[ir.AttrInt64("num_heads", 4), ir.AttrInt64("kv_num_heads", 2)])
+        >>> model = ir.Model(ir.Graph([qkv, *past], [], nodes=[gqa]), ir_version=10)
+        >>> check_cache_dims(model, {"kv_cache_dim": 16})
+        >>> check_cache_dims(model, {"kv_cache_dim": 32})
+        Traceback (most recent call last):
+        ...
+        placement.errors.InputError: kv_cache_dim = 32 (given) contradicts the model: ...
+    """
+    graph = _ir(model).graph
+    for node in graph:
+        if node.op_type not in _CACHE_READERS or node.domain != "com.microsoft":
+            continue
+        index = _CACHE_READERS[node.op_type][0]
+        past = node.inputs[index] if len(node.inputs) > index else None
+        if past is None or past.shape is None or len(past.shape) != 4:
+            continue
+        implied = _implied_axes(node)
+        if implied is None:
+            continue
+        sizes, how = implied
+        for axis, want in sizes.items():
+            dim = past.shape[axis]
+            symbol = None if isinstance(dim, int) else str(dim.value)
+            size = dims.get(symbol) if symbol is not None else None
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0 and size != want:
+                source = (sources or {}).get(symbol, "given")
+                raise InputError(
+                    f"{symbol} = {dims[symbol]} ({source}) contradicts the model: "
+                    f"{node.op_type} {node.name!r} reads a cache of {want} on that axis ({how})"
+                )
 
 
 def bind_dims(model: Any, dims: Mapping[str, int]) -> list[str]:

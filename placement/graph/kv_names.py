@@ -17,8 +17,11 @@ import re
 
 __all__ = ["PAST", "PRESENT", "is_cache_input", "is_cache_output", "past_name", "present_name"]
 
-PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
+#: A name may end in ``.tp{d}``: device ``d``'s heads of a cache split on its head axis
+#: (decode loops of tensor-parallel models keep one cache per device, see
+#: :mod:`placement.passes.tensor_parallel.kv_shards`).
+PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)(?:\.tp\d+)?$")
+PRESENT = re.compile(r"^present\.(\d+)\.(key|value)(?:\.tp\d+)?$")
 
 
 def past_name(layer: int, kind: str) -> str:

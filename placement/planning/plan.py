@@ -185,22 +185,23 @@ class Plan:
     def apply(self, model: Model) -> None:
         """Place ``model``'s ops as planned, in place (transactional).
 
-        A plan with a tensor-parallel stage splits the model over that stage's group
-        (:func:`placement.split_tensor_parallel`, which also injects the copies).
+        A plan with tensor-parallel stages splits the model over their groups
+        (:func:`placement.split_tensor_parallel`, which also injects the copies): one group,
+        a plain split; one group per pipeline stage (tensor inside pipeline, 2D), each stage's
+        ops first placed on its group's first device, then split over its group.
 
         Raises:
             UnknownOpError: the plan names an op the model lacks.
             PlanError: the model has ops the plan does not cover, or copies.
-            InputError: the plan splits stages of a pipeline over groups of devices (tensor
-                inside pipeline parallelism, which :func:`placement.split_tensor_parallel`
-                does not do yet), or the split fails (the model is unchanged).
+            InputError: the plan has split and unsplit stages or groups of different sizes
+                (:func:`placement.split_tensor_parallel` takes groups of one size), or the
+                split fails (the model is unchanged).
         """
         split = [g for g in self.groups if len(g) > 1]
-        if split and len(self.groups) > 1:
+        if split and (len(split) != len(self.groups) or len({len(g) for g in split}) != 1):
             raise InputError(
-                f"the plan splits {len(self.groups)} pipeline stages over groups of devices "
-                f"{self.groups}: tensor parallelism inside pipeline stages is not supported yet; "
-                "plan with tensor_parallel=1 or with tensor_parallel equal to the device count"
+                f"the plan's stage groups {self.groups} are not all of one size: "
+                "split_tensor_parallel takes groups of one size (per-stage degrees are not supported)"
             )
         check_no_copies(model, "Plan.apply")
         names = {node.name for node in model.graph}
@@ -219,7 +220,7 @@ class Plan:
             if split:
                 from placement.passes.tensor_parallel import split_tensor_parallel
 
-                split_tensor_parallel(model, devices=split[0])
+                split_tensor_parallel(model, devices=split[0] if len(split) == 1 else split)
         store_dims(model, self.dims)
         if self.streamed:  # the plan keeps these weights on the host (see plan_offload)
             props = model.ir_model.metadata_props
@@ -370,15 +371,16 @@ class Plan:
 
 
 def tp_headline(plan: Plan) -> str:
-    """What a plan says about tensor parallelism: the degree per stage, the collectives' time,
-    and the degrees weighed with ``tensor_parallel="auto"``.
+    """What a plan says about tensor parallelism: the degree per stage, the degrees weighed
+    with ``tensor_parallel="auto"``, the stages' device groups and the collectives' time.
 
     Example:
-        >>> plan = Plan({}, [], "time", "latency", 0, 0, 0, 0, tensor_parallel=[2],
-        ...             groups=[["cuda:0", "cuda:1"]], collective_time=250_000, collectives=5,
-        ...             tp_choices={"1": 900_000, "2": 600_000})
-        >>> tp_headline(plan)
-        'tensor parallel 2 (chosen from 1: 0.900 ms, 2: 0.600 ms), 5 collectives 0.250 ms per step'
+        >>> plan = Plan({}, [], "time", "latency", 0, 0, 0, 0, tensor_parallel=[2, 2],
+        ...             groups=[["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], collective_time=250_000,
+        ...             collectives=5, tp_choices={"1": 900_000, "2": 600_000})
+        >>> tp_headline(plan)  # doctest: +NORMALIZE_WHITESPACE
+        'tensor parallel 2 (chosen from 1: 0.900 ms, 2: 0.600 ms), stage groups cuda:0,cuda:1 | cuda:2,cuda:3,
+        5 collectives 0.250 ms per step'
     """
     degrees = sorted(set(plan.tensor_parallel))
     text = "tensor parallel " + (
@@ -387,6 +389,8 @@ def tp_headline(plan: Plan) -> str:
     if plan.tp_choices:
         weighed = ", ".join(f"{k}: {format_cost(v, 'time')}" for k, v in plan.tp_choices.items())
         text += f" (chosen from {weighed})"
+    if plan.groups:
+        text += ", stage groups " + " | ".join(",".join(g) for g in plan.groups)
     return text + f", {plan.collectives} collectives {format_cost(plan.collective_time, 'time')} per step"
 
 

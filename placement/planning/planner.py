@@ -283,9 +283,11 @@ def auto_place(
             counts in the memory of the device of the op making its ``present``.
         tensor_parallel: split stages *through* their ops over groups of devices
             (:func:`placement.split_tensor_parallel`), with the degree from the cost model
-            (:mod:`placement.planning.tp_planner`): ``"auto"`` weighs every degree that can be
-            applied (1, the ordinary plan, and the device count: one stage split over all
-            devices) and keeps the best for ``objective``; an int applies that degree. Op
+            (:mod:`placement.planning.tp_planner`): ``"auto"`` weighs every divisor ``t`` of
+            the device count ``N`` (1: the ordinary plan; ``N``: one stage split over all
+            devices; in between: ``N / t`` pipeline stages, each split over its own group of
+            ``t`` devices, tensor inside pipeline) and keeps the best for ``objective``; an
+            int applies that degree. The plan's ``groups`` are the stages' devices. Op
             costs are times (``cost="flops"`` turns FLOPs into times at the device's speed,
             ``throughput``), collectives cost their copies over ``links`` plus a fixed latency
             each. Under ``max_memory`` a degree whose devices do not fit is left out (a split
@@ -302,8 +304,8 @@ def auto_place(
         InfeasiblePlacementError: no placement fits the budgets; the message gives the
             smallest uniform budget that would.
         PlanError: bad arguments, or the model already has copies.
-        InputError: a tensor-parallel degree that cannot be applied (stages split inside a
-            pipeline), or a model the split pass cannot split (it names the op).
+        InputError: a tensor-parallel degree the split pass cannot split the model over (it
+            names the op).
 
     Example:
         >>> import placement as pl
@@ -408,8 +410,8 @@ def unapplied_plan(
     throughput: Mapping[str, float] | None = None,
     objective: str = "throughput",
 ) -> Plan:
-    """The plan ``auto_place(model, devices, tensor_parallel=...)`` would make, stages split
-    inside a pipeline weighed too, without applying it (what :func:`placement.predict` asks).
+    """The plan ``auto_place(model, devices, tensor_parallel=...)`` would make, without
+    applying it (what :func:`placement.predict` asks).
     ``throughput`` (FLOP/s per device type) plans on FLOPs at that speed instead of times."""
     return _auto_place(
         model,
@@ -452,8 +454,7 @@ def _auto_place(
     tensor_parallel: int | str | None = None,
     apply: bool = True,
 ) -> Plan:
-    """``auto_place``'s work; ``apply=False`` (predictions) leaves the model unplaced and may
-    weigh stages split inside a pipeline."""
+    """``auto_place``'s work; ``apply=False`` (predictions) leaves the model unplaced."""
     check_no_copies(model, "auto_place")
     device_list, budgets = _resolve_devices(devices, max_memory)
     if tensor_parallel is not None:
@@ -537,7 +538,6 @@ def _auto_place(
             allowed=allowed,
             dims=dims,
             fp=prof.fingerprint,
-            allow_2d=not apply,
             budgets=budgets,
         )
     plan.runtime = runtime

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import onnx_ir as ir
 
@@ -81,6 +81,8 @@ class Collective:
         nbytes: bytes of the whole value it makes (on every device).
         received: bytes the busiest device reads from the others through copies.
         time_ns: its time: the busiest device's copies in, plus the fixed latency.
+        parts: its copies as ``(source rank, destination rank, bytes)`` within the group, so
+            that it can be priced on another group of the same size (:meth:`SplitCost.on`).
     """
 
     id: int
@@ -89,6 +91,7 @@ class Collective:
     nbytes: int
     received: int
     time_ns: int
+    parts: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -101,6 +104,7 @@ class SplitCost:
         collectives: the collectives, in graph order.
         param_bytes: per device of the group, the bytes of the parameters it holds.
         split_ops: the unsplit ops split through their weights.
+        latency_s: the fixed cost of each collective it was priced with.
     """
 
     devices: list[Device]
@@ -108,11 +112,35 @@ class SplitCost:
     collectives: list[Collective] = field(default_factory=list)
     param_bytes: list[int] = field(default_factory=list)
     split_ops: list[str] = field(default_factory=list)
+    latency_s: float = COLLECTIVE_LATENCY_S
 
     @property
     def degree(self) -> int:
         """The number of devices of the group."""
         return len(self.devices)
+
+    def on(self, devices: Sequence[Device], links: Links | None) -> SplitCost:
+        """The same split with its collectives priced on another group of as many devices
+        (another pipeline stage's group: the links inside it may differ).
+
+        Raises:
+            InputError: a group of another size.
+        """
+        if len(devices) != self.degree:
+            raise InputError(
+                f"a split over {self.degree} devices cannot be priced on {[str(d) for d in devices]}"
+            )
+        group = list(devices)
+        collectives = [
+            replace(
+                c,
+                time_ns=collective_time_ns(
+                    [(group[s], group[d], b) for s, d, b in c.parts], links, self.latency_s
+                ),
+            )
+            for c in self.collectives
+        ]
+        return replace(self, devices=group, collectives=collectives)
 
     def collective_ns(self, n: int) -> list[int]:
         """Per op position (``n`` of them), the time of the collectives that follow it."""
@@ -196,14 +224,20 @@ def analyse_split(
     return SplitCost(
         devices=list(devices),
         shares=shares,
-        collectives=_collectives(work, info, links, sizes, latency_s),
+        collectives=_collectives(work, info, devices, links, sizes, latency_s),
         param_bytes=_param_bytes(work, devices),
         split_ops=list(result.split),
+        latency_s=latency_s,
     )
 
 
 def _collectives(
-    work: Model, info: GraphInfo, links: Links | None, dims: Mapping[str, int], latency_s: float
+    work: Model,
+    info: GraphInfo,
+    devices: Sequence[Device],
+    links: Links | None,
+    dims: Mapping[str, int],
+    latency_s: float,
 ) -> list[Collective]:
     """The collectives of a split graph with their bytes and times."""
     groups: dict[int, list[ir.Node]] = {}
@@ -216,6 +250,7 @@ def _collectives(
         groups.setdefault(key, []).append(node)
         kinds[key] = str(tag["kind"])
     found = []
+    rank = {d: k for k, d in enumerate(devices)}
     for key, nodes in groups.items():
         parts = []
         received: dict[Device, int] = {}
@@ -237,6 +272,7 @@ def _collectives(
                 nbytes=int(value_nbytes(whole, dims) or 0) if whole is not None else 0,
                 received=max(received.values(), default=0),
                 time_ns=collective_time_ns(parts, links, latency_s),
+                parts=tuple((rank[s], rank[d], b) for s, d, b in parts),
             )
         )
     return sorted(found, key=lambda c: (c.position, c.id))

@@ -1,27 +1,34 @@
 """Choosing a tensor-parallel degree: ``auto_place(model, devices=N, tensor_parallel="auto" | k)``.
 
 For each candidate degree ``t`` the planner makes a plan of ``N / t`` pipeline stages, each
-stage split over a group of ``t`` consecutive devices, and keeps the best by the objective:
+stage split over a group of ``t`` devices, and keeps the best by the objective:
 
 * ``t = 1`` is the ordinary plan (:func:`placement.auto_place` without tensor parallelism):
   ``N`` stages of one device.
+* ``t = N``: one stage split over every device.
+* ``1 < t < N`` (tensor inside pipeline, 2D): ``N / t`` stages, each split over its own group.
+  The groups are consecutive devices (``[[0, 1], [2, 3]]``) or, where the links inside them
+  would be faster that way, strided ones (``[[0, 2], [1, 3]]``): both layouts are weighed when
+  the link model does not treat every pair of devices alike.
 * ``t > 1``: each op costs its unsplit cost times its share at degree ``t``, and the
-  collectives after an op cost their copies and their fixed latency
-  (:mod:`placement.planning.tp_cost`, read from the graph the pass makes). The stages are cut
-  from these costs with the exact partition of :mod:`placement.planning.partition` (one stage:
-  nothing to cut).
+  collectives after an op cost their copies over the links inside the stage's group and
+  their fixed latency (:mod:`placement.planning.tp_cost`, read from the graph the pass makes
+  over one group and priced on each group's links). The stages are cut from these costs with
+  the exact partition of :mod:`placement.planning.partition` (each op charged the slowest
+  group's collectives; one stage: nothing to cut), each stage on the first device of its
+  group.
 * ``"throughput"`` compares bottlenecks (a stream of batches, pipelined); ``"latency"``
   compares one request's time through every stage. Pipelining cannot cut one request's time,
   so tensor parallelism wins the latency objective whenever the compute it splits outweighs
   its collectives, and rarely the throughput objective (only where no pipeline balances, say
-  one layer bigger than the rest together).
+  one layer bigger than the rest together, or where no pipeline fits the memory budgets).
 
-``"auto"`` weighs the divisors of ``N`` that can be applied and keeps the best (ties: the
-smaller degree); an int applies that degree. Applying a split stage calls
-:func:`placement.split_tensor_parallel` on the stage's group. Stages split over groups inside
-a pipeline (``1 < t < N``) can be predicted (:func:`placement.predict` weighs them) but not
-applied: the pass splits a model on one device over one group, so ``auto_place`` raises an
-``InputError`` for such a degree and ``"auto"`` weighs only ``1`` and ``N``.
+``"auto"`` weighs every divisor of ``N`` that the pass can split the model over and keeps the
+best (ties: the smaller degree); an int applies that degree. Applying the plan places each
+stage's ops on the first device of its group and calls :func:`placement.split_tensor_parallel`
+with the groups (one group: a plain split; several: the 2D split). Every stage has the same
+degree: per-stage degrees (``[[0, 1], [2]]``) are not weighed, since the pass takes groups of
+one size only.
 
 Example:
     >>> import placement as pl
@@ -48,12 +55,13 @@ from placement.planning.graph_info import GraphInfo
 from placement.planning.link_model import Links
 from placement.planning.partition import PartitionProblem
 from placement.planning.plan import DevicePlan, Plan
-from placement.planning.tp_cost import COLLECTIVE_LATENCY_S, analyse_split
+from placement.planning.tp_cost import COLLECTIVE_LATENCY_S, SplitCost, analyse_split
 
 __all__ = [
     "candidate_degrees",
     "check_tensor_parallel",
     "flops_as_ns",
+    "layouts",
     "objective_ns",
     "plan_tensor_parallel",
     "stage_rows",
@@ -62,35 +70,50 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def candidate_degrees(devices: int, tensor_parallel: Any, *, allow_2d: bool = False) -> list[int]:
+def candidate_degrees(devices: int, tensor_parallel: Any) -> list[int]:
     """The degrees to weigh for ``tensor_parallel`` on ``devices`` devices.
 
     Raises:
         PlanError: not ``"auto"`` or a positive int dividing the device count.
-        InputError: a degree that needs stages split inside a pipeline, where that cannot
-            be applied (``allow_2d=False``).
 
     Example:
-        >>> candidate_degrees(8, "auto"), candidate_degrees(8, "auto", allow_2d=True)
-        ([1, 8], [1, 2, 4, 8])
+        >>> candidate_degrees(8, "auto"), candidate_degrees(8, 2)
+        ([1, 2, 4, 8], [2])
     """
     if tensor_parallel == "auto":
-        divisors = [t for t in range(1, devices + 1) if devices % t == 0]
-        return divisors if allow_2d else sorted({1, devices})
+        return [t for t in range(1, devices + 1) if devices % t == 0]
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
         raise PlanError(f"tensor_parallel must be 'auto' or a degree (an int), got {tensor_parallel!r}")
     if tensor_parallel < 1 or devices % tensor_parallel:
         raise PlanError(
             f"tensor_parallel={tensor_parallel} must be a positive divisor of the device count {devices}"
         )
-    if 1 < tensor_parallel < devices and not allow_2d:
-        raise InputError(
-            f"tensor_parallel={tensor_parallel} on {devices} devices means {devices // tensor_parallel} "
-            f"pipeline stages each split over {tensor_parallel} devices, which cannot be applied yet "
-            "(split_tensor_parallel splits a model over one group); use tensor_parallel="
-            f"{devices}, or devices={tensor_parallel}; pl.predict can weigh it"
-        )
     return [tensor_parallel]
+
+
+def layouts(devices: Sequence[Device], t: int, links: Links | None) -> list[list[list[Device]]]:
+    """The ways to group ``devices`` into stages of ``t`` devices that are weighed: consecutive
+    devices, and strided ones where ``links`` does not treat every pair alike (with several
+    stages of several devices each).
+
+    Example:
+        >>> from placement.planning.link_model import Links
+        >>> gpus = [Device("cuda", k) for k in range(4)]
+        >>> fast = Links({(0, 2): "nvlink", (1, 3): "nvlink"}, default="pcie")
+        >>> [[[d.index for d in g] for g in groups] for groups in layouts(gpus, 2, fast)]
+        [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]
+        >>> len(layouts(gpus, 2, Links(default="nvlink")))
+        1
+    """
+    count = len(devices)
+    blocked = [list(devices[i : i + t]) for i in range(0, count, t)]
+    if not 1 < t < count or links is None:
+        return [blocked]
+    pairs = {links.link(a, b) for a in devices for b in devices if a != b}
+    if len(pairs) <= 1:
+        return [blocked]
+    stages = count // t
+    return [blocked, [list(devices[j::stages]) for j in range(stages)]]
 
 
 def stage_rows(plan: Plan) -> list[DevicePlan]:
@@ -122,7 +145,6 @@ def plan_tensor_parallel(
     allowed: Sequence[bool] | None = None,
     dims: Mapping[str, int] | None = None,
     fp: str = "",
-    allow_2d: bool = False,
     latency_s: float = COLLECTIVE_LATENCY_S,
     budgets: Sequence[int | None] | None = None,
 ) -> Plan:
@@ -140,7 +162,6 @@ def plan_tensor_parallel(
         allowed: where a stage may end (``n + 1`` flags), as the planner allows cuts.
         dims: sizes of symbolic dimensions.
         fp: the model's fingerprint.
-        allow_2d: also weigh stages split inside a pipeline (predictions only).
         latency_s: the fixed cost of each collective.
         budgets: per device, its memory budget in bytes or None. A split device holds its
             shards and the replicated parameters (counted from the split graph) plus the
@@ -148,10 +169,10 @@ def plan_tensor_parallel(
 
     Raises:
         PlanError: a bad ``tensor_parallel``.
-        InputError: a degree that cannot be applied, or (an int) a model the pass cannot split.
+        InputError: (an int) a model the pass cannot split over the degree.
         InfeasiblePlacementError: no degree weighed fits the budgets (the message says why).
     """
-    degrees = candidate_degrees(len(devices), tensor_parallel, allow_2d=allow_2d)
+    degrees = candidate_degrees(len(devices), tensor_parallel)
     plans: dict[int, Plan] = {}
     reasons: list[str] = []
     for t in degrees:
@@ -247,11 +268,35 @@ def _split_plan(
     fp: str,
     latency_s: float,
 ) -> Plan:
-    """``len(devices) / t`` stages, each split over ``t`` consecutive devices."""
-    groups = [list(devices[i : i + t]) for i in range(0, len(devices), t)]
-    split = analyse_split(model, info, groups[0], links=links, dims=dims, latency_s=latency_s)
+    """``len(devices) / t`` stages, each split over a group of ``t`` devices: the best of the
+    :func:`layouts` (ties: consecutive groups)."""
+    split = analyse_split(model, info, list(devices[:t]), links=links, dims=dims, latency_s=latency_s)
+    best: Plan | None = None
+    for groups in layouts(devices, t, links):
+        plan = _layout_plan(
+            split, info, costs, groups, objective=objective, links=links, allowed=allowed, fp=fp
+        )
+        if best is None or objective_ns(plan, objective) < objective_ns(best, objective):
+            best = plan
+    assert best is not None
+    return best
+
+
+def _layout_plan(
+    split: SplitCost,
+    info: GraphInfo,
+    costs: Sequence[int],
+    groups: list[list[Device]],
+    *,
+    objective: str,
+    links: Links | None,
+    allowed: Sequence[bool] | None,
+    fp: str,
+) -> Plan:
+    """The plan of stages split over ``groups``, each stage on its group's first device."""
     n = len(info)
-    coll = split.collective_ns(n)
+    per_group = [split.on(g, links).collective_ns(n) for g in groups]
+    coll = [max(c[i] for c in per_group) for i in range(n)]  # a cut cannot know the group yet
     received = split.received(n)
     total = [round(c * s) + k for c, s, k in zip(costs, split.shares, coll)]
     firsts = [g[0] for g in groups]
@@ -278,12 +323,16 @@ def _split_plan(
     rows: list[DevicePlan] = []
     start = 0
     used = []
-    for row, end, group in zip(plan.devices, ends, groups):
-        seg_coll, seg_bytes = sum(coll[start:end]), sum(received[start:end])
+    for row, end, group, group_coll in zip(plan.devices, ends, groups, per_group):
+        charged, seg_coll, seg_bytes = (
+            sum(coll[start:end]),
+            sum(group_coll[start:end]),
+            sum(received[start:end]),
+        )
         start = end
         if not row.ops:  # a stage the plan leaves empty (one request's time: fewer stages)
             continue
-        used.append(group)
+        used.append((group, seg_coll))
         for d, device in enumerate(group):
             params = (
                 split.param_bytes[d]
@@ -294,9 +343,9 @@ def _split_plan(
                 dataclasses.replace(
                     row,
                     device=str(device),
-                    cost=row.cost - seg_coll,
+                    cost=row.cost - charged,
                     param_bytes=params,
-                    degree=t,
+                    degree=len(group),
                     collective_time=seg_coll,
                     collective_bytes=seg_bytes,
                 )
@@ -304,8 +353,8 @@ def _split_plan(
     plan.devices = rows
     plan.bottleneck = max(r.stage_cost for r in rows)
     plan.total_cost = sum(costs)
-    plan.tensor_parallel = [t] * len(used)
-    plan.groups = [[str(d) for d in g] for g in used]
-    plan.collective_time = sum(coll)
+    plan.tensor_parallel = [len(g) for g, _ in used]
+    plan.groups = [[str(d) for d in g] for g, _ in used]
+    plan.collective_time = sum(c for _, c in used)
     plan.collectives = len(split.collectives)
     return plan

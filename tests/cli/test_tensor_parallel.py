@@ -22,6 +22,21 @@ def test_plan_then_place_split(tmp_path, monkeypatch, capsys):
     pl.verify(model)
 
 
+def test_plan_then_place_stages_split_inside_a_pipeline(tmp_path, monkeypatch, capsys):
+    """--devices 4 --tensor-parallel 2: two stages of two devices; the title names the groups."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "gpt", "--devices", "4", "--tensor-parallel", "2", "-o", "p.json"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tensor parallel 2" in out and "stage groups cuda:0,cuda:1 | cuda:2,cuda:3" in out
+    plan = pl.Plan.load(tmp_path / "p.json")
+    assert plan.tensor_parallel == [2, 2] and plan.groups == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert main(["place", "gpt", "--plan", "p.json", "-o", "t.onnx"]) == 0
+    model = pl.load(tmp_path / "t.onnx")
+    pl.verify(model)
+    groups = {tuple(collective_tag(n)["group"]) for n in model.graph if collective_tag(n) is not None}
+    assert groups == {("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")}
+
+
 def test_auto_for_latency_and_the_report(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = ["--devices", "2", "--tensor-parallel", "auto", "--objective", "latency"]

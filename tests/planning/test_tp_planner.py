@@ -103,15 +103,6 @@ def test_default_is_unchanged(few_tokens):
     assert "tensor parallel" not in str(plan)
 
 
-def test_stages_split_inside_a_pipeline_are_refused(few_tokens):
-    _, _, original = few_tokens
-    model = original.copy()
-    before = [str(op.device) for op in model.ops]
-    with pytest.raises(InputError, match="tensor_parallel=2 on 4 devices means 2 pipeline stages"):
-        pl.auto_place(model, devices=4, tensor_parallel=2, cost="flops")
-    assert [str(op.device) for op in model.ops] == before and not any(op.is_copy for op in model.ops)
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -131,9 +122,8 @@ def test_bad_arguments(few_tokens, options, message):
 
 def test_candidates():
     assert candidate_degrees(1, "auto") == [1]
-    assert candidate_degrees(6, "auto") == [1, 6]
-    assert candidate_degrees(6, "auto", allow_2d=True) == [1, 2, 3, 6]
-    assert candidate_degrees(4, 2, allow_2d=True) == [2]
+    assert candidate_degrees(6, "auto") == [1, 2, 3, 6]
+    assert candidate_degrees(4, 2) == [2]
 
 
 def test_predict_weighs_degrees_on_nvlink(many_tokens, few_tokens):

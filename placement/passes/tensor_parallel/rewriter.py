@@ -80,6 +80,7 @@ class Rewriter:
         self.split: list[str] = []  # original ops split through their weights
         self.group = [str(d) for d in self.devices]
         self.homes: dict[ir.Value, list[Device]] = {}  # the group that holds each local value
+        self.done: set[ir.Node] = set()  # original ops a rule already rewrote with an earlier one
 
     def use_group(self, devices: Sequence[Device]) -> None:
         """Emit the next ops on ``devices`` (a pipeline stage's group; same size as the first)."""

@@ -129,8 +129,9 @@ def _batched(rw: Rewriter, node: ir.Node, la: Layout, lb: Layout, ra: int, rb: i
 def _batch_operand(rw: Rewriter, value: ir.Value, out: Layout, rank: int, d: int) -> ir.Value:
     shape = dims(value)
     axis = out.axis - (rank - len(shape))
-    if axis < 0 or shape[axis] == 1:
-        return rw.replicated(value, d)
+    have = rw.layout(value)
+    if axis < 0 or (shape[axis] == 1 and not (have.kind == "S" and have.axis == axis)):
+        return rw.replicated(value, d)  # broadcast along the shard (a one-head shard is no broadcast)
     return rw.as_shard(value, Layout("S", axis, out.size, out.parts), d)
 
 

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -51,8 +52,9 @@ def _operand(rw: Rewriter, value: ir.Value | None, out: Layout, out_rank: int, d
         return None
     shape = dims(value)
     axis = out.axis - (out_rank - len(shape))
-    if axis < 0 or shape[axis] == 1:
-        return rw.replicated(value, d)
+    have = rw.layout(value)
+    if axis < 0 or (shape[axis] == 1 and not (have.kind == "S" and have.axis == axis)):
+        return rw.replicated(value, d)  # broadcast along the shard (a one-head shard is no broadcast)
     return rw.as_shard(value, Layout("S", axis, out.size, out.parts), d)
 
 
@@ -269,12 +271,63 @@ def _reshape(rw: Rewriter, node: ir.Node) -> bool:
         return False
     mapped = _map_axis(ins, outs, lay)
     if mapped is None:
-        return False
+        return _merged_transpose(rw, node, lay)
     axis, out = mapped
     counts = [len(p) for p in out.parts]
     return _keep(
         rw, node, axis, lambda d: [_shape_with(rw, node, node.inputs[1], axis, counts, d)]
     ) and _relabel(rw, node, out)
+
+
+def _merged_transpose(rw: Rewriter, node: ir.Node, lay: Layout) -> bool:
+    """``Reshape`` (b, heads, t, d) -> (b * heads, t, d), a ``Transpose`` keeping the first
+    axis, a ``Reshape`` back to (b, heads, ...): the exporter's transpose of a 4-D key. The
+    merged axis cannot hold a shard of its heads, so with the head axis sharded each device
+    transposes its own heads (one ``Transpose`` of the 4-D shard) and the chain's last
+    ``Reshape`` keeps the shard; the two ops after this one are done with it."""
+    x, merged = node.inputs[0], node.outputs[0]
+    ins, outs = _named_dims(x), _named_dims(merged)
+    if ins is None or outs is None or len(ins) != 4 or len(outs) != 3 or lay.axis != 1:
+        return False
+    if [_extent([v]) for v in ins[2:]] != [_extent([v]) for v in outs[1:]] or merged.is_graph_output():
+        return False
+    users = list(merged.uses())
+    if len(users) != 1 or users[0].node.op_type != "Transpose" or users[0].node.domain != "":
+        return False
+    transpose = users[0].node
+    perm = list(attr_value(transpose, "perm", [2, 1, 0]))
+    turned = transpose.outputs[0]
+    after = list(turned.uses())
+    if perm[0] != 0 or turned.is_graph_output() or len(after) != 1 or after[0].node.op_type != "Reshape":
+        return False
+    back = after[0].node
+    want = [ins[0], ins[1], *(ins[p + 1] for p in perm[1:])]
+    got = _named_dims(back.outputs[0])
+    if got is None or [_extent([v]) for v in got] != [_extent([v]) for v in want]:
+        return False
+    full = [0, 1, *(p + 1 for p in perm[1:])]
+    out = back.outputs[0]
+    shard = Layout("S", 1, lay.size, lay.parts)
+    locals_ = []
+    for d in range(rw.t):
+        made = rw.emit(
+            "Transpose",
+            [rw.local(x, d)],
+            d,
+            hint=f"{out.name}.tp{d}",
+            attributes=[ir.AttrInt64s("perm", full)],
+            meta=dict(back.metadata_props),
+            role="shard",
+        ).outputs[0]
+        made.type = out.type
+        if out.shape is not None:
+            shape = list(out.shape)
+            shape[1] = len(lay.parts[d])
+            made.shape = ir.Shape(shape)
+        locals_.append(made)
+    rw.define(out, shard, locals_)
+    rw.done.update((transpose, back))
+    return True
 
 
 def _relabel(rw: Rewriter, node: ir.Node, out: Layout) -> bool:
@@ -295,6 +348,11 @@ def _named_dims(value: ir.Value) -> list[int | str | None] | None:
     return [d if isinstance(d, int) else getattr(d, "value", None) for d in value.shape]
 
 
+#: A symbolic dim the exporter names as a product of symbols (``s10*s70``: batch times
+#: sequence, a flattened ``view(-1, hidden)``).
+_PRODUCT = re.compile(r"^[A-Za-z_]\w*(\*[A-Za-z_]\w*)+$")
+
+
 def _extent(values: list[int | str | None]) -> tuple[int, tuple[str, ...]] | None:
     """The number of elements spanned by ``values`` as (product of the static dims, the
     symbolic names, sorted): equal extents span the same number for every size the symbols
@@ -304,7 +362,7 @@ def _extent(values: list[int | str | None]) -> tuple[int, tuple[str, ...]] | Non
         if isinstance(v, int):
             total *= v
         elif isinstance(v, str):
-            names.append(v)
+            names += v.split("*") if _PRODUCT.match(v) else [v]
         else:
             return None
     return total, tuple(sorted(names))

@@ -24,6 +24,7 @@ from placement.graph.model import Model
 from placement.graph.nodes import DEVICE_KEY, collective_tag, is_copy_node, node_device
 from placement.passes.copies import inject_cross_device_copies
 from placement.passes.tensor_parallel.rewriter import Rewriter
+from placement.passes.tensor_parallel.rules_attention import ATTENTION_RULES
 from placement.passes.tensor_parallel.rules_linear import LINEAR_RULES, Policy
 from placement.passes.tensor_parallel.rules_shape import SHAPE_RULES
 
@@ -228,6 +229,8 @@ def _rewrite(
     rw = Rewriter(graph, group, static)
     originals = list(graph)
     for node in originals:
+        if node in rw.done:
+            continue
         if stage_of:
             rw.use_group(stage_of[node_device(node)])
         if all(out in static for out in node.outputs) and node.outputs:
@@ -267,6 +270,9 @@ def _rewrite(
 
 
 def _apply_rule(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
+    attention = ATTENTION_RULES.get((node.domain, node.op_type))
+    if attention is not None:
+        return attention(rw, node, policy)
     rule = LINEAR_RULES.get(node.op_type)
     if rule is not None and node.domain == "" and rule(rw, node, policy):
         return True

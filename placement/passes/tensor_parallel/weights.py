@@ -153,7 +153,7 @@ def column_plan(value: ir.Value, size: int, degree: int) -> Parts:
     Raises:
         InputError: a section's heads cannot be spread over ``degree`` devices.
     """
-    sections = _sections(value, 0, size, depth=0) or [(0, size, 1)]
+    sections = _sections(value, 0, size, depth=0, degree=degree) or [(0, size, 1)]
     merged: dict[tuple[int, int], int] = {}
     for off, length, block in sections:
         key = (off, length)
@@ -165,9 +165,14 @@ def column_plan(value: ir.Value, size: int, degree: int) -> Parts:
     return tuple(tuple(sorted(p)) for p in parts)
 
 
-def _sections(value: ir.Value, off: int, length: int, depth: int) -> list[tuple[int, int, int]]:
+def _sections(
+    value: ir.Value, off: int, length: int, depth: int, degree: int = 1
+) -> list[tuple[int, int, int]]:
     """(offset, length, head size) of the sections of the last axis the ops after ``value``
-    make heads of (a ``Reshape`` to (..., heads, head size))."""
+    make heads of (a ``Reshape`` to (..., heads, head size), or an attention op reading it:
+    see :func:`~.rules_attention.attention_sections`)."""
+    from placement.passes.tensor_parallel.rules_attention import HEAD_OPS, PER_HEAD_OPS, attention_sections
+
     if depth > 8:
         return []
     found: list[tuple[int, int, int]] = []
@@ -175,23 +180,28 @@ def _sections(value: ir.Value, off: int, length: int, depth: int) -> list[tuple[
     for use in value.uses():
         node = use.node
         op = node.op_type
-        if op in UNARY or op in BROADCAST:
-            found += _sections(node.outputs[0], off, length, depth + 1)
+        if (node.domain, op) in HEAD_OPS:
+            found += attention_sections(node, use.idx, off, length, degree)
+        elif (node.domain, op) in PER_HEAD_OPS and use.idx == 0:
+            found += _sections(node.outputs[0], off, length, depth + 1, degree)
+        elif op in UNARY or op in BROADCAST:
+            found += _sections(node.outputs[0], off, length, depth + 1, degree)
         elif op == "Split" and rank is not None and attr_value(node, "axis", 0) % rank == rank - 1:
             sizes = _split_sizes(node, length)
             start = off
             for out, n in zip(node.outputs, sizes or []):
-                found += _sections(out, start, n, depth + 1) or [(start, n, 1)]
+                found += _sections(out, start, n, depth + 1, degree) or [(start, n, 1)]
                 start += n
         elif op == "Reshape":
             shape = dims(node.outputs[0])
             last = shape[-1] if shape else None
             if not isinstance(last, int) or not last or rank is None:
                 continue
-            if last == (dims(value) or [None])[-1]:  # the last axis kept (a flatten of the rows)
-                found += _sections(node.outputs[0], off, length, depth + 1)
-            elif len(shape) > rank and last < length and length % last == 0:
-                found.append((off, length, last))
+            one_head = last == length and len(shape) >= 2 and shape[-2] == 1  # (..., 1, size)
+            if len(shape) > rank and (one_head or (last < length and length % last == 0)):
+                found.append((off, length, last))  # heads
+            elif last == (dims(value) or [None])[-1]:  # the last axis kept (a flatten of the rows)
+                found += _sections(node.outputs[0], off, length, depth + 1, degree)
     return found
 
 
