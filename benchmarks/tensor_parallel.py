@@ -109,13 +109,14 @@ def measure(name: str, tokens: int, rounds: int, d: int = 1024) -> dict[str, Any
     }
 
 
-def _torch_block(fn: Any, threads: int, calls: int) -> float:
-    """Seconds per call of ``fn`` over ``calls`` calls, with ``threads`` intra-op threads."""
+def _torch_block(fn: Any, threads: int, calls: int) -> tuple[float, float]:
+    """Seconds per call of ``fn`` over ``calls`` calls, with ``threads`` intra-op threads: the
+    wall time, and the CPU time of the process (all its threads)."""
     torch.set_num_threads(threads)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (time.perf_counter() - start) / calls, (time.process_time() - cpu) / calls
 
 
 def measure_torch(name: str, tokens: int, rounds: int, d: int = 1024, calls: int = 3) -> dict[str, Any]:
@@ -137,6 +138,7 @@ def measure_torch(name: str, tokens: int, rounds: int, d: int = 1024, calls: int
     }
     threads = torch.get_num_threads()
     times: dict[str, list[float]] = {key: [] for key in contenders}
+    cpu: dict[str, list[float]] = {key: [] for key in contenders}
     try:
         with torch.no_grad():
             reference = module(x)
@@ -145,7 +147,9 @@ def measure_torch(name: str, tokens: int, rounds: int, d: int = 1024, calls: int
                 _torch_block(fn, n, 2)
             for _ in range(rounds):
                 for key, (fn, n) in contenders.items():
-                    times[key].append(_torch_block(fn, n, calls))
+                    wall, used = _torch_block(fn, n, calls)
+                    times[key].append(wall)
+                    cpu[key].append(used)
     finally:
         torch.set_num_threads(threads)
     ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
@@ -155,6 +159,7 @@ def measure_torch(name: str, tokens: int, rounds: int, d: int = 1024, calls: int
         "tokens": tokens,
         "d_model": d,
         "ms": ms,
+        "cpu_ms": {key: statistics.median(values) * 1e3 for key, values in cpu.items()},
         "vs_1_thread": ms["eager_1_thread"] / ms["to_torch_split"],
         "vs_2_threads": ms["eager_2_threads"] / ms["to_torch_split"],
         "vs_chain": ms["to_torch_split_chain"] / ms["to_torch_split"],
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['model']:<11} {ms['eager_1_thread']:>8.1f}ms {ms['eager_2_threads']:>8.1f}ms "
             f"{ms['to_torch_split']:>8.1f}ms {ms['to_torch_split_chain']:>8.1f}ms "
             f"{r['vs_1_thread']:>8.2f}x {r['vs_2_threads']:>8.2f}x {r['vs_chain']:>8.2f}x "
-            f"{r['max_rel_diff']:>9.1e}   branches at once: {r['concurrent']}"
+            f"{r['max_rel_diff']:>9.1e}   branches at once: {r['concurrent']}; CPU ms per call: "
+            f"eager 1 thread {r['cpu_ms']['eager_1_thread']:.1f}, split {r['cpu_ms']['to_torch_split']:.1f}"
         )
     print(
         f"median of {args.rounds} interleaved rounds; "
