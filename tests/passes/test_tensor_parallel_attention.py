@@ -318,3 +318,44 @@ def test_rotary_embedding_ops_keep_whole_heads(onnx_op: bool) -> None:
     assert (
         len({tag["id"] for tag in tags if tag is not None and tag["kind"] == "all_gather"}) == 2
     )  # presents
+
+
+def _shape_const(g: _Graph, name: str, values: list[int]) -> str:
+    g.inits.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
+    return name
+
+
+def _plain_mqa(heads: int, size: int = 8) -> pl.Model:
+    """Multi-query attention in plain ONNX ops: one KV head, ``MatMul`` broadcasting the key
+    and value's head axis of 1 against the query's heads (Falcon / GPT-BigCode style)."""
+    g = _Graph(4)
+    hidden = heads * size
+    x = g.input("x", ["B", "S", E])
+    g.node("MatMul", [x, g.weight("w_q", (E, hidden))], [("q", ["B", "S", hidden])])
+    g.node("Reshape", ["q", _shape_const(g, "q_shape", [0, 0, heads, size])], [("q4", ["B", "S", heads, size])])
+    g.node("Transpose", ["q4"], [("qh", ["B", heads, "S", size])], perm=[0, 2, 1, 3])
+    for name, perm, shape in (("k", [0, 2, 3, 1], ["B", 1, size, "S"]), ("v", [0, 2, 1, 3], ["B", 1, "S", size])):
+        g.node("MatMul", [x, g.weight(f"w_{name}", (E, size))], [(name, ["B", "S", size])])
+        g.node("Reshape", [name, _shape_const(g, f"{name}_shape", [0, 0, 1, size])], [(f"{name}4", ["B", "S", 1, size])])
+        g.node("Transpose", [f"{name}4"], [(f"{name}h", shape)], perm=perm)
+    g.node("MatMul", ["qh", "kh"], [("scores", ["B", heads, "S", "S"])])
+    g.node("Softmax", ["scores"], [("probs", ["B", heads, "S", "S"])], axis=-1)
+    g.node("MatMul", ["probs", "vh"], [("ctx", ["B", heads, "S", size])])
+    g.node("Transpose", ["ctx"], [("ctx_t", ["B", "S", heads, size])], perm=[0, 2, 1, 3])
+    g.node("Reshape", ["ctx_t", _shape_const(g, "ctx_shape", [0, 0, hidden])], [("attn", ["B", "S", hidden])])
+    g.node("MatMul", ["attn", g.weight("w_o", (hidden, E))], [("y", ["B", "S", E])])
+    g.output("y", ["B", "S", E])
+    return g.model()
+
+
+def test_plain_multi_query_attention_broadcasting_its_one_kv_head() -> None:
+    """A one-KV-head key ``(B, 1, D, S)`` that ``MatMul`` broadcasts against the query's heads
+    is read whole on each device (a broadcast), not sliced by the query's heads."""
+    model = _plain_mqa(4)
+    whole = model.copy()
+    pl.split_tensor_parallel(model, devices=[0, 1])
+    pl.verify(model)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 5, E)).astype(np.float32)}
+    expected = pl.Runner(whole, device_map="cpu").run(feeds)
+    got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
+    assert _rel(expected[0], got[0]) < 1e-5
