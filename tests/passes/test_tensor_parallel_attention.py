@@ -332,11 +332,20 @@ def _plain_mqa(heads: int, size: int = 8) -> pl.Model:
     hidden = heads * size
     x = g.input("x", ["B", "S", E])
     g.node("MatMul", [x, g.weight("w_q", (E, hidden))], [("q", ["B", "S", hidden])])
-    g.node("Reshape", ["q", _shape_const(g, "q_shape", [0, 0, heads, size])], [("q4", ["B", "S", heads, size])])
+    g.node(
+        "Reshape", ["q", _shape_const(g, "q_shape", [0, 0, heads, size])], [("q4", ["B", "S", heads, size])]
+    )
     g.node("Transpose", ["q4"], [("qh", ["B", heads, "S", size])], perm=[0, 2, 1, 3])
-    for name, perm, shape in (("k", [0, 2, 3, 1], ["B", 1, size, "S"]), ("v", [0, 2, 1, 3], ["B", 1, "S", size])):
+    for name, perm, shape in (
+        ("k", [0, 2, 3, 1], ["B", 1, size, "S"]),
+        ("v", [0, 2, 1, 3], ["B", 1, "S", size]),
+    ):
         g.node("MatMul", [x, g.weight(f"w_{name}", (E, size))], [(name, ["B", "S", size])])
-        g.node("Reshape", [name, _shape_const(g, f"{name}_shape", [0, 0, 1, size])], [(f"{name}4", ["B", "S", 1, size])])
+        g.node(
+            "Reshape",
+            [name, _shape_const(g, f"{name}_shape", [0, 0, 1, size])],
+            [(f"{name}4", ["B", "S", 1, size])],
+        )
         g.node("Transpose", [f"{name}4"], [(f"{name}h", shape)], perm=perm)
     g.node("MatMul", ["qh", "kh"], [("scores", ["B", heads, "S", "S"])])
     g.node("Softmax", ["scores"], [("probs", ["B", heads, "S", "S"])], axis=-1)
