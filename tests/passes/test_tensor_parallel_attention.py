@@ -368,3 +368,37 @@ def test_plain_multi_query_attention_broadcasting_its_one_kv_head() -> None:
     expected = pl.Runner(whole, device_map="cpu").run(feeds)
     got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
     assert _rel(expected[0], got[0]) < 1e-5
+
+
+@pytest.mark.parametrize("mask_rank", [3, 4])
+def test_onnx_attention_mask_with_a_head_axis_is_sliced_by_heads(mask_rank: int) -> None:
+    """ONNX ``Attention``'s ``attn_mask`` broadcasts to (batch, heads, S, T): a 3-D mask has
+    its head axis first, a 4-D one second; each device reads its heads' rows of it."""
+    heads, kv, size = 4, 2, 8
+    g = _Graph(6)
+    x = g.input("x", ["B", "S", E])
+    mask = g.input("mask", [heads, "S", "S"] if mask_rank == 3 else [1, heads, "S", "S"])
+    for name, n in (("q", heads), ("k", kv), ("v", kv)):
+        g.node("MatMul", [x, g.weight(f"w_{name}", (E, n * size))], [(name, ["B", "S", n * size])])
+    g.node(
+        "Attention",
+        ["q", "k", "v", mask],
+        [("attn", ["B", "S", heads * size])],
+        q_num_heads=heads,
+        kv_num_heads=kv,
+    )
+    g.node("MatMul", ["attn", g.weight("w_o", (heads * size, E))], [("y", ["B", "S", E])])
+    g.output("y", ["B", "S", E])
+    model = g.model()
+    whole = model.copy()
+    result = pl.split_tensor_parallel(model, devices=[0, 1])
+    assert "Attention_3" in result.split
+    rng = np.random.default_rng(1)
+    mask_shape = [heads, 5, 5] if mask_rank == 3 else [1, heads, 5, 5]
+    feeds = {
+        "x": rng.standard_normal((2, 5, E)).astype(np.float32),
+        "mask": rng.standard_normal(mask_shape).astype(np.float32),
+    }
+    expected = pl.Runner(whole, device_map="cpu").run(feeds)
+    got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
+    assert _rel(expected[0], got[0]) < 1e-5
