@@ -325,7 +325,7 @@ def _shape_const(g: _Graph, name: str, values: list[int]) -> str:
     return name
 
 
-def _plain_mqa(heads: int, size: int = 8) -> pl.Model:
+def _plain_mqa(heads: int, size: int = 8, *, add_value: bool = False) -> pl.Model:
     """Multi-query attention in plain ONNX ops: one KV head, ``MatMul`` broadcasting the key
     and value's head axis of 1 against the query's heads (Falcon / GPT-BigCode style)."""
     g = _Graph(4)
@@ -350,17 +350,26 @@ def _plain_mqa(heads: int, size: int = 8) -> pl.Model:
     g.node("MatMul", ["qh", "kh"], [("scores", ["B", heads, "S", "S"])])
     g.node("Softmax", ["scores"], [("probs", ["B", heads, "S", "S"])], axis=-1)
     g.node("MatMul", ["probs", "vh"], [("ctx", ["B", heads, "S", size])])
-    g.node("Transpose", ["ctx"], [("ctx_t", ["B", "S", heads, size])], perm=[0, 2, 1, 3])
+    if add_value:  # an element-wise op broadcasting the one KV head against the query heads
+        g.node("Add", ["ctx", "vh"], [("ctx_v", ["B", heads, "S", size])])
+    g.node(
+        "Transpose",
+        ["ctx_v" if add_value else "ctx"],
+        [("ctx_t", ["B", "S", heads, size])],
+        perm=[0, 2, 1, 3],
+    )
     g.node("Reshape", ["ctx_t", _shape_const(g, "ctx_shape", [0, 0, hidden])], [("attn", ["B", "S", hidden])])
     g.node("MatMul", ["attn", g.weight("w_o", (hidden, E))], [("y", ["B", "S", E])])
     g.output("y", ["B", "S", E])
     return g.model()
 
 
-def test_plain_multi_query_attention_broadcasting_its_one_kv_head() -> None:
-    """A one-KV-head key ``(B, 1, D, S)`` that ``MatMul`` broadcasts against the query's heads
-    is read whole on each device (a broadcast), not sliced by the query's heads."""
-    model = _plain_mqa(4)
+@pytest.mark.parametrize("add_value", [False, True])
+def test_plain_multi_query_attention_broadcasting_its_one_kv_head(add_value: bool) -> None:
+    """A one-KV-head key ``(B, 1, D, S)`` that ``MatMul`` (or an element-wise op) broadcasts
+    against the query's heads is read whole on each device (a broadcast), not sliced by the
+    query's heads."""
+    model = _plain_mqa(4, add_value=add_value)
     whole = model.copy()
     pl.split_tensor_parallel(model, devices=[0, 1])
     pl.verify(model)
