@@ -377,6 +377,9 @@ def test_plain_multi_query_attention_broadcasting_its_one_kv_head(add_value: boo
     expected = pl.Runner(whole, device_map="cpu").run(feeds)
     got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
     assert _rel(expected[0], got[0]) < 1e-5
+    with torch.no_grad():
+        lowered = pl.to_torch(model)(torch.from_numpy(feeds["x"]))
+    assert _rel(expected[0], lowered.numpy()) < 1e-5
 
 
 @pytest.mark.parametrize("mask_rank", [3, 4])
