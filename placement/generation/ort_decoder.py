@@ -91,17 +91,21 @@ class CopyStats:
 
     def add(self, name: str, value: Any) -> None:
         """Count one transfer of ``value`` (an ``OrtValue``, native or not, or an array) as ``name``."""
-        if type(value) is _C.OrtValue:
-            size = value.tensor_size_in_bytes()
-        elif isinstance(value, ort.OrtValue):
-            size = value._ortvalue.tensor_size_in_bytes()
-        else:
-            size = int(getattr(value, "nbytes", 0))
+        size = _nbytes(value)
         self.transfers += 1
         self.bytes += size
         if size > self.largest:
             self.largest = size
         self.names.add(name)
+
+    def add_all(self, names: frozenset[str], values: list[Any]) -> None:
+        """Count one transfer of each of ``values``, named ``names`` (a decode step's aliases
+        between emulated devices, counted at once)."""
+        sizes = [v.tensor_size_in_bytes() if type(v) is _C.OrtValue else _nbytes(v) for v in values]
+        self.transfers += len(sizes)
+        self.bytes += sum(sizes)
+        self.largest = max(self.largest, *sizes)
+        self.names |= names
 
     def reset(self) -> None:
         self.transfers = self.bytes = self.largest = 0
@@ -265,8 +269,8 @@ class OrtDecoder:
 
     def _split_parts(self) -> list[list[tuple[str, Any]]]:
         """The program's steps as the decoder runs them, cut before each stage step (a
-        transfer goes with the stage after it): ``("stage", plan)``, ``("alias", step)``
-        (counted, not run: the aliases are resolved), ``("move", step)``, ``("host", step)``."""
+        transfer goes with the stage after it): ``("stage", plan)``, ``("aliases", (names,
+        keys))`` (counted, not run: the aliases are resolved), ``("move", step)``, ``("host", step)``."""
         reads: set[str] = {self._logits}
         for step in self._steps:
             if isinstance(step, TransferStep):
@@ -283,20 +287,38 @@ class OrtDecoder:
             else:
                 pending.append(("alias" if step.kind == ALIAS else "move", step))
             if isinstance(step, (StageStep, HostStep)):
-                parts.append(pending)
+                parts.append(self._counted(pending))
                 pending = []
         if pending:
             if parts:
-                parts[-1].extend(pending)
+                parts[-1] = self._counted(parts[-1] + pending)
             else:
-                parts.append(pending)
+                parts.append(self._counted(pending))
         return parts
+
+    def _counted(self, part: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``part`` with each run of consecutive aliases as one ``("aliases", (names, keys))``
+        item, counted at once per step (aliases are not run: they are resolved)."""
+        out: list[tuple[str, Any]] = []
+        run: list[Any] = []
+        for kind, item in [*part, ("end", None)]:
+            if kind == "alias":
+                run.append(item)
+                continue
+            if run:
+                names = frozenset(step.source for step in run)
+                keys = tuple(self._alias.get(step.source, step.source) for step in run)
+                out.append(("aliases", (names, keys)))
+                run = []
+            if kind != "end":
+                out.append((kind, item))
+        return out
 
     def _worker_parts(self) -> list[tuple[int, ...]]:
         """The part indices each pipelined worker runs, in order: a part whose stage only reads
         shapes (:data:`_SHAPE_ONLY`) joins the part after it (the one before it, when last)."""
         light = [
-            all(kind == "alias" or (kind == "stage" and _shape_only(item.step)) for kind, item in part)
+            all(kind == "aliases" or (kind == "stage" and _shape_only(item.step)) for kind, item in part)
             and any(kind == "stage" for kind, _ in part)
             for part in self.parts
         ]
@@ -392,8 +414,9 @@ class OrtDecoder:
         for kind, item in self.parts[index]:
             if kind == "stage":
                 self._run_stage(item, slot, values, new_tokens)
-            elif kind == "alias":
-                self.stats.add(item.source, values[self._alias.get(item.source, item.source)])
+            elif kind == "aliases":
+                names, keys = item
+                self.stats.add_all(names, [values[key] for key in keys])
             elif kind == "move":
                 self._move(item, values)
             else:
@@ -535,6 +558,15 @@ class OrtDecoder:
 def _shape_only(step: StageStep) -> bool:
     """Whether ``step``'s stage reads no tensor data (every op in :data:`_SHAPE_ONLY`)."""
     return all(op.op_type in _SHAPE_ONLY for op in step.exec.stage.model.graph)
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of ``value``: an ``OrtValue`` (native or not) or an array."""
+    if type(value) is _C.OrtValue:
+        return int(value.tensor_size_in_bytes())
+    if isinstance(value, ort.OrtValue):
+        return int(value._ortvalue.tensor_size_in_bytes())
+    return int(getattr(value, "nbytes", 0))
 
 
 def _native(value: Any, physical: Any) -> Any:
