@@ -36,6 +36,7 @@ import argparse
 import functools
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,11 @@ def _small_gpt2(seq: int) -> tuple[Any, tuple[Any, ...]]:
 
 
 def folded_rows(seq: int, repeats: int, block: int, trials: int) -> list[dict[str, Any]]:
-    """Per trial (fresh sessions): medians of one plain session and a folded Runner on the
-    small GPT-2, and their ratio."""
+    """Per trial (fresh sessions): medians (us) of one plain session (``single``), the folded
+    Runner's own session called as a plain one (``session``), the folded ``Runner.run``
+    (``folded``), the same without the per-run placement check (``no check``:
+    ``auto_update=False``), and the Runner's Python per run (``python``, see
+    :func:`_runner_python`)."""
     net, args = _small_gpt2(seq)
     model = pl.from_torch(net, args)
     placed = model.copy()
@@ -175,37 +179,77 @@ def folded_rows(seq: int, repeats: int, block: int, trials: int) -> list[dict[st
         options = session_options(PhysicalDevice("cpu"), threads=1)
         single = ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
         runner = pl.Runner(placed, device_map="cpu", threads=1)
+        still = pl.Runner(placed, device_map="cpu", threads=1, auto_update=False)
+        (step,) = [step for step in runner.program.steps if hasattr(step, "exec")]
+        own = step.exec.session
         np.testing.assert_allclose(runner.run(feeds)[0], single.run(None, feeds)[0], atol=1e-4)
         fns = {
             "single": functools.partial(single.run, None, feeds),
+            "session": functools.partial(
+                own.run, None, dict(zip([i.name for i in own.get_inputs()], feeds.values()))
+            ),
             "folded": functools.partial(runner.run, feeds),
+            "no check": functools.partial(still.run, feeds),
         }
         med = alternate(fns, repeats, warmup=20, block=block).medians()
-        rows.append({"single": med["single"] * 1e6, "folded": med["folded"] * 1e6})
-        rows[-1]["ratio"] = med["folded"] / med["single"]
+        row = {name: seconds * 1e6 for name, seconds in med.items()}
+        row["ratio"] = med["folded"] / med["single"]
+        row["python"] = _runner_python(runner, feeds, repeats * 10) * 1e6
+        rows.append(row)
     return rows
+
+
+def _runner_python(runner: pl.Runner, feeds: dict[str, np.ndarray], runs: int) -> float:
+    """Seconds of this thread's CPU time per ``runner.run(feeds)`` with its one session's native
+    run replaced by one handing back that session's last outputs: the Runner's own Python
+    (checks, feeding, collecting), warm, and unmoved by other processes' load."""
+    (step,) = [step for step in runner.program.steps if hasattr(step, "exec")]
+    ex = step.exec
+    real = ex.direct
+    if real is None:
+        return float("nan")
+    last: list[Any] = []
+
+    def record(*args: Any) -> Any:
+        last[:] = [real(*args)]
+        return last[0]
+
+    try:
+        ex.direct = record
+        runner.run(feeds)
+        ex.direct = lambda *args: last[0]
+        for _ in range(100):
+            runner.run(feeds)
+        start = time.thread_time()
+        for _ in range(runs):
+            runner.run(feeds)
+        return (time.thread_time() - start) / runs
+    finally:
+        ex.direct = real
 
 
 def _folded_table(ns: argparse.Namespace) -> Any:
     rows = folded_rows(ns.gpt2_seq, ns.repeats, ns.block, ns.trials)
     cells = [
         (
-            str(i),
-            f"{r['single']:.0f}",
-            f"{r['folded']:.0f}",
-            f"{r['folded'] - r['single']:.1f}",
-            f"{r['ratio']:.3f}",
+            str(i), f"{r['single']:.0f}", f"{r['session']:.0f}", f"{r['folded']:.0f}", f"{r['no check']:.0f}",
+            f"{r['python']:.1f}", f"{r['ratio']:.3f}", f"{r['folded'] / r['session']:.3f}",
+            f"{1 + r['python'] / r['single']:.3f}",
         )
         for i, r in enumerate(rows)
-    ]
+    ]  # fmt: skip
     ratio = statistics.median(r["ratio"] for r in rows)
-    cells.append(("median", "", "", "", f"{ratio:.3f}"))
+    own = statistics.median(r["folded"] / r["session"] for r in rows)
+    cells.append(("median", "", "", "", "", "", f"{ratio:.3f}", f"{own:.3f}", ""))
     return table(
         f"folded Runner.run / one session: GPT-2 4 x 256, batch 1, seq {ns.gpt2_seq}, 1 thread, "
-        f"blocks of {ns.block} (medians in us; target <= {FOLDED_TARGET})",
-        ("trial", "single", "folded", "runner", "folded / single"),
+        f"alternating blocks of {ns.block} (medians in us; target <= {FOLDED_TARGET}). session: the "
+        "Runner's own session run as a plain one; no check: auto_update=False; runner python: "
+        "the Runner's CPU time per run with its session's run replayed (warm)",
+        ("trial", "single", "session", "folded", "no check", "runner python", "folded / single",
+         "folded / session", "1 + python / single"),
         cells,
-    )
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
