@@ -16,7 +16,7 @@ Two tables, each from contenders alternated run by run in one process (medians):
   ``(T16 - T1) / (16 * 2)`` is the cost per micro-batch per stage.
 * **folded Runner.run against one session** (target: at most 1.02): a small GPT-2
   (``transformers``' ``GPT2LMHeadModel``, 4 layers, d=256, 4 heads, vocabulary 2048, batch 1,
-  sequence 32; ``--gpt2-seq``), placed on 2 devices by ``pl.auto_place``, run by
+  sequence 8; ``--gpt2-seq``), placed on 2 devices by ``pl.auto_place``, run by
   ``pl.Runner(device_map="cpu")`` (one session) against one plain ``InferenceSession`` of the
   unplaced graph with the same options, both numpy in and out, 1 intra-op thread, in
   alternating blocks of ``--block`` runs (the order flips each round); ``--trials`` fresh pairs,
@@ -260,12 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--block", type=int, default=10, help="runs per block (folded table)")
     parser.add_argument("--trials", type=int, default=3, help="fresh pairs (folded table)")
-    parser.add_argument("--gpt2-seq", type=int, default=32)
+    parser.add_argument("--gpt2-seq", type=int, default=8)
     parser.add_argument("--only-folded", action="store_true", help="the folded / single table alone")
     ns = parser.parse_args(argv)
     env = environment(threads=1)
     if ns.only_folded:
-        print_tables(_folded_table(ns), env=env)
+        print_tables(_folded_table(ns), env=env, width=150)
         return
     calls = table(
         "cost per stage call (CPU, 1 intra-op thread; medians in us)",
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         ("chunks=1", "chunks=16", "per micro-batch per stage"),
         [(f"{row['chunks1']:.0f}", f"{row['chunks16']:.0f}", f"{row['per_mb_stage']:.1f}")],
     )
-    print_tables(calls, micro, _folded_table(ns), env=env)
+    print_tables(calls, micro, _folded_table(ns), env=env, width=150)
 
 
 if __name__ == "__main__":
