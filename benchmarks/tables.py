@@ -494,23 +494,29 @@ def _bigmodel() -> str:
 
 def _generate() -> str:
     data = _load("generate.json")
-    columns = [c for c in data["results"][0]["tokens_per_s"]]
+    # the widest row's columns (rows of separate runs may lack a contender added later)
+    columns = list(max((r["tokens_per_s"] for r in data["results"]), key=len))
     targets = data["targets"]
+    per_row = any("load_average" in r for r in data["results"])
     rows = []
     for r in data["results"]:
         tps = r["tokens_per_s"]
         cells = [r["model"], r["batch"], *("-" if tps.get(c) is None else f"{tps[c]:.0f}" for c in columns)]
         cells += [f"**{r['ratios'][t]:.2f}**" if t in r["ratios"] else "-" for t in targets]
+        if per_row:
+            cells.append(" ".join(f"{x:.1f}" for x in r["load_average"]) if "load_average" in r else "-")
         rows.append(cells)
     named = (t if v is None else f"{t} (target {v})" for t, v in targets.items())
-    header = ["model", "batch", *columns, *named]
+    header = ["model", "batch", *columns, *named, *(["load after the row"] if per_row else [])]
     load = data["load_average"]
     return (
         f"Tokens per second, greedy, prompt {data['prompt']}, {data['new_tokens']} new tokens, best of "
         f"{data['repeats']}; ratios as each column says (the d=1024 model's 2-device target is 0.9). "
         f"Load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {data['cpus']} "
         f"CPUs: a loaded machine slows every contender, the ratios less so. "
-        "See [generation.md](generation.md).\n\n" + _table(header, rows)
+        + (data["note"] + " " if "note" in data else "")
+        + "See [generation.md](generation.md).\n\n"
+        + _table(header, rows)
     )
 
 
