@@ -50,6 +50,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as _C
 
 from placement.errors import PlacementError
+from placement.generation.copy_stats import CopyStats
 from placement.generation.prepare import DecoderSpec
 from placement.graph.causal_lm import KVLayer
 from placement.runtime.device_map import DeviceMapLike
@@ -59,7 +60,7 @@ from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
 from placement.runtime.ort.values import ALIAS, move, ortvalue
 from placement.runtime.schedule import stage_threads
 
-__all__ = ["CopyStats", "OrtDecoder", "Slot"]
+__all__ = ["CopyStats", "OrtDecoder", "Slot"]  # CopyStats: re-exported from copy_stats
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +79,6 @@ _CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 #: Op types that read no tensor data (only shapes, or nothing): a stage of these alone costs no
 #: compute, so pipelined generation runs it on the next part's worker.
 _SHAPE_ONLY = frozenset({"Shape", "Size", "Constant"})
-
-
-@dataclass
-class CopyStats:
-    """What crossed devices: transfers run and their bytes, since the last :meth:`reset`."""
-
-    transfers: int = 0
-    bytes: int = 0
-    largest: int = 0
-    names: set[str] = field(default_factory=set)
-
-    def add(self, name: str, value: Any) -> None:
-        """Count one transfer of ``value`` (an ``OrtValue``, native or not, or an array) as ``name``."""
-        size = _nbytes(value)
-        self.transfers += 1
-        self.bytes += size
-        if size > self.largest:
-            self.largest = size
-        self.names.add(name)
-
-    def add_all(self, names: frozenset[str], values: list[Any]) -> None:
-        """Count one transfer of each of ``values``, named ``names`` (a decode step's aliases
-        between emulated devices, counted at once)."""
-        sizes = [v.tensor_size_in_bytes() if type(v) is _C.OrtValue else _nbytes(v) for v in values]
-        self.transfers += len(sizes)
-        self.bytes += sum(sizes)
-        self.largest = max(self.largest, *sizes)
-        self.names |= names
-
-    def reset(self) -> None:
-        self.transfers = self.bytes = self.largest = 0
-        self.names = set()
 
 
 @dataclass
@@ -566,15 +535,6 @@ class OrtDecoder:
 def _shape_only(step: StageStep) -> bool:
     """Whether ``step``'s stage reads no tensor data (every op in :data:`_SHAPE_ONLY`)."""
     return all(op.op_type in _SHAPE_ONLY for op in step.exec.stage.model.graph)
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of ``value``: an ``OrtValue`` (native or not) or an array."""
-    if type(value) is _C.OrtValue:
-        return int(value.tensor_size_in_bytes())
-    if isinstance(value, ort.OrtValue):
-        return int(value._ortvalue.tensor_size_in_bytes())
-    return int(getattr(value, "nbytes", 0))
 
 
 def _native(value: Any, physical: Any) -> Any:
