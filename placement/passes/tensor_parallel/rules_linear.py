@@ -5,7 +5,9 @@
   allows; one whose input is sharded along the contraction becomes *row parallel*: each
   device multiplies its shard by its rows of the weight, giving a partial sum; a bias
   (``Gemm``'s ``C``, a ``Conv`` bias) is added after the all-reduce.
-* A ``Conv`` splits its output channels, then the next one its input channels.
+* A ``Conv`` splits its output channels, then the next one its input channels. A grouped or
+  depthwise one splits by whole groups: each device convolves its groups of a channel shard
+  (its input's own, or a ``Slice`` of a whole input), its output sharded the same way.
 * A ``Gather`` from a vocabulary-sized table becomes *vocab parallel*: each device looks up
   the ids in its rows and zeroes the others (a partial sum).
 * Two activations multiplied (attention's ``Q @ K^T`` and ``P @ V``) keep a shard of a batch
