@@ -156,3 +156,24 @@ def test_a_group_with_fewer_output_channels_than_its_devices_runs_whole() -> Non
     runner = pl.Runner(model, device_map={d: "cpu" for d in range(3)}, fold=False)
     with torch.no_grad():
         np.testing.assert_allclose(runner.run([x.numpy()])[0], net(x).numpy(), **TOL)
+
+
+def test_a_shard_that_cuts_groups_is_gathered_then_split_by_groups() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 1), nn.ReLU(), nn.Conv2d(6, 9, 3, groups=3), nn.ReLU(), nn.Conv2d(9, 4, 1)
+    ).eval()
+    x = torch.randn(2, 3, 6, 6)
+    model = pl.from_torch(net, (x,))
+    # 6 channels on 4 devices are 2, 2, 1, 1: devices 2 and 3 hold half a group each
+    result = pl.split_tensor_parallel(model, devices=[0, 1, 2, 3])
+    pl.verify(model)
+    assert (result.all_gathers, result.all_reduces) == (1, 1)
+    assert _collectives(model) == {"all_gather": 1, "all_reduce": 1}  # device 0 needs no gathered copy
+    # 3 groups on 4 devices: group 0 on devices 0 and 1 (3 output channels: 2 and 1), one each after
+    assert _conv_groups(model)["2"] == [1, 1, 1, 1]
+    shapes = [n.inputs[1].shape[0] for n in model.graph if n.op_type == "Conv" and pl.Op(n).scope == "2"]
+    assert shapes == [2, 1, 3, 3]
+    runner = pl.Runner(model, device_map={d: "cpu" for d in range(4)}, fold=False)
+    with torch.no_grad():
+        np.testing.assert_allclose(runner.run([x.numpy()])[0], net(x).numpy(), **TOL)
