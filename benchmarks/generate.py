@@ -15,8 +15,12 @@ the first:
 * ``placed ort 2 dev``: the same on 2 emulated devices (a session per device, caches in each
   session's buffers, the hidden state handed over per token);
 * ``placed torch``: ``pl.Generator(runtime="torch", device_map="cpu")`` (static cache);
-* batch 8 only: ``placed ort 2 dev chunks=2`` (two groups of 4 in flight) against the
-  ``chunks=1`` row;
+* batch 8 only: ``placed ort 2 dev chunks=2`` (two groups of 4 in flight) against
+  ``placed ort 2 dev, core share`` (``chunks=1`` with each emulated device's session given
+  the same threads as in the ``chunks=2`` run: the CPU's cores divided among the devices, as
+  two GPUs each bring their own compute): the ratio ``chunks=2 / chunks=1`` compares the two
+  at equal cores per device; ``chunks=2 / chunks=1, all cores`` against ``placed ort 2 dev``,
+  whose sessions each use every core in turn;
 * ``genai``: onnxruntime-genai's ``og.Generator`` on a model its own builder made from the same
   weights (``save_pretrained``, then ``python -m onnxruntime_genai.models.builder -p fp32 -e cpu``).
   genai brings plain ``onnxruntime``, so it runs in a Python of its own, named by
@@ -32,7 +36,8 @@ the first:
 :data:`CONTENDERS` maps a column to the function measuring it; a contender that cannot run here
 returns None. Ratios: placed ORT to genai (the targets: 0.9 folded, 0.7 on 2 devices on the tiny
 model, 0.9 on 2 devices on the d=1024 one) and to the ORT loop, placed torch to transformers,
-chunks=2 to chunks=1. Writes ``benchmarks/results/generate.json`` with the load average.
+chunks=2 to chunks=1 (at equal cores per device, and against all cores). Writes
+``benchmarks/results/generate.json`` with the load average.
 
 Usage::
 
@@ -65,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 import placement as pl  # noqa: E402
 from benchmarks.genai_anchor import ENV  # noqa: E402
 from benchmarks.harness import write_results  # noqa: E402
+from placement.runtime.schedule import stage_threads  # noqa: E402
 
 PROMPT, NEW = 16, 64
 MODELS = {
@@ -91,7 +97,8 @@ TARGETS: dict[str, float | None] = {
     "placed ort folded / ort loop": None,
     "placed ort 2 dev / ort loop": None,
     "placed torch / transformers": 1.0,
-    "chunks=2 / chunks=1": 1.6,
+    "chunks=2 / chunks=1": 1.6,  # at equal cores per device
+    "chunks=2 / chunks=1, all cores": None,
 }
 
 
@@ -208,6 +215,14 @@ def placed_two(setup: Setup, repeats: int) -> Run:
 @contender("placed torch")
 def placed_torch(setup: Setup, repeats: int) -> Run:
     return _placed(setup, repeats, "torch", runtime="torch", device_map="cpu")
+
+
+@contender("placed ort 2 dev, core share")
+def placed_two_share(setup: Setup, repeats: int) -> Run | None:
+    if setup.ids.shape[0] < 8:
+        return None
+    share = stage_threads(2)  # what chunks=2 gives each device's sessions
+    return _placed(setup, repeats, "share", device_map="auto", threads_per_stage=share)
 
 
 @contender("placed ort 2 dev chunks=2")
@@ -336,7 +351,8 @@ def _ratios(tps: dict[str, float | None]) -> dict[str, float]:
         "placed ort folded / ort loop": ("placed ort folded", "ort loop"),
         "placed ort 2 dev / ort loop": ("placed ort 2 dev", "ort loop"),
         "placed torch / transformers": ("placed torch", "transformers"),
-        "chunks=2 / chunks=1": ("placed ort 2 dev chunks=2", "placed ort 2 dev"),
+        "chunks=2 / chunks=1": ("placed ort 2 dev chunks=2", "placed ort 2 dev, core share"),
+        "chunks=2 / chunks=1, all cores": ("placed ort 2 dev chunks=2", "placed ort 2 dev"),
     }
     return {
         key: round(tps[a] / tps[b], 3)  # type: ignore[operator]
@@ -364,6 +380,7 @@ def _measure(name: str, batch: int, repeats: int) -> dict[str, Any]:
         shown = "-" if value is None else f"{value:.1f}"
         print(f"{name} batch {batch} {column}: {shown} tokens/s", flush=True)
     row["ratios"] = _ratios(row["tokens_per_s"])
+    row["load_average"] = [round(x, 2) for x in os.getloadavg()]  # after the row's rounds
     if isinstance(setup.genai, str):
         row["genai"] = setup.genai
         print(f"{name}: no genai column: {setup.genai}", flush=True)

@@ -379,6 +379,24 @@ def _tensor_parallel() -> str:
         + "\n\nThe full run (both models, 15 interleaved rounds) takes about a minute on an idle 2-core "
         "machine. The ratios test the targets only while the load average stays below the core count: "
         "under load the 2-thread session runs slower than the 1-thread one, which no idle machine shows.\n"
+        + _tensor_parallel_torch(data)
+    )
+
+
+def _tensor_parallel_torch(data: dict) -> str:
+    keys = ["eager_1_thread", "eager_2_threads", "to_torch_split", "to_torch_split_chain"]
+    rows = [
+        [r["model"], r["tokens"], *(f"{r['ms'][k]:.1f}" for k in keys),
+         *(f"{r[k]:.2f}" for k in ("vs_1_thread", "vs_2_threads", "vs_chain")), f"{r['max_rel_diff']:.1e}"]
+        for r in data.get("torch_rows", [])
+    ]
+    head = ["model", "tokens", "eager 1 thread ms", "eager 2 threads ms", "split ms", "split chain ms",
+            "vs 1 thread", "vs 2 threads", "vs chain", "max rel diff"]
+    return "" if not rows else (
+        "\nThe torch runtime in the same run: eager torch with 1 and 2 intra-op threads against "
+        "`pl.to_torch` of the split model, its branches at once (a worker thread per stage, one "
+        "intra-op thread each) and as a chain (`concurrent=False`, 2 threads), under `torch.no_grad()`, "
+        "in alternating blocks:\n\n" + _table(head, rows) + "\n"
     )
 
 
@@ -476,23 +494,29 @@ def _bigmodel() -> str:
 
 def _generate() -> str:
     data = _load("generate.json")
-    columns = [c for c in data["results"][0]["tokens_per_s"]]
+    # the widest row's columns (rows of separate runs may lack a contender added later)
+    columns = list(max((r["tokens_per_s"] for r in data["results"]), key=len))
     targets = data["targets"]
+    per_row = any("load_average" in r for r in data["results"])
     rows = []
     for r in data["results"]:
         tps = r["tokens_per_s"]
         cells = [r["model"], r["batch"], *("-" if tps.get(c) is None else f"{tps[c]:.0f}" for c in columns)]
         cells += [f"**{r['ratios'][t]:.2f}**" if t in r["ratios"] else "-" for t in targets]
+        if per_row:
+            cells.append(" ".join(f"{x:.1f}" for x in r["load_average"]) if "load_average" in r else "-")
         rows.append(cells)
     named = (t if v is None else f"{t} (target {v})" for t, v in targets.items())
-    header = ["model", "batch", *columns, *named]
+    header = ["model", "batch", *columns, *named, *(["load after the row"] if per_row else [])]
     load = data["load_average"]
     return (
         f"Tokens per second, greedy, prompt {data['prompt']}, {data['new_tokens']} new tokens, best of "
         f"{data['repeats']}; ratios as each column says (the d=1024 model's 2-device target is 0.9). "
         f"Load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {data['cpus']} "
         f"CPUs: a loaded machine slows every contender, the ratios less so. "
-        "See [generation.md](generation.md).\n\n" + _table(header, rows)
+        + (data["note"] + " " if "note" in data else "")
+        + "See [generation.md](generation.md).\n\n"
+        + _table(header, rows)
     )
 
 

@@ -13,9 +13,11 @@ step only the new token, the attention mask and the position.
 Pipelined generation (``chunks=k``, ONNX Runtime): the batch is split into ``k`` groups,
 each with its own cache, and one worker thread per stage runs whichever group reaches
 it: while the last stage computes group 0's step, the first computes group 1's, so
-every stage is busy. Each group's tokens are the ones it would get alone (greedy
-decoding gives the same tokens for every ``chunks``). On the torch runtime, ``chunks=k``
-lowers the model as a pipelined module (``pl.to_torch(chunks=k)``): each step's batch
+every stage is busy (a stage that only reads shapes runs on the next stage's worker; the
+workers hand groups over through ``queue.SimpleQueue`` s; the last worker picks the
+group's tokens and feeds its next step to the first). Each group's tokens are the ones it
+would get alone (greedy decoding gives the same tokens for every ``chunks``). On the torch
+runtime, ``chunks=k`` lowers the model as a pipelined module (``pl.to_torch(chunks=k)``): each step's batch
 runs through the stages as ``k`` micro-batches (fill-drain within the step), with the same
 tokens.
 
@@ -73,6 +75,10 @@ class Generator:
         cache_dims: sizes of cache dimensions the file leaves symbolic (``{"kv_cache_dim":
             64}``), or a ``genai_config.json`` to read them from; :func:`placement.load` reads
             the ``genai_config.json`` beside a file by itself.
+        threads_per_stage: ONNX Runtime: intra-op threads of each stage session (None:
+            ONNX Runtime's choice for ``chunks=1``, the CPU's cores divided among the
+            logical devices for ``chunks > 1``). Give emulated devices the same budget in
+            both to compare ``chunks`` at equal cores per device.
 
     Raises:
         InputError: the model is not a causal LM with a cache, or an option is invalid.
@@ -97,6 +103,7 @@ class Generator:
         chunks: int = 1,
         cuda_graphs: bool = False,
         cache_dims: CacheDims = None,
+        threads_per_stage: int | None = None,
     ) -> None:
         if runtime not in RUNTIMES:
             raise InputError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
@@ -111,9 +118,14 @@ class Generator:
 
             if cuda_graphs:
                 raise InputError("cuda_graphs=True is a torch runtime option (runtime='torch')")
-            self.decoder = OrtDecoder(self.spec, device_map=device_map, chunks=chunks)
+            self.decoder = OrtDecoder(
+                self.spec, device_map=device_map, chunks=chunks, threads_per_stage=threads_per_stage
+            )
         else:
             from placement.generation.torch_decoder import TorchDecoder
+
+            if threads_per_stage is not None:
+                raise InputError("threads_per_stage is an ONNX Runtime option (runtime='ort')")
 
             self.decoder = TorchDecoder(
                 self.spec, device_map=device_map, chunks=chunks, cuda_graphs=cuda_graphs
@@ -218,32 +230,37 @@ class Generator:
     def _run_pipelined(self, slots: list[Any], groups: list[Sequences]) -> None:
         """Groups in flight through one worker per stage part (ORT): see the module docstring."""
         decoder = self.decoder
-        parts = len(decoder.parts)
-        inboxes: list[queue.Queue] = [queue.Queue() for _ in range(parts)]
-        finished: queue.Queue = queue.Queue()
+        workers = decoder.workers
+        last = len(workers) - 1
+        inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in workers]
+        finished: queue.SimpleQueue = queue.SimpleQueue()
 
         def work(index: int) -> None:
+            parts, inbox = workers[index], inboxes[index]
+            run_part = decoder.run_part
             while True:
-                item = inboxes[index].get()
+                item = inbox.get()
                 if item is None:
                     return
                 g, values, new_tokens = item
                 try:
-                    decoder.run_part(index, slots[g], values, new_tokens)
-                    if index + 1 < parts:
+                    for part in parts:
+                        run_part(part, slots[g], values, new_tokens)
+                    if index < last:
                         inboxes[index + 1].put(item)
                         continue
-                    groups[g].advance(decoder.finish(slots[g], values, new_tokens))
-                    if groups[g].done:
+                    seqs = groups[g]
+                    seqs.advance(decoder.finish(slots[g], values, new_tokens))
+                    if seqs.done:
                         finished.put((g, None))
                     else:
-                        inboxes[0].put((g, decoder.feed(groups[g].decode()), 1))
+                        inboxes[0].put((g, decoder.feed(seqs.decode()), 1))
                 except BaseException as err:  # handed to the caller's thread
                     finished.put((g, err))
 
-        workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(parts)]
-        for worker in workers:
-            worker.start()
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(workers))]
+        for thread in threads:
+            thread.start()
         try:
             for g, seqs in enumerate(groups):
                 prompt = seqs.prefill()
@@ -252,8 +269,8 @@ class Generator:
         finally:
             for inbox in inboxes:
                 inbox.put(None)
-            for worker in workers:
-                worker.join()
+            for thread in threads:
+                thread.join()
         failure = next((err for err in errors if err is not None), None)
         if failure is not None:
             if isinstance(failure, PlacementError):

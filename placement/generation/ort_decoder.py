@@ -30,8 +30,13 @@ view) and the values that cross from stage to stage.
 decode step moves the new tokens' hidden state and not the cache.
 
 A :class:`Slot` is one group of sequences with its own buffers: pipelined generation
-keeps several slots in flight, one per group, each stage's worker running
-:meth:`OrtDecoder.run_part` for one slot while the next stage runs another.
+keeps several slots in flight, one per group, each worker running its parts
+(:attr:`OrtDecoder.workers`, :meth:`OrtDecoder.run_part`) for one slot while the next worker
+runs another. A stage that only reads shapes (``Shape`` of a cache on another device, say)
+gets no worker of its own: it runs on the worker of the part after it, so that a step
+costs no hand-over between threads for it. Pipelined sessions get the CPU's cores divided
+among the logical devices (each emulated device owns its share of the cores) unless
+``threads_per_stage`` says otherwise.
 """
 
 from __future__ import annotations
@@ -49,8 +54,10 @@ from placement.generation.prepare import DecoderSpec
 from placement.graph.causal_lm import KVLayer
 from placement.runtime.device_map import DeviceMapLike
 from placement.runtime.ort import Runner
+from placement.runtime.ort.build import logical_devices
 from placement.runtime.ort.steps import HostStep, StageStep, TransferStep
 from placement.runtime.ort.values import ALIAS, move, ortvalue
+from placement.runtime.schedule import stage_threads
 
 __all__ = ["CopyStats", "OrtDecoder", "Slot"]
 
@@ -68,6 +75,9 @@ _ELEMENT = {
     np.dtype(np.float64): 11,
 }
 _CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
+#: Op types that read no tensor data (only shapes, or nothing): a stage of these alone costs no
+#: compute, so pipelined generation runs it on the next part's worker.
+_SHAPE_ONLY = frozenset({"Shape", "Size", "Constant"})
 
 
 @dataclass
@@ -81,17 +91,21 @@ class CopyStats:
 
     def add(self, name: str, value: Any) -> None:
         """Count one transfer of ``value`` (an ``OrtValue``, native or not, or an array) as ``name``."""
-        if type(value) is _C.OrtValue:
-            size = value.tensor_size_in_bytes()
-        elif isinstance(value, ort.OrtValue):
-            size = value._ortvalue.tensor_size_in_bytes()
-        else:
-            size = int(getattr(value, "nbytes", 0))
+        size = _nbytes(value)
         self.transfers += 1
         self.bytes += size
         if size > self.largest:
             self.largest = size
         self.names.add(name)
+
+    def add_all(self, names: frozenset[str], values: list[Any]) -> None:
+        """Count one transfer of each of ``values``, named ``names`` (a decode step's aliases
+        between emulated devices, counted at once)."""
+        sizes = [v.tensor_size_in_bytes() if type(v) is _C.OrtValue else _nbytes(v) for v in values]
+        self.transfers += len(sizes)
+        self.bytes += sum(sizes)
+        self.largest = max(self.largest, *sizes)
+        self.names |= names
 
     def reset(self) -> None:
         self.transfers = self.bytes = self.largest = 0
@@ -173,11 +187,29 @@ class OrtDecoder:
         device_map: logical -> physical devices (as :class:`placement.Runner`).
         chunks: stage parts pipelined generation runs concurrently (sessions are built for
             it: stages on a shared CPU stay apart, each with its share of the cores).
+        threads_per_stage: intra-op threads of each stage session (None: ONNX Runtime's
+            choice for ``chunks=1``; for ``chunks > 1`` the CPU's cores divided among the
+            model's logical devices).
     """
 
-    def __init__(self, spec: DecoderSpec, *, device_map: DeviceMapLike = "auto", chunks: int = 1) -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        *,
+        device_map: DeviceMapLike = "auto",
+        chunks: int = 1,
+        threads_per_stage: int | None = None,
+    ) -> None:
         self.spec = spec
-        self.runner = Runner(spec.model, device_map=device_map, auto_update=False, chunks=chunks)
+        if threads_per_stage is None and chunks > 1:
+            threads_per_stage = stage_threads(len(logical_devices(spec.model)))
+        self.runner = Runner(
+            spec.model,
+            device_map=device_map,
+            auto_update=False,
+            chunks=chunks,
+            threads_per_stage=threads_per_stage,
+        )
         program = self.runner.program
         self.stats = CopyStats()
         self._steps: list[Any] = list(program.steps)
@@ -199,6 +231,7 @@ class OrtDecoder:
             self._past_of[layer.present_value] = layer.past_value
         self._host_logits = False
         self.parts = self._split_parts()
+        self.workers = self._worker_parts()
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -242,8 +275,8 @@ class OrtDecoder:
 
     def _split_parts(self) -> list[list[tuple[str, Any]]]:
         """The program's steps as the decoder runs them, cut before each stage step (a
-        transfer goes with the stage after it): ``("stage", plan)``, ``("alias", step)``
-        (counted, not run: the aliases are resolved), ``("move", step)``, ``("host", step)``."""
+        transfer goes with the stage after it): ``("stage", plan)``, ``("aliases", (names,
+        keys))`` (counted, not run: the aliases are resolved), ``("move", step)``, ``("host", step)``."""
         reads: set[str] = {self._logits}
         for step in self._steps:
             if isinstance(step, TransferStep):
@@ -260,14 +293,54 @@ class OrtDecoder:
             else:
                 pending.append(("alias" if step.kind == ALIAS else "move", step))
             if isinstance(step, (StageStep, HostStep)):
-                parts.append(pending)
+                parts.append(self._counted(pending))
                 pending = []
         if pending:
             if parts:
-                parts[-1].extend(pending)
+                parts[-1] = self._counted(parts[-1] + pending)
             else:
-                parts.append(pending)
+                parts.append(self._counted(pending))
         return parts
+
+    def _counted(self, part: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``part`` with each run of consecutive aliases as one ``("aliases", (names, keys))``
+        item, counted at once per step (aliases are not run: they are resolved)."""
+        out: list[tuple[str, Any]] = []
+        run: list[Any] = []
+        for kind, item in [*part, ("end", None)]:
+            if kind == "alias":
+                run.append(item)
+                continue
+            if run:
+                names = frozenset(step.source for step in run)
+                keys = tuple(self._alias.get(step.source, step.source) for step in run)
+                out.append(("aliases", (names, keys)))
+                run = []
+            if kind != "end":
+                out.append((kind, item))
+        return out
+
+    def _worker_parts(self) -> list[tuple[int, ...]]:
+        """The part indices each pipelined worker runs, in order: a part whose stage only reads
+        shapes (:data:`_SHAPE_ONLY`) joins the part after it (the one before it, when last)."""
+        light = [
+            all(kind == "aliases" or (kind == "stage" and _shape_only(item.step)) for kind, item in part)
+            and any(kind == "stage" for kind, _ in part)
+            for part in self.parts
+        ]
+        workers: list[list[int]] = []
+        pending: list[int] = []
+        for index, is_light in enumerate(light):
+            pending.append(index)
+            if not is_light:
+                workers.append(pending)
+                pending = []
+        if pending:
+            if workers:
+                workers[-1].extend(pending)
+            else:
+                workers.append(pending)
+        return [tuple(indices) for indices in workers]
 
     def _plan(self, index: int, step: StageStep, reads: set[str]) -> _StagePlan:
         """How ``step`` binds: each input by what it reads, each output by where it goes."""
@@ -349,8 +422,9 @@ class OrtDecoder:
         for kind, item in self.parts[index]:
             if kind == "stage":
                 self._run_stage(item, slot, values, new_tokens)
-            elif kind == "alias":
-                self.stats.add(item.source, values[self._alias.get(item.source, item.source)])
+            elif kind == "aliases":
+                names, keys = item
+                self.stats.add_all(names, [values[key] for key in keys])
             elif kind == "move":
                 self._move(item, values)
             else:
@@ -487,6 +561,20 @@ class OrtDecoder:
             table[key] = ort.OrtValue(value) if type(value) is _C.OrtValue else value
         outputs = step.call(step.inputs(table))
         values.update(zip(step.outputs, outputs))
+
+
+def _shape_only(step: StageStep) -> bool:
+    """Whether ``step``'s stage reads no tensor data (every op in :data:`_SHAPE_ONLY`)."""
+    return all(op.op_type in _SHAPE_ONLY for op in step.exec.stage.model.graph)
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of ``value``: an ``OrtValue`` (native or not) or an array."""
+    if type(value) is _C.OrtValue:
+        return int(value.tensor_size_in_bytes())
+    if isinstance(value, ort.OrtValue):
+        return int(value._ortvalue.tensor_size_in_bytes())
+    return int(getattr(value, "nbytes", 0))
 
 
 def _native(value: Any, physical: Any) -> Any:

@@ -72,6 +72,35 @@ def test_pipelined_groups_give_the_same_tokens(causal_lm) -> None:
     assert len(generator.decoder.parts) >= 2
 
 
+def test_pipelined_workers_and_thread_budgets(causal_lm) -> None:
+    """A stage that only reads shapes gets no worker of its own; each emulated device gets its share
+    of the cores in both ``chunks``, and ``threads_per_stage`` sets it for ``chunks=1`` too."""
+    from placement.generation.ort_decoder import _shape_only
+    from placement.runtime.schedule import stage_threads
+
+    net, model = causal_lm("llama")
+    pl.auto_place(model, devices=2, cost="flops")
+    ids = np.array([[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]])
+    piped = pl.Generator(model, chunks=2)
+    share = stage_threads(2)
+    one = pl.Generator(model, threads_per_stage=share)
+    for generator in (piped, one):
+        steps = [s for s in generator.decoder.runner.program.steps if hasattr(s, "exec")]
+        assert {s.exec.session.get_session_options().intra_op_num_threads for s in steps} == {share}
+    decoder = piped.decoder
+    workers = decoder.workers
+    assert sorted(i for parts in workers for i in parts) == list(range(len(decoder.parts)))
+    for parts in workers:  # every worker runs at least one stage that reads tensor data
+        assert any(
+            kind == "stage" and not _shape_only(item.step) for i in parts for kind, item in decoder.parts[i]
+        )
+    expected = greedy_reference(net, ids, np.ones_like(ids), STEPS)
+    np.testing.assert_array_equal(piped.generate(ids, max_new_tokens=STEPS), expected)
+    np.testing.assert_array_equal(one.generate(ids, max_new_tokens=STEPS), expected)
+    with pytest.raises(pl.PlacementError, match="threads_per_stage"):
+        pl.Generator(model, runtime="torch", threads_per_stage=1)
+
+
 def test_end_of_sequence_per_sequence(causal_lm) -> None:
     net, model = causal_lm("llama")
     ids, mask = left_padded()

@@ -12,7 +12,7 @@ import torch
 
 import placement as pl
 from placement.runtime.precision import FP32_TOLERANCE, torch_uses_tf32
-from placement.runtime.torch import pipelined
+from placement.runtime.torch import concurrent
 from tests.conftest import MODEL_NAMES
 from tests.gpu import finishes_within, needs_torch_cuda
 
@@ -129,13 +129,13 @@ def test_backward_runs_inline_exactly_on_the_engines_gpu_thread(monkeypatch, whe
     every stage itself. Output on the CPU: the caller's thread, and the stages on the workers
     (``executor="threads"``: the inline executor would call ``run_in_order`` everywhere)."""
     calls: list[bool] = []
-    real = pipelined.run_in_order
+    real = concurrent.run_in_order
 
     def spy(*a, **k):
-        calls.append(pipelined.on_engine_thread())
+        calls.append(concurrent.on_engine_thread())
         return real(*a, **k)
 
-    monkeypatch.setattr(pipelined, "run_in_order", spy)
+    monkeypatch.setattr(concurrent, "run_in_order", spy)
     model, _, args = _placed("mlp")
     piped = pl.to_torch(model.copy(), device_map=MAPS[where], chunks=2, executor="threads")
     finishes_within(DEADLINE_S, lambda: _loss(piped(*args)).backward())

@@ -318,3 +318,99 @@ def test_rotary_embedding_ops_keep_whole_heads(onnx_op: bool) -> None:
     assert (
         len({tag["id"] for tag in tags if tag is not None and tag["kind"] == "all_gather"}) == 2
     )  # presents
+
+
+def _shape_const(g: _Graph, name: str, values: list[int]) -> str:
+    g.inits.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
+    return name
+
+
+def _plain_mqa(heads: int, size: int = 8, *, add_value: bool = False) -> pl.Model:
+    """Multi-query attention in plain ONNX ops: one KV head, ``MatMul`` broadcasting the key
+    and value's head axis of 1 against the query's heads (Falcon / GPT-BigCode style)."""
+    g = _Graph(4)
+    hidden = heads * size
+    x = g.input("x", ["B", "S", E])
+    g.node("MatMul", [x, g.weight("w_q", (E, hidden))], [("q", ["B", "S", hidden])])
+    g.node(
+        "Reshape", ["q", _shape_const(g, "q_shape", [0, 0, heads, size])], [("q4", ["B", "S", heads, size])]
+    )
+    g.node("Transpose", ["q4"], [("qh", ["B", heads, "S", size])], perm=[0, 2, 1, 3])
+    for name, perm, shape in (
+        ("k", [0, 2, 3, 1], ["B", 1, size, "S"]),
+        ("v", [0, 2, 1, 3], ["B", 1, "S", size]),
+    ):
+        g.node("MatMul", [x, g.weight(f"w_{name}", (E, size))], [(name, ["B", "S", size])])
+        g.node(
+            "Reshape",
+            [name, _shape_const(g, f"{name}_shape", [0, 0, 1, size])],
+            [(f"{name}4", ["B", "S", 1, size])],
+        )
+        g.node("Transpose", [f"{name}4"], [(f"{name}h", shape)], perm=perm)
+    g.node("MatMul", ["qh", "kh"], [("scores", ["B", heads, "S", "S"])])
+    g.node("Softmax", ["scores"], [("probs", ["B", heads, "S", "S"])], axis=-1)
+    g.node("MatMul", ["probs", "vh"], [("ctx", ["B", heads, "S", size])])
+    if add_value:  # an element-wise op broadcasting the one KV head against the query heads
+        g.node("Add", ["ctx", "vh"], [("ctx_v", ["B", heads, "S", size])])
+    g.node(
+        "Transpose",
+        ["ctx_v" if add_value else "ctx"],
+        [("ctx_t", ["B", "S", heads, size])],
+        perm=[0, 2, 1, 3],
+    )
+    g.node("Reshape", ["ctx_t", _shape_const(g, "ctx_shape", [0, 0, hidden])], [("attn", ["B", "S", hidden])])
+    g.node("MatMul", ["attn", g.weight("w_o", (hidden, E))], [("y", ["B", "S", E])])
+    g.output("y", ["B", "S", E])
+    return g.model()
+
+
+@pytest.mark.parametrize("add_value", [False, True])
+def test_plain_multi_query_attention_broadcasting_its_one_kv_head(add_value: bool) -> None:
+    """A one-KV-head key ``(B, 1, D, S)`` that ``MatMul`` (or an element-wise op) broadcasts
+    against the query's heads is read whole on each device (a broadcast), not sliced by the
+    query's heads."""
+    model = _plain_mqa(4, add_value=add_value)
+    whole = model.copy()
+    pl.split_tensor_parallel(model, devices=[0, 1])
+    pl.verify(model)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 5, E)).astype(np.float32)}
+    expected = pl.Runner(whole, device_map="cpu").run(feeds)
+    got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
+    assert _rel(expected[0], got[0]) < 1e-5
+    with torch.no_grad():
+        lowered = pl.to_torch(model)(torch.from_numpy(feeds["x"]))
+    assert _rel(expected[0], lowered.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("mask_rank", [3, 4])
+def test_onnx_attention_mask_with_a_head_axis_is_sliced_by_heads(mask_rank: int) -> None:
+    """ONNX ``Attention``'s ``attn_mask`` broadcasts to (batch, heads, S, T): a 3-D mask has
+    its head axis first, a 4-D one second; each device reads its heads' rows of it."""
+    heads, kv, size = 4, 2, 8
+    g = _Graph(6)
+    x = g.input("x", ["B", "S", E])
+    mask = g.input("mask", [heads, "S", "S"] if mask_rank == 3 else [1, heads, "S", "S"])
+    for name, n in (("q", heads), ("k", kv), ("v", kv)):
+        g.node("MatMul", [x, g.weight(f"w_{name}", (E, n * size))], [(name, ["B", "S", n * size])])
+    g.node(
+        "Attention",
+        ["q", "k", "v", mask],
+        [("attn", ["B", "S", heads * size])],
+        q_num_heads=heads,
+        kv_num_heads=kv,
+    )
+    g.node("MatMul", ["attn", g.weight("w_o", (heads * size, E))], [("y", ["B", "S", E])])
+    g.output("y", ["B", "S", E])
+    model = g.model()
+    whole = model.copy()
+    result = pl.split_tensor_parallel(model, devices=[0, 1])
+    assert "Attention_3" in result.split
+    rng = np.random.default_rng(1)
+    mask_shape = [heads, 5, 5] if mask_rank == 3 else [1, heads, 5, 5]
+    feeds = {
+        "x": rng.standard_normal((2, 5, E)).astype(np.float32),
+        "mask": rng.standard_normal(mask_shape).astype(np.float32),
+    }
+    expected = pl.Runner(whole, device_map="cpu").run(feeds)
+    got = pl.Runner(model, device_map={0: "cpu", 1: "cpu"}, fold=False).run(feeds)
+    assert _rel(expected[0], got[0]) < 1e-5

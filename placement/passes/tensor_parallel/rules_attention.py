@@ -46,7 +46,8 @@ MS = "com.microsoft"
 
 # Input roles: "q", "k", "v" (the hidden or head axis, by query or KV heads), "qkv" (packed),
 # "cache" (head axis 1 by KV heads), "qcache" (head axis 1 by query heads), "bias4" (a
-# 4-D bias or mask: axis 1 by query heads where it has one), "sink" (axis 0 by query heads),
+# bias or mask broadcast to (batch, heads, S, T): its third axis from last by query heads
+# where it has one), "sink" (axis 0 by query heads),
 # "mha_bias" (MultiHeadAttention's q, k, v projection bias), "refuse" (not split).
 _INPUTS = {
     (MS, "GroupQueryAttention"): {
@@ -214,8 +215,9 @@ def _input_layout(node: ir.Node, role: str, value: ir.Value, plan: _Heads) -> La
         return _head_axis(value, 1, plan.kv_heads, plan.kv)
     if role == "qcache":
         return _head_axis(value, 1, plan.heads, plan.q)
-    if role == "bias4":
-        return _head_axis(value, 1, plan.heads, plan.q, one=False) if len(dims(value) or []) == 4 else None
+    if role == "bias4":  # broadcast to (batch, heads, S, T): the head axis is third from last
+        rank = len(dims(value) or [])
+        return _head_axis(value, rank - 3, plan.heads, plan.q, one=False) if rank >= 3 else None
     if role == "sink":
         return _head_axis(value, 0, plan.heads, plan.q, one=False)
     return None

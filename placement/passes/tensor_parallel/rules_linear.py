@@ -110,6 +110,8 @@ def _batched(rw: Rewriter, node: ir.Node, la: Layout, lb: Layout, ra: int, rb: i
     if lb.kind == "S" and lb.axis < rb - 2 and rb >= 3:
         candidates.append(Layout("S", lb.axis + rank - rb, lb.size, lb.parts))
     if candidates:
+        widest = max(c.size for c in candidates)  # an axis of 1 broadcasts against the other side
+        candidates = [c for c in candidates if c.size == widest]
         out = min(candidates, key=lambda lay: sum(len(p) for p in lay.parts))
         if any(c.axis != out.axis for c in candidates):
             return False
@@ -132,6 +134,10 @@ def _batch_operand(rw: Rewriter, value: ir.Value, out: Layout, rank: int, d: int
     shape = dims(value)
     axis = out.axis - (rank - len(shape))
     have = rw.layout(value)
+    if axis >= 0 and shape[axis] == 1 and out.size > 1:  # broadcast against the other side's heads
+        if have.kind == "S" and have.axis == axis and all(p == (0,) for p in have.parts):
+            return rw.local(value, d)  # one head on every device: already whole
+        return rw.replicated(value, d)
     if axis < 0 or (shape[axis] == 1 and not (have.kind == "S" and have.axis == axis)):
         return rw.replicated(value, d)  # broadcast along the shard (a one-head shard is no broadcast)
     return rw.as_shard(value, Layout("S", axis, out.size, out.parts), d)

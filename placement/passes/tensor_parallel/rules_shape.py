@@ -44,6 +44,7 @@ def _first_shard(rw: Rewriter, node: ir.Node) -> Layout | None:
             found.append(Layout("S", lay.axis + out_rank - len(shape), lay.size, lay.parts))
     if not found:
         return None
+    found = [lay for lay in found if lay.size > 1] or found  # a one-head shard broadcasts
     return min(found, key=lambda lay: sum(len(p) for p in lay.parts))
 
 
@@ -53,6 +54,10 @@ def _operand(rw: Rewriter, value: ir.Value | None, out: Layout, out_rank: int, d
     shape = dims(value)
     axis = out.axis - (out_rank - len(shape))
     have = rw.layout(value)
+    if axis >= 0 and shape[axis] == 1 and out.size > 1:  # broadcast against the other side's heads
+        if have.kind == "S" and have.axis == axis and all(p == (0,) for p in have.parts):
+            return rw.local(value, d)  # one head on every device: already whole
+        return rw.replicated(value, d)
     if axis < 0 or (shape[axis] == 1 and not (have.kind == "S" and have.axis == axis)):
         return rw.replicated(value, d)  # broadcast along the shard (a one-head shard is no broadcast)
     return rw.as_shard(value, Layout("S", axis, out.size, out.parts), d)

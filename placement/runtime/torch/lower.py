@@ -97,6 +97,7 @@ from placement.lowering.ops import DEFAULT_RULE, get_rule, torch_dtype
 from placement.lowering.opset import upgraded
 from placement.lowering.values import Val, attr_python, identifier, to_torch_tensor
 from placement.runtime.device_map import DeviceMapLike, resolve_device_map
+from placement.runtime.torch.concurrent import check_concurrent, concurrent_pays
 from placement.runtime.torch.executor import check_executor
 from placement.runtime.torch.outputs import check_outputs_on, install_outputs_on
 from placement.runtime.torch.pickled import FORWARD_HOOKS, PRESERVED, PlacedGraphModule
@@ -119,6 +120,7 @@ def to_torch(
     cuda_graphs: bool = False,
     outputs_on: str = "input",
     executor: str = "auto",
+    concurrent: bool | None = None,
 ) -> torch.nn.Module:
     """Lower a (placed) model to a ``torch.fx.GraphModule``.
 
@@ -162,6 +164,16 @@ def to_torch(
             default: inline for GPU stages and for host stages too small to pay for
             thread hand-offs); see :mod:`placement.runtime.torch.executor`. Same
             outputs and gradients bit for bit.
+        concurrent: whether stages that do not depend on each other (the per-device
+            branches of a tensor-parallel layer, :func:`placement.split_tensor_parallel`)
+            run at the same time, each on a worker thread of its own with its share of the
+            cores, forward and backward; see :mod:`placement.runtime.torch.concurrent`.
+            ``None`` (the default): where it pays (the stage graph is wider than a chain,
+            every stage on the host, and the executor runs stages on threads); ``True``:
+            wherever the stage graph is wider than a chain on the host; ``False``: never
+            (the stages run one after another). With ``chunks=1`` a model whose stages run
+            at once lowers to a one-micro-batch pipelined module (no ``.code``; same
+            parameters, outputs and gradients); otherwise to the ``GraphModule`` below.
 
     Returns:
         A ``torch.fx.GraphModule``: call it with the graph inputs (positionally in
@@ -195,6 +207,7 @@ def to_torch(
         raise TypeError(f"to_torch lowers a placement.Model, got {type(model).__name__}")
     check_outputs_on(outputs_on)
     check_executor(executor)
+    check_concurrent(concurrent, executor)
     model, problems = upgraded(model, device=_logical_devices(model)[0])
     check_supported(model, problems=problems)
     devices = _logical_devices(model)
@@ -207,6 +220,8 @@ def to_torch(
             "or keep these weights resident"
         )
     module = _ModelLowering(model, dmap).build()
+    physical = [str(dmap[d]) for d in devices if d in dmap]
+    as_dag = chunks == 1 and not cuda_graphs and concurrent_pays(model, physical, concurrent, executor)
     if chunks == 1:  # a pipelined module's batch may be several graph batches: its stages check
         from placement.runtime.inputs import input_specs
         from placement.runtime.torch.input_check import install_input_check
@@ -215,7 +230,7 @@ def to_torch(
         keywords = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"][: len(specs)]
         install_input_check(module, specs, keywords)
     layers = mode_modules(model)
-    if chunks != 1:
+    if chunks != 1 or as_dag:  # several micro-batches, or one through stages that run at once
         from placement.runtime.torch.pipelined import pipeline_module
 
         pipelined = pipeline_module(
@@ -226,7 +241,10 @@ def to_torch(
             batch_axes=batch_axes,
             cuda_graphs=cuda_graphs,
             executor=executor,
+            concurrent=concurrent,
         )
+        if as_dag:  # one micro-batch is one graph batch: checked as the plain module is
+            install_input_check(pipelined, specs, keywords)
         return install_mode_warning(install_outputs_on(pipelined, outputs_on), layers)
     if cuda_graphs:
         from placement.runtime.torch.cuda_graphs import cuda_graph_module

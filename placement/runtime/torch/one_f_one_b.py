@@ -53,15 +53,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from placement.errors import InputError
 from placement.runtime.schedule import microbatch_bounds, split_batch, stage_error
+from placement.runtime.torch.concurrent import budgeted, restored_threads, stage_concurrency, with_final_sink
 from placement.runtime.torch.device_streams import current_stream, has_streams, record_event, tensor_device
 from placement.runtime.torch.engine_grad import engine_grad
 from placement.runtime.torch.executor import stage_executor
@@ -70,7 +69,6 @@ from placement.runtime.torch.stage_exec import (
     StepStats,
     TorchStage,
     accumulate,
-    accumulate_microbatch,
     add_input_grads,
     backward_operands,
     call_stage,
@@ -92,6 +90,7 @@ from placement.runtime.torch.stage_exec import (
     write_grads,
 )
 from placement.runtime.torch.step_loss import REDUCTIONS, LossFn, check_reduction, scalar_loss, step_loss
+from placement.runtime.torch.step_shared import STOP, Pending, StepShared
 from placement.runtime.torch.weight_grads import (
     DEFER_MIN_MACS,
     DeferredWeights,
@@ -108,101 +107,6 @@ __all__ = [
     "pipelined_train_step",
     "scalar_loss",
 ]
-
-_STOP = object()
-
-
-@dataclass
-class _Pending:
-    """Micro-batch ``microbatch``'s deferred weight gradients on stage ``stage``, not all claimed."""
-
-    stage: int
-    microbatch: int
-    later: DeferredWeights
-
-
-@dataclass
-class _Shared:
-    """What the stage loops of one step share; ``lock`` guards the pool and the gradients."""
-
-    stages: list[TorchStage]
-    input_keys: set[str]  # env keys of the graph inputs: data, never differentiated
-    output_keys: list[str]  # env keys of the model's outputs, which the loss reads
-    checkpoint: str
-    envs: list[dict[str, Any]]
-    targets: list[list[Any]]
-    weights: list[float]
-    loss_fn: LossFn
-    outputs_device: torch.device | None  # where loss_fn gets the outputs (None: the last stage's)
-    defer: bool | str  # True, False or "auto" (see :func:`defer_pays`)
-    limit: int
-    inboxes: list[queue.SimpleQueue[Any]]
-    params: list[list[tuple[int, str]]]  # per stage: (argument slot, key) of its trainable parameters
-    stats: StepStats
-    tracked: Callable[[str], bool] = field(default=lambda key: True)  # env keys that take gradients
-    inline: bool = False  # one thread runs every stage: nobody to wake
-    loops: list[Any] = field(default_factory=list)  # inline: the stage loops, handed messages directly
-    failed: threading.Event = field(default_factory=threading.Event)
-    failures: list[tuple[int, int, BaseException]] = field(default_factory=list)
-    losses: list[torch.Tensor | None] = field(default_factory=list)
-    loss_events: dict[int, Any] = field(default_factory=dict)  # behind each loss, on its stream
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    #: deferred weight gradients waiting for a worker, oldest first
-    pool: deque[_Pending] = field(default_factory=deque)
-    #: backwards not run yet, all stages together (while > 0, new weight gradients may come)
-    backwards_left: int = 0
-    #: (stage, micro-batch) -> its parameter gradients so far / its groups not finished yet
-    results: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
-    unfinished: dict[tuple[int, int], int] = field(default_factory=dict)
-    #: per stage: the next micro-batch whose gradients go into the sums, the sums, and which
-    #: of the sums are accumulators made here (added to in place)
-    flushed: list[int] = field(default_factory=list)
-    param_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    owned: list[set[str]] = field(default_factory=list)
-
-    def fail(self, stage: int, microbatch: int, err: BaseException) -> None:
-        with self.lock:
-            self.failures.append((stage, microbatch, err))
-        self.failed.set()
-        self.wake(_STOP)
-
-    def post(self, j: int, message: tuple[str, int, Any]) -> None:
-        """Hand stage ``j`` a forward (``"F"``) or backward (``"B"``) micro-batch."""
-        if self.inline:
-            self.loops[j].file(message)
-        else:
-            self.inboxes[j].put(message)
-
-    def wake(self, message: Any = None, *, exclude: int = -1) -> None:
-        """Tell every worker but ``exclude`` that something changed (new weight gradients,
-        the end, a failure)."""
-        if self.inline:
-            return
-        for j, inbox in enumerate(self.inboxes):
-            if j != exclude:
-                inbox.put(("W", -1, None) if message is None else message)
-
-    def finish(self, stage: int, microbatch: int, grads: list[tuple[int, torch.Tensor]], groups: int) -> None:
-        """Record parameter gradients of ``(stage, microbatch)``; call under ``lock``.
-
-        ``groups >= 0``: its backward's, with the number of groups it deferred; ``groups < 0``:
-        one deferred group's. A micro-batch's gradients go into the sums once all of them are
-        in, micro-batch by micro-batch in order, so the sums do not depend on which worker ran
-        what when.
-        """
-        key = (stage, microbatch)
-        self.results.setdefault(key, []).extend(grads)
-        self.unfinished[key] = self.unfinished.get(key, 0) + (groups if groups >= 0 else -1)
-        if groups >= 0:
-            self.backwards_left -= 1
-        while True:
-            key = (stage, self.flushed[stage])
-            if key not in self.results or self.unfinished[key] != 0:
-                return
-            grads = [(self.params[stage][p][1], g) for p, g in self.results.pop(key)]
-            accumulate_microbatch(self.param_grads[stage], self.owned[stage], grads)
-            del self.unfinished[key]
-            self.flushed[stage] += 1
 
 
 def pipelined_train_step(
@@ -222,6 +126,7 @@ def pipelined_train_step(
     outputs_device: torch.device | None = None,
     stats: StepStats | None = None,
     executor: str = "auto",
+    concurrent: bool | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one mini-batch through ``stages``, the loss per micro-batch.
 
@@ -253,6 +158,9 @@ def pipelined_train_step(
         executor: ``"threads"`` (a worker thread per stage), ``"inline"`` (this thread
             runs every stage, each its next ready task in turn) or ``"auto"``; see
             :mod:`placement.runtime.torch.executor`. Same gradients either way.
+        concurrent: whether stages that do not depend on each other run at once (a worker
+            each, handing work on along the stage DAG); see
+            :mod:`placement.runtime.torch.concurrent`.
 
     Returns:
         The mini-batch's loss (detached).
@@ -281,7 +189,14 @@ def pipelined_train_step(
     stats = stats if stats is not None else StepStats()
     stats.microbatches, stats.recomputed, stats.deferred = len(envs), [0] * len(stages), 0
     stats.executor = stage_executor(executor, stages, inputs, chunks)
-    shared = _Shared(
+    plan = stage_concurrency(False if executor == "inline" else concurrent, stages, stats.executor)
+    if plan is not None:  # the last stage computes the loss: it waits for every other sink
+        plan = with_final_sink(plan)
+        stats.executor = "threads"
+    elif chunks == 1 and executor == "auto":
+        stats.executor = "inline"  # one micro-batch through a chain: threads would only hand off
+    stats.concurrent, stats.timeline = (plan.width if plan is not None else 0), []
+    shared = StepShared(
         stages=stages,
         input_keys=set(input_keys),
         output_keys=list(output_keys),
@@ -303,11 +218,13 @@ def pipelined_train_step(
         param_grads=[{} for _ in stages],
         owned=[set() for _ in stages],
         inline=stats.executor == "inline",
+        plan=plan,
     )
     if shared.inline:
         _run_inline(shared)
     else:
-        _run_threads(shared)
+        with restored_threads(plan):
+            _run_threads(shared)
     join_streams(stages)  # the caller's stream waits for the workers' (no host synchronisation)
     if shared.failures:
         stage, microbatch, err = shared.failures[0]
@@ -319,10 +236,10 @@ def pipelined_train_step(
     return step_loss(losses, shared.weights)
 
 
-def _run_threads(shared: _Shared) -> None:
+def _run_threads(shared: StepShared) -> None:
     """Every stage's loop on a thread of its own, the last one on this thread."""
     last = len(shared.stages) - 1
-    context = worker_context(shared.stages, True)
+    context = budgeted(worker_context(shared.stages, True), shared.plan)
     threads = [
         threading.Thread(
             target=_run_loop, args=(shared, j, context), name=f"placement-train-stage-{j}", daemon=True
@@ -341,12 +258,12 @@ def _run_threads(shared: _Shared) -> None:
             thread.join()
 
 
-def _run_loop(shared: _Shared, j: int, context: Any) -> None:
+def _run_loop(shared: StepShared, j: int, context: Any) -> None:
     with context(j):  # made on the caller's thread: its grad mode and autocast state
         _StageLoop(shared, j).run()
 
 
-def _run_inline(shared: _Shared) -> None:
+def _run_inline(shared: StepShared) -> None:
     """Every stage's loop on this thread: round after round, each stage (first to last) runs
     its next ready task, until a round finds nothing to run. A GPU stage runs inside its
     context (its device and stream), so it queues its kernels on its own stream as its worker
@@ -379,13 +296,15 @@ class _StageLoop:
     """Stage ``j``'s worker for one step: its forwards and backwards, and any stage's deferred
     weight gradients when it has nothing else to do."""
 
-    def __init__(self, shared: _Shared, j: int) -> None:
+    def __init__(self, shared: StepShared, j: int) -> None:
         self.shared = shared
         self.j = j
         self.stage = shared.stages[j]
         self.last = j == len(shared.stages) - 1
         self.k = len(shared.envs)
-        self.forward_ready: dict[int, dict[str, Any]] = dict(enumerate(shared.envs)) if j == 0 else {}
+        self.forward_ready: dict[int, dict[str, Any]] = (
+            dict(enumerate(shared.envs)) if shared.first(j) else {}
+        )
         self.backward_ready: dict[int, dict[str, Any]] = {}
         self.saved: dict[int, tuple[list[Any], dict[str, Any] | None]] = {}
         self.current = (j, 0)  # the (stage, micro-batch) being worked on, named in errors
@@ -417,7 +336,7 @@ class _StageLoop:
                     if self.finished():
                         return
                     message = inbox.get()
-                    if message is _STOP:
+                    if message is STOP:
                         return
                     self.file(message)
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller, naming the stage
@@ -428,7 +347,7 @@ class _StageLoop:
         inbox = self.shared.inboxes[self.j]
         while not inbox.empty():
             message = inbox.get_nowait()
-            if message is _STOP:
+            if message is STOP:
                 return True
             self.file(message)
         return self.shared.failed.is_set()
@@ -492,7 +411,7 @@ class _StageLoop:
         self.saved[i] = (args, saved)
         env.update(outs)
         signal(env, stage.device)
-        shared.post(self.j + 1, ("F", i, env))
+        shared.forward_done(self.j, i, env)
 
     def _loss(
         self, i: int, env: dict[str, Any], outs: dict[str, Any]
@@ -534,6 +453,9 @@ class _StageLoop:
         now or deferred; the input gradients go to the stage before. On the last stage it
         starts from ``loss`` (``saved`` its forward's), elsewhere from the gradients in ``genv``."""
         shared, stage = self.shared, self.stage
+        if shared.plan is not None:  # its outputs' gradients from the stages that read them
+            genv = shared.joins[i].gather(stage, shared.dependents[self.j])
+            before = set(genv)
         wait_for_stage(genv, stage.device)
         args, outs = saved if saved is not None else self.saved.pop(i)
         params = shared.params[self.j]
@@ -562,12 +484,13 @@ class _StageLoop:
                 if g is not None:
                     accumulate(genv, key, g)
         signal(genv, stage.device)
-        if self.j > 0:
-            shared.post(self.j - 1, ("B", i, genv))
+        if shared.plan is not None:
+            shared.joins[i].deltas[self.j] = {k: v for k, v in genv.items() if k not in before}
+        shared.backward_done(self.j, i, genv)
         groups = len(later) if later is not None else 0
         with shared.lock:
             if later is not None and groups:
-                shared.pool.append(_Pending(self.j, i, later))
+                shared.pool.append(Pending(self.j, i, later))
                 shared.stats.deferred += groups
             shared.finish(self.j, i, [(p, g) for p, g in enumerate(now) if g is not None], groups)
             last = shared.backwards_left == 0

@@ -69,7 +69,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,22 +77,26 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from placement.errors import LoweringError
+from placement.errors import LoweringError, PlacementError
 from placement.graph.model import Model
 from placement.runtime.schedule import (
     CHECKPOINT_MODES,
     BatchAxes,
-    StageWorkers,
     batch_axes,
     check_chunks,
     split_batch,
 )
-from placement.runtime.torch.device_streams import has_streams, on_device
+from placement.runtime.torch.concurrent import (
+    Concurrency,
+    backward_schedule,
+    check_concurrent,
+    run_stages,
+    stage_concurrency,
+)
 from placement.runtime.torch.engine_grad import engine_grad
 from placement.runtime.torch.executor import check_executor, stage_executor
 from placement.runtime.torch.one_f_one_b import pipelined_train_step
 from placement.runtime.torch.outputs import first_tensor_device
-from placement.runtime.torch.reentrant import on_engine_thread, run_in_order
 from placement.runtime.torch.stage_exec import (
     StepStats,
     TorchStage,
@@ -114,12 +117,10 @@ from placement.runtime.torch.stage_exec import (
     signal,
     signal_all,
     stage_args,
-    stage_name,
     trainable_params,
     value_devices,
     wait_for,
     wait_for_stage,
-    worker_context,
 )
 from placement.runtime.torch.stage_graphs import graph_stages
 from placement.runtime.torch.stage_split import (
@@ -143,20 +144,30 @@ def pipeline_module(
     batch_axes: Mapping[str, int | None] | None = None,
     cuda_graphs: bool = False,
     executor: str = "auto",
+    concurrent: bool | None = None,
 ) -> PipelinedModule:
     """Wrap a lowered module of ``model`` as a :class:`PipelinedModule` (see ``to_torch(chunks=)``);
     ``cuda_graphs``: its GPU stages replay CUDA graphs (:mod:`.stage_graphs`); ``executor``:
-    who runs the stages (:mod:`.executor`)."""
+    who runs the stages (:mod:`.executor`); ``concurrent``: whether stages that do not depend
+    on each other run at once (:mod:`.concurrent`). With ``chunks=1`` (one micro-batch: the
+    stages of a tensor-parallel split run at once) the model needs no batch axis."""
     check_chunks(chunks)
     check_executor(executor)
+    check_concurrent(concurrent, executor)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
-    axes = _batch_axes(model, batch_axes)
+    try:
+        axes = _batch_axes(model, batch_axes)
+    except PlacementError:
+        if chunks > 1:
+            raise
+        axes = _whole(model)  # one micro-batch: nothing is cut
     untraceable = nondeterministic_ops(model)
     pipelined = PipelinedModule(
         module, stage_of_ops(model), chunks=chunks, checkpoint=checkpoint, axes=axes, untraceable=untraceable
     )
     pipelined.executor = executor
+    pipelined.concurrent = concurrent
     if cuda_graphs:
         pipelined._pl_cuda_graphs = True
         graph_stages(pipelined._pl_stages)
@@ -167,12 +178,19 @@ def _batch_axes(model: Model, overrides: Mapping[str, int | None] | None) -> Bat
     return batch_axes(model, overrides=overrides)
 
 
+def _whole(model: Model) -> BatchAxes:
+    """Batch axes that cut nothing (every input and output whole)."""
+    return BatchAxes({name: None for name in model.inputs}, {name: None for name in model.outputs}, None)
+
+
 class PipelinedModule(torch.nn.Module):
     """A lowered placed model whose forward and backward are pipelined over micro-batches.
 
     Built by ``pl.to_torch(model, chunks=k)``; see the module docstring.
     Attributes: ``chunks``, ``checkpoint``, ``executor`` (``"auto"``, ``"threads"`` or
     ``"inline"``: who runs the stages, see :mod:`.executor`; may be changed between calls),
+    ``concurrent`` (None, True or False: whether stages that do not depend on each other run
+    at once, see :mod:`.concurrent`; may be changed between calls),
     ``outputs_on``, ``stages`` (the per-stage ``GraphModule`` s, in order), ``batch_axes``,
     ``stats`` (what the last step did, :class:`.stage_exec.StepStats`), and the plain lowering's
     ``input_names``, ``output_names``, ``device_map``, ``initializer_paths``.
@@ -204,6 +222,7 @@ class PipelinedModule(torch.nn.Module):
         self.checkpoint = checkpoint
         self.outputs_on = "last"  # where outputs come back; to_torch sets it (see .outputs)
         self.executor = "auto"  # who runs the stages (see .executor)
+        self.concurrent: bool | None = None  # independent stages at once (see .concurrent)
         self.batch_axes = axes
         self._placeholders = [n.target for n in module.graph.nodes if n.op == "placeholder"]
         self._in_axes = [axes.inputs[name] for name in self.input_names]
@@ -224,7 +243,8 @@ class PipelinedModule(torch.nn.Module):
         """Split the lowered module into its stages (threads, traces and CUDA graphs are per
         object: a copy builds its own, over the copy's tensors)."""
         stage_of_op, untraceable = self._pl_split
-        stages, env_inputs, outputs = split_stages(self._pl_source, stage_of_op)
+        host = not any(str(d).startswith("cuda") for d in self.device_map.values())
+        stages, env_inputs, outputs = split_stages(self._pl_source, stage_of_op, own_input_moves=host)
         for stage in stages:
             stage.call = traced_stage(stage, warmup=self.chunks, untraceable=untraceable)
         self._pl_inputs = env_inputs
@@ -282,7 +302,7 @@ class PipelinedModule(torch.nn.Module):
             tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in inputs]
             outputs = _PipelineFunction.apply(_Run(self, len(tensors), params), *tensors, *params)
         else:
-            outputs = _forward_only(self, inputs, self._executor(inputs))
+            outputs = _forward_only(self, inputs, *self._plan(inputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def train_step(
@@ -333,11 +353,23 @@ class PipelinedModule(torch.nn.Module):
             outputs_device=first_tensor_device(inputs) if on_input else None,
             stats=self.stats,
             executor=self.executor,
+            concurrent=check_concurrent(self.concurrent),
         )
 
-    def _executor(self, inputs: Sequence[Any]) -> str:
-        """``"threads"`` or ``"inline"`` for a call on ``inputs`` (``executor`` resolved)."""
-        return stage_executor(self.executor, self._pl_stages, inputs, self.chunks)
+    def _plan(self, inputs: Sequence[Any]) -> tuple[str, Concurrency | None]:
+        """Who runs the stages for a call on ``inputs``: ``"threads"`` or ``"inline"``
+        (``executor`` resolved), and the DAG run where independent stages run at once
+        (``concurrent`` resolved; then ``"threads"``)."""
+        concurrent = check_concurrent(self.concurrent)
+        executor = stage_executor(self.executor, self._pl_stages, inputs, self.chunks)
+        if self.executor == "inline" and concurrent is not False:
+            concurrent = False  # the caller's thread runs every stage, as asked
+        plan = stage_concurrency(concurrent, self._pl_stages, executor)
+        if plan is not None:
+            return "threads", plan
+        if self.chunks == 1 and self.executor == "auto":
+            return "inline", None  # one micro-batch through a chain: threads would only hand off
+        return executor, None
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
         names = self._placeholders
@@ -357,82 +389,6 @@ class PipelinedModule(torch.nn.Module):
 # --- running ----------------------------------------------------------------------------------
 
 
-def _run_stages(
-    stages: list[TorchStage],
-    make: Callable[[TorchStage], Any],
-    payloads: list[Any],
-    *,
-    grad: bool,
-    executor: str,
-) -> list[Any]:
-    """Run ``payloads`` through ``stages`` (in the order given) in the fill-drain order: on
-    the stage workers (``executor="threads"``), or on this thread (``"inline"``: stage
-    ``j`` of micro-batch ``t - j`` at tick ``t``, inside the stage's grad mode and, on a GPU,
-    its device and stream, so its kernels queue on its own stream as on its worker).
-    Results in the order of ``payloads``."""
-    if executor == "inline":
-        return run_in_order(
-            [make(s) for s in stages],
-            [stage_name(s) for s in stages],
-            payloads,
-            context=worker_context(stages, grad),
-        )
-    with _workers(stages, make, grad=grad) as w:
-        return w.map(payloads)
-
-
-def _workers(stages: list[TorchStage], make: Callable[[TorchStage], Any], *, grad: bool) -> StageWorkers:
-    """The pipeline's workers for ``stages`` in the order given, ``make(stage)`` the function of
-    each: grad mode and CUDA stream per worker. The last stage runs on the caller's thread,
-    which waits for its results anyway: one thread and one hand-off per micro-batch fewer (on a
-    GPU it queues its kernels on its own stream there, as its worker would)."""
-    return StageWorkers(
-        [make(s) for s in stages],
-        [stage_name(s) for s in stages],
-        context=worker_context(stages, grad),
-        inline_last=True,
-    )
-
-
-def _backward_schedule(
-    stages: list[TorchStage],
-    make: Callable[[TorchStage], Any],
-    genvs: list[dict[str, Any]],
-    executor: str,
-) -> list[dict[str, Any]]:
-    """Run the micro-batches' gradient environments, last first, through ``stages`` (in
-    backward order): as ``executor`` says (:func:`_run_stages`), or on this thread when it
-    is an autograd engine thread, which must never wait on threads that call into autograd
-    (:mod:`placement.runtime.torch.reentrant`). Results last micro-batch first."""
-    order = list(reversed(range(len(genvs))))
-    if on_engine_thread():
-        log.debug("pipelined backward on an autograd engine thread: %d stages run inline", len(stages))
-        devices = [s.device for s in stages]
-
-        def context(j: int) -> Any:
-            return on_device(devices[j]) if has_streams(devices[j]) else contextlib.nullcontext()
-
-        return run_in_order(
-            [make(s) for s in stages],
-            [stage_name(s) for s in stages],
-            [genvs[i] for i in order],
-            ids=order,
-            context=context,
-        )
-    if executor == "inline":
-        return run_in_order(
-            [make(s) for s in stages],
-            [stage_name(s) for s in stages],
-            [genvs[i] for i in order],
-            ids=order,
-            context=worker_context(stages, True),
-        )
-    with _workers(stages, make, grad=True) as w:
-        for i in order:
-            w.submit(i, genvs[i])
-        return [w.result() for _ in order]
-
-
 def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Tensor]:
     keys = module._pl_outputs
     # The concatenation runs on the caller's stream of the outputs' device (the last stage's,
@@ -440,13 +396,17 @@ def _join(module: PipelinedModule, envs: list[dict[str, Any]]) -> list[torch.Ten
     devices = value_devices(envs, keys)
     for env in envs:
         wait_for(env, *devices)
+    if len(envs) == 1:  # one micro-batch (a model without a batch axis has one)
+        return [hand_over(envs[0][key]) for key in keys]
     return [
         torch.cat([hand_over(env[key]) for env in envs], dim=axis)
         for key, axis in zip(keys, module._out_axes)
     ]
 
 
-def _forward_only(module: PipelinedModule, inputs: Sequence[Any], executor: str) -> list[torch.Tensor]:
+def _forward_only(
+    module: PipelinedModule, inputs: Sequence[Any], executor: str, plan: Concurrency | None
+) -> list[torch.Tensor]:
     stages: list[TorchStage] = module._pl_stages
 
     def make(stage: TorchStage) -> Any:
@@ -459,8 +419,10 @@ def _forward_only(module: PipelinedModule, inputs: Sequence[Any], executor: str)
         return fn
 
     envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
-    module.stats = StepStats.start(len(stages), len(envs), executor)
-    return _join(module, _run_stages(stages, make, envs, grad=False, executor=executor))
+    module.stats = stats = StepStats.start(len(stages), len(envs), executor, plan)
+    return _join(
+        module, run_stages(stages, make, envs, grad=False, executor=executor, plan=plan, stats=stats)
+    )
 
 
 @dataclass
@@ -476,6 +438,7 @@ class _Run:
     input_requires_grad: list[bool] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
     casts: tuple[Any, ...] = ()  # the forward's autocast state: checkpointed stages recompute under it
+    plan: Concurrency | None = None  # the DAG run, where independent stages run at once
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -488,8 +451,8 @@ class _PipelineFunction(torch.autograd.Function):
         run.casts = caller_autocast()
         envs = microbatch_envs(module._pl_inputs, module._in_axes, module.chunks, inputs)
         n_mb = len(envs)
-        executor = module._executor(inputs)
-        module.stats = run.stats = StepStats.start(len(stages), n_mb, executor)
+        executor, run.plan = module._plan(inputs)
+        module.stats = run.stats = StepStats.start(len(stages), n_mb, executor, run.plan)
         placeholders = set(module._pl_inputs)
         grad_inputs = {name for name, rg in zip(module._pl_inputs, run.input_requires_grad) if rg}
 
@@ -511,7 +474,9 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        run.envs = _run_stages(stages, make, envs, grad=True, executor=executor)
+        run.envs = run_stages(
+            stages, make, envs, grad=True, executor=executor, plan=run.plan, stats=run.stats
+        )
         outputs = [t.detach() for t in _join(module, run.envs)]
         ctx.run = run
         for out in outputs:
@@ -558,7 +523,7 @@ class _PipelineFunction(torch.autograd.Function):
 
             return fn
 
-        done = _backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor)
+        done = backward_schedule(list(reversed(stages)), make, genvs, run.stats.executor, run.plan)
         done.reverse()
         devices = value_devices(done)  # the input gradients' devices: the caller reads them there
         for genv in done:

@@ -113,17 +113,26 @@ class StepStats:
             backward (``defer_weights=``).
         executor: who ran the stages: ``"threads"`` (a thread per stage) or ``"inline"``
             (the caller's thread); see :mod:`placement.runtime.torch.executor`.
+        concurrent: the most stages that could run at once when stages that do not depend
+            on each other ran at once (:mod:`placement.runtime.torch.concurrent`); 0 when
+            the stages ran as a chain.
+        timeline: with ``concurrent``, the forward's (stage, micro-batch) runs with their
+            start and end times and threads
+            (:class:`~placement.runtime.schedule.dag.StageRun`).
     """
 
     microbatches: int = 0
     recomputed: list[int] = field(default_factory=list)
     deferred: int = 0
     executor: str = ""
+    concurrent: int = 0
+    timeline: list[Any] = field(default_factory=list)
 
     @classmethod
-    def start(cls, stages: int, microbatches: int, executor: str = "") -> StepStats:
-        """Zeroed counts for a step of ``microbatches`` through ``stages`` stages."""
-        return cls(microbatches, [0] * stages, 0, executor)
+    def start(cls, stages: int, microbatches: int, executor: str = "", plan: Any = None) -> StepStats:
+        """Zeroed counts for a step of ``microbatches`` through ``stages`` stages (``plan``:
+        the :class:`~placement.runtime.torch.concurrent.Concurrency` it runs with, if any)."""
+        return cls(microbatches, [0] * stages, 0, executor, plan.width if plan is not None else 0)
 
     @property
     def total_recomputed(self) -> int:

@@ -76,10 +76,16 @@ def stage_of_ops(model: Model) -> dict[str, int]:
 
 
 def split_stages(
-    module: fx.GraphModule, stage_of_op: Mapping[str, int]
+    module: fx.GraphModule, stage_of_op: Mapping[str, int], *, own_input_moves: bool = False
 ) -> tuple[list[TorchStage], list[str], list[str]]:
     """Cut ``module`` into per-stage submodules with ``split_module``: the stages in order and
-    the environment keys of the graph inputs and outputs."""
+    the environment keys of the graph inputs and outputs.
+
+    A graph input's move to its device runs in the first stage that reads it, and later
+    stages read the moved value from there. ``own_input_moves``: every stage reading it moves
+    it itself instead, so that stages reading only graph inputs (the first layer's branches
+    of a tensor-parallel split) do not wait for each other (on the host a move to the host is
+    free; :mod:`.concurrent`)."""
     graph = module.graph
     assigned: dict[fx.Node, int] = {}
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
@@ -117,6 +123,8 @@ def split_stages(
     parts = sorted(set(assigned.values()))
     order = {s: k for k, s in enumerate(parts)}
     staged, assigned = _in_stage_order(module, assigned)
+    if own_input_moves:
+        _own_input_moves(staged, assigned)
     split = split_module(staged, module, lambda node: order[assigned[node]], keep_original_order=True)
     stages: list[TorchStage] = []
     by_call: dict[str, TorchStage] = {}
@@ -178,6 +186,31 @@ def _in_stage_order(
     for node in ordered:
         env[node] = graph.node_copy(node, lambda n: env[n])
     return fx.GraphModule(module, graph), {env[n]: stage for n, stage in assigned.items()}
+
+
+def _own_input_moves(staged: fx.GraphModule, assigned: dict[fx.Node, int]) -> None:
+    """Give every stage reading a graph input's move (a node of no op that reads placeholders
+    only) a copy of its own, placed before that stage's first reader."""
+    order = {node: n for n, node in enumerate(staged.graph.nodes)}
+    for node in list(staged.graph.nodes):
+        if (
+            node not in assigned
+            or node.meta.get(OP_META) is not None
+            or not node.all_input_nodes
+            or any(a.op != "placeholder" for a in node.all_input_nodes)
+        ):
+            continue
+        readers: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user in assigned and assigned[user] != assigned[node]:
+                readers.setdefault(assigned[user], []).append(user)
+        for stage, users in readers.items():
+            with staged.graph.inserting_before(min(users, key=order.__getitem__)):
+                mine = staged.graph.node_copy(node, lambda n: n)
+            assigned[mine] = stage
+            for user in users:
+                user.replace_input_with(node, mine)
+    staged.recompile()
 
 
 def traced_stage(stage: TorchStage, *, warmup: int, untraceable: Collection[str]) -> TracedStage:

@@ -26,7 +26,7 @@ import torch
 import placement as pl
 from placement.errors import PipelineError
 from placement.models import mlp
-from placement.runtime.torch import pipelined
+from placement.runtime.torch import concurrent
 from placement.runtime.torch.reentrant import on_engine_thread, run_in_order
 
 WAIT_S = 60.0  # far more than any run here takes; only a deadlock reaches it
@@ -184,7 +184,7 @@ def test_waiting_on_workers_from_the_device_thread_is_the_deadlock(device, monke
     thread = device.thread
     module, _, x = _pipelined()
     module.executor = "threads"  # the hazard is waiting on worker threads
-    monkeypatch.setattr(pipelined, "on_engine_thread", lambda: False)
+    monkeypatch.setattr(concurrent, "on_engine_thread", lambda: False)
     device.wait_s = 1.0  # the workers give up instead of waiting forever
 
     def step() -> None:
