@@ -20,6 +20,7 @@ import torch
 import placement as pl
 from placement.graph.causal_lm import kv_layers
 from placement.graph.kv_names import is_cache_input, is_cache_output
+from placement.graph.nodes import collective_tag
 from tests.generation.conftest import VOCAB, greedy_reference, left_padded, transformers
 
 GENAI = Path(__file__).resolve().parents[1] / "genai_files"
@@ -132,4 +133,34 @@ def test_grouped_query_llamas_split_their_caches_by_kv_heads(heads: int, kv: int
         generator = pl.Generator(model, runtime=runtime)
         assert [layer.kv_heads for layer in generator.spec.layers] == kv_parts * 2
         out = generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS)
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.slow
+def test_a_2d_split_llama_generates_the_greedy_tokens(causal_lm) -> None:
+    """Tensor inside pipeline: 2 pipeline stages, each split over its own group of 2 devices,
+    one sequence group at a time and pipelined."""
+    net, model = causal_lm("llama")
+    acts = pl.get_activation_blobs(model)
+    pl.shift_activation_devices(model, acts[len(acts) // 2 :], {0: 2})  # stages on 0 and 2
+    result = pl.split_tensor_parallel(model, devices=[[0, 1], [2, 3]])
+    pl.verify(model)
+    assert sorted(str(d) for d in model.devices) == [f"cuda:{d}" for d in range(4)]
+    assert {tuple(g) for g in (collective_tag(n)["group"] for n in model.graph if collective_tag(n))} == {
+        ("cuda:0", "cuda:1"),
+        ("cuda:2", "cuda:3"),
+    }  # both stages split
+    assert result.all_reduces == 2 * len(kv_layers(model)) + 1
+    ids, mask = left_padded()
+    expected = greedy_reference(net, ids, mask, STEPS)
+    for runtime in ("ort", "torch"):
+        generator = pl.Generator(model, runtime=runtime)
+        assert [layer.kv_heads for layer in generator.spec.layers] == [1] * (2 * len(kv_layers(model)))
+        out = generator.generate(ids, attention_mask=mask, max_new_tokens=STEPS)
+        np.testing.assert_array_equal(out, expected)
+        if runtime == "ort":  # each device's cache heads stayed on it, in both stages
+            names = generator.copy_stats.names
+            assert names and not any(is_cache_input(name) or is_cache_output(name) for name in names)
+    for runtime in ("ort", "torch"):  # pipelined: 2 groups of sequences in flight through the stages
+        out = pl.generate(model, ids, attention_mask=mask, max_new_tokens=STEPS, runtime=runtime, chunks=2)
         np.testing.assert_array_equal(out, expected)

@@ -5,7 +5,9 @@
   allows; one whose input is sharded along the contraction becomes *row parallel*: each
   device multiplies its shard by its rows of the weight, giving a partial sum; a bias
   (``Gemm``'s ``C``, a ``Conv`` bias) is added after the all-reduce.
-* A ``Conv`` splits its output channels, then the next one its input channels.
+* A ``Conv`` splits its output channels, then the next one its input channels. A grouped or
+  depthwise one splits by whole groups: each device convolves its groups of a channel shard
+  (its input's own, or a ``Slice`` of a whole input), its output sharded the same way.
 * A ``Gather`` from a vocabulary-sized table becomes *vocab parallel*: each device looks up
   the ids in its rows and zeroes the others (a partial sum).
 * Two activations multiplied (attention's ``Q @ K^T`` and ``P @ V``) keep a shard of a batch
@@ -30,7 +32,7 @@ from placement.passes.tensor_parallel.layouts import PARTIAL, REPLICATED, Layout
 from placement.passes.tensor_parallel.rewriter import Rewriter, attr_value, dims
 from placement.passes.tensor_parallel.weights import column_plan, weight_view
 
-__all__ = ["LINEAR_RULES", "Policy"]
+__all__ = ["LINEAR_RULES", "Policy", "group_plan"]
 
 
 class Policy:
@@ -232,7 +234,7 @@ def _conv(rw: Rewriter, node: ir.Node, policy: Policy) -> bool:
     if weight_view(w) is None or w.producer() is not None or lx.kind == "P":
         return False
     if attr_value(node, "group", 1) != 1:
-        return _grouped_conv(rw, node, lx, bias)
+        return _grouped_conv(rw, node, lx, bias) or (policy.allows(node) and _groups_of_whole(rw, node, bias))
     shape = dims(w)
     if lx.kind == "R":
         if not policy.allows(node):
@@ -300,6 +302,68 @@ def _grouped_conv(rw: Rewriter, node: ir.Node, lx: Layout, bias: ir.Value | None
     rw.set_outputs(node, [out], clones)
     rw.split.append(node.name or "")
     return True
+
+
+def _groups_of_whole(rw: Rewriter, node: ir.Node, bias: ir.Value | None) -> bool:
+    """A grouped (or depthwise) convolution whose input is whole (or sharded across its
+    groups): each device takes a channel ``Slice`` of its input along its own groups and
+    convolves them; the output keeps the channel shard. Groups spread as evenly as they go
+    (the first devices take one group more); with fewer groups than devices, each group's
+    output channels split over the devices it has (the first groups take one device more)."""
+    x, w = node.inputs[0], node.inputs[1]
+    groups, shape = attr_value(node, "group", 1), dims(w)
+    if not shape or shape[0] is None or shape[1] is None or shape[0] % groups:
+        return False
+    plan = group_plan(groups, shape[0] // groups, rw.t)
+    if plan is None:
+        return False  # fewer output channels in a group than devices on it: it runs whole
+    per_in = shape[1]
+    ins = Layout(
+        "S",
+        1,
+        per_in * groups,
+        tuple(tuple(g * per_in + j for g in mine for j in range(per_in)) for mine, _ in plan),
+    )
+    out = Layout("S", 1, shape[0], tuple(rows for _, rows in plan))
+    clones = []
+    for d, (mine, rows) in enumerate(plan):
+        inputs = [
+            rw.as_shard(x, ins, d),  # a local Slice of a whole input
+            rw.param_shard(w, 0, rows, d),
+            None if bias is None else rw.param_shard(bias, 0, rows, d),
+        ]
+        attrs = {**node.attributes, "group": ir.AttrInt64("group", len(mine))}
+        clones.append(rw.clone(node, inputs, d, [out], attributes=attrs))
+    rw.set_outputs(node, [out], clones)
+    rw.split.append(node.name or "")
+    return True
+
+
+def group_plan(
+    groups: int, per_out: int, degree: int
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """Per device, (its groups, its output channels) of a grouped convolution with ``groups``
+    groups of ``per_out`` output channels each over ``degree`` devices, or None where a group
+    has fewer output channels than devices.
+
+    Example:
+        >>> group_plan(5, 1, 2)  # ragged: 3 groups and 2
+        (((0, 1, 2), (0, 1, 2)), ((3, 4), (3, 4)))
+        >>> group_plan(2, 4, 3)  # group 0 on devices 0 and 1, group 1 on device 2
+        (((0,), (0, 1)), ((0,), (2, 3)), ((1,), (4, 5, 6, 7)))
+    """
+    if groups >= degree:
+        return tuple(
+            (mine, tuple(g * per_out + j for g in mine for j in range(per_out)))
+            for mine in block_parts(groups, degree)
+        )
+    plan = []
+    for g, devices in enumerate(block_parts(degree, groups)):
+        if per_out < len(devices):
+            return None
+        for rows in block_parts(per_out, len(devices)):
+            plan.append(((g,), tuple(g * per_out + j for j in rows)))
+    return tuple(plan)
 
 
 def _columns_conv(channels: int, degree: int) -> tuple[tuple[int, ...], ...] | None:

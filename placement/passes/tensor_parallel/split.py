@@ -251,13 +251,15 @@ def _rewrite(
         outputs.append(whole)
     _commit(graph, originals, rw, outputs)
     result = TensorParallelResult(devices=group, split=rw.split)
+    kinds: dict[
+        tuple[tuple[str, ...], int], str
+    ] = {}  # one per collective, even where a device needs no copy of its result
     for node in graph:
         tag = collective_tag(node)
-        if tag is not None and tag["group"][0] == node.metadata_props.get(DEVICE_KEY):
-            if tag["kind"] == "all_reduce":
-                result.all_reduces += 1
-            else:
-                result.all_gathers += 1
+        if tag is not None:
+            kinds[(tuple(tag["group"]), tag["id"])] = tag["kind"]
+    result.all_reduces = sum(1 for kind in kinds.values() if kind == "all_reduce")
+    result.all_gathers = len(kinds) - result.all_reduces
     result.shards = sum(
         1 for init in rw.new_initializers if init.name in graph.initializers and ".tp" in init.name
     )
