@@ -19,42 +19,21 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-PAGE = ROOT / "docs" / "benchmarks.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+
+from benchmarks.table_format import PAGE, RESULTS, fmt, human_bytes, load_results, table  # noqa: E402
+from benchmarks.tables_llm import generate, tensor_parallel, tensor_parallel_ranks  # noqa: E402
 
 __all__ = ["render", "main", "PAGE", "RESULTS"]
 
 
-def _load(name: str) -> Any:
-    return json.loads((RESULTS / name).read_text())
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _f(value: Any, digits: int = 2) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _runtime() -> str:
-    data = _load("runtime.json")
+    data = load_results("runtime.json")
     targets = data["targets"]
     rows, explain = [], []
     for r in data["results"]:
@@ -67,14 +46,14 @@ def _runtime() -> str:
                 r["transfers"],
                 f"**{r['ratio']:.3f}**",
                 " ".join(f"{t:.3f}" for t in r.get("ratio_trials", [])),
-                _f(torch_ratio),
+                fmt(torch_ratio),
             ]
         )
         e = r.get("explain")
         if e:
             parts = ("cut", "transfers", "binding", "checks", "outputs", "other")
             explain.append([r["model"], r["plan"], *(f"{e[k]:+.2f}" for k in parts)])
-    text = _table(
+    text = table(
         [
             "model",
             "plan",
@@ -90,7 +69,7 @@ def _runtime() -> str:
         text += (
             "\n\nWhere a placed run's extra time goes (ms per run over the single session; single runs "
             "alternated, so caches are cold for both):\n\n"
-            + _table(
+            + table(
                 [
                     "model",
                     "plan",
@@ -108,15 +87,15 @@ def _runtime() -> str:
 
 
 def _torch_lowering() -> str:
-    data = _load("torch_lowering.json")
+    data = load_results("torch_lowering.json")
     rows = [
         [
             r["model"],
             r["threads"],
             r["ops"],
             r["copies"],
-            _f(r["eager_ms"]),
-            _f(r["lowered_ms"]),
+            fmt(r["eager_ms"]),
+            fmt(r["lowered_ms"]),
             f"**{r['ratio']:.3f}**",
             f"{r['max_abs_diff']:.1e}",
         ]
@@ -132,7 +111,7 @@ def _torch_lowering() -> str:
         f"lowered / eager (target <= {data['target_ratio']})",
         "max abs diff",
     ]
-    return _table(header, rows)
+    return table(header, rows)
 
 
 _PIPELINE_ROWS: list[tuple[str, str, Callable[[dict], Any], Callable[[dict], Any], str]] = [
@@ -189,7 +168,7 @@ _PIPELINE_ROWS: list[tuple[str, str, Callable[[dict], Any], Callable[[dict], Any
 
 
 def _pipeline() -> str:
-    data = _load("pipeline.json")
+    data = load_results("pipeline.json")
     targets = data["targets"]
     rows, sweep = [], []
     for r in data["results"]:
@@ -206,7 +185,7 @@ def _pipeline() -> str:
                     contender,
                     f"**{value:.2f}**" if goal else f"{value:.2f}",
                     f">= {goal}" if goal else "",
-                    _f(cpu),
+                    fmt(cpu),
                 ]
             )
         sweep.append([r["model"], *(f"{s['speedup']:.2f}" for s in r["sweep"])])
@@ -216,18 +195,18 @@ def _pipeline() -> str:
         f"Throughput over the baseline, both on 2 stages with {env['torch_threads']} thread per stage, "
         f"allocator {env['allocator']}; torch rows are medians of {data['results'][0]['torch']['trials']} "
         "trials. *CPU work* is the contender's CPU time over the baseline's.\n\n"
-        + _table(["model", "runtime", "contender", "ratio", "target", "CPU work / baseline"], rows)
+        + table(["model", "runtime", "contender", "ratio", "target", "CPU work / baseline"], rows)
     )
     bubbles = ", ".join(f"{s['gpipe_bubble']:.2f}" for s in data["results"][0]["sweep"])
     text += (
         "\n\nChunks sweep (ORT `Runner.run`, 2 stages; the GPipe bubble `(N-1)/(k+N-1)` is "
-        f"{bubbles}):\n\n" + _table(["model", *(f"k = {k}" for k in chunks)], sweep)
+        f"{bubbles}):\n\n" + table(["model", *(f"k = {k}" for k in chunks)], sweep)
     )
     return text
 
 
 def _training_memory() -> str:
-    data = _load("training_memory.json")
+    data = load_results("training_memory.json")
     gpipe = {r["model"]: r["step_mib"] for r in data["results"] if r["contender"] == "gpipe"}
     names = {
         "eager": "eager module",
@@ -240,21 +219,21 @@ def _training_memory() -> str:
             r["model"],
             names.get(r["contender"], r["contender"]),
             f"{r['step_mib']:.0f} MiB",
-            _f(r["step_mib"] / gpipe[r["model"]]),
+            fmt(r["step_mib"] / gpipe[r["model"]]),
         ]
         for r in data["results"]
     ]
     return (
         f"Peak memory of {data['steps']} training steps above the built model, each contender in a fresh "
         f"process ({data['size']} models, `chunks={data['chunks']}`):\n\n"
-        + _table(["model", "contender", "step memory", "/ GPipe"], rows)
+        + table(["model", "contender", "step memory", "/ GPipe"], rows)
     )
 
 
 def _passes() -> str:
     rows = []
     for name in ("passes.json", "passes_scatter.json"):
-        data = _load(name)
+        data = load_results(name)
         for r in data["rows"]:
             rows.append(
                 [
@@ -271,17 +250,17 @@ def _passes() -> str:
     return (
         "Activation discovery + shift + copy injection, best of 3 (`half`: the second half on another "
         "device, 2 copies; `scatter`: every other block on another device):\n\n"
-        + _table(["scenario", "ops", "copies", "total", "discover s", "shift s", "inject s", "ops / s"], rows)
+        + table(["scenario", "ops", "copies", "total", "discover s", "shift s", "inject s", "ops / s"], rows)
     )
 
 
 def _planners() -> str:
-    data = _load("planners.json")
+    data = load_results("planners.json")
     rows = []
     for r in data["rows"]:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "**no**")
         method = "**ours**" if r["method"] == "ours" else r["method"]
-        budget = r["scenario"] if r["budget"] is None else _bytes(r["budget"])
+        budget = r["scenario"] if r["budget"] is None else human_bytes(r["budget"])
         rows.append(
             [
                 r["model"],
@@ -291,8 +270,8 @@ def _planners() -> str:
                 f"{r['bottleneck_ms']:.2f} ms",
                 f"{r['ratio']:.3f}",
                 f"{r['with_links_ms']:.2f} ms",
-                _bytes(r["transfer_bytes"]),
-                _bytes(r["peak_device_memory"]),
+                human_bytes(r["transfer_bytes"]),
+                human_bytes(r["peak_device_memory"]),
                 fits,
             ]
         )
@@ -300,7 +279,7 @@ def _planners() -> str:
     return (
         f"`{data['size']}` models; peers: {peers}; *with links*: every placement scored with copy "
         f"times on `--links {data['links']}`.\n\n"
-        + _table(
+        + table(
             [
                 "model",
                 "N",
@@ -319,7 +298,7 @@ def _planners() -> str:
 
 
 def _distributed() -> str:
-    data = _load("distributed.json")
+    data = load_results("distributed.json")
     rows = [
         [
             r["model"],
@@ -336,7 +315,7 @@ def _distributed() -> str:
     return (
         f"2 gloo ranks on loopback, 1 thread each, {s['chunks']} micro-batches per step, against one "
         "process running the same micro-batches in turn (throughput ratios; `m` = rows per micro-batch):\n\n"
-        + _table(
+        + table(
             [
                 "model",
                 "m",
@@ -351,92 +330,6 @@ def _distributed() -> str:
     )
 
 
-def _tensor_parallel() -> str:
-    data = _load("tensor_parallel.json")
-    rows = [
-        [
-            r["model"],
-            r["tokens"],
-            f"{r['ms']['1_thread']:.1f}",
-            f"{r['ms']['2_threads']:.1f}",
-            f"{r['ms']['tensor_parallel']:.1f}",
-            f"{r['vs_1_thread']:.2f}",
-            f"{r['vs_2_threads']:.2f}",
-            f"{r['max_rel_diff']:.1e}",
-        ]
-        for r in data["rows"]
-    ]
-    load = data["load_average"]
-    return (
-        f"`pl.split_tensor_parallel` over 2 emulated devices (one session and one thread each, "
-        f"branches at once) against one unsplit session; median of {data['rounds']} interleaved rounds, "
-        f"load average {load[0]:.2f} before and {load[1]:.2f} after, {data['cpus']} CPUs:\n\n"
-        + _table(
-            ["model", "tokens", "1 thread ms", "2 threads ms", "TP x2 ms", "vs 1 thread", "vs 2 threads",
-             "max rel diff"],
-            rows,
-        )
-        + "\n\nThe full run (both models, 15 interleaved rounds) takes about a minute on an idle 2-core "
-        "machine. The ratios test the targets only while the load average stays below the core count: "
-        "under load the 2-thread session runs slower than the 1-thread one, which no idle machine shows.\n"
-        + _tensor_parallel_torch(data)
-    )
-
-
-def _tensor_parallel_torch(data: dict) -> str:
-    keys = ["eager_1_thread", "eager_2_threads", "to_torch_split", "to_torch_split_chain"]
-    rows = [
-        [r["model"], r["tokens"], *(f"{r['ms'][k]:.1f}" for k in keys),
-         *(f"{r[k]:.2f}" for k in ("vs_1_thread", "vs_2_threads", "vs_chain")), f"{r['max_rel_diff']:.1e}"]
-        for r in data.get("torch_rows", [])
-    ]
-    head = ["model", "tokens", "eager 1 thread ms", "eager 2 threads ms", "split ms", "split chain ms",
-            "vs 1 thread", "vs 2 threads", "vs chain", "max rel diff"]
-    return "" if not rows else (
-        "\nThe torch runtime in the same run: eager torch with 1 and 2 intra-op threads against "
-        "`pl.to_torch` of the split model, its branches at once (a worker thread per stage, one "
-        "intra-op thread each) and as a chain (`concurrent=False`, 2 threads), under `torch.no_grad()`, "
-        "in alternating blocks:\n\n" + _table(head, rows) + "\n"
-    )
-
-
-def _tensor_parallel_ranks() -> str:
-    data = _load("tensor_parallel_ranks.json")
-    torch_rows, ort_rows = [], []
-    for r in data["rows"]:
-        ms = r["ms"]
-        torch_rows.append([
-            r["model"], f"{ms['1_thread']:.1f}", f"{ms['2_threads']:.1f}", f"{ms['emulated']:.1f}",
-            f"{ms['ranks']:.1f}", f"{r['vs_1_thread']:.2f}", f"{r['vs_2_threads']:.2f}",
-            f"{r['free_cores_vs_1_thread']:.2f}", f"{r['all_reduce_ms']:.2f}", f"{r['max_rel_diff']:.1e}",
-            "yes" if r["bitwise_emulated"] else "**no**",
-        ])
-        ort_rows.append([
-            r["model"], f"{ms['ort_1_thread']:.1f}", f"{ms['ort_ranks']:.1f}", f"{r['ort_vs_1_thread']:.2f}",
-            f"{r['ort_free_cores_vs_1_thread']:.2f}", f"{r['ort_max_rel_diff']:.1e}",
-        ])
-    load = data["load_average"]
-    return (
-        "`pl.split_tensor_parallel(model, devices=[0, 1])` run as 2 gloo ranks (1 thread each, one "
-        "`dist.all_reduce` per split layer, the input broadcast included) against one process running the "
-        f"unsplit model; median of {data['rounds']} interleaved rounds, load average {load[0]:.2f} "
-        f"before and {load[1]:.2f} after, {data['cpus']} CPUs. torch: `DistributedTensorParallel` "
-        "against the unsplit model lowered by `pl.to_torch` (target: 2 ranks at least "
-        f"{data['target_vs_1_thread']}x one 1-thread process); `free cores` is the ratio the ranks' "
-        "CPU times allow:\n\n"
-        + _table(
-            ["model", "1 thread ms", "2 threads ms", "emulated split ms", "2 ranks ms", "vs 1 thread",
-             "vs 2 threads", "free cores", "all-reduce ms", "max rel diff", "bitwise = emulated"],
-            torch_rows,
-        )
-        + "\n\nONNX Runtime: `DistributedTensorParallelRunner` (each rank its stage sessions, 1 thread) "
-        "against one `pl.Runner` session of the unsplit model (1 thread):\n\n"
-        + _table(
-            ["model", "1 thread ms", "2 ranks ms", "vs 1 thread", "free cores", "max rel diff"], ort_rows
-        )
-    )
-
-
 _CONFORMANCE_NAMES = {
     "ort": "ONNX Runtime, one session",
     "placed_last": "`pl.run`, last op moved to device 1",
@@ -446,7 +339,7 @@ _CONFORMANCE_NAMES = {
 
 
 def _conformance() -> str:
-    data = _load("conformance.json")
+    data = load_results("conformance.json")
     ort = next(r["passed"] for r in data["results"] if r["runtime"] == "ort")
     rows = [
         [
@@ -458,13 +351,13 @@ def _conformance() -> str:
         for r in data["results"]
     ]
     versions = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
-    return f"Versions: {versions}.\n\n" + _table(
+    return f"Versions: {versions}.\n\n" + table(
         ["runtime", "cases passed", "plain-tensor cases passed", "vs ONNX Runtime"], rows
     )
 
 
 def _bigmodel() -> str:
-    data = _load("bigmodel.json")
+    data = load_results("bigmodel.json")
     weights = data["weight_bytes"]
     rows = [
         [
@@ -488,35 +381,7 @@ def _bigmodel() -> str:
     return (
         f"A {weights / 2**30:.1f} GiB model (W); peak resident memory of each step in one fresh process "
         f"(target for load + place + save: < {target} x W):\n\n"
-        + _table(["step", "peak RSS", "peak / W", "seconds"], rows)
-    )
-
-
-def _generate() -> str:
-    data = _load("generate.json")
-    # the widest row's columns (rows of separate runs may lack a contender added later)
-    columns = list(max((r["tokens_per_s"] for r in data["results"]), key=len))
-    targets = data["targets"]
-    per_row = any("load_average" in r for r in data["results"])
-    rows = []
-    for r in data["results"]:
-        tps = r["tokens_per_s"]
-        cells = [r["model"], r["batch"], *("-" if tps.get(c) is None else f"{tps[c]:.0f}" for c in columns)]
-        cells += [f"**{r['ratios'][t]:.2f}**" if t in r["ratios"] else "-" for t in targets]
-        if per_row:
-            cells.append(" ".join(f"{x:.1f}" for x in r["load_average"]) if "load_average" in r else "-")
-        rows.append(cells)
-    named = (t if v is None else f"{t} (target {v})" for t, v in targets.items())
-    header = ["model", "batch", *columns, *named, *(["load after the row"] if per_row else [])]
-    load = data["load_average"]
-    return (
-        f"Tokens per second, greedy, prompt {data['prompt']}, {data['new_tokens']} new tokens, best of "
-        f"{data['repeats']}; ratios as each column says (the d=1024 model's 2-device target is 0.9). "
-        f"Load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {data['cpus']} "
-        f"CPUs: a loaded machine slows every contender, the ratios less so. "
-        + (data["note"] + " " if "note" in data else "")
-        + "See [generation.md](generation.md).\n\n"
-        + _table(header, rows)
+        + table(["step", "peak RSS", "peak / W", "seconds"], rows)
     )
 
 
@@ -537,7 +402,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
         _passes,
     ),
     ("Planners", "python benchmarks/planners.py --markdown", _planners),
-    ("Tensor parallelism", "python benchmarks/tensor_parallel.py", _tensor_parallel),
+    ("Tensor parallelism", "python benchmarks/tensor_parallel.py", tensor_parallel),
     (
         "torch.distributed ranks",
         "python benchmarks/distributed.py --micro-batches 2 8 16 --chunks 8",
@@ -546,16 +411,17 @@ SECTIONS: list[tuple[str, str, Callable[[], str]]] = [
     (
         "Tensor-parallel ranks",
         "python benchmarks/tensor_parallel_ranks.py --models mlp gpt_blocks",
-        _tensor_parallel_ranks,
+        tensor_parallel_ranks,
     ),
     ("ONNX node-test conformance", "python benchmarks/conformance.py", _conformance),
     ("Big models", "python benchmarks/bigmodel.py", _bigmodel),
     (
         "Generation (LLM decode loops)",
         "PLACEMENT_GENAI_PYTHON=/path/to/genai-venv/bin/python python benchmarks/generate.py",
-        _generate,
+        generate,
     ),
 ]
+
 
 _INTRO = """# Benchmarks
 

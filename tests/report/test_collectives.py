@@ -73,7 +73,8 @@ def test_report_lists_collectives_with_bytes_per_device(planned, tmp_path):
     report = pl.write_report(model, tmp_path / "r.html", plan=plan)
     text = (tmp_path / "r.html").read_text()
     # the planner's section says the degree and the stages
-    assert "Tensor parallel 2, 6 collectives" in text and "[[&#x27;cuda:0&#x27;, &#x27;cuda:1&#x27;]]" in text
+    assert "Tensor parallel 2, stage groups cuda:0,cuda:1, 6 collectives" in text
+    assert "[[&#x27;cuda:0&#x27;, &#x27;cuda:1&#x27;]]" in text
     assert len(report.collectives) == 6 and "Tensor-parallel collectives" in text
     assert "5 all-reduces" in text and "1 all-gathers" in text
     assert text.count('<tr class="collective">') == 6
