@@ -91,13 +91,21 @@ def hf_gpt2(size: str = "bench", *, seed: int = 0) -> tuple[Any, tuple[Any, ...]
     Returns ``(module, (token ids,))`` like ``placement.models.build``; the module
     returns the logits. Raises ImportError without ``transformers``.
     """
+    layers, width, heads, seq, batch = {"tiny": (2, 64, 4, 16, 2)}.get(size, (6, 256, 4, 128, 2))
+    return gpt2_logits(layers, width, heads, seq, batch, seed=seed)
+
+
+def gpt2_logits(
+    layers: int, width: int, heads: int, seq: int, batch: int, *, seed: int = 0
+) -> tuple[Any, tuple[Any, ...]]:
+    """``GPT2LMHeadModel`` of these sizes (vocabulary 2048, random weights) as a module returning
+    the logits, and ``(token ids,)`` of ``batch`` x ``seq``."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers, width, heads, seq, batch = {"tiny": (2, 64, 4, 16, 2)}.get(size, (6, 256, 4, 128, 2))
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=2048,
+        n_layer=layers, n_embd=width, n_head=heads, n_positions=max(seq, 64), vocab_size=2048,
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
 

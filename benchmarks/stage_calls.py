@@ -49,6 +49,7 @@ if str(_ROOT) not in sys.path:
 
 import placement as pl  # noqa: E402
 from benchmarks.harness import alternate, environment, print_tables, table  # noqa: E402
+from benchmarks.runtime import gpt2_logits  # noqa: E402
 from placement import models  # noqa: E402
 from placement.graph.saving import to_proto  # noqa: E402
 from placement.runtime.device_map import PhysicalDevice  # noqa: E402
@@ -141,34 +142,13 @@ def microbatch_row(repeats: int) -> dict[str, Any]:
     }
 
 
-def _small_gpt2(seq: int) -> tuple[Any, tuple[Any, ...]]:
-    """``GPT2LMHeadModel`` (4 layers, d=256, 4 heads, vocabulary 2048) returning the logits, and
-    ``(ids,)`` of batch 1 and ``seq`` tokens."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=max(seq, 64), vocab_size=2048)
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT2LMHeadModel(config).eval()
-
-        def forward(self, idx: Any) -> Any:
-            return self.model(input_ids=idx, use_cache=False, return_dict=False)[0]
-
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    return Logits().eval(), (ids,)
-
-
 def folded_rows(seq: int, repeats: int, block: int, trials: int) -> list[dict[str, Any]]:
     """Per trial (fresh sessions): medians (us) of one plain session (``single``), the folded
     Runner's own session called as a plain one (``session``), the folded ``Runner.run``
     (``folded``), the same without the per-run placement check (``no check``:
     ``auto_update=False``), and the Runner's Python per run (``python``, see
     :func:`_runner_python`)."""
-    net, args = _small_gpt2(seq)
+    net, args = gpt2_logits(4, 256, 4, seq, 1)  # a small GPT-2: 4 layers, d=256, batch 1
     model = pl.from_torch(net, args)
     placed = model.copy()
     pl.auto_place(placed, devices=2, cost="flops")
