@@ -61,7 +61,15 @@ import torch.fx as fx
 from placement.distributed.errors import NotAPipelineError
 from placement.graph.device import Device
 
-__all__ = ["RankSplit", "split_by_rank", "contiguous_grad", "shape_token", "token_view", "DEVICE_KEY"]
+__all__ = [
+    "RankSplit",
+    "split_by_rank",
+    "contiguous_grad",
+    "shape_token",
+    "token_view",
+    "trains_through_shape_tokens",
+    "DEVICE_KEY",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +116,29 @@ def shape_token(x: torch.Tensor) -> torch.Tensor:
         ((3, 5, 0), 0)
     """
     return x.new_empty((*x.shape, 0))
+
+
+def trains_through_shape_tokens() -> bool:
+    """Whether the installed torch's pipelining can train a stage that receives a shape token.
+
+    Read from the installed ``PipelineStage`` (not from a version number): torch 2.11 marks
+    every buffer a stage receives as requiring gradients in training, which an integer token
+    (the shape of token ids) cannot, and wants a gradient back for each; later releases leave
+    buffers that are not floating point out of the backward.
+
+    Example:
+        >>> isinstance(trains_through_shape_tokens(), bool)
+        True
+    """
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    try:
+        source = inspect.getsource(PipelineStage)
+    except (OSError, TypeError):  # no source shipped: assume the newer behaviour
+        return True
+    return "r.buffer.requires_grad_(True)" not in source
 
 
 def token_view(token: torch.Tensor) -> torch.Tensor:

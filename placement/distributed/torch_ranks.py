@@ -60,7 +60,7 @@ import torch.distributed as dist
 from placement.distributed.backend import uses_nccl
 from placement.distributed.member import RankMember, rank_device
 from placement.distributed.ranks import RanksLike, format_groups
-from placement.distributed.split import RankSplit, split_by_rank
+from placement.distributed.split import RankSplit, split_by_rank, trains_through_shape_tokens
 from placement.errors import InputError, PlacementError
 from placement.graph.model import Model
 
@@ -220,11 +220,22 @@ class DistributedPipeline(RankMember):
         schedule = self._schedule(n, shapes, training=True)
         losses: list[torch.Tensor] = []
         with self._guard("train_step"):
-            if self._last_stage:
-                target_t = self._stage_target(target, n)
-                schedule.step(*args, target=target_t, losses=losses)
-            else:
-                schedule.step(*args)
+            try:
+                if self._last_stage:
+                    target_t = self._stage_target(target, n)
+                    schedule.step(*args, target=target_t, losses=losses)
+                else:
+                    schedule.step(*args)
+            except RuntimeError as err:
+                if "can require gradients" not in str(err) or trains_through_shape_tokens():
+                    raise
+                raise PlacementError(
+                    f"rank {self.rank} receives the shape of an integer value (a shape token: a later "
+                    "stage reads the shape of token ids, say), and this torch's pipelining marks every "
+                    "received buffer as requiring gradients, which an integer one cannot: train these "
+                    "ranks with a newer torch (2.13 trains them), or place the shape reads on the "
+                    "stage that computes the value"
+                ) from err
             self._sum_shared_gradients()
         if not self.is_last:
             return None
