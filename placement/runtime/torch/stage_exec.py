@@ -258,10 +258,12 @@ def wait_for_stage(env: dict[str, Any], device: torch.device) -> None:
 
 def value_devices(envs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[torch.device]:
     """The stream devices the tensors under ``keys`` (all keys when None) of ``envs`` live on,
-    each once, in order of first appearance."""
+    each once, in order of first appearance. The keys of an env are copied first (in one
+    step under the GIL): the branches of a split layer running at once write into the same
+    env while one of them looks here."""
     found: dict[torch.device, None] = {}
     for env in envs:
-        for key in env if keys is None else keys:
+        for key in list(env) if keys is None else keys:
             device = tensor_device(env.get(key))
             if device is not None:
                 found[device] = None
