@@ -199,25 +199,33 @@ class DagWorkers:
         self._threads = []
 
     def _loop(self, j: int) -> None:
+        try:
+            with self._context(j) if self._context is not None else contextlib.nullcontext():
+                self._serve(j)
+        except BaseException as err:  # noqa: BLE001 - entering or leaving the context: no stage ran
+            if not self._failed.is_set():
+                self._failed.set()
+                self._done.put(stage_error(j, self.names[j], -1, err))
+
+    def _serve(self, j: int) -> None:
         fn, inbox = self._fns[j], self._inboxes[j]
         name = threading.current_thread().name
-        with self._context(j) if self._context is not None else contextlib.nullcontext():
-            while True:
-                i = inbox.get()
-                if i is _STOP:
-                    return
-                if self._failed.is_set():
-                    continue
-                start = time.perf_counter()
-                try:
-                    fn(i, self._payloads[i])
-                except BaseException as err:  # noqa: BLE001 - re-raised in the caller
-                    if not self._failed.is_set():
-                        self._failed.set()
-                        self._done.put(stage_error(j, self.names[j], i, err))
-                    continue
-                self.timeline.append(StageRun(j, i, start, time.perf_counter(), name))
-                self._finished(j, i)
+        while True:
+            i = inbox.get()
+            if i is _STOP:
+                return
+            if self._failed.is_set():
+                continue
+            start = time.perf_counter()
+            try:
+                fn(i, self._payloads[i])
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+                if not self._failed.is_set():
+                    self._failed.set()
+                    self._done.put(stage_error(j, self.names[j], i, err))
+                continue
+            self.timeline.append(StageRun(j, i, start, time.perf_counter(), name))
+            self._finished(j, i)
 
     def _finished(self, j: int, i: int) -> None:
         ready = []
