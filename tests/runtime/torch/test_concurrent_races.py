@@ -1,4 +1,4 @@
-"""Review checks of stages running at once in the torch runtime: the branches of one
+"""Races of stages running at once in the torch runtime: the branches of one
 micro-batch share its environment dict, so what a stage reads of it must not trip over what
 a sibling branch writes meanwhile."""
 
