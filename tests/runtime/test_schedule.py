@@ -160,6 +160,33 @@ def test_inline_last_stage_errors_name_stage_and_microbatch(failing):
             [workers.result() for _ in range(3)]  # the autouse fixture checks no worker is left
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_worker_whose_context_fails_raises_in_the_caller(failing):
+    """A worker that cannot enter its context ran no stage: the caller gets a PipelineError
+    naming it (it used to wait for ever), and closing joins every worker."""
+
+    @contextlib.contextmanager
+    def context(j):
+        if j == failing:
+            raise RuntimeError("no such device")
+        yield
+
+    caught = []
+
+    def run():
+        try:
+            with StageWorkers([lambda i, x: x] * 3, ["a", "b", "c"], context=context) as workers:
+                workers.map([1, 2, 3])
+        except pl.PipelineError as err:
+            caught.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the caller still waits"
+    assert len(caught) == 1 and "no such device" in str(caught[0]), caught
+
+
 def test_workers_need_context_manager():
     workers = StageWorkers([lambda i, x: x])
     with pytest.raises(RuntimeError):

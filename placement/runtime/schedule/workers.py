@@ -210,33 +210,53 @@ class StageWorkers:
         return stage_error(failure.stage, self.names[failure.stage], failure.microbatch, failure.error)
 
     def _loop(self, j: int) -> None:
+        served = False
+        try:
+            with self._context(j) if self._context is not None else contextlib.nullcontext():
+                self._serve(j)
+                served = True
+        except BaseException as err:  # noqa: BLE001 - entering or leaving the context: re-raised in the caller
+            if not self._failed.is_set():
+                self._failed.set()
+                self._final.put(_Failure(j, -1, err))
+            if not served:  # the stop has not passed this worker yet: pass it on when it comes
+                self._drain(j)
+
+    def _drain(self, j: int) -> None:
+        """Skip what reaches worker ``j`` until the stop, and pass the stop on (a worker that
+        could not enter its context still lets :meth:`close` join the ones after it)."""
+        while self._queues[j].get() is not _STOP:
+            pass
+        if j + 1 < self._workers:
+            self._queues[j + 1].put(_STOP)
+
+    def _serve(self, j: int) -> None:
         fn = self._fns[j]
         q_in, q_out = self._queues[j], self._queues[j + 1]
         final = self._final
-        with self._context(j) if self._context is not None else contextlib.nullcontext():
-            while True:
-                item = q_in.get()
-                if item is _STOP:
-                    if j + 1 < self._workers:
-                        q_out.put(_STOP)
-                    return
-                if self._failed.is_set():
+        while True:
+            item = q_in.get()
+            if item is _STOP:
+                if j + 1 < self._workers:
+                    q_out.put(_STOP)
+                return
+            if self._failed.is_set():
+                continue
+            i, payload = item
+            if isinstance(payload, _Failure):  # errors="yield": failed earlier, passed by
+                q_out.put(item)
+                continue
+            try:
+                result = fn(i, payload)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+                if self._keep_going and isinstance(err, Exception):
+                    q_out.put((i, _Failure(j, i, err)))
                     continue
-                i, payload = item
-                if isinstance(payload, _Failure):  # errors="yield": failed earlier, passed by
-                    q_out.put(item)
-                    continue
-                try:
-                    result = fn(i, payload)
-                except BaseException as err:  # noqa: BLE001 - re-raised in the caller
-                    if self._keep_going and isinstance(err, Exception):
-                        q_out.put((i, _Failure(j, i, err)))
-                        continue
-                    if not self._failed.is_set():
-                        self._failed.set()
-                        final.put(_Failure(j, i, err))
-                    continue
-                q_out.put((i, result))
+                if not self._failed.is_set():
+                    self._failed.set()
+                    final.put(_Failure(j, i, err))
+                continue
+            q_out.put((i, result))
 
 
 def stage_error(stage: int, name: str, microbatch: int, err: BaseException) -> PipelineError:
