@@ -213,28 +213,10 @@ class DistributedTensorPipeline(DistributedPipeline):
             raise PlacementError("train_step needs a loss_fn (DistributedTensorPipeline(..., loss_fn=...))")
         return self.loss_fn if self.is_last else _zero_loss
 
-    def _sum_shared_gradients(self) -> None:
-        """Sum the gradients of parameters read at several stages of this chain (tied weights):
-        one all-reduce over the chain (stages without a parameter add zeros)."""
-        if not self._shared:
-            return
-        shared = self.grid_stage.shared_parameters
-        parts = []
-        for path, shape in self._shared:
-            grad = None
-            if self.position in shared[path]:
-                param = self.module.get_parameter(path)
-                grad = param.grad
-            parts.append((grad if grad is not None else torch.zeros(shape, device=self.device)).reshape(-1))
-        flat = torch.cat(parts).to(self.comm_device)
-        dist.all_reduce(flat, group=self._pipe_group)
-        flat = flat.to(self.device)
-        offset = 0
-        for path, shape in self._shared:
-            n = shape.numel()
-            if self.position in shared[path]:
-                self.module.get_parameter(path).grad = flat[offset : offset + n].view(shape).clone()
-            offset += n
+    def _holds_shared(self, path: str) -> bool:
+        """Whether this rank's stage of its chain reads the tied parameter ``path`` (the
+        gradients are summed over the chain, :meth:`DistributedPipeline._sum_shared_gradients`)."""
+        return self.position in self.grid_stage.shared_parameters[path]
 
 
 def _zero_loss(output: Any, target: Any) -> torch.Tensor:

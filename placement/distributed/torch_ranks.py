@@ -341,6 +341,10 @@ class DistributedPipeline(RankMember):
         """Parameters read on several ranks (tied weights), with their shapes (known on every rank)."""
         return [(path, module.get_parameter(path).shape) for path in self.split.shared_parameters]
 
+    def _holds_shared(self, path: str) -> bool:
+        """Whether this rank's stage reads the tied parameter ``path``."""
+        return self.rank in self.split.shared_parameters[path]
+
     def _sum_shared_gradients(self) -> None:
         """Sum the gradients of tied parameters over the ranks holding them: one all-reduce
         over the pipeline's group (ranks without a parameter add zeros)."""
@@ -348,21 +352,16 @@ class DistributedPipeline(RankMember):
             return
         parts = []
         for path, shape in self._shared:
-            if self.rank in self.split.shared_parameters[path]:
-                param = self.module.get_parameter(path)
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                parts.append(grad.reshape(-1))
-            else:
-                parts.append(torch.zeros(shape.numel(), device=self.device))
+            grad = self.module.get_parameter(path).grad if self._holds_shared(path) else None
+            parts.append((grad if grad is not None else torch.zeros(shape, device=self.device)).reshape(-1))
         flat = torch.cat(parts).to(self.comm_device)
-        dist.all_reduce(flat, group=self.group)
+        dist.all_reduce(flat, group=self._pipe_group)
         flat = flat.to(self.device)
         offset = 0
         for path, shape in self._shared:
             n = shape.numel()
-            if self.rank in self.split.shared_parameters[path]:
-                param = self.module.get_parameter(path)
-                param.grad = flat[offset : offset + n].view(shape).clone()
+            if self._holds_shared(path):
+                self.module.get_parameter(path).grad = flat[offset : offset + n].view(shape).clone()
             offset += n
 
 
