@@ -1,4 +1,4 @@
-"""Review findings on autocast in pipelined recomputation (:mod:`placement.runtime.torch.pipelined`)."""
+"""Autocast in pipelined recomputation (:mod:`placement.runtime.torch.pipelined`)."""
 
 from __future__ import annotations
 

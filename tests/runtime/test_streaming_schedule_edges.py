@@ -1,4 +1,4 @@
-"""Review findings on the streamed-weight schedule (:mod:`placement.runtime.torch.streaming`)."""
+"""Edge cases of the streamed-weight schedule (:mod:`placement.runtime.torch.streaming`)."""
 
 from __future__ import annotations
 

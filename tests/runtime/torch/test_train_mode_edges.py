@@ -1,4 +1,4 @@
-"""Review findings on real training mode (:mod:`placement.lowering.ops.training`)."""
+"""Edge cases of real training mode (:mod:`placement.lowering.ops.training`)."""
 
 from __future__ import annotations
 
