@@ -93,26 +93,19 @@ def cache_dims_from_config(model: Any, config: Mapping[str, Any]) -> dict[str, i
             would take two sizes.
     """
     decoder = config.get("model", {}).get("decoder", {})
-    graph = _ir(model).graph
     found: dict[str, int] = {}
-    for value in [*graph.inputs, *graph.outputs]:
-        if not (is_cache_input(value.name) or is_cache_output(value.name)) or value.shape is None:
-            continue
-        dims = list(value.shape)
-        for axis, key in _AXES.items():
-            if len(dims) != 4 or isinstance(dims[axis], int) or dims[axis].value is None:
-                continue
-            size = decoder.get(key)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise InputError(
-                    f"{GENAI_CONFIG}: model.decoder.{key} must be a positive integer, got {size!r}"
-                )
-            symbol = str(dims[axis].value)
-            if found.setdefault(symbol, size) != size:
-                raise InputError(
-                    f"{GENAI_CONFIG}: the cache's symbol {symbol!r} would be {found[symbol]} and {size}"
-                )
-    keys = {str(d.value): f"{GENAI_CONFIG}'s model.decoder.{_AXES[a]}" for v, a, d in _cache_axes(graph)}
+    keys: dict[str, str] = {}
+    for _, axis, dim in _cache_axes(_ir(model).graph):
+        key = _AXES[axis]
+        size = decoder.get(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InputError(f"{GENAI_CONFIG}: model.decoder.{key} must be a positive integer, got {size!r}")
+        symbol = str(dim.value)
+        if found.setdefault(symbol, size) != size:
+            raise InputError(
+                f"{GENAI_CONFIG}: the cache's symbol {symbol!r} would be {found[symbol]} and {size}"
+            )
+        keys[symbol] = f"{GENAI_CONFIG}'s model.decoder.{key}"
     check_cache_dims(model, found, sources=keys)
     return found
 
